@@ -1,0 +1,34 @@
+# `make run` and `make test` do all set-up on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+
+.PHONY: run test bench verify crosscheck clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	# torch first, pinned: the CPU build on local disk (an unpinned torch pulls several GB)
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	# mamba-ssm is source-only on PyPI: build its pure-Python part, no CUDA, no dependencies.
+	# Only its reference functions are used, for cross-checks (tests/scan/_mamba_ssm.py).
+	MAMBA_FORCE_BUILD=TRUE MAMBA_SKIP_CUDA_BUILD=TRUE $(PIP) install -q --no-build-isolation --no-deps mamba-ssm==2.3.2.post1
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/mamba-stream verify --model tiny-mamba2
+
+test: $(STAMP)
+	MAMBA_STREAM_REQUIRE_CROSSCHECK=1 $(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) bench/bench_scan.py
+
+crosscheck: $(STAMP)
+	MAMBA_STREAM_REQUIRE_CROSSCHECK=1 $(PY) -m pytest -q -s -m crosscheck
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

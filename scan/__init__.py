@@ -1,0 +1,56 @@
+"""The scan engine: Mamba-1, Mamba-2 and Mamba-3 language models with explicit state.
+
+    from scan import load_model
+    model = load_model("tiny-mamba2")
+    state = model.initial_state()
+    step = model.advance(state, [1, 2, 3])      # step.logits (3, V) float32, step.state
+"""
+
+from scan._config import ModelConfig
+from scan._errors import (
+    CheckpointError,
+    ConfigError,
+    InvalidInput,
+    InvalidState,
+    NonFiniteInput,
+    NonFiniteOutput,
+    NonIntegerInput,
+    ScanError,
+    TokenOutOfRange,
+    UnsupportedBackend,
+)
+from scan._loading import init_model, load_model, save_checkpoint, weights_revision
+from scan._model import BACKENDS, Model
+from scan._presets import PRESETS
+from scan._state import State, StepResult
+from scan._tolerance import TOLERANCES, Tolerance, tolerance
+from scan._transforms import ByteTransform, HFTokenizerTransform, InputTransform
+
+__all__ = [
+    "BACKENDS",
+    "PRESETS",
+    "TOLERANCES",
+    "ByteTransform",
+    "CheckpointError",
+    "ConfigError",
+    "HFTokenizerTransform",
+    "InputTransform",
+    "InvalidInput",
+    "InvalidState",
+    "Model",
+    "ModelConfig",
+    "NonFiniteInput",
+    "NonFiniteOutput",
+    "NonIntegerInput",
+    "ScanError",
+    "State",
+    "StepResult",
+    "TokenOutOfRange",
+    "Tolerance",
+    "UnsupportedBackend",
+    "init_model",
+    "load_model",
+    "save_checkpoint",
+    "tolerance",
+    "weights_revision",
+]

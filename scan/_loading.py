@@ -1,0 +1,348 @@
+"""`load_model`: presets and local checkpoints in mamba-ssm or Hugging Face layout."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from scan._config import ModelConfig
+from scan._errors import CheckpointError, ConfigError
+from scan._lm import MambaLM
+from scan._model import Model
+from scan._presets import PRESETS, build_preset, initial_weights
+from scan._transforms import ByteTransform, HFTokenizerTransform
+
+__all__ = [
+    "config_from_json",
+    "init_model",
+    "load_model",
+    "mamba_ssm_config",
+    "save_checkpoint",
+    "weights_revision",
+]
+
+log = logging.getLogger(__name__)
+
+# ssm_cfg keys that only shape initialization or training-time kernels: accepted, no effect on
+# inference. Any key outside these sets and the understood ones is rejected, so that a
+# checkpoint never silently means something we do not compute.
+_INIT_ONLY = {
+    "Mamba1": {"dt_min", "dt_max", "dt_init", "dt_scale", "dt_init_floor", "use_fast_path", "layer_idx"},
+    "Mamba2": {"dt_min", "dt_max", "dt_init_floor", "conv_init", "A_init_range", "use_mem_eff_path",
+               "sequence_parallel", "process_group", "layer_idx", "chunk_size"},
+    "Mamba3": {"dt_min", "dt_max", "dt_init_floor", "dropout", "layer_idx", "n_layer", "chunk_size"},
+}
+_UNDERSTOOD = {
+    "Mamba1": {"d_state": "d_state", "d_conv": "d_conv", "expand": "expand", "dt_rank": "dt_rank",
+               "conv_bias": "conv_bias", "bias": "bias"},
+    "Mamba2": {"d_state": "d_state", "d_conv": "d_conv", "expand": "expand", "headdim": "headdim",
+               "d_ssm": "d_ssm", "ngroups": "ngroups", "D_has_hdim": "D_has_hdim", "rmsnorm": "rmsnorm",
+               "norm_before_gate": "norm_before_gate", "bias": "bias", "conv_bias": "conv_bias"},
+    "Mamba3": {"d_state": "d_state", "expand": "expand", "headdim": "headdim", "ngroups": "ngroups",
+               "rope_fraction": "rope_fraction", "A_floor": "A_floor",
+               "is_outproj_norm": "is_outproj_norm", "mimo_rank": "mimo_rank"},
+}
+_ARCH_OF_LAYER = {"Mamba1": "mamba1", "Mamba2": "mamba2", "Mamba3": "mamba3"}
+
+
+def _is_inf(v: Any) -> bool:
+    if isinstance(v, dict) and v.get("__float__") in ("Infinity", "inf"):  # transformers 5.x
+        return True
+    if isinstance(v, str):
+        return v.lower() in ("inf", "infinity")
+    return isinstance(v, float) and math.isinf(v) and v > 0
+
+
+def _from_mamba_ssm(cfg: dict[str, Any]) -> dict[str, Any]:
+    if cfg.get("d_intermediate", 0):
+        raise ConfigError("MLP blocks (d_intermediate > 0) are not supported", field="d_intermediate")
+    if cfg.get("attn_layer_idx"):
+        raise ConfigError("attention layers are not supported", field="attn_layer_idx")
+    ssm = dict(cfg.get("ssm_cfg") or {})
+    layer = ssm.pop("layer", "Mamba1")
+    if layer not in _ARCH_OF_LAYER:
+        raise ConfigError(f"unknown layer {layer!r}; expected Mamba1, Mamba2 or Mamba3", field="ssm_cfg.layer")
+    fields: dict[str, Any] = {
+        "architecture": _ARCH_OF_LAYER[layer],
+        "d_model": cfg["d_model"],
+        "n_layer": cfg["n_layer"],
+        "vocab_size": cfg["vocab_size"],
+        "pad_vocab_size_multiple": cfg.get("pad_vocab_size_multiple", 8),
+        "tie_embeddings": cfg.get("tie_embeddings", True),
+        "rms_norm": cfg.get("rms_norm", True),
+        "residual_in_fp32": cfg.get("residual_in_fp32", True),
+        "norm_eps": cfg.get("norm_epsilon", 1e-5),
+    }
+    if layer == "Mamba1" and ssm.get("dt_rank", "auto") == "auto":
+        ssm.pop("dt_rank", None)
+    if layer == "Mamba2" and "dt_limit" in ssm:
+        lo, hi = ssm.pop("dt_limit")
+        fields["dt_min_clamp"] = float(lo)
+        fields["dt_max_clamp"] = None if _is_inf(hi) else float(hi)
+    if layer == "Mamba3":
+        is_mimo = ssm.pop("is_mimo", False)
+        rank = ssm.pop("mimo_rank", 4)
+        if is_mimo and rank < 2:
+            raise ConfigError("is_mimo with mimo_rank < 2 is not supported", field="ssm_cfg.mimo_rank")
+        ssm["mimo_rank"] = rank if is_mimo else 1
+    for key, value in ssm.items():
+        if key in _UNDERSTOOD[layer]:
+            fields[_UNDERSTOOD[layer][key]] = value
+        elif key not in _INIT_ONLY[layer]:
+            raise ConfigError(f"unsupported {layer} option {key}={value!r}", field=f"ssm_cfg.{key}")
+    return fields
+
+
+def _from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
+    mt = cfg["model_type"]
+    if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise ConfigError(f"activation {cfg['hidden_act']!r} is not supported", field="hidden_act")
+    eps = cfg.get("layer_norm_epsilon", 1e-5)
+    fields: dict[str, Any] = {
+        "d_model": cfg["hidden_size"],
+        "n_layer": cfg["num_hidden_layers"],
+        "vocab_size": cfg["vocab_size"],
+        "pad_vocab_size_multiple": 1,
+        "d_state": cfg.get("state_size", 16 if mt == "mamba" else 128),
+        "d_conv": cfg.get("conv_kernel", 4),
+        "expand": cfg.get("expand", 2),
+        "bias": cfg.get("use_bias", False),
+        "conv_bias": cfg.get("use_conv_bias", True),
+        "norm_eps": eps,
+        "residual_in_fp32": cfg.get("residual_in_fp32", True),
+    }
+    if mt == "mamba":
+        fields["architecture"] = "mamba1"
+        fields["tie_embeddings"] = cfg.get("tie_word_embeddings", True)
+        rank = cfg.get("time_step_rank", "auto")
+        fields["dt_rank"] = None if rank == "auto" else int(rank)
+    elif mt == "mamba2":
+        fields["architecture"] = "mamba2"
+        fields["tie_embeddings"] = cfg.get("tie_word_embeddings", False)
+        fields["headdim"] = cfg.get("head_dim", 64)
+        fields["ngroups"] = cfg.get("n_groups", 1)
+        fields["mixer_norm_eps"] = eps
+        fields["norm_before_gate"] = False
+        lo, hi = cfg.get("time_step_limit", (0.0, float("inf")))
+        fields["dt_min_clamp"] = float(lo)
+        fields["dt_max_clamp"] = None if _is_inf(hi) else float(hi)
+        d_inner = int(fields["expand"] * fields["d_model"])
+        if "num_heads" in cfg and cfg["num_heads"] * fields["headdim"] != d_inner:
+            raise ConfigError(
+                f"num_heads={cfg['num_heads']} * head_dim={fields['headdim']} != expand * hidden_size={d_inner}",
+                field="num_heads",
+            )
+    else:
+        raise ConfigError(f"unsupported model_type {mt!r}; expected 'mamba' or 'mamba2'", field="model_type")
+    return fields
+
+
+def config_from_json(cfg: dict[str, Any]) -> tuple[ModelConfig, str]:
+    """A ModelConfig from a mamba-ssm or Hugging Face config.json; returns (config, layout)."""
+    try:
+        if "model_type" in cfg and "hidden_size" in cfg:
+            return ModelConfig.create(**_from_hf(cfg)), "hf"
+        if "d_model" in cfg:
+            return ModelConfig.create(**_from_mamba_ssm(cfg)), "mamba-ssm"
+    except KeyError as exc:
+        raise ConfigError("required field is missing", field=str(exc.args[0])) from None
+    raise ConfigError("neither a mamba-ssm (d_model) nor a Hugging Face (model_type, hidden_size) config",
+                      field="config.json")
+
+
+def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    st = directory / "model.safetensors"
+    index = directory / "model.safetensors.index.json"
+    binf = directory / "pytorch_model.bin"
+    if st.exists() or index.exists():
+        from safetensors import safe_open
+
+        files = [st] if st.exists() else sorted(
+            {directory / f for f in json.loads(index.read_text())["weight_map"].values()}
+        )
+        out: dict[str, torch.Tensor] = {}
+        for f in files:
+            with safe_open(str(f), framework="pt", device="cpu") as fh:  # memory-mapped
+                for key in fh.keys():
+                    out[key] = fh.get_tensor(key)
+        return out
+    if binf.exists():
+        try:
+            sd = torch.load(binf, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as exc:
+            raise CheckpointError(f"{binf}: cannot be loaded with weights_only=True: {exc}") from exc
+        if not isinstance(sd, dict):
+            raise CheckpointError(f"{binf} does not hold a state dict")
+        return sd
+    raise CheckpointError(f"{directory} holds no model.safetensors or pytorch_model.bin")
+
+
+def _canonical_weights(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Rename to mamba-ssm names, fold the tied head, check names and shapes against `cfg`."""
+    sd = {("backbone.embedding.weight" if k == "backbone.embeddings.weight" else k): v for k, v in sd.items()}
+    if cfg.tie_embeddings and "lm_head.weight" in sd:
+        head = sd.pop("lm_head.weight")
+        emb = sd.get("backbone.embedding.weight")
+        if emb is not None and not (head.shape == emb.shape and torch.equal(head, emb)):
+            raise CheckpointError("tie_embeddings is set but lm_head.weight differs from the embedding")
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in MambaLM(cfg).state_dict().items()}
+    if cfg.tie_embeddings:
+        expected.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(sd))
+    unexpected = sorted(set(sd) - set(expected))
+    if missing:
+        raise CheckpointError(f"missing tensors: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    if unexpected:
+        raise CheckpointError(f"unexpected tensors: {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+    for k, shape in expected.items():
+        if tuple(sd[k].shape) != shape:
+            raise CheckpointError(f"{k} has shape {tuple(sd[k].shape)}, the config implies {shape}")
+        if not sd[k].dtype.is_floating_point:
+            raise CheckpointError(f"{k} has dtype {sd[k].dtype}, expected a floating-point tensor")
+    return sd
+
+
+def weights_revision(sd: dict[str, torch.Tensor]) -> str:
+    """`sha256:<hex>` over sorted (name, dtype, shape, bytes): the identity of a set of weights."""
+    h = hashlib.sha256()
+    for name in sorted(sd):
+        t = sd[name].detach().to("cpu").contiguous()
+        h.update(f"{name}|{str(t.dtype).removeprefix('torch.')}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return "sha256:" + h.hexdigest()
+
+
+def _build(cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> MambaLM:
+    with torch.device("meta"):
+        lm = MambaLM(cfg)
+    full = dict(sd)
+    if cfg.tie_embeddings:
+        full["lm_head.weight"] = full["backbone.embedding.weight"]
+    params = {k: v.to(device=device, dtype=dtype).clone() for k, v in full.items()}
+    if cfg.tie_embeddings:
+        params["lm_head.weight"] = params["backbone.embedding.weight"]
+    lm.load_state_dict(params, assign=True, strict=True)
+    if cfg.tie_embeddings:
+        lm.lm_head.weight = lm.backbone.embedding.weight
+    for p in lm.parameters():
+        p.requires_grad_(False)
+    return lm.eval()
+
+
+def load_model(
+    source: str | Path,
+    *,
+    backend: str = "auto",
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> Model:
+    """Load a preset by name, or a checkpoint directory (mamba-ssm or Hugging Face layout).
+
+    Args:
+        source: a preset name (see `scan.PRESETS`) or a directory with config.json and
+            model.safetensors (memory-mapped) or pytorch_model.bin (loaded with weights_only).
+        backend: "auto", "reference" or "chunked".
+        dtype: torch.float32 or torch.float64; the state uses the same dtype.
+        device: where the weights and states live.
+
+    Raises:
+        ConfigError naming the offending config field; CheckpointError for missing or
+        mismatched tensors; UnsupportedBackend for an unknown backend or dtype.
+    """
+    device = torch.device(device)
+    name = str(source)
+    if name in PRESETS:
+        cfg, sd = build_preset(name)
+        transform: Any = ByteTransform()
+        model_id = name
+    else:
+        directory = Path(source)
+        cfg_path = directory / "config.json"
+        if not cfg_path.is_file():
+            raise CheckpointError(
+                f"{source!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a directory with config.json"
+            )
+        try:
+            raw = json.loads(cfg_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"invalid JSON: {exc}", field="config.json") from exc
+        cfg, layout = config_from_json(raw)
+        sd = _canonical_weights(_read_weights(directory), cfg)
+        tok = directory / "tokenizer.json"
+        transform = HFTokenizerTransform(tok) if tok.exists() else (
+            ByteTransform() if cfg.padded_vocab_size >= 256 else None
+        )
+        model_id = directory.resolve().name
+        log.info("loaded %s checkpoint %s (%s)", layout, directory, cfg.architecture)
+    revision = weights_revision(sd)
+    lm = _build(cfg, sd, dtype, device)
+    return Model(lm, model_id=model_id, revision=revision, backend=backend, transform=transform)
+
+
+def init_model(
+    config: ModelConfig,
+    seed: int = 0,
+    *,
+    backend: str = "auto",
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    model_id: str | None = None,
+) -> Model:
+    """A freshly initialized model (mamba-ssm-style init, deterministic in `seed`)."""
+    sd = initial_weights(config, seed)
+    built = _build(config, sd, dtype, torch.device(device))
+    transform = ByteTransform() if config.padded_vocab_size >= 256 else None
+    return Model(built, model_id=model_id or f"init-{config.architecture}-seed{seed}",
+                 revision=weights_revision(sd), backend=backend, transform=transform)
+
+
+def mamba_ssm_config(cfg: ModelConfig) -> dict[str, Any]:
+    """The config.json mamba-ssm's MambaLMHeadModel reads for the same model."""
+    layer = {"mamba1": "Mamba1", "mamba2": "Mamba2", "mamba3": "Mamba3"}[cfg.architecture]
+    ssm: dict[str, Any] = {"layer": layer, "d_state": cfg.d_state, "expand": cfg.expand}
+    if cfg.architecture == "mamba1":
+        ssm.update(d_conv=cfg.d_conv, dt_rank=cfg.resolved_dt_rank, conv_bias=cfg.conv_bias, bias=cfg.bias)
+    elif cfg.architecture == "mamba2":
+        ssm.update(
+            d_conv=cfg.d_conv, headdim=cfg.headdim, ngroups=cfg.ngroups, d_ssm=cfg.d_ssm,
+            D_has_hdim=cfg.D_has_hdim, rmsnorm=cfg.rmsnorm, norm_before_gate=cfg.norm_before_gate,
+            conv_bias=cfg.conv_bias, bias=cfg.bias,
+        )
+        if cfg.dt_min_clamp > 0.0 or cfg.dt_max_clamp is not None:
+            hi = float("inf") if cfg.dt_max_clamp is None else cfg.dt_max_clamp
+            ssm["dt_limit"] = [cfg.dt_min_clamp, hi]
+    else:
+        ssm.update(
+            headdim=cfg.headdim, ngroups=cfg.ngroups, rope_fraction=cfg.rope_fraction, A_floor=cfg.A_floor,
+            is_outproj_norm=cfg.is_outproj_norm, is_mimo=cfg.mimo_rank > 1, mimo_rank=cfg.mimo_rank,
+        )
+    out = {
+        "d_model": cfg.d_model, "d_intermediate": 0, "n_layer": cfg.n_layer, "vocab_size": cfg.vocab_size,
+        "ssm_cfg": ssm, "attn_layer_idx": [], "attn_cfg": {}, "rms_norm": cfg.rms_norm,
+        "residual_in_fp32": cfg.residual_in_fp32, "fused_add_norm": False,
+        "pad_vocab_size_multiple": cfg.pad_vocab_size_multiple, "tie_embeddings": cfg.tie_embeddings,
+    }
+    if cfg.norm_eps != 1e-5:  # not a MambaConfig field: written only when it matters
+        out["norm_epsilon"] = cfg.norm_eps
+    return out
+
+
+def save_checkpoint(model: Model, directory: str | Path) -> Path:
+    """Write `model` in mamba-ssm layout: config.json + model.safetensors (tied head omitted)."""
+    from safetensors.torch import save_file
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    sd = {k: v.detach().to("cpu").contiguous() for k, v in model.module.state_dict().items()}
+    if model.config.tie_embeddings:
+        sd.pop("lm_head.weight", None)
+    (out / "config.json").write_text(json.dumps(mamba_ssm_config(model.config), indent=2) + "\n")
+    save_file(sd, str(out / "model.safetensors"))
+    return out

@@ -1,0 +1,204 @@
+"""Mamba-2 (SSD: scalar decay per head) with explicit state.
+
+Dimension letters:
+    B   batch (streams)
+    L   tokens in the chunk
+    T   L rounded up to a multiple of Q
+    Q   chunk_size of the chunked algorithm
+    K   number of chunks, T / Q
+    D   d_model
+    E   d_ssm (channels that go through the SSM; d_inner unless a gated-MLP part is configured)
+    C   conv channels, E + 2 * G * N
+    W   d_conv
+    H   heads, E / P
+    P   headdim
+    G   ngroups (B and C are shared by the H / G heads of a group)
+    N   d_state
+
+State per stream: conv (C, W), newest input last; ssm (H, P, N).
+Recurrence per token and head: dt = clamp(softplus(dt_raw + dt_bias)); h = exp(dt A) h + dt x B^T;
+y = h C + D x. Reference for the math: mamba-ssm `Mamba2.step`, `ssd_minimal_discrete`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from scan._config import ModelConfig
+from scan._mixer import Mixer, States, conv_chunk
+from scan._ops import NATIVE_OPS, Ops, conv_taps, gated_rms_norm
+
+__all__ = ["Mamba2Mixer", "ssd_chunked"]
+
+Tensor = torch.Tensor
+
+
+class _GatedNorm(nn.Module):
+    """Holds `norm.weight` under mamba-ssm's name; the math lives in `gated_rms_norm`."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+
+class Mamba2Mixer(Mixer):
+    chunk_path = "ssd"
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__(cfg)
+        e, g, n, h = cfg.resolved_d_ssm, cfg.ngroups, cfg.d_state, cfg.nheads
+        d_in_proj = 2 * cfg.d_inner + 2 * g * n + h
+        self.in_proj = nn.Linear(cfg.d_model, d_in_proj, bias=cfg.bias)
+        self.conv1d = nn.Conv1d(
+            cfg.conv_dim, cfg.conv_dim, cfg.d_conv, groups=cfg.conv_dim, bias=cfg.conv_bias,
+            padding=cfg.d_conv - 1,
+        )
+        self.dt_bias = nn.Parameter(torch.empty(h))
+        self.A_log = nn.Parameter(torch.empty(h))
+        self.D = nn.Parameter(torch.empty(e if cfg.D_has_hdim else h))
+        if cfg.rmsnorm:
+            self.norm = _GatedNorm(e)
+        self.out_proj = nn.Linear(cfg.d_inner, cfg.d_model, bias=cfg.bias)
+
+    def state_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        cfg = self.cfg
+        return [
+            ("conv", (cfg.conv_dim, cfg.d_conv)),
+            ("ssm", (cfg.nheads, cfg.headdim, cfg.d_state)),
+        ]
+
+    # --- pieces shared by step and chunk ---------------------------------------------------
+
+    def _split(self, zxbcdt: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        cfg = self.cfg
+        d_mlp = cfg.d_inner - cfg.resolved_d_ssm
+        sizes = [d_mlp, d_mlp, cfg.resolved_d_ssm, cfg.conv_dim, cfg.nheads]
+        z0, x0, z, xbc, dt = torch.split(zxbcdt, sizes, dim=-1)
+        return z0, x0, z, xbc, dt
+
+    def _dt(self, dt_raw: Tensor, ops: Ops) -> Tensor:
+        dt = ops.softplus(dt_raw + self.dt_bias)
+        if self.cfg.dt_min_clamp > 0.0 or self.cfg.dt_max_clamp is not None:
+            dt = torch.clamp(dt, min=self.cfg.dt_min_clamp, max=self.cfg.dt_max_clamp)
+        return dt
+
+    def _D(self) -> Tensor:
+        """D broadcastable against (..., H, P)."""
+        cfg = self.cfg
+        if cfg.D_has_hdim:
+            return self.D.reshape(cfg.nheads, cfg.headdim)
+        return self.D.unsqueeze(-1)
+
+    def _finish(self, y: Tensor, z: Tensor, z0: Tensor, x0: Tensor, ops: Ops) -> Tensor:
+        """Gate / norm, gated-MLP part, out_proj. y: (..., E)."""
+        cfg = self.cfg
+        if cfg.rmsnorm:
+            y = gated_rms_norm(
+                y, z, self.norm.weight, cfg.mixer_norm_eps, cfg.resolved_d_ssm // cfg.ngroups,
+                cfg.norm_before_gate, ops.silu,
+            )
+        else:
+            y = y * ops.silu(z)
+        if z0.shape[-1] > 0:
+            y = torch.cat([ops.silu(z0) * x0, y], dim=-1)
+        return ops.linear(y, self.out_proj.weight, self.out_proj.bias)
+
+    # --- one token -------------------------------------------------------------------------
+
+    def step(self, u: Tensor, states: States, ops: Ops) -> tuple[Tensor, States]:
+        conv, ssm = states  # (B, C, W), (B, H, P, N)
+        cfg = self.cfg
+        e, g, n, h, p = cfg.resolved_d_ssm, cfg.ngroups, cfg.d_state, cfg.nheads, cfg.headdim
+        z0, x0, z, xbc, dt_raw = self._split(ops.linear(u, self.in_proj.weight, self.in_proj.bias))
+        window = torch.cat([conv[:, :, 1:], xbc.unsqueeze(-1)], dim=-1)  # (B, C, W)
+        xbc = ops.silu(conv_taps(window, self.conv1d.weight[:, 0, :], self.conv1d.bias))
+        x = xbc[:, :e].reshape(-1, h, p)
+        b = xbc[:, e : e + g * n].reshape(-1, g, 1, n)  # (B, G, 1, N)
+        c = xbc[:, e + g * n :].reshape(-1, g, 1, n)
+        dt = self._dt(dt_raw, ops)  # (B, H)
+        d_a = torch.exp(dt * -torch.exp(self.A_log))  # (B, H)
+        # heads of a group are contiguous: view (B, H, ...) as (B, G, H/G, ...)
+        hg = h // g
+        dtx = (dt.unsqueeze(-1) * x).reshape(-1, g, hg, p, 1)
+        new = ssm * d_a[:, :, None, None] + (dtx * b.unsqueeze(3)).reshape(-1, h, p, n)
+        y = (new.reshape(-1, g, hg, p, n) * c.unsqueeze(3)).sum(-1).reshape(-1, h, p)
+        y = y + self._D() * x
+        out = self._finish(y.reshape(-1, e), z, z0, x0, ops)
+        return out, (window, new)
+
+    # --- a chunk ---------------------------------------------------------------------------
+
+    def chunk(self, u: Tensor, states: States) -> tuple[Tensor, States]:
+        conv, ssm = states
+        cfg = self.cfg
+        e, g, n, h, p = cfg.resolved_d_ssm, cfg.ngroups, cfg.d_state, cfg.nheads, cfg.headdim
+        bsz, length, _ = u.shape
+        z0, x0, z, xbc, dt_raw = self._split(F.linear(u, self.in_proj.weight, self.in_proj.bias))
+        xbc, new_conv = conv_chunk(conv, xbc, self.conv1d.weight, self.conv1d.bias)
+        xbc = F.silu(xbc)
+        x = xbc[..., :e].reshape(bsz, length, h, p)
+        b = xbc[..., e : e + g * n].reshape(bsz, length, g, n)
+        c = xbc[..., e + g * n :].reshape(bsz, length, g, n)
+        dt = self._dt(dt_raw, NATIVE_OPS)
+        a = -torch.exp(self.A_log)
+        y, new_ssm = ssd_chunked(x, dt, a, b, c, ssm, cfg.chunk_size)
+        y = y + self._D() * x
+        out = self._finish(y.reshape(bsz, length, e), z, z0, x0, NATIVE_OPS)
+        return out, (new_conv, new_ssm)
+
+
+def ssd_chunked(
+    x: Tensor, dt: Tensor, a: Tensor, b: Tensor, c: Tensor, h0: Tensor, chunk_size: int
+) -> tuple[Tensor, Tensor]:
+    """The SSD scan in chunked (quadratic within a chunk, recurrent across chunks) form.
+
+    Args:
+        x: (B, L, H, P).
+        dt: (B, L, H) after softplus.
+        a: (H,) negative decay rates.
+        b, c: (B, L, G, N).
+        h0: (B, H, P, N) state before the chunk.
+        chunk_size: Q.
+
+    Returns:
+        y (B, L, H, P) without the D skip term, and the final state (B, H, P, N).
+    """
+    bsz, length, h, p = x.shape
+    g, n = b.shape[2], b.shape[3]
+    hg = h // g
+    q = min(chunk_size, length)
+    pad = (-length) % q
+    if pad:
+        # dt = 0 makes a padded position neither decay the state nor feed it
+        x, dt, b, c = (F.pad(t, (0,) * (2 * (t.dim() - 2)) + (0, pad)) for t in (x, dt, b, c))
+    k = (length + pad) // q
+    x = x.reshape(bsz, k, q, g, hg, p)
+    dt = dt.reshape(bsz, k, q, g, hg)
+    b = b.reshape(bsz, k, q, g, n)
+    c = c.reshape(bsz, k, q, g, n)
+
+    acum = torch.cumsum(dt * a.reshape(g, hg), dim=2)  # (B, K, Q, G, Hg) log-decay from chunk start
+    xdt = x * dt.unsqueeze(-1)
+    ac = acum.permute(0, 1, 3, 4, 2)  # (B, K, G, Hg, Q)
+    diff = ac.unsqueeze(-1) - ac.unsqueeze(-2)  # (B, K, G, Hg, Qi, Qj)
+    causal = torch.ones(q, q, dtype=torch.bool, device=x.device).tril()
+    decay = torch.exp(torch.where(causal, diff, torch.full_like(diff, float("-inf"))))
+    cb = torch.einsum("bkign,bkjgn->bkgij", c, b)  # (B, K, G, Qi, Qj)
+    scores = cb.unsqueeze(3) * decay  # (B, K, G, Hg, Qi, Qj)
+    y = torch.einsum("bkghij,bkjghp->bkighp", scores, xdt)
+
+    decay_to_end = torch.exp(acum[:, :, -1:] - acum)  # (B, K, Q, G, Hg)
+    chunk_states = torch.einsum("bkjghp,bkjgh,bkjgn->bkghpn", xdt, decay_to_end, b)
+    chunk_decay = torch.exp(acum[:, :, -1])  # (B, K, G, Hg)
+
+    state = h0.reshape(bsz, g, hg, p, n)
+    entering = []
+    for i in range(k):
+        entering.append(state)
+        state = chunk_decay[:, i, :, :, None, None] * state + chunk_states[:, i]
+    h_in = torch.stack(entering, dim=1)  # (B, K, G, Hg, P, N)
+    y_off = torch.einsum("bkign,bkghpn->bkighp", c, h_in) * torch.exp(acum).unsqueeze(-1)
+    y = (y + y_off).reshape(bsz, k * q, h, p)[:, :length]
+    return y, state.reshape(bsz, h, p, n)

@@ -1,0 +1,86 @@
+"""What every mixer (Mamba-1/2/3 layer) offers the language model.
+
+Dimension letters:
+    B   batch (streams advanced together)
+    L   tokens in the chunk
+    D   d_model
+    C   conv channels
+    W   d_conv
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from scan._config import ModelConfig
+from scan._ops import Ops
+
+__all__ = ["Mixer", "conv_chunk"]
+
+Tensor = torch.Tensor
+States = tuple[Tensor, ...]
+
+
+class Mixer(nn.Module):
+    """A sequence-mixing layer whose recurrent state goes in and comes out explicitly.
+
+    Subclasses keep mamba-ssm's parameter names so checkpoints load unchanged. They never write
+    into the state tensors they are given.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+
+    def state_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(role, per-stream shape) of each state tensor, in the order step/chunk use them."""
+        raise NotImplementedError
+
+    def step(self, u: Tensor, states: States, ops: Ops) -> tuple[Tensor, States]:
+        """Advance B streams by one token each.
+
+        Args:
+            u: (B, D) normalized hidden states of the token.
+            states: this layer's state tensors, each with a leading B.
+            ops: the primitives to compute with.
+
+        Returns:
+            (B, D) mixer output and the new states (fresh tensors).
+        """
+        raise NotImplementedError
+
+    def chunk(self, u: Tensor, states: States) -> tuple[Tensor, States]:
+        """Advance B streams by L >= 1 tokens each, in parallel over the chunk (native ops).
+
+        Args:
+            u: (B, L, D).
+
+        Returns:
+            (B, L, D) output and the new states.
+        """
+        raise NotImplementedError
+
+    #: name of the algorithm `chunk` runs, recorded on results
+    chunk_path: str = "chunk"
+
+
+def conv_chunk(
+    conv_state: Tensor, xs: Tensor, weight: Tensor, bias: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """Causal depthwise conv over a chunk, continued from the cached inputs.
+
+    Args:
+        conv_state: (B, C, W) the last W conv inputs before the chunk, oldest first.
+        xs: (B, L, C) the chunk's conv inputs.
+        weight: (C, 1, W).
+        bias: (C,) or None.
+
+    Returns:
+        (B, L, C) conv outputs (before activation) and the new (B, C, W) conv state.
+    """
+    w = weight.shape[-1]
+    full = torch.cat([conv_state, xs.transpose(1, 2)], dim=-1)  # (B, C, W + L)
+    out = F.conv1d(full[:, :, 1:], weight, bias, groups=weight.shape[0])  # (B, C, L)
+    return out.transpose(1, 2), full[:, :, -w:].contiguous()

@@ -1,0 +1,404 @@
+"""`Model`: a loaded language model that advances explicit per-stream states.
+
+Dimension letters: B streams, L tokens, D d_model, V padded vocabulary.
+
+Backends:
+    reference  one token at a time through every layer, with batch-invariant primitives
+               (`scan._ops.REFERENCE_OPS`). Chunking cannot change its arithmetic, so every
+               partition of a token sequence gives bit-identical logits and state; batching
+               streams gives bit-identical results too.
+    chunked    parallel over the chunk: GEMMs over all L tokens, the chunked SSD form for
+               Mamba-2/3 and a precomputed selective scan for Mamba-1; single tokens take the
+               step path with PyTorch's native kernels. Within `scan.TOLERANCES` of reference.
+    auto       the fastest backend available on the model's device (chunked on CPU).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from scan._config import ModelConfig
+from scan._errors import (
+    InvalidState,
+    NonFiniteInput,
+    NonFiniteOutput,
+    NonIntegerInput,
+    TokenOutOfRange,
+    UnsupportedBackend,
+)
+from scan._lm import MambaLM
+from scan._ops import NATIVE_OPS, REFERENCE_OPS, norm
+from scan._state import State, StepResult
+from state_codec import Discretization, StateSchema, TensorSpec
+
+__all__ = ["BACKENDS", "Model", "build_schema"]
+
+log = logging.getLogger(__name__)
+
+Tensor = torch.Tensor
+LayerStates = list[tuple[Tensor, ...]]
+
+#: Backends a caller may name; "auto" resolves to one of the others.
+BACKENDS = ("auto", "reference", "chunked")
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float64: "float64"}
+
+
+def build_schema(cfg: ModelConfig, dtype: torch.dtype, lm: MambaLM) -> StateSchema:
+    """The StateSchema of a model built from `cfg`, computing in `dtype`."""
+    dname = _DTYPE_NAMES[dtype]
+    specs = [
+        TensorSpec(name=f"layers.{i}.{role}", layer=i, role=role, shape=tuple(shape), dtype=dname)
+        for i, mixer in enumerate(lm.mixers)
+        for role, shape in mixer.state_shapes()
+    ]
+    if cfg.architecture == "mamba3":
+        disc = Discretization(
+            a_activation="neg_softplus_clamped", a_floor=cfg.A_floor, rule="exp_trapezoidal",
+            rope="halved" if cfg.mimo_rank > 1 else "pairwise", angle_wrap="mod_2pi",
+        )
+    else:
+        clamp = cfg.architecture == "mamba2"
+        disc = Discretization(
+            a_activation="neg_exp_log", rule="zoh_euler",
+            dt_min=cfg.dt_min_clamp if clamp else 0.0, dt_max=cfg.dt_max_clamp if clamp else None,
+        )
+    is_ssd = cfg.architecture != "mamba1"
+    return StateSchema(
+        architecture=cfg.architecture,
+        dtype=dname,
+        d_model=cfg.d_model,
+        n_layer=cfg.n_layer,
+        d_state=cfg.d_state,
+        d_conv=cfg.d_conv,
+        expand=float(cfg.expand),
+        d_inner=cfg.d_inner,
+        headdim=cfg.headdim if is_ssd else None,
+        nheads=cfg.nheads if is_ssd else None,
+        ngroups=cfg.ngroups if is_ssd else 1,
+        mimo_rank=cfg.mimo_rank if cfg.architecture == "mamba3" else 1,
+        rope_fraction=cfg.rope_fraction if cfg.architecture == "mamba3" else None,
+        n_angles=cfg.n_angles,
+        representation="real",
+        discretization=disc,
+        layer_order=tuple(range(cfg.n_layer)),
+        tensors=tuple(specs),
+    )
+
+
+class Model:
+    """A Mamba-1/2/3 language model with explicit, immutable per-stream state.
+
+    Build one with `scan.load_model`. Attributes:
+        model_id: preset name or checkpoint directory it was loaded from.
+        config: the ModelConfig.
+        schema: the StateSchema of its states.
+        revision: "sha256:<hex>" over the checkpoint's weights (independent of dtype/device).
+        backend: the backend `advance` runs ("reference" or "chunked").
+        transform: the default input transform (text <-> token ids), or None.
+    """
+
+    def __init__(
+        self,
+        lm: MambaLM,
+        *,
+        model_id: str,
+        revision: str,
+        backend: str = "auto",
+        transform: Any = None,
+    ) -> None:
+        self._lm = lm
+        self.config: ModelConfig = lm.cfg
+        self.model_id = model_id
+        self.revision = revision
+        self.transform = transform
+        param = lm.backbone.embedding.weight
+        self.dtype: torch.dtype = param.dtype
+        self.device: torch.device = param.device
+        if self.dtype not in _DTYPE_NAMES:
+            raise UnsupportedBackend(f"dtype {self.dtype} is not supported; use float32 or float64")
+        self.schema: StateSchema = build_schema(self.config, self.dtype, lm)
+        self._fingerprint = self.schema.fingerprint()
+        self._names = [t.name for t in self.schema.tensors]
+        self._per_layer = len(self._names) // self.config.n_layer
+        self.backend = self._resolve_backend(backend)
+
+    # --- public API --------------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the embedding (the padded vocabulary); logits have this many columns."""
+        return self.config.padded_vocab_size
+
+    @property
+    def module(self) -> MambaLM:
+        """The parameters, as a torch module with mamba-ssm's names."""
+        return self._lm
+
+    def with_backend(self, backend: str) -> Model:
+        """The same weights, advanced by another backend."""
+        other = object.__new__(Model)
+        other.__dict__.update(self.__dict__)
+        other.backend = self._resolve_backend(backend)
+        return other
+
+    def initial_state(self) -> State:
+        """The model-defined initial state (all zeros) at position 0."""
+        tensors = {
+            t.name: torch.zeros(t.shape, dtype=self.dtype, device=self.device) for t in self.schema.tensors
+        }
+        return State(0, tensors, self._fingerprint)
+
+    def advance(self, state: State, tokens: Any) -> StepResult:
+        """Continue `state` with `tokens` (any number, zero included).
+
+        Args:
+            state: a State of this model's schema; never modified.
+            tokens: a sequence of ints or a 1-D integer tensor.
+
+        Returns:
+            StepResult with float32 logits (len(tokens), V) and the new State.
+
+        Raises:
+            InvalidInput subclasses for bad tokens, InvalidState for a foreign state,
+            NonFiniteOutput if the scan overflowed. Nothing is advanced when they are raised.
+        """
+        return self.advance_batch([state], [tokens])[0]
+
+    def advance_embeddings(self, state: State, embeddings: Tensor) -> StepResult:
+        """Continue `state` with input embeddings (L, D) instead of token ids."""
+        self._check_state(state, 0)
+        emb = self._check_embeddings(embeddings)
+        return self._run([state], [emb], embedded=True)[0]
+
+    def advance_batch(self, states: Sequence[State], tokens: Sequence[Any]) -> list[StepResult]:
+        """Advance several streams at once; each result equals that stream's own `advance`.
+
+        Every input is validated before any computation, so one bad stream fails the call and
+        advances none.
+        """
+        if len(states) != len(tokens):
+            raise ValueError(f"{len(states)} states but {len(tokens)} token sequences")
+        for i, s in enumerate(states):
+            self._check_state(s, i)
+        ids = [self._check_tokens(t) for t in tokens]
+        return self._run(list(states), ids, embedded=False)
+
+    # --- validation --------------------------------------------------------------------------
+
+    def _resolve_backend(self, backend: str) -> str:
+        if backend not in BACKENDS:
+            raise UnsupportedBackend(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+        return "chunked" if backend == "auto" else backend
+
+    def _check_state(self, state: Any, index: int) -> None:
+        where = f"state[{index}]"
+        if not isinstance(state, State):
+            raise InvalidState(f"{where} is a {type(state).__name__}, not a State", field="state")
+        pos = state.position
+        if isinstance(pos, bool) or not isinstance(pos, int) or pos < 0:
+            raise InvalidState(f"{where}.position must be a non-negative int, got {pos!r}",
+                               field="position", actual=pos)
+        names = list(state.tensors)
+        if names != self._names:
+            raise InvalidState(f"{where} tensors {names} do not match the schema's {self._names}",
+                               field="tensors", expected=self._names, actual=names)
+        for spec in self.schema.tensors:
+            t = state.tensors[spec.name]
+            if not isinstance(t, torch.Tensor):
+                raise InvalidState(f"{where}.{spec.name} is not a tensor", field=spec.name)
+            if tuple(t.shape) != spec.shape:
+                raise InvalidState(f"{where}.{spec.name} has shape {tuple(t.shape)}, schema says {spec.shape}",
+                                   field=f"{spec.name}.shape", expected=spec.shape, actual=tuple(t.shape))
+            if t.dtype != self.dtype:
+                raise InvalidState(f"{where}.{spec.name} has dtype {t.dtype}, schema says {self.dtype}",
+                                   field=f"{spec.name}.dtype", expected=str(self.dtype), actual=str(t.dtype))
+            if t.device != self.device:
+                raise InvalidState(f"{where}.{spec.name} is on {t.device}, the model on {self.device}",
+                                   field=f"{spec.name}.device", expected=str(self.device), actual=str(t.device))
+            # States this model produced are finite by construction (logits are checked);
+            # anything else is checked before it can poison a stream.
+            if state.origin != self._fingerprint and not bool(torch.isfinite(t).all()):
+                raise InvalidState(f"{where}.{spec.name} holds NaN or infinity", field=spec.name)
+
+    def _check_tokens(self, tokens: Any) -> Tensor:
+        if isinstance(tokens, (str, bytes)):
+            raise NonIntegerInput("tokens must be integer ids; encode text with model.transform first",
+                                  value=tokens)
+        if isinstance(tokens, torch.Tensor):
+            t = tokens
+        else:
+            try:
+                items = list(tokens)
+            except TypeError:
+                raise NonIntegerInput(f"tokens must be a sequence of ints, got {type(tokens).__name__}",
+                                      value=tokens) from None
+            for i, v in enumerate(items):
+                if isinstance(v, bool) or not _is_int(v):
+                    if isinstance(v, float) and not math.isfinite(v):
+                        raise NonFiniteInput(f"token {i} is {v}", position=i, value=v)
+                    raise NonIntegerInput(f"token {i} is {v!r} ({type(v).__name__}), not an int",
+                                          position=i, value=v)
+            t = torch.tensor([int(v) for v in items], dtype=torch.long)
+        if t.dim() != 1:
+            raise NonIntegerInput(f"tokens must be 1-D, got shape {tuple(t.shape)}", value=tuple(t.shape))
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            if t.dtype.is_floating_point and t.numel() and not bool(torch.isfinite(t).all()):
+                i = int((~torch.isfinite(t)).nonzero()[0])
+                raise NonFiniteInput(f"token {i} is {t[i].item()}", position=i, value=t[i].item())
+            raise NonIntegerInput(f"tokens must have an integer dtype, got {t.dtype}", value=str(t.dtype))
+        t = t.to(device=self.device, dtype=torch.long)
+        if t.numel():
+            bad = (t < 0) | (t >= self.vocab_size)
+            if bool(bad.any()):
+                i = int(bad.nonzero()[0])
+                raise TokenOutOfRange(f"token {i} is {int(t[i])}, outside [0, {self.vocab_size})",
+                                      position=i, value=int(t[i]))
+        return t
+
+    def _check_embeddings(self, emb: Any) -> Tensor:
+        if not isinstance(emb, torch.Tensor) or not emb.dtype.is_floating_point:
+            raise NonIntegerInput("embeddings must be a floating-point tensor", value=type(emb).__name__)
+        if emb.dim() != 2 or emb.shape[1] != self.config.d_model:
+            raise NonIntegerInput(f"embeddings must be (L, {self.config.d_model}), got {tuple(emb.shape)}",
+                                  value=tuple(emb.shape))
+        if emb.numel() and not bool(torch.isfinite(emb).all()):
+            i = int((~torch.isfinite(emb)).any(dim=1).nonzero()[0])
+            raise NonFiniteInput(f"embedding row {i} holds NaN or infinity", position=i)
+        return emb.to(device=self.device, dtype=self.dtype)
+
+    # --- execution ---------------------------------------------------------------------------
+
+    def _run(self, states: list[State], inputs: list[Tensor], *, embedded: bool) -> list[StepResult]:
+        results: list[StepResult | None] = [None] * len(states)
+        with torch.inference_mode():
+            if self.backend == "reference":
+                todo = [i for i, x in enumerate(inputs) if len(x)]
+                if todo:
+                    out = self._run_reference([states[i] for i in todo], [inputs[i] for i in todo], embedded)
+                    for i, r in zip(todo, out):
+                        results[i] = r
+            else:
+                groups: dict[int, list[int]] = {}
+                for i, x in enumerate(inputs):
+                    if len(x):
+                        groups.setdefault(len(x), []).append(i)
+                for idx in groups.values():
+                    out = self._run_chunked([states[i] for i in idx], [inputs[i] for i in idx], embedded)
+                    for i, r in zip(idx, out):
+                        results[i] = r
+        for i, r in enumerate(results):
+            if r is None:  # empty chunk: nothing to scan, the state is returned as it was
+                logits = torch.zeros((0, self.vocab_size), dtype=torch.float32, device=self.device)
+                results[i] = StepResult(logits, states[i], self.backend, "empty")
+        return results  # type: ignore[return-value]
+
+    def _stack(self, states: list[State]) -> LayerStates:
+        names, k = self._names, self._per_layer
+        if len(states) == 1:  # mixers never write into their inputs: a view is enough
+            stacked = [states[0].tensors[n].unsqueeze(0) for n in names]
+        else:
+            stacked = [torch.stack([s.tensors[n] for s in states]) for n in names]
+        return [tuple(stacked[i * k : (i + 1) * k]) for i in range(self.config.n_layer)]
+
+    def _unstack(self, layer_states: LayerStates, b: int) -> dict[str, Tensor]:
+        flat = [t for layer in layer_states for t in layer]
+        if flat and flat[0].shape[0] == 1:  # fresh outputs of one stream: no copy needed
+            return {n: flat[j][0] for j, n in enumerate(self._names)}
+        # a stream's own storage, so that it does not keep the whole batch alive
+        return {n: flat[j][b].clone() for j, n in enumerate(self._names)}
+
+    def _finish(self, states: list[State], inputs: list[Tensor], logits: list[Tensor],
+                layer_states: LayerStates, path: str) -> list[StepResult]:
+        out = []
+        for b, (s, x, lg) in enumerate(zip(states, inputs, logits)):
+            lg = lg.to(torch.float32)
+            if not bool(torch.isfinite(lg).all()):
+                raise NonFiniteOutput(
+                    f"the scan produced non-finite logits at position {s.position}..{s.position + len(x)}; "
+                    "the state was not advanced"
+                )
+            new = State(s.position + len(x), self._unstack(layer_states, b), self._fingerprint)
+            out.append(StepResult(lg, new, self.backend, path))
+        return out
+
+    def _run_reference(self, states: list[State], inputs: list[Tensor], embedded: bool) -> list[StepResult]:
+        lm, cfg, ops = self._lm, self.config, REFERENCE_OPS
+        blocks = list(lm.backbone.layers)
+        layer_states = self._stack(states)
+        lengths = [len(x) for x in inputs]
+        rows: list[list[Tensor]] = [[] for _ in states]
+        everyone = torch.arange(len(states), device=self.device)
+        for t in range(max(lengths)):
+            active = [b for b, n in enumerate(lengths) if n > t]
+            sub = everyone if len(active) == len(states) else torch.tensor(active, device=self.device)
+            if embedded:
+                hidden = torch.stack([inputs[b][t] for b in active])
+            else:
+                tok = torch.stack([inputs[b][t] for b in active])
+                hidden = lm.backbone.embedding.weight.index_select(0, tok)
+            cur = layer_states if len(active) == len(states) else [
+                tuple(x.index_select(0, sub) for x in layer) for layer in layer_states
+            ]
+            residual: Tensor | None = None
+            new_states: LayerStates = []
+            for blk, st in zip(blocks, cur):
+                residual = hidden if residual is None else hidden + residual
+                normed = norm(residual, blk.norm.weight, blk.norm.bias, cfg.norm_eps, cfg.rms_norm)
+                hidden, st_new = blk.mixer.step(normed, st, ops)
+                new_states.append(st_new)
+            assert residual is not None
+            residual = hidden + residual
+            nf = lm.backbone.norm_f
+            logits = ops.linear(norm(residual, nf.weight, nf.bias, cfg.norm_eps, cfg.rms_norm), lm.lm_head.weight)
+            if len(active) == len(states):
+                layer_states = new_states
+            else:
+                layer_states = [
+                    tuple(old.index_copy(0, sub, new) for old, new in zip(lo, ln))
+                    for lo, ln in zip(layer_states, new_states)
+                ]
+            for j, b in enumerate(active):
+                rows[b].append(logits[j])
+        logits_per_stream = [torch.stack(r) for r in rows]
+        return self._finish(states, inputs, logits_per_stream, layer_states, "recurrent")
+
+    def _run_chunked(self, states: list[State], inputs: list[Tensor], embedded: bool) -> list[StepResult]:
+        lm, cfg = self._lm, self.config
+        layer_states = self._stack(states)
+        x = torch.stack(inputs)  # (B, L) ids or (B, L, D) embeddings
+        hidden = x if embedded else F.embedding(x, lm.backbone.embedding.weight)
+        length = hidden.shape[1]
+        residual: Tensor | None = None
+        new_states: LayerStates = []
+        for blk, st in zip(lm.backbone.layers, layer_states):
+            residual = hidden if residual is None else hidden + residual
+            normed = norm(residual, blk.norm.weight, blk.norm.bias, cfg.norm_eps, cfg.rms_norm)
+            if length == 1:
+                out, st_new = blk.mixer.step(normed[:, 0], st, NATIVE_OPS)
+                hidden = out.unsqueeze(1)
+            else:
+                hidden, st_new = blk.mixer.chunk(normed, st)
+            new_states.append(st_new)
+        assert residual is not None
+        residual = hidden + residual
+        nf = lm.backbone.norm_f
+        logits = F.linear(norm(residual, nf.weight, nf.bias, cfg.norm_eps, cfg.rms_norm), lm.lm_head.weight)
+        path = "step" if length == 1 else lm.mixers[0].chunk_path
+        return self._finish(states, inputs, list(logits), new_states, path)
+
+
+def _is_int(v: Any) -> bool:
+    if isinstance(v, int):
+        return True
+    # numpy integer scalars and 0-d integer tensors, without importing numpy
+    if isinstance(v, torch.Tensor):
+        return v.dim() == 0 and not v.dtype.is_floating_point and v.dtype != torch.bool
+    kind = getattr(getattr(v, "dtype", None), "kind", None)
+    return kind in ("i", "u") and hasattr(v, "__index__")

@@ -1,0 +1,139 @@
+"""The few numerical primitives whose results must not depend on batch size.
+
+The reference backend advances every stream one token at a time, so chunking cannot change its
+arithmetic. Batching several streams can: on CPU, `F.linear` takes a GEMV path for one row and a
+GEMM path for several, and `F.silu`/`F.softplus`/`torch.sigmoid` treat the tail of a tensor
+with scalar code and the rest with vector code, so a row's value depends on where it sits.
+`REFERENCE_OPS` avoids both: linears run as batched one-row products (each row the same
+product whatever the batch), and the activations are built from exp/log1p, whose vector and
+scalar paths agree. `tests/scan/test_ops.py` checks that this holds on the machine at hand.
+
+`NATIVE_OPS` uses PyTorch's own kernels: faster, with last-ulp differences between batch sizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["NATIVE_OPS", "REFERENCE_OPS", "Ops"]
+
+Tensor = torch.Tensor
+
+
+def _linear_rows(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x (..., K) @ weight (N, K)^T, one independent (1, K) x (K, N) product per row."""
+    lead = x.shape[:-1]
+    k = x.shape[-1]
+    n = weight.shape[0]
+    rows = x.reshape(-1, 1, k)
+    m = rows.shape[0]
+    if m == 0:
+        out = x.new_zeros((0, n))
+    else:
+        out = torch.bmm(rows, weight.t().expand(m, k, n)).reshape(m, n)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*lead, n)
+
+
+def _linear_native(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    return F.linear(x, weight, bias)
+
+
+def _sigmoid_ref(x: Tensor) -> Tensor:
+    return 1.0 / (1.0 + torch.exp(-x))
+
+
+def _silu_ref(x: Tensor) -> Tensor:
+    return x / (1.0 + torch.exp(-x))
+
+
+def _softplus_ref(x: Tensor) -> Tensor:
+    # Same threshold as F.softplus: above 20, softplus(x) == x to within float64 precision.
+    return torch.where(x > 20.0, x, torch.log1p(torch.exp(x)))
+
+
+def _softplus_native(x: Tensor) -> Tensor:
+    return F.softplus(x)
+
+
+@dataclass(frozen=True)
+class Ops:
+    """A set of primitives; mixers take one and never call the others directly."""
+
+    name: str
+    linear: Callable[..., Tensor]
+    silu: Callable[[Tensor], Tensor]
+    sigmoid: Callable[[Tensor], Tensor]
+    softplus: Callable[[Tensor], Tensor]
+
+
+REFERENCE_OPS = Ops("reference", _linear_rows, _silu_ref, _sigmoid_ref, _softplus_ref)
+NATIVE_OPS = Ops("native", _linear_native, F.silu, torch.sigmoid, _softplus_native)
+
+
+def conv_taps(window: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """One causal-conv output per channel from its last W inputs.
+
+    Args:
+        window: (batch, C, W), oldest input first.
+        weight: (C, W).
+        bias: (C,) or None.
+
+    Returns:
+        (batch, C). The taps are summed in a fixed order, elementwise, so the result depends on
+        nothing but the window.
+    """
+    acc = window[..., 0] * weight[:, 0]
+    for j in range(1, window.shape[-1]):
+        acc = acc + window[..., j] * weight[:, j]
+    if bias is not None:
+        acc = acc + bias
+    return acc
+
+
+def rms_normalize(x: Tensor, eps: float) -> Tensor:
+    """x / sqrt(mean(x^2) + eps) over the last dimension."""
+    return x * (1.0 / torch.sqrt((x * x).mean(dim=-1, keepdim=True) + eps))
+
+
+def norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float, rms: bool) -> Tensor:
+    """RMSNorm (rms=True) or LayerNorm over the last dimension, with affine weight (and bias)."""
+    if rms:
+        out = rms_normalize(x, eps) * weight
+    else:
+        mean = x.mean(dim=-1, keepdim=True)
+        xc = x - mean
+        out = xc * (1.0 / torch.sqrt((xc * xc).mean(dim=-1, keepdim=True) + eps)) * weight
+    if bias is not None:
+        out = out + bias
+    return out
+
+
+def gated_rms_norm(
+    x: Tensor,
+    z: Tensor | None,
+    weight: Tensor,
+    eps: float,
+    group_size: int,
+    norm_before_gate: bool,
+    silu: Callable[[Tensor], Tensor],
+) -> Tensor:
+    """mamba-ssm's RMSNormGated: norm(x) * silu(z), or norm(x * silu(z)), per group.
+
+    Args:
+        x: (..., D) with D a multiple of group_size.
+        z: (..., D) gate or None.
+    """
+    if z is not None and not norm_before_gate:
+        x = x * silu(z)
+    shape = x.shape
+    groups = x.reshape(*shape[:-1], shape[-1] // group_size, group_size)
+    out = rms_normalize(groups, eps).reshape(shape) * weight
+    if z is not None and norm_before_gate:
+        out = out * silu(z)
+    return out

@@ -1,0 +1,81 @@
+"""Property: every partition of a token sequence gives the full scan's logits and state.
+
+Partitions are drawn by hypothesis from pieces that have broken peers: empty chunks, one-token
+chunks, chunks shorter than d_conv - 1, prime sizes, long runs, and a final short chunk. The
+scan starts from a warmed-up state so that the conv carry and the SSM state are non-trivial.
+Reference backend: bit-exact (torch.equal), float32 and float64, 200 examples per
+(architecture, dtype). Chunked backend: within its declared tolerance.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from scan import tolerance
+from tests.scan._helpers import ARCH_PRESETS, model_for, scan_chunks, tokens
+
+N = 37  # prime, longer than a chunked-backend block (16), short enough for 1600 examples
+PRIMES = [2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31]
+
+
+@st.composite
+def partitions(draw: st.DrawFn, n: int = N) -> list[int]:
+    piece = st.one_of(
+        st.just(1),
+        st.integers(1, 2),  # shorter than d_conv - 1 for d_conv = 4
+        st.sampled_from(PRIMES),
+        st.integers(1, n),
+    )
+    out, total = [], 0
+    for c in draw(st.lists(piece, min_size=1, max_size=n)):
+        c = min(c, n - total)
+        if c:
+            out.append(c)
+            total += c
+    if total < n:
+        out.append(n - total)
+    if draw(st.booleans()) and out[-1] > 1:  # a final short chunk
+        out[-1] -= 1
+        out.append(1)
+    for _ in range(draw(st.integers(0, 3))):  # empty chunks anywhere, the ends included
+        out.insert(draw(st.integers(0, len(out))), 0)
+    return out
+
+
+@lru_cache(maxsize=None)
+def _truth(preset: str, backend: str, dtype: str):
+    model = model_for(preset, "reference", dtype)
+    start = model.advance(model.initial_state(), tokens(11, 100)).state  # warmed up
+    toks = tokens(N, 101)
+    return start, toks, model.advance(start, toks)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("preset", ARCH_PRESETS)
+@settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(chunks=partitions())
+def test_reference_partitions_are_bit_exact(preset, dtype, chunks):
+    model = model_for(preset, "reference", dtype)
+    start, toks, full = _truth(preset, "reference", dtype)
+    logits, state = scan_chunks(model, start, toks, chunks)
+    assert torch.equal(logits, full.logits), f"logits differ for {chunks}"
+    assert state.equal(full.state), f"state differs for {chunks}"
+    assert state.position == start.position + N
+
+
+@pytest.mark.parametrize("preset", ARCH_PRESETS)
+@settings(max_examples=40, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(chunks=partitions())
+def test_chunked_backend_partitions_within_declared_tolerance(preset, chunks):
+    model = model_for(preset, "chunked", "float32")
+    start, toks, full = _truth(preset, "reference", "float32")
+    logits, state = scan_chunks(model, start, toks, chunks)
+    tol = tolerance(model.config.architecture, "chunked", "float32")
+    assert tol.logits_excess(logits, full.logits) <= 1.0
+    for name, t in state.tensors.items():
+        assert tol.state_excess(t, full.state.tensors[name]) <= 1.0, name

@@ -1,0 +1,190 @@
+"""load_model: presets, both checkpoint layouts, revision, schema, and clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from scan import (
+    PRESETS,
+    ByteTransform,
+    CheckpointError,
+    ConfigError,
+    HFTokenizerTransform,
+    ModelConfig,
+    load_model,
+    save_checkpoint,
+)
+from tests.scan._helpers import tokens
+
+
+def test_presets_are_deterministic_and_do_not_touch_the_global_rng():
+    torch.manual_seed(123)
+    before = torch.rand(3)
+    torch.manual_seed(123)
+    a = load_model("tiny-mamba2")
+    after = torch.rand(3)
+    assert torch.equal(before, after)
+    b = load_model("tiny-mamba2")
+    assert a.revision == b.revision and a.revision.startswith("sha256:") and len(a.revision) == 71
+    for (ka, va), (kb, vb) in zip(a.module.state_dict().items(), b.module.state_dict().items()):
+        assert ka == kb and torch.equal(va, vb)
+    assert len({load_model(p).revision for p in PRESETS}) == len(PRESETS)
+
+
+def test_parameter_names_are_mamba_ssm_names():
+    names = set(load_model("tiny-mamba2").module.state_dict())
+    for expected in ("backbone.embedding.weight", "backbone.layers.0.norm.weight", "backbone.norm_f.weight",
+                     "backbone.layers.1.mixer.in_proj.weight", "backbone.layers.1.mixer.conv1d.weight",
+                     "backbone.layers.1.mixer.conv1d.bias", "backbone.layers.1.mixer.dt_bias",
+                     "backbone.layers.1.mixer.A_log", "backbone.layers.1.mixer.D",
+                     "backbone.layers.1.mixer.norm.weight", "backbone.layers.1.mixer.out_proj.weight",
+                     "lm_head.weight"):
+        assert expected in names
+    m1 = set(load_model("tiny-mamba1").module.state_dict())
+    assert {"backbone.layers.0.mixer.x_proj.weight", "backbone.layers.0.mixer.dt_proj.bias"} <= m1
+    m3 = set(load_model("tiny-mamba3-mimo").module.state_dict())
+    assert {"backbone.layers.0.mixer.B_bias", "backbone.layers.0.mixer.C_norm.weight",
+            "backbone.layers.0.mixer.mimo_x", "backbone.layers.0.mixer.norm.weight"} <= m3
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_save_and_load_round_trip_is_exact(tmp_path, preset):
+    m = load_model(preset, backend="reference")
+    save_checkpoint(m, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["ssm_cfg"]["layer"].startswith("Mamba")
+    back = load_model(tmp_path, backend="reference")
+    assert back.revision == m.revision and back.schema == m.schema
+    toks = tokens(20, 3)
+    a, b = m.advance(m.initial_state(), toks), back.advance(back.initial_state(), toks)
+    assert torch.equal(a.logits, b.logits) and a.state.equal(b.state)
+
+
+def test_pytorch_model_bin_loads_with_weights_only(tmp_path):
+    m = load_model("tiny-mamba1")
+    save_checkpoint(m, tmp_path)
+    sd = load_file(tmp_path / "model.safetensors")
+    (tmp_path / "model.safetensors").unlink()
+    sd["lm_head.weight"] = sd["backbone.embedding.weight"].clone()  # mamba-ssm saves the tied head too
+    torch.save(sd, tmp_path / "pytorch_model.bin")
+    assert load_model(tmp_path).revision == m.revision
+
+
+def test_pickled_code_in_pytorch_model_bin_is_refused(tmp_path):
+    save_checkpoint(load_model("tiny-mamba1"), tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    torch.save({"payload": _Evil()}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="weights_only"):
+        load_model(tmp_path)
+
+
+class _Evil:
+    def __reduce__(self):  # would run on a plain torch.load
+        return (print, ("pwned",))
+
+
+def test_float64_model_has_float64_state_and_same_revision():
+    a, b = load_model("tiny-mamba3"), load_model("tiny-mamba3", dtype=torch.float64)
+    assert a.revision == b.revision
+    assert b.schema.dtype == "float64" and all(t.dtype == torch.float64 for t in b.initial_state().tensors.values())
+    assert a.schema.fingerprint() != b.schema.fingerprint()
+
+
+def _write(tmp_path, cfg: dict, sd: dict | None = None):
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    if sd is not None:
+        save_file(sd, str(tmp_path / "model.safetensors"))
+    return tmp_path
+
+
+def _mamba2_cfg(**ssm):
+    return {"d_model": 64, "n_layer": 2, "vocab_size": 256, "ssm_cfg": {"layer": "Mamba2", "d_state": 32,
+            "headdim": 16, "ngroups": 2, **ssm}}
+
+
+@pytest.mark.parametrize(
+    "cfg,field",
+    [
+        ({"d_model": 64, "n_layer": 2, "vocab_size": 256, "ssm_cfg": {"layer": "Mamba4"}}, "ssm_cfg.layer"),
+        (_mamba2_cfg(headdim=24), "headdim"),
+        (_mamba2_cfg(ngroups=3), "ngroups"),
+        (_mamba2_cfg(flash=True), "ssm_cfg.flash"),
+        ({**_mamba2_cfg(), "d_intermediate": 128}, "d_intermediate"),
+        ({**_mamba2_cfg(), "attn_layer_idx": [1]}, "attn_layer_idx"),
+        ({"d_model": 64, "vocab_size": 256}, "n_layer"),
+        ({"model_type": "mamba2", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 256,
+          "num_heads": 5, "head_dim": 16, "n_groups": 1}, "num_heads"),
+        ({"model_type": "jamba", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 256}, "model_type"),
+        ({"model_type": "mamba", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 256,
+          "hidden_act": "gelu"}, "hidden_act"),
+        ({"d_model": 64, "n_layer": 2, "vocab_size": 256,
+          "ssm_cfg": {"layer": "Mamba3", "rope_fraction": 0.3, "d_state": 32, "headdim": 16}}, "rope_fraction"),
+        ({"hello": 1}, "config.json"),
+    ],
+)
+def test_bad_configs_name_the_field(tmp_path, cfg, field):
+    with pytest.raises(ConfigError) as exc:
+        load_model(_write(tmp_path, cfg))
+    assert exc.value.field == field
+    assert field in str(exc.value)
+
+
+def test_checkpoint_errors_name_the_tensor(tmp_path):
+    m = load_model("tiny-mamba2")
+    save_checkpoint(m, tmp_path)
+    sd = load_file(tmp_path / "model.safetensors")
+    missing = {k: v for k, v in sd.items() if k != "backbone.layers.1.mixer.dt_bias"}
+    save_file(missing, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="backbone.layers.1.mixer.dt_bias"):
+        load_model(tmp_path)
+    wrong = dict(sd, **{"backbone.layers.0.mixer.A_log": torch.zeros(3)})
+    save_file(wrong, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"A_log has shape \(3,\)"):
+        load_model(tmp_path)
+    extra = dict(sd, **{"backbone.layers.0.mixer.surprise": torch.zeros(3)})
+    save_file(extra, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="surprise"):
+        load_model(tmp_path)
+    untied = dict(sd, **{"lm_head.weight": torch.zeros_like(sd["backbone.embedding.weight"])})
+    save_file(untied, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="tie_embeddings"):
+        load_model(tmp_path)
+    with pytest.raises(CheckpointError, match="neither a preset"):
+        load_model(tmp_path / "nowhere")
+
+
+def test_model_config_validation_names_fields():
+    with pytest.raises(ConfigError) as exc:
+        ModelConfig.create(architecture="mamba2", d_model=64, n_layer=2, vocab_size=256, expand=1.5, headdim=64)
+    assert exc.value.field == "headdim"
+    with pytest.raises(ConfigError) as exc:
+        ModelConfig.create(architecture="mamba1", d_model=64, n_layer=0, vocab_size=256)
+    assert exc.value.field == "n_layer"
+    with pytest.raises(ConfigError) as exc:
+        ModelConfig.create(architecture="mamba1", d_model="wide", n_layer=2, vocab_size=256)
+    assert exc.value.field == "d_model"
+    with pytest.raises(ConfigError) as exc:
+        ModelConfig.create(architecture="mamba3", d_model=64, n_layer=2, vocab_size=256, d_conv=4)
+    assert exc.value.field == "d_conv"
+
+
+def test_transforms(tmp_path):
+    bt = ByteTransform()
+    ids = bt.encode("héllo, 世界")
+    assert all(0 <= i < 256 for i in ids) and bt.decode(ids) == "héllo, 世界"
+    assert load_model("tiny-mamba1").transform.transform_id == "bytes"
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    save_checkpoint(load_model("tiny-mamba2"), tmp_path)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    m = load_model(tmp_path)
+    assert isinstance(m.transform, HFTokenizerTransform)
+    assert m.transform.encode("hello world again") == [1, 2, 0]
+    assert m.transform.revision.startswith("sha256:")
+    assert tokenizers is not None
