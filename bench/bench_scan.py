@@ -28,39 +28,42 @@ from scan import ModelConfig, init_model, load_model  # noqa: E402
 D_MODEL, N_LAYER, VOCAB = 256, 4, 1024
 
 
-def _median_time(fn: Callable[[], object], runs: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+class _Impl:
+    """One implementation under test: a prefill call and a decode session."""
+
+    def __init__(self, prefill: Callable[[], object], decode_steps: Callable[[int], list[float]]) -> None:
+        self.prefill = prefill
+        self.decode_steps = decode_steps
+        self.prefill_times: list[float] = []
+        self.step_medians: list[float] = []
 
 
-def _ours(model, ids: list[int], steps: int, runs: int) -> tuple[float, float]:
+def _ours(model, ids: list[int]) -> _Impl:
     s0 = model.initial_state()
-    prefill = _median_time(lambda: model.advance(s0, ids), runs)
-    state = model.advance(s0, ids[:16]).state
-    per_rep = []
-    for _ in range(3):
-        st, times = state, []
+    warm = model.advance(s0, ids[:16]).state
+
+    def decode(steps: int) -> list[float]:
+        st, times = warm, []
         for i in range(steps):
             t = time.perf_counter()
             st = model.advance(st, [ids[16 + i]]).state
             times.append(time.perf_counter() - t)
-        per_rep.append(statistics.median(times))
-    return len(ids) / prefill, statistics.median(per_rep)
+        return times
+
+    return _Impl(lambda: model.advance(s0, ids), decode)
 
 
-def _hf(hf, ids: list[int], steps: int, runs: int) -> tuple[float, float]:
+def _hf(hf, ids: list[int]) -> _Impl:
     from transformers import DynamicCache
 
     x = torch.tensor([ids])
-    with torch.no_grad():
-        prefill = _median_time(lambda: hf(x, use_cache=False), runs)
-        per_rep = []
-        for _ in range(3):
+
+    def prefill() -> object:
+        with torch.no_grad():
+            return hf(x, use_cache=False)
+
+    def decode(steps: int) -> list[float]:
+        with torch.no_grad():
             out = hf(x[:, :16], cache=DynamicCache(config=hf.config), use_cache=True)
             cache, times = out.cache, []
             for i in range(steps):
@@ -68,8 +71,24 @@ def _hf(hf, ids: list[int], steps: int, runs: int) -> tuple[float, float]:
                 out = hf(x[:, 16 + i : 17 + i], cache=cache, use_cache=True)
                 times.append(time.perf_counter() - t)
                 cache = out.cache
-            per_rep.append(statistics.median(times))
-    return len(ids) / prefill, statistics.median(per_rep)
+        return times
+
+    return _Impl(prefill, decode)
+
+
+def _measure(impls: dict[str, _Impl], rounds: int, steps: int, slow: set[str]) -> None:
+    """Interleaved rounds, so that drift in the machine's speed hits every implementation alike."""
+    for impl in impls.values():  # warm-up
+        impl.prefill()
+        impl.decode_steps(4)
+    for r in range(rounds):
+        for name, impl in impls.items():
+            if name in slow and r >= 2:
+                continue
+            t = time.perf_counter()
+            impl.prefill()
+            impl.prefill_times.append(time.perf_counter() - t)
+            impl.step_medians.append(statistics.median(impl.decode_steps(steps)))
 
 
 def _hf_models(tmp: Path):
@@ -96,7 +115,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--threads", type=int, default=0)
     args = ap.parse_args()
     if args.threads:
@@ -117,17 +136,17 @@ def main() -> None:
         ours["mamba3"] = init_model(cfg3, seed=0)
 
         print(f"CPU, {torch.get_num_threads()} threads, float32; d_model {D_MODEL}, {N_LAYER} layers, "
-              f"vocab {VOCAB}; prefill = one {args.prefill}-token chunk; decode = 1-token steps")
+              f"vocab {VOCAB}; prefill = one {args.prefill}-token chunk (median of {args.runs}); "
+              f"decode = median 1-token step over {args.steps} steps (median of {args.runs} sessions); "
+              "rounds interleaved")
         print(f"{'arch':<7} {'implementation':<26} {'prefill tok/s':>14} {'decode tok/s':>13} {'ms/step':>8}")
         for arch in ("mamba1", "mamba2", "mamba3"):
-            rows = {}
-            for backend in ("reference", "chunked"):
-                m = ours[arch].with_backend(backend)
-                rows[f"ours: {backend}"] = _ours(m, prefill_ids if backend == "chunked" else prefill_ids,
-                                                 args.steps, args.runs if backend == "chunked" else 2)
+            impls = {f"ours: {b}": _ours(ours[arch].with_backend(b), prefill_ids) for b in ("reference", "chunked")}
             if arch in hf_models:
-                rows[f"HF transformers {transformers_version()}"] = _hf(hf_models[arch][0], prefill_ids,
-                                                                       args.steps, args.runs)
+                impls[f"HF transformers {transformers_version()}"] = _hf(hf_models[arch][0], prefill_ids)
+            _measure(impls, args.runs, args.steps, slow={"ours: reference"})
+            rows = {k: (len(prefill_ids) / statistics.median(v.prefill_times), statistics.median(v.step_medians))
+                    for k, v in impls.items()}
             for name, (pre, step) in rows.items():
                 print(f"{arch:<7} {name:<26} {pre:>14,.0f} {1 / step:>13,.0f} {step * 1000:>8.2f}")
             best_pre = max((v[0], k) for k, v in rows.items() if k.startswith("ours"))

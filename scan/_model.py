@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from scan._config import ModelConfig
 from scan._errors import (
+    InvalidInput,
     InvalidState,
     NonFiniteInput,
     NonFiniteOutput,
@@ -184,7 +185,7 @@ class Model:
         advances none.
         """
         if len(states) != len(tokens):
-            raise ValueError(f"{len(states)} states but {len(tokens)} token sequences")
+            raise InvalidInput(f"{len(states)} states but {len(tokens)} token sequences")
         for i, s in enumerate(states):
             self._check_state(s, i)
         ids = [self._check_tokens(t) for t in tokens]
@@ -245,6 +246,9 @@ class Model:
                         raise NonFiniteInput(f"token {i} is {v}", position=i, value=v)
                     raise NonIntegerInput(f"token {i} is {v!r} ({type(v).__name__}), not an int",
                                           position=i, value=v)
+                if not 0 <= int(v) < self.vocab_size:  # before torch.tensor, which overflows past int64
+                    raise TokenOutOfRange(f"token {i} is {int(v)}, outside [0, {self.vocab_size})",
+                                          position=i, value=int(v))
             t = torch.tensor([int(v) for v in items], dtype=torch.long)
         if t.dim() != 1:
             raise NonIntegerInput(f"tokens must be 1-D, got shape {tuple(t.shape)}", value=tuple(t.shape))

@@ -99,6 +99,7 @@ def test_6_reordered_chunks_differ(preset):
     [
         ([1, 2, 256], TokenOutOfRange),
         ([1, -1], TokenOutOfRange),
+        ([2**70], TokenOutOfRange),
         ([1, 2.5], NonIntegerInput),
         ([1, float("nan")], NonFiniteInput),
         ([1, True], NonIntegerInput),

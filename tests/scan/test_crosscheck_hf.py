@@ -88,3 +88,15 @@ def test_hf_checkpoint_revision_is_stable_and_layout_independent(tmp_path):
     c = load_model(tmp_path, dtype=torch.float64)
     assert c.revision == a.revision
     assert c.schema.fingerprint() != a.schema.fingerprint()
+
+
+def test_sharded_hf_checkpoint_loads_like_a_single_file(tmp_path):
+    hf = _hf_model("mamba")
+    hf.save_pretrained(str(tmp_path / "one"))
+    hf.save_pretrained(str(tmp_path / "sharded"), max_shard_size="40KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    one, sharded = load_model(tmp_path / "one"), load_model(tmp_path / "sharded")
+    assert one.revision == sharded.revision
+    toks = list(range(30))
+    assert torch.equal(one.advance(one.initial_state(), toks).logits,
+                       sharded.advance(sharded.initial_state(), toks).logits)
