@@ -242,6 +242,7 @@ def load_model(
     backend: str = "auto",
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    state_dtype: torch.dtype | None = None,
 ) -> Model:
     """Load a preset by name, or a checkpoint directory (mamba-ssm or Hugging Face layout).
 
@@ -249,8 +250,10 @@ def load_model(
         source: a preset name (see `scan.PRESETS`) or a directory with config.json and
             model.safetensors (memory-mapped) or pytorch_model.bin (loaded with weights_only).
         backend: "auto", "reference" or "chunked".
-        dtype: torch.float32 or torch.float64; the state uses the same dtype.
+        dtype: torch.float32 or torch.float64, for weights and computation.
         device: where the weights and states live.
+        state_dtype: the dtype of the state; by default `dtype`. bfloat16 or float16 round the
+            state after every token (reference backend only) and are recorded in the schema.
 
     Raises:
         ConfigError naming the offending config field; CheckpointError for missing or
@@ -283,7 +286,8 @@ def load_model(
         log.info("loaded %s checkpoint %s (%s)", layout, directory, cfg.architecture)
     revision = weights_revision(sd)
     lm = _build(cfg, sd, dtype, device)
-    return Model(lm, model_id=model_id, revision=revision, backend=backend, transform=transform)
+    return Model(lm, model_id=model_id, revision=revision, backend=backend, transform=transform,
+                 state_dtype=state_dtype)
 
 
 def init_model(
@@ -294,13 +298,14 @@ def init_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     model_id: str | None = None,
+    state_dtype: torch.dtype | None = None,
 ) -> Model:
     """A freshly initialized model (mamba-ssm-style init, deterministic in `seed`)."""
     sd = initial_weights(config, seed)
     built = _build(config, sd, dtype, torch.device(device))
     transform = ByteTransform() if config.padded_vocab_size >= 256 else None
     return Model(built, model_id=model_id or f"init-{config.architecture}-seed{seed}",
-                 revision=weights_revision(sd), backend=backend, transform=transform)
+                 revision=weights_revision(sd), backend=backend, transform=transform, state_dtype=state_dtype)
 
 
 def mamba_ssm_config(cfg: ModelConfig) -> dict[str, Any]:

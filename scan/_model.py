@@ -36,7 +36,7 @@ from scan._errors import (
 from scan._lm import MambaLM
 from scan._ops import NATIVE_OPS, REFERENCE_OPS, norm
 from scan._state import State, StepResult
-from state_codec import Discretization, StateSchema, TensorSpec
+from state_codec import Discretization, ModelIdentity, StateSchema, TensorSpec
 
 __all__ = ["BACKENDS", "Model", "build_schema"]
 
@@ -48,14 +48,17 @@ LayerStates = list[tuple[Tensor, ...]]
 #: Backends a caller may name; "auto" resolves to one of the others.
 BACKENDS = ("auto", "reference", "chunked")
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.float64: "float64"}
+#: dtypes the engine computes in
+COMPUTE_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
+#: dtypes a state may be kept in (narrower than the compute dtype: rounded after every token)
+STATE_DTYPES = {**COMPUTE_DTYPES, torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def build_schema(cfg: ModelConfig, dtype: torch.dtype, lm: MambaLM) -> StateSchema:
-    """The StateSchema of a model built from `cfg`, computing in `dtype`."""
-    dname = _DTYPE_NAMES[dtype]
+def build_schema(cfg: ModelConfig, dtype: torch.dtype, lm: MambaLM, state_dtype: torch.dtype | None = None) -> StateSchema:
+    """The StateSchema of a model built from `cfg`, computing in `dtype`, keeping state in `state_dtype`."""
+    sname = STATE_DTYPES[state_dtype or dtype]
     specs = [
-        TensorSpec(name=f"layers.{i}.{role}", layer=i, role=role, shape=tuple(shape), dtype=dname)
+        TensorSpec(name=f"layers.{i}.{role}", layer=i, role=role, shape=tuple(shape), dtype=sname)
         for i, mixer in enumerate(lm.mixers)
         for role, shape in mixer.state_shapes()
     ]
@@ -73,7 +76,7 @@ def build_schema(cfg: ModelConfig, dtype: torch.dtype, lm: MambaLM) -> StateSche
     is_ssd = cfg.architecture != "mamba1"
     return StateSchema(
         architecture=cfg.architecture,
-        dtype=dname,
+        dtype=COMPUTE_DTYPES[dtype],
         d_model=cfg.d_model,
         n_layer=cfg.n_layer,
         d_state=cfg.d_state,
@@ -103,6 +106,10 @@ class Model:
         revision: "sha256:<hex>" over the checkpoint's weights (independent of dtype/device).
         backend: the backend `advance` runs ("reference" or "chunked").
         transform: the default input transform (text <-> token ids), or None.
+        dtype: the dtype of weights and computation (float32 or float64).
+        state_dtype: the dtype states are kept in; by default `dtype`. A narrower one (bfloat16,
+            float16) rounds the state after every token, on the reference backend only, so that
+            chunking stays invisible; the rounding is part of the schema.
     """
 
     def __init__(
@@ -113,6 +120,7 @@ class Model:
         revision: str,
         backend: str = "auto",
         transform: Any = None,
+        state_dtype: torch.dtype | None = None,
     ) -> None:
         self._lm = lm
         self.config: ModelConfig = lm.cfg
@@ -122,9 +130,13 @@ class Model:
         param = lm.backbone.embedding.weight
         self.dtype: torch.dtype = param.dtype
         self.device: torch.device = param.device
-        if self.dtype not in _DTYPE_NAMES:
+        if self.dtype not in COMPUTE_DTYPES:
             raise UnsupportedBackend(f"dtype {self.dtype} is not supported; use float32 or float64")
-        self.schema: StateSchema = build_schema(self.config, self.dtype, lm)
+        self.state_dtype: torch.dtype = state_dtype or self.dtype
+        if self.state_dtype not in STATE_DTYPES:
+            raise UnsupportedBackend(f"state dtype {self.state_dtype} is not supported; use one of "
+                                     f"{sorted(STATE_DTYPES.values())}")
+        self.schema: StateSchema = build_schema(self.config, self.dtype, lm, self.state_dtype)
         self._fingerprint = self.schema.fingerprint()
         self._names = [t.name for t in self.schema.tensors]
         self._per_layer = len(self._names) // self.config.n_layer
@@ -142,6 +154,21 @@ class Model:
         """The parameters, as a torch module with mamba-ssm's names."""
         return self._lm
 
+    def identity(self) -> ModelIdentity:
+        """What a resume checks this model against (revision, transform, schema), without tensors."""
+        t = self.transform
+        return ModelIdentity(
+            model_id=self.model_id,
+            model_revision=self.revision,
+            input_transform=getattr(t, "transform_id", "none"),
+            input_transform_revision=getattr(t, "revision", ""),
+            state_schema=self.schema,
+        )
+
+    def validate_state(self, state: State) -> None:
+        """Raise InvalidState unless `state` fits this model's schema (names, shapes, dtypes, values)."""
+        self._check_state(state, 0)
+
     def with_backend(self, backend: str) -> Model:
         """The same weights, advanced by another backend."""
         other = object.__new__(Model)
@@ -152,7 +179,7 @@ class Model:
     def initial_state(self) -> State:
         """The model-defined initial state (all zeros) at position 0."""
         tensors = {
-            t.name: torch.zeros(t.shape, dtype=self.dtype, device=self.device) for t in self.schema.tensors
+            t.name: torch.zeros(t.shape, dtype=self.state_dtype, device=self.device) for t in self.schema.tensors
         }
         return State(0, tensors, self._fingerprint)
 
@@ -196,7 +223,14 @@ class Model:
     def _resolve_backend(self, backend: str) -> str:
         if backend not in BACKENDS:
             raise UnsupportedBackend(f"unknown backend {backend!r}; expected one of {BACKENDS}")
-        return "chunked" if backend == "auto" else backend
+        lossy = self.state_dtype != self.dtype
+        if backend == "auto":
+            return "reference" if lossy else "chunked"
+        if backend == "chunked" and lossy:
+            # chunked scans round the state once per call, not once per token: chunking would show
+            raise UnsupportedBackend(f"the chunked backend keeps state in {self.dtype}; "
+                                     f"a {self.state_dtype} state needs the reference backend")
+        return backend
 
     def _check_state(self, state: Any, index: int) -> None:
         where = f"state[{index}]"
@@ -217,9 +251,9 @@ class Model:
             if tuple(t.shape) != spec.shape:
                 raise InvalidState(f"{where}.{spec.name} has shape {tuple(t.shape)}, schema says {spec.shape}",
                                    field=f"{spec.name}.shape", expected=spec.shape, actual=tuple(t.shape))
-            if t.dtype != self.dtype:
-                raise InvalidState(f"{where}.{spec.name} has dtype {t.dtype}, schema says {self.dtype}",
-                                   field=f"{spec.name}.dtype", expected=str(self.dtype), actual=str(t.dtype))
+            if t.dtype != self.state_dtype:
+                raise InvalidState(f"{where}.{spec.name} has dtype {t.dtype}, schema says {self.state_dtype}",
+                                   field=f"{spec.name}.dtype", expected=str(self.state_dtype), actual=str(t.dtype))
             if t.device != self.device:
                 raise InvalidState(f"{where}.{spec.name} is on {t.device}, the model on {self.device}",
                                    field=f"{spec.name}.device", expected=str(self.device), actual=str(t.device))
@@ -309,10 +343,18 @@ class Model:
             stacked = [states[0].tensors[n].unsqueeze(0) for n in names]
         else:
             stacked = [torch.stack([s.tensors[n] for s in states]) for n in names]
+        if self.state_dtype != self.dtype:
+            stacked = [t.to(self.dtype) for t in stacked]
         return [tuple(stacked[i * k : (i + 1) * k]) for i in range(self.config.n_layer)]
 
+    def _round(self, layer_states: LayerStates) -> LayerStates:
+        """Round to the state dtype (kept in the compute dtype): once per token, never per call."""
+        if self.state_dtype == self.dtype:
+            return layer_states
+        return [tuple(t.to(self.state_dtype).to(self.dtype) for t in layer) for layer in layer_states]
+
     def _unstack(self, layer_states: LayerStates, b: int) -> dict[str, Tensor]:
-        flat = [t for layer in layer_states for t in layer]
+        flat = [t.to(self.state_dtype) for layer in layer_states for t in layer]
         if flat and flat[0].shape[0] == 1:  # fresh outputs of one stream: no copy needed
             return {n: flat[j][0] for j, n in enumerate(self._names)}
         # a stream's own storage, so that it does not keep the whole batch alive
@@ -357,6 +399,7 @@ class Model:
                 normed = norm(residual, blk.norm.weight, blk.norm.bias, cfg.norm_eps, cfg.rms_norm)
                 hidden, st_new = blk.mixer.step(normed, st, ops)
                 new_states.append(st_new)
+            new_states = self._round(new_states)
             assert residual is not None
             residual = hidden + residual
             nf = lm.backbone.norm_f

@@ -14,8 +14,21 @@ EXPECTED = {
         "TokenOutOfRange", "Tolerance", "UnsupportedBackend", "init_model", "load_model", "save_checkpoint", "tolerance",
         "weights_revision",
     ],
-    "state_codec": ["SCHEMA_VERSION", "Discretization", "StateSchema", "TensorSpec"],
-    "activities": [],
+    "state_codec": [
+        "RECEIPT_VERSION", "SCHEMA_VERSION", "ChecksumMismatch", "ChunkSequenceMismatch", "CorruptBlob",
+        "DTypeMismatch", "Discretization", "EpochMismatch", "InputTransformMismatch", "ModelIdentity",
+        "ModelRevisionMismatch", "PositionMismatch", "PrincipalMismatch", "Receipt", "SchemaMismatch",
+        "StateRejected", "StateSchema", "StreamMismatch", "TensorSpec", "TruncatedBlob", "UnknownKeyId",
+        "UnsupportedEnvelopeVersion", "schema_diff", "validate_resume",
+    ],
+    "state_codec.codec": [
+        "ALG", "CODE_REVISION", "ENVELOPE_VERSION", "Keyring", "KeyringError", "decode_checkpoint",
+        "encode_checkpoint", "envelope_schema", "plaintext_checksum", "seal", "unseal",
+    ],
+    "activities": [
+        "FileStateStore", "InvalidStoreKey", "PostgresStateStore", "StateStore", "StoreCorrupt", "StoreError",
+        "StoreUnavailable", "StoreUsage", "open_store",
+    ],
     "workflows": [],
     "cli": ["main"],
 }

@@ -116,3 +116,21 @@ def test_overflow_raises_and_does_not_advance(backend):
     with pytest.raises(NonFiniteOutput):
         broken.advance(state, [1, 2, 3])
     assert state.equal(model.initial_state())
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float16])
+def test_narrow_state_dtype_is_rounded_per_token_so_chunking_stays_exact(preset, state_dtype):
+    model = load_model(preset, state_dtype=state_dtype)
+    assert model.backend == "reference"  # auto: the chunked backend rounds per call, not per token
+    with pytest.raises(UnsupportedBackend):
+        model.with_backend("chunked")
+    assert {t.dtype for t in model.schema.tensors} == {str(state_dtype).removeprefix("torch.")}
+    toks = tokens(30, 50)
+    full = model.advance(model.initial_state(), toks)
+    logits, state = scan_chunks(model, model.initial_state(), toks, [1, 0, 4, 2, 23])
+    assert torch.equal(logits, full.logits) and state.equal(full.state)
+    assert all(t.dtype == state_dtype for t in state.tensors.values())
+    # the rounding is real: the float32-state model gives other logits
+    wide = model_for(preset)
+    assert not torch.equal(wide.advance(wide.initial_state(), toks).logits, full.logits)
+    assert model.schema.fingerprint() != wide.schema.fingerprint()

@@ -1,0 +1,123 @@
+"""State stores: where encrypted checkpoint blobs live, keyed by content-derived state keys.
+
+One interface, two backends chosen by URL: `file:///var/lib/mamba-stream` (one machine) and
+`postgresql://user@host/db` (shared by every worker). Writes are put-if-absent: a retried
+activity that recomputes the same state key finds the first write and keeps it. Reads are
+filtered by principal: a blob is never handed to another tenant, not even as ciphertext.
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Union
+
+__all__ = [
+    "InvalidStoreKey",
+    "StateStore",
+    "StoreCorrupt",
+    "StoreError",
+    "StoreUnavailable",
+    "StoreUsage",
+    "open_store",
+]
+
+Blob = Union[bytes, bytearray, memoryview]
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
+
+
+class StoreError(Exception):
+    """A store operation failed. `retryable` says whether trying again may help."""
+
+    retryable: bool = False
+    reason: str = "StoreError"
+
+
+class StoreUnavailable(StoreError):
+    """The backend is unreachable or busy (connection refused, timeout, disk full)."""
+
+    retryable = True
+    reason = "StoreUnavailable"
+
+
+class StoreCorrupt(StoreError):
+    """A stored object no longer matches its digest."""
+
+    reason = "StoreCorrupt"
+
+
+class InvalidStoreKey(StoreError, ValueError):
+    """A key or stream id outside [A-Za-z0-9._-], or empty, or too long."""
+
+    reason = "InvalidStoreKey"
+
+
+def check_name(kind: str, value: str) -> str:
+    if not isinstance(value, str) or not _NAME.match(value) or value in (".", ".."):
+        raise InvalidStoreKey(f"{kind} {value!r} must match {_NAME.pattern}")
+    return value
+
+
+@dataclass(frozen=True)
+class StoreUsage:
+    objects: int
+    bytes: int
+    streams: int
+
+
+class StateStore(ABC):
+    """Put-if-absent blob storage, partitioned by stream, readable only by the owning principal."""
+
+    url: str
+
+    @abstractmethod
+    def put_if_absent(self, *, key: str, data: Blob, stream_id: str, principal: str) -> bool:
+        """Store `data` under `key` unless the key exists. True if this call wrote it."""
+
+    @abstractmethod
+    def get(self, *, key: str, principal: str) -> bytes | None:
+        """The blob under `key` if it exists and belongs to `principal`; None otherwise."""
+
+    @abstractmethod
+    def delete(self, *, key: str) -> bool:
+        """Remove one object. True if it existed."""
+
+    @abstractmethod
+    def delete_stream(self, *, stream_id: str) -> int:
+        """Remove every object of a stream; returns how many."""
+
+    @abstractmethod
+    def list_stream(self, *, stream_id: str) -> list[str]:
+        """Keys of a stream's objects, sorted."""
+
+    @abstractmethod
+    def usage(self) -> StoreUsage:
+        """Objects, bytes and streams held."""
+
+    def close(self) -> None:
+        """Release connections or handles."""
+
+    def __enter__(self) -> StateStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_store(url: str) -> StateStore:
+    """A store from its URL: `file:///abs/path`, `file:relative/path`, or `postgresql://...`.
+
+    PostgreSQL URLs take an optional `table=` query parameter (default `mamba_state_blobs`).
+    """
+    if url.startswith("file:"):
+        from activities._file_store import FileStateStore
+
+        path = url[len("file://") :] if url.startswith("file://") else url[len("file:") :]
+        return FileStateStore(path)
+    if url.startswith(("postgresql://", "postgres://")):
+        from activities._pg_store import PostgresStateStore
+
+        return PostgresStateStore(url)
+    raise StoreError(f"unsupported store URL {url!r}; use file:// or postgresql://")

@@ -1,0 +1,162 @@
+"""The receipt (a checkpoint pointer small enough for Temporal history) and resume validation.
+
+Standard library and pydantic only: workflows build, carry and validate receipts in the sandbox.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import cached_property
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from state_codec._errors import (
+    ChunkSequenceMismatch,
+    DTypeMismatch,
+    EpochMismatch,
+    InputTransformMismatch,
+    ModelRevisionMismatch,
+    PositionMismatch,
+    PrincipalMismatch,
+    SchemaMismatch,
+    StreamMismatch,
+    mismatch,
+)
+from state_codec._schema import StateSchema
+
+__all__ = ["RECEIPT_VERSION", "ModelIdentity", "Receipt", "schema_diff", "validate_resume"]
+
+RECEIPT_VERSION = 1
+
+_SHA = re.compile(r"^sha256:[0-9a-f]{64}$")
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+
+class ModelIdentity(_Frozen):
+    """What a serving model is, as far as resuming a state is concerned (no tensors)."""
+
+    model_id: str
+    model_revision: str
+    input_transform: str
+    input_transform_revision: str
+    state_schema: StateSchema
+
+    @cached_property
+    def fingerprint(self) -> str:
+        return self.state_schema.fingerprint()
+
+    @property
+    def state_dtype(self) -> str:
+        return self.state_schema.tensors[0].dtype
+
+
+class Receipt(_Frozen):
+    """A pointer to one checkpoint of one stream, with everything a resume must check.
+
+    The state bytes live in the store under `state_key`; only this record goes into history.
+    """
+
+    receipt_version: int = RECEIPT_VERSION
+    stream_id: str = Field(min_length=1, max_length=200)
+    principal: str = Field(min_length=1, max_length=200)
+    model_id: str
+    model_revision: str
+    code_revision: str
+    input_transform: str
+    input_transform_revision: str
+    schema_fingerprint: str = Field(pattern=_SHA.pattern)
+    schema_version: int
+    architecture: str
+    dtype: str = Field(description="dtype of the state tensors")
+    n_layer: int = Field(gt=0)
+    d_state: int = Field(gt=0)
+    state_bytes: int = Field(ge=0)
+    position: int = Field(ge=0)
+    chunk_seq: int = Field(ge=0, description="sequence number of the last chunk in this state")
+    epoch: int = Field(ge=0, description="resets so far; a reset starts a new epoch at position 0")
+    state_key: str = Field(min_length=1, max_length=300)
+    checksum: str = Field(pattern=_SHA.pattern, description="sha256 of the plaintext state")
+    backend: str = Field(description="backend and path that produced the state")
+
+    def bound(self) -> dict[str, Any]:
+        """The fields a checkpoint blob is cryptographically bound to."""
+        return {
+            "stream_id": self.stream_id,
+            "principal": self.principal,
+            "model_revision": self.model_revision,
+            "schema_fingerprint": self.schema_fingerprint,
+            "position": self.position,
+            "chunk_seq": self.chunk_seq,
+            "epoch": self.epoch,
+        }
+
+
+def schema_diff(expected: StateSchema, actual: StateSchema) -> tuple[str, Any, Any] | None:
+    """The first differing field (dotted path) with both values, or None if equal."""
+    return _diff(expected.model_dump(mode="json"), actual.model_dump(mode="json"), "schema")
+
+
+def _diff(a: Any, b: Any, path: str) -> tuple[str, Any, Any] | None:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b)):
+            d = _diff(a.get(k), b.get(k), f"{path}.{k}")
+            if d:
+                return d
+        return None
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            d = _diff(x, y, f"{path}[{i}]")
+            if d:
+                return d
+        return None
+    return None if a == b else (path, a, b)
+
+
+def validate_resume(
+    receipt: Receipt,
+    model: ModelIdentity,
+    principal: str,
+    *,
+    stream_id: str | None = None,
+    position: int | None = None,
+    chunk_seq: int | None = None,
+    epoch: int | None = None,
+) -> None:
+    """Raise the first reason `receipt` may not be resumed by `principal` on `model`, or return.
+
+    Every resume path calls this before touching state bytes. Checked in order: stream (when
+    the caller names one), principal, model revision, input transform, state dtype, schema,
+    then position, chunk sequence and epoch when the caller expects specific values.
+    """
+    if stream_id is not None and receipt.stream_id != stream_id:
+        raise mismatch(StreamMismatch, "stream_id", stream_id, receipt.stream_id)
+    if receipt.principal != principal:
+        raise mismatch(PrincipalMismatch, "principal", principal, receipt.principal)
+    if receipt.model_revision != model.model_revision:
+        raise mismatch(ModelRevisionMismatch, "model_revision", model.model_revision, receipt.model_revision)
+    if receipt.input_transform != model.input_transform:
+        raise mismatch(InputTransformMismatch, "input_transform", model.input_transform, receipt.input_transform)
+    if receipt.input_transform_revision != model.input_transform_revision:
+        raise mismatch(InputTransformMismatch, "input_transform_revision", model.input_transform_revision,
+                       receipt.input_transform_revision)
+    if receipt.dtype != model.state_dtype:
+        raise mismatch(DTypeMismatch, "dtype", model.state_dtype, receipt.dtype)
+    schema = model.state_schema
+    for field, ours in (("schema_version", schema.schema_version), ("architecture", schema.architecture),
+                        ("n_layer", schema.n_layer), ("d_state", schema.d_state),
+                        ("state_bytes", schema.state_bytes)):
+        theirs = getattr(receipt, field)
+        if theirs != ours:
+            raise mismatch(SchemaMismatch, f"schema.{field}", ours, theirs)
+    if receipt.schema_fingerprint != model.fingerprint:
+        raise mismatch(SchemaMismatch, "schema.fingerprint", model.fingerprint, receipt.schema_fingerprint)
+    if position is not None and receipt.position != position:
+        raise mismatch(PositionMismatch, "position", position, receipt.position)
+    if chunk_seq is not None and receipt.chunk_seq != chunk_seq:
+        raise mismatch(ChunkSequenceMismatch, "chunk_seq", chunk_seq, receipt.chunk_seq)
+    if epoch is not None and receipt.epoch != epoch:
+        raise mismatch(EpochMismatch, "epoch", epoch, receipt.epoch)

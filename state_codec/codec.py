@@ -1,0 +1,631 @@
+"""The checkpoint codec (worker side): tensors <-> encrypted, authenticated, checksummed bytes.
+
+Blob layout: one msgpack map, keys in this order
+
+    v       envelope version (1)
+    alg     "AES-256-GCM"
+    kid     key id in the keyring
+    nonce   12 random bytes, fresh for every write
+    bound   {stream_id, principal, model_revision, schema_fingerprint, position, chunk_seq, epoch}
+    schema  the writer's StateSchema as canonical JSON
+    ct      ciphertext of the plaintext, then the 16-byte GCM tag
+
+The associated data is every byte of the blob before the ciphertext, so the header, the bound
+fields and the schema are authenticated with the state: a blob moved to another stream, tenant,
+model, schema, position, chunk or epoch fails, and the bound fields let us say which.
+
+Plaintext: u32 little-endian header length, a msgpack header
+{byteorder, tensors: [[name, dtype, shape, offset, nbytes], ...]}, each tensor's raw bytes at a
+64-byte aligned offset, and last the 32-byte sha256 of everything before it: that digest is the
+receipt's `checksum`. Being inside the ciphertext, it is authenticated by the GCM tag, so decoding
+checks the receipt against it without hashing the state again (GCM already proves the bytes are
+the ones the writer hashed); `decode_checkpoint(..., rehash=True)` recomputes it for audits.
+
+Encoding reads each tensor in place: a helper thread hashes while AES-GCM encrypts straight into
+the output buffer, so a state costs one SHA-256 pass, and the only copy is the cipher's output.
+Decoding decrypts straight into the buffer that the returned tensors view.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import secrets
+import struct
+import sys
+import tempfile
+import threading
+from collections.abc import Mapping
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import torch
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+from state_codec._errors import (
+    ChecksumMismatch,
+    ChunkSequenceMismatch,
+    CorruptBlob,
+    EpochMismatch,
+    ModelRevisionMismatch,
+    PositionMismatch,
+    PrincipalMismatch,
+    SchemaMismatch,
+    StateRejected,
+    StreamMismatch,
+    TruncatedBlob,
+    UnknownKeyId,
+    UnsupportedEnvelopeVersion,
+    mismatch,
+)
+from state_codec._receipt import ModelIdentity, Receipt, schema_diff, validate_resume
+from state_codec._schema import StateSchema
+
+__all__ = [
+    "ALG",
+    "CODE_REVISION",
+    "ENVELOPE_VERSION",
+    "Keyring",
+    "KeyringError",
+    "decode_checkpoint",
+    "encode_checkpoint",
+    "envelope_schema",
+    "plaintext_checksum",
+    "seal",
+    "unseal",
+]
+
+ENVELOPE_VERSION = 1
+ALG = "AES-256-GCM"
+_NONCE = 12
+_TAG = 16
+_ALIGN = 64
+_KEY_BYTES = 32
+_DIGEST = 32
+# below this many bytes a helper thread costs more than it saves
+_PARALLEL_HASH_BYTES = 1 << 20
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+_BOUND_ERRORS: dict[str, type[StateRejected]] = {
+    "stream_id": StreamMismatch,
+    "principal": PrincipalMismatch,
+    "model_revision": ModelRevisionMismatch,
+    "schema_fingerprint": SchemaMismatch,
+    "position": PositionMismatch,
+    "chunk_seq": ChunkSequenceMismatch,
+    "epoch": EpochMismatch,
+}
+
+
+def _code_revision() -> str:
+    try:
+        return f"mamba-stream-state {metadata.version('mamba-stream-state')}"
+    except metadata.PackageNotFoundError:  # pragma: no cover - running from a source tree
+        return "mamba-stream-state unknown"
+
+
+#: recorded in every receipt: which code wrote the state
+CODE_REVISION = _code_revision()
+
+if sys.byteorder != "little":  # pragma: no cover
+    raise ImportError("state_codec.codec stores little-endian tensor bytes; this host is big-endian")
+
+
+# --- keyring ------------------------------------------------------------------------------------
+
+
+class KeyringError(Exception):
+    """A keyring file or variable is missing, malformed or readable by others."""
+
+
+class Keyring:
+    """AES-256 keys by id: one active key for writing, older ones kept for reading.
+
+    Keys never live in source code: a keyring is generated (`Keyring.generate()`), loaded from a
+    file readable by its owner only (`Keyring.from_file`) or from an environment variable holding
+    the same JSON (`Keyring.from_env`). `rotate()` returns a keyring with a new active key that
+    still reads every older one.
+    """
+
+    def __init__(self, keys: Mapping[str, bytes], active: str) -> None:
+        if active not in keys:
+            raise KeyringError(f"active key {active!r} is not in the keyring")
+        for kid, key in keys.items():
+            if not isinstance(key, (bytes, bytearray)) or len(key) != _KEY_BYTES:
+                raise KeyringError(f"key {kid!r} must be {_KEY_BYTES} bytes")
+        self._keys = {k: bytes(v) for k, v in keys.items()}
+        self._active = active
+
+    @staticmethod
+    def _new_id() -> str:
+        return "k" + secrets.token_hex(6)
+
+    @classmethod
+    def generate(cls) -> Keyring:
+        kid = cls._new_id()
+        return cls({kid: secrets.token_bytes(_KEY_BYTES)}, kid)
+
+    def rotate(self) -> Keyring:
+        kid = self._new_id()
+        return Keyring({**self._keys, kid: secrets.token_bytes(_KEY_BYTES)}, kid)
+
+    @property
+    def active_id(self) -> str:
+        return self._active
+
+    @property
+    def ids(self) -> list[str]:
+        return list(self._keys)
+
+    def key(self, kid: str) -> bytes:
+        try:
+            return self._keys[kid]
+        except KeyError:
+            raise UnknownKeyId(f"key id {kid!r} is not in this keyring", field="kid",
+                               expected=sorted(self._keys), actual=kid) from None
+
+    def to_json(self) -> str:
+        return json.dumps({"active": self._active,
+                           "keys": {k: base64.b64encode(v).decode() for k, v in self._keys.items()}})
+
+    @classmethod
+    def from_json(cls, text: str) -> Keyring:
+        try:
+            data = json.loads(text)
+            keys = {k: base64.b64decode(v, validate=True) for k, v in data["keys"].items()}
+            return cls(keys, data["active"])
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise KeyringError(f"malformed keyring: {exc}") from None
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Keyring:
+        p = Path(path)
+        try:
+            mode = p.stat().st_mode
+        except FileNotFoundError:
+            raise KeyringError(f"no keyring at {p}") from None
+        if mode & 0o077:
+            raise KeyringError(f"{p} is readable by others (mode {oct(mode & 0o777)}); chmod 600 it")
+        return cls.from_json(p.read_text())
+
+    @classmethod
+    def from_env(cls, var: str = "MAMBA_STREAM_KEYRING") -> Keyring:
+        text = os.environ.get(var)
+        if not text:
+            raise KeyringError(f"${var} is not set")
+        return cls.from_json(text)
+
+    def save(self, path: str | Path) -> None:
+        """Write atomically with mode 0600."""
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".keyring-")
+        try:
+            os.fchmod(fd, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(self.to_json())
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, p)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    @classmethod
+    def load_or_generate(cls, path: str | Path) -> Keyring:
+        """The embedded default: the keyring at `path`, created (0600) on first use."""
+        p = Path(path)
+        if p.exists():
+            return cls.from_file(p)
+        ring = cls.generate()
+        ring.save(p)
+        return ring
+
+    def __repr__(self) -> str:
+        return f"Keyring(active={self._active!r}, ids={self.ids})"
+
+
+# --- plaintext framing --------------------------------------------------------------------------
+
+
+def _pieces(tensors: Mapping[str, torch.Tensor]) -> tuple[list[memoryview | bytes], int]:
+    """The plaintext (before its digest) as pieces that view the tensors in place; its length."""
+    entries, views = [], []
+    for name, t in tensors.items():
+        if t.dtype not in _NAMES:
+            raise TypeError(f"{name}: dtype {t.dtype} is not supported by the codec")
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy()  # a view, also for bfloat16
+        views.append(memoryview(raw))
+        entries.append([name, _NAMES[t.dtype], list(t.shape), 0, raw.nbytes])
+    header = msgpack.packb({"byteorder": "little", "tensors": entries})
+    # offsets depend on the header's length, which depends on how the offsets encode: repeat
+    # until the layout is stable (twice at most in practice)
+    while True:
+        offset = _round_up(4 + len(header), _ALIGN)
+        for e in entries:
+            e[3] = offset
+            offset = _round_up(offset + e[4], _ALIGN)
+        again = msgpack.packb({"byteorder": "little", "tensors": entries})
+        if again == header:
+            break
+        header = again
+    pieces: list[memoryview | bytes] = [struct.pack("<I", len(header)) + header]
+    pos = len(pieces[0])
+    for e, v in zip(entries, views):
+        if e[3] > pos:
+            pieces.append(bytes(e[3] - pos))
+        pieces.append(v)
+        pos = e[3] + e[4]
+    return pieces, pos
+
+
+def plaintext_checksum(tensors: Mapping[str, torch.Tensor]) -> str:
+    """The `checksum` a receipt for these tensors carries: sha256 of the plaintext."""
+    sha = hashlib.sha256()
+    for piece in _pieces(tensors)[0]:
+        sha.update(piece)
+    return "sha256:" + sha.hexdigest()
+
+
+def _round_up(n: int, k: int) -> int:
+    return (n + k - 1) // k * k
+
+
+def _parse_plaintext(buf: torch.Tensor, length: int) -> dict[str, torch.Tensor]:
+    """Tensors viewing `buf` (uint8, holding the plaintext without its digest)."""
+    view = memoryview(buf.numpy())[:length]
+    if length < 4:
+        raise CorruptBlob("plaintext shorter than its header length", field="plaintext")
+    (hlen,) = struct.unpack_from("<I", view, 0)
+    if 4 + hlen > length:
+        raise CorruptBlob("plaintext header runs past the end", field="plaintext")
+    try:
+        header = msgpack.unpackb(view[4 : 4 + hlen], raw=False, strict_map_key=True)
+        entries = header["tensors"]
+        if header.get("byteorder") != "little":
+            raise ValueError("byteorder")
+    except Exception as exc:  # noqa: BLE001 - anything malformed is a corrupt blob
+        raise CorruptBlob(f"unreadable plaintext header: {exc}", field="plaintext") from None
+    out: dict[str, torch.Tensor] = {}
+    for entry in entries:
+        try:
+            name, dname, shape, off, nbytes = entry
+            dtype = _DTYPES[dname]
+            numel = 1
+            for d in shape:
+                numel *= int(d)
+            ok = off >= 4 + hlen and off + nbytes <= length and nbytes == numel * dtype.itemsize
+        except Exception:  # noqa: BLE001
+            ok = False
+        if not ok:
+            raise CorruptBlob(f"tensor entry {entry!r} does not fit the plaintext", field="plaintext")
+        out[name] = buf[off : off + nbytes].view(dtype).view(tuple(shape))
+    return out
+
+
+# --- envelope ---------------------------------------------------------------------------------
+
+
+def _bin_header(n: int) -> bytes:
+    return b"\xc6" + struct.pack(">I", n)
+
+
+def _encrypt(tensors: Mapping[str, torch.Tensor], bound: dict[str, Any], schema_json: str,
+             keyring: Keyring) -> tuple[str, bytearray]:
+    """One read of each tensor: hashed by a helper thread while AES-GCM encrypts it in place."""
+    pieces, total = _pieces(tensors)
+    kid, nonce = keyring.active_id, os.urandom(_NONCE)
+    ct_len = total + _DIGEST + _TAG
+    prefix = b"\x87" + b"".join(  # fixmap of 7 entries
+        msgpack.packb(k) + msgpack.packb(v)
+        for k, v in (("v", ENVELOPE_VERSION), ("alg", ALG), ("kid", kid), ("nonce", nonce),
+                     ("bound", bound), ("schema", schema_json))
+    ) + msgpack.packb("ct") + _bin_header(ct_len)
+    out = bytearray(len(prefix) + ct_len)
+    out[: len(prefix)] = prefix
+    mv = memoryview(out)
+    enc = Cipher(algorithms.AES(keyring.key(kid)), modes.GCM(nonce)).encryptor()
+    enc.authenticate_additional_data(prefix)
+
+    sha = hashlib.sha256()
+
+    def hash_all() -> None:
+        for piece in pieces:
+            sha.update(piece)  # releases the GIL on large buffers
+
+    helper = None
+    if total >= _PARALLEL_HASH_BYTES:
+        helper = threading.Thread(target=hash_all, name="checkpoint-sha256")
+        helper.start()
+    else:
+        hash_all()
+    pos = len(prefix)
+    try:
+        for piece in pieces:
+            n = len(piece)
+            # update_into wants a block of room beyond the data: the digest and tag follow
+            enc.update_into(piece, mv[pos : pos + n + 15])
+            pos += n
+    finally:
+        if helper is not None:
+            helper.join()
+    digest = sha.digest()
+    enc.update_into(digest, mv[pos : pos + _DIGEST + 15])
+    pos += _DIGEST
+    enc.finalize()
+    mv[pos : pos + _TAG] = enc.tag
+    return "sha256:" + digest.hex(), out
+
+
+def encode_checkpoint(
+    state_tensors: Mapping[str, torch.Tensor],
+    receipt: Receipt,
+    keyring: Keyring,
+    *,
+    schema: StateSchema | None = None,
+) -> bytearray:
+    """Encrypt `state_tensors` into a blob bound to `receipt`'s stream, tenant, model and position.
+
+    Args:
+        state_tensors: name -> tensor (float32, float64, bfloat16 or float16; any device).
+        receipt: the receipt the blob will be stored under; its checksum must be the plaintext's.
+        keyring: the active key encrypts.
+        schema: the writer's StateSchema, embedded (authenticated) so that a reader with another
+            schema is told which field differs. Must have `receipt.schema_fingerprint`.
+
+    Returns:
+        The blob, as a bytearray (bytes-like; returned as is to spare a 19 MB copy).
+
+    Raises:
+        ChecksumMismatch: the receipt's checksum is not the plaintext's.
+    """
+    schema_json = ""
+    if schema is not None:
+        if schema.fingerprint() != receipt.schema_fingerprint:
+            raise mismatch(SchemaMismatch, "schema.fingerprint", receipt.schema_fingerprint, schema.fingerprint())
+        schema_json = schema.canonical_json()
+    checksum, blob = _encrypt(state_tensors, receipt.bound(), schema_json, keyring)
+    if checksum != receipt.checksum:
+        raise mismatch(ChecksumMismatch, "checksum", receipt.checksum, checksum)
+    return blob
+
+
+class _Reader:
+    """File-like view of a buffer: msgpack reads the small header through it, copying only that."""
+
+    def __init__(self, view: memoryview) -> None:
+        self._view = view
+        self._pos = 0
+
+    def read(self, n: int = -1) -> bytes:
+        end = len(self._view) if n is None or n < 0 else self._pos + n
+        chunk = bytes(self._view[self._pos : end])
+        self._pos += len(chunk)
+        return chunk
+
+
+class _Envelope:
+    def __init__(self, fields: dict[str, Any], ct: memoryview, aad: memoryview) -> None:
+        self.fields = fields
+        self.ct = ct
+        self.aad = aad
+
+
+def _open_envelope(blob: bytes | bytearray | memoryview) -> _Envelope:
+    """Parse the header without copying the ciphertext; structural problems -> CorruptBlob."""
+    view = memoryview(blob).cast("B") if not isinstance(blob, memoryview) else blob.cast("B")
+    if not len(view):
+        raise TruncatedBlob("empty blob", field="blob")
+    fields: dict[str, Any] = {}
+    try:
+        unpacker = msgpack.Unpacker(_Reader(view), raw=False, strict_map_key=True,
+                                    max_buffer_size=len(view), read_size=min(4096, len(view)))
+        n = unpacker.read_map_header()
+        if n != 7:
+            raise ValueError(f"{n} envelope entries, expected 7")
+        for i in range(n):
+            key = unpacker.unpack()
+            if key == "ct":
+                if i != n - 1:
+                    raise ValueError("ct is not the last entry")
+                break
+            fields[key] = unpacker.unpack()
+        else:
+            raise ValueError("no ct entry")
+    except msgpack.OutOfData:
+        raise TruncatedBlob("blob ends inside its header", field="blob") from None
+    except Exception as exc:  # noqa: BLE001 - anything malformed is a corrupt blob
+        raise CorruptBlob(f"unreadable envelope: {exc}", field="blob") from None
+    pos = unpacker.tell()
+    if pos + 5 > len(view):
+        raise TruncatedBlob("blob ends before its ciphertext", field="blob")
+    if view[pos] != 0xC6:
+        raise CorruptBlob("ciphertext is not a bin32 entry", field="ct")
+    (length,) = struct.unpack_from(">I", view, pos + 1)
+    start, end = pos + 5, pos + 5 + length
+    if end > len(view):
+        raise TruncatedBlob(f"ciphertext declares {length} bytes, {len(view) - start} present", field="ct",
+                            expected=length, actual=len(view) - start)
+    if end < len(view):
+        raise CorruptBlob(f"{len(view) - end} bytes after the ciphertext", field="blob")
+    if length < _TAG:
+        raise TruncatedBlob("ciphertext shorter than its tag", field="ct")
+    return _Envelope(fields, view[start:end], view[:start])
+
+
+def _check_header(env: _Envelope) -> None:
+    f = env.fields
+    if f.get("v") != ENVELOPE_VERSION:
+        raise mismatch(UnsupportedEnvelopeVersion, "v", ENVELOPE_VERSION, f.get("v"))
+    if f.get("alg") != ALG:
+        raise mismatch(CorruptBlob, "alg", ALG, f.get("alg"))
+    if not isinstance(f.get("kid"), str) or not isinstance(f.get("nonce"), bytes) or len(f["nonce"]) != _NONCE:
+        raise CorruptBlob("malformed key id or nonce", field="nonce")
+    if not isinstance(f.get("bound"), dict) or not isinstance(f.get("schema"), str):
+        raise CorruptBlob("malformed bound fields or schema", field="bound")
+
+
+def envelope_schema(blob: bytes | bytearray | memoryview) -> StateSchema | None:
+    """The writer's schema embedded in a blob (unauthenticated until the blob is decoded)."""
+    env = _open_envelope(blob)
+    _check_header(env)
+    if not env.fields["schema"]:
+        return None
+    try:
+        return StateSchema.model_validate_json(env.fields["schema"])
+    except Exception as exc:  # noqa: BLE001
+        raise CorruptBlob(f"unreadable schema: {exc}", field="schema") from None
+
+
+def decode_checkpoint(
+    blob: bytes | bytearray | memoryview, receipt: Receipt, keyring: Keyring, *, rehash: bool = False
+) -> dict[str, torch.Tensor]:
+    """Authenticate, decrypt and checksum a blob written for `receipt`; returns its tensors.
+
+    The receipt's checksum is compared with the authenticated digest inside the blob;
+    `rehash=True` also recomputes that digest over the decrypted state.
+
+    Raises:
+        StateRejected subclasses: UnsupportedEnvelopeVersion, CorruptBlob / TruncatedBlob,
+        the bound-field mismatches (StreamMismatch, PrincipalMismatch, ModelRevisionMismatch,
+        SchemaMismatch, PositionMismatch, ChunkSequenceMismatch, EpochMismatch), UnknownKeyId,
+        ChecksumMismatch. Nothing else, whatever the bytes.
+    """
+    env = _open_envelope(blob)
+    _check_header(env)
+    bound = env.fields["bound"]
+    for field, expected in receipt.bound().items():
+        if bound.get(field) != expected:
+            raise mismatch(_BOUND_ERRORS[field], field, expected, bound.get(field))
+    if set(bound) != set(_BOUND_ERRORS):
+        raise CorruptBlob("unexpected bound fields", field="bound", expected=sorted(_BOUND_ERRORS),
+                          actual=sorted(bound))
+    key = keyring.key(env.fields["kid"])
+    length = len(env.ct) - _TAG
+    if length < 4 + _DIGEST:
+        raise TruncatedBlob("ciphertext shorter than a plaintext", field="ct")
+    buf = torch.empty(length + 15, dtype=torch.uint8)  # uninitialized: the cipher fills it
+    plain = memoryview(buf.numpy())
+    dec = Cipher(algorithms.AES(key), modes.GCM(env.fields["nonce"], bytes(env.ct[length:]))).decryptor()
+    dec.authenticate_additional_data(env.aad)
+    try:
+        dec.update_into(env.ct[:length], plain)
+        dec.finalize()
+    except InvalidTag:
+        raise CorruptBlob("authentication failed: the blob was altered or the key is wrong",
+                          field="ct") from None
+    body = length - _DIGEST
+    checksum = "sha256:" + bytes(plain[body:length]).hex()  # authenticated by the tag
+    if rehash:
+        recomputed = "sha256:" + hashlib.sha256(plain[:body]).hexdigest()
+        if recomputed != checksum:
+            raise mismatch(ChecksumMismatch, "checksum", checksum, recomputed)
+    if checksum != receipt.checksum:
+        raise mismatch(ChecksumMismatch, "checksum", receipt.checksum, checksum)
+    return _parse_plaintext(buf, body)
+
+
+# --- the pair activities use ----------------------------------------------------------------
+
+
+def default_state_key(stream_id: str, epoch: int, chunk_seq: int, checksum: str) -> str:
+    """Content-derived: the same state of the same stream at the same step, the same key."""
+    return f"{stream_id}.e{epoch}.c{chunk_seq}.{checksum.removeprefix('sha256:')[:32]}"
+
+
+def seal(
+    model: Any,
+    state: Any,
+    *,
+    stream_id: str,
+    principal: str,
+    chunk_seq: int,
+    epoch: int,
+    keyring: Keyring,
+    state_key: str | None = None,
+    backend: str | None = None,
+) -> tuple[Receipt, bytearray]:
+    """Receipt and encrypted blob for `state` of `model` (a `scan.Model` and `scan.State`).
+
+    The state is validated against the model's schema first. `backend` records what produced
+    the state (defaults to the model's backend).
+    """
+    model.validate_state(state)
+    identity: ModelIdentity = model.identity()
+    schema = identity.state_schema
+    bound = {
+        "stream_id": stream_id, "principal": principal, "model_revision": identity.model_revision,
+        "schema_fingerprint": identity.fingerprint, "position": state.position, "chunk_seq": chunk_seq,
+        "epoch": epoch,
+    }
+    checksum, blob = _encrypt(state.tensors, bound, schema.canonical_json(), keyring)
+    receipt = Receipt(
+        stream_id=stream_id, principal=principal, model_id=identity.model_id,
+        model_revision=identity.model_revision, code_revision=CODE_REVISION,
+        input_transform=identity.input_transform, input_transform_revision=identity.input_transform_revision,
+        schema_fingerprint=identity.fingerprint, schema_version=schema.schema_version,
+        architecture=schema.architecture, dtype=identity.state_dtype, n_layer=schema.n_layer,
+        d_state=schema.d_state, state_bytes=schema.state_bytes, position=state.position, chunk_seq=chunk_seq,
+        epoch=epoch, state_key=state_key or default_state_key(stream_id, epoch, chunk_seq, checksum),
+        checksum=checksum, backend=backend or getattr(model, "backend", "unknown"),
+    )
+    return receipt, blob
+
+
+def unseal(
+    blob: bytes | bytearray | memoryview,
+    receipt: Receipt,
+    keyring: Keyring,
+    *,
+    model: Any,
+    principal: str,
+) -> Any:
+    """The `scan.State` in `blob`, after every check a resume needs.
+
+    Validates the receipt against the serving model and the caller's principal
+    (`validate_resume`), names the differing schema field if the blob was written under another
+    schema, then authenticates, decrypts and checksums.
+    """
+    from scan import State  # worker side only; keeps scan out of the record half
+
+    identity: ModelIdentity = model.identity()
+    try:
+        validate_resume(receipt, identity, principal)
+    except SchemaMismatch:
+        theirs = _schema_or_none(blob)
+        diff = schema_diff(identity.state_schema, theirs) if theirs is not None else None
+        if diff is not None:
+            raise mismatch(SchemaMismatch, *diff) from None
+        raise
+    tensors = decode_checkpoint(blob, receipt, keyring)
+    expected = [(t.name, t.shape, t.dtype) for t in identity.state_schema.tensors]
+    actual = [(n, tuple(t.shape), _NAMES[t.dtype]) for n, t in tensors.items()]
+    if expected != actual:
+        raise mismatch(SchemaMismatch, "schema.tensors", expected, actual)
+    device = getattr(model, "device", torch.device("cpu"))
+    if device.type != "cpu":
+        tensors = {k: v.to(device) for k, v in tensors.items()}
+    return State(receipt.position, tensors, identity.fingerprint)
+
+
+def _schema_or_none(blob: bytes | bytearray | memoryview) -> StateSchema | None:
+    try:
+        return envelope_schema(blob)
+    except StateRejected:
+        return None

@@ -1,0 +1,301 @@
+"""The checkpoint codec: bit-exact round trips, tamper and fuzz resistance, binding, keys."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from scan import PRESETS, ModelConfig, init_model, load_model
+from state_codec import (
+    ChecksumMismatch,
+    ChunkSequenceMismatch,
+    CorruptBlob,
+    DTypeMismatch,
+    EpochMismatch,
+    InputTransformMismatch,
+    ModelRevisionMismatch,
+    PositionMismatch,
+    PrincipalMismatch,
+    SchemaMismatch,
+    StateRejected,
+    StreamMismatch,
+    TruncatedBlob,
+    UnknownKeyId,
+    UnsupportedEnvelopeVersion,
+)
+from state_codec.codec import (
+    ENVELOPE_VERSION,
+    Keyring,
+    KeyringError,
+    decode_checkpoint,
+    encode_checkpoint,
+    envelope_schema,
+    seal,
+    unseal,
+)
+
+STATE_DTYPES = {"float32": (torch.float32, None), "float64": (torch.float64, None),
+                "bfloat16": (torch.float32, torch.bfloat16), "float16": (torch.float32, torch.float16)}
+RING = Keyring.generate()
+
+
+def _sealed(preset="tiny-mamba2", *, dtype="float32", tokens=29, ring=RING, **kw):
+    compute, state_dtype = STATE_DTYPES[dtype]
+    model = load_model(preset, dtype=compute, state_dtype=state_dtype)
+    state = model.advance(model.initial_state(), list(range(1, tokens + 1))).state
+    args = dict(stream_id="stream-1", principal="alice", chunk_seq=4, epoch=1, keyring=ring) | kw
+    receipt, blob = seal(model, state, **args)
+    return model, state, receipt, blob
+
+
+@pytest.mark.parametrize("dtype", list(STATE_DTYPES))
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_round_trip_is_bit_exact(preset, dtype):
+    model, state, receipt, blob = _sealed(preset, dtype=dtype)
+    back = unseal(blob, receipt, RING, model=model, principal="alice")
+    assert back.equal(state) and back.position == state.position == 29
+    assert all(t.dtype == STATE_DTYPES[dtype][1] or STATE_DTYPES[dtype][0] for t in back.tensors.values())
+    # the state continues exactly like the original
+    a, b = model.advance(state, [7, 8, 9]), model.advance(back, [7, 8, 9])
+    assert torch.equal(a.logits, b.logits) and a.state.equal(b.state)
+    # the low-level pair agrees, and the receipt is small enough for history
+    assert all(torch.equal(decode_checkpoint(blob, receipt, RING)[k], v) for k, v in state.tensors.items())
+    assert len(receipt.model_dump_json()) < 1024
+    assert receipt.dtype == dtype and receipt.position == 29 and receipt.state_bytes == model.schema.state_bytes
+
+
+def test_encode_checkpoint_requires_the_receipt_checksum():
+    model, state, receipt, _ = _sealed()
+    blob = encode_checkpoint(state.tensors, receipt, RING, schema=model.schema)
+    assert all(torch.equal(decode_checkpoint(blob, receipt, RING)[k], v) for k, v in state.tensors.items())
+    other = model.advance(state, [1]).state
+    with pytest.raises(ChecksumMismatch):
+        encode_checkpoint(other.tensors, receipt, RING)
+
+
+def test_every_write_uses_a_fresh_nonce():
+    _, state, r1, b1 = _sealed()
+    _, _, r2, b2 = _sealed()
+    assert r1.checksum == r2.checksum and r1.state_key == r2.state_key  # content-derived key
+    assert bytes(b1) != bytes(b2)
+
+
+def test_ciphertext_does_not_contain_the_plaintext():
+    _, state, _, blob = _sealed("tiny-mamba1", tokens=40)
+    raw = state.tensors["layers.1.ssm"].numpy().tobytes()
+    assert any(raw[i : i + 64].count(0) < 32 for i in range(0, len(raw) - 64, 64))  # not all zeros
+    for i in range(0, len(raw) - 64, 64):
+        assert raw[i : i + 64] not in blob
+
+
+def _positions(n: int, count: int = 160) -> list[int]:
+    head = list(range(min(n, 96)))  # every byte of the envelope header's start
+    return sorted(set(head + [int(i * (n - 1) / (count - 1)) for i in range(count)]))
+
+
+def test_any_single_bit_flip_is_rejected():
+    _, _, receipt, blob = _sealed()
+    blob = bytes(blob)
+    for pos in _positions(len(blob)):
+        for bit in (0, 5):
+            bad = bytearray(blob)
+            bad[pos] ^= 1 << bit
+            with pytest.raises(StateRejected):
+                decode_checkpoint(bad, receipt, RING)
+
+
+def test_truncation_and_appending_are_rejected():
+    _, _, receipt, blob = _sealed()
+    blob = bytes(blob)
+    for n in [0, 1, 5, 30, 100, len(blob) // 2, len(blob) - 17, len(blob) - 1]:
+        with pytest.raises(StateRejected):
+            decode_checkpoint(blob[:n], receipt, RING)
+    with pytest.raises(TruncatedBlob):
+        decode_checkpoint(blob[:-1], receipt, RING)
+    for extra in (b"\x00", b"appended", bytes(4096)):
+        with pytest.raises(CorruptBlob):
+            decode_checkpoint(blob + extra, receipt, RING)
+
+
+FUZZ = {"arbitrary": 0, "mutated": 0}
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.binary(max_size=2048))
+def test_fuzz_arbitrary_bytes_only_raise_state_rejected(data):
+    _, _, receipt, _ = _cached()
+    FUZZ["arbitrary"] += 1
+    with pytest.raises(StateRejected):
+        decode_checkpoint(data, receipt, RING)
+
+
+_CACHE: dict[str, tuple] = {}
+
+
+def _cached():
+    if "x" not in _CACHE:
+        _CACHE["x"] = _sealed("tiny-mamba3", tokens=11)
+    return _CACHE["x"]
+
+
+@st.composite
+def mutations(draw: st.DrawFn) -> bytes:
+    _, _, _, blob = _cached()
+    out = bytearray(blob)
+    for _ in range(draw(st.integers(1, 4))):
+        op = draw(st.sampled_from(["flip", "set", "insert", "delete", "truncate", "splice"]))
+        head_biased = st.one_of(st.integers(0, min(400, len(out) - 1)), st.integers(0, len(out) - 1))
+        i = draw(head_biased) if out else 0
+        if op == "flip" and out:
+            out[i] ^= 1 << draw(st.integers(0, 7))
+        elif op == "set" and out:
+            out[i] = draw(st.integers(0, 255))
+        elif op == "insert":
+            out[i:i] = draw(st.binary(min_size=1, max_size=8))
+        elif op == "delete" and out:
+            del out[i : i + draw(st.integers(1, 8))]
+        elif op == "truncate":
+            del out[i:]
+        elif op == "splice" and out:
+            out[i : i + 4] = draw(st.binary(min_size=4, max_size=4))
+    return bytes(out)
+
+
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(bad=mutations())
+def test_fuzz_mutated_envelopes_only_raise_state_rejected(bad):
+    _, state, receipt, blob = _cached()
+    FUZZ["mutated"] += 1
+    if bad == bytes(blob):
+        return  # a mutation that changed nothing (set a byte to its own value)
+    with pytest.raises(StateRejected):
+        decode_checkpoint(bad, receipt, RING)
+
+
+def test_fuzz_counts_reported():
+    """Printed for the closing note (`pytest -s`); run after the two fuzz tests."""
+    if not any(FUZZ.values()):
+        pytest.skip("the fuzz tests did not run in this session")
+    print(f"FUZZ examples: arbitrary bytes {FUZZ['arbitrary']}, mutated envelopes {FUZZ['mutated']}")
+    assert FUZZ["arbitrary"] >= 1000 and FUZZ["mutated"] >= 1000
+
+
+@pytest.mark.parametrize(
+    "field,value,error",
+    [
+        ("stream_id", "stream-2", StreamMismatch),
+        ("principal", "mallory", PrincipalMismatch),
+        ("position", 28, PositionMismatch),
+        ("chunk_seq", 5, ChunkSequenceMismatch),
+        ("epoch", 0, EpochMismatch),
+        ("model_revision", "sha256:" + "0" * 64, ModelRevisionMismatch),
+        ("checksum", "sha256:" + "1" * 64, ChecksumMismatch),
+    ],
+)
+def test_blob_is_bound_to_its_receipt(field, value, error):
+    _, _, receipt, blob = _sealed()
+    forged = receipt.model_copy(update={field: value})
+    with pytest.raises(error) as exc:
+        decode_checkpoint(blob, forged, RING)
+    assert exc.value.field == field
+    assert exc.value.actual == getattr(receipt, field) or field == "checksum"
+
+
+def test_unseal_checks_principal_model_and_transform_first():
+    model, _, receipt, blob = _sealed()
+    with pytest.raises(PrincipalMismatch) as exc:
+        unseal(blob, receipt, RING, model=model, principal="mallory")
+    assert (exc.value.expected, exc.value.actual) == ("mallory", "alice")
+    other_weights = init_model(model.config, seed=99)
+    with pytest.raises(ModelRevisionMismatch):
+        unseal(blob, receipt, RING, model=other_weights, principal="alice")
+    relabeled = receipt.model_copy(update={"input_transform_revision": "utf-16/v0"})
+    with pytest.raises(InputTransformMismatch):
+        unseal(blob, relabeled, RING, model=model, principal="alice")
+    with pytest.raises(DTypeMismatch):
+        unseal(blob, receipt, RING, model=load_model("tiny-mamba2", state_dtype=torch.bfloat16), principal="alice")
+
+
+def _equal_size_pair():
+    """A Mamba-2 and a Mamba-3 model whose states have the same byte count."""
+    base = {"d_model": 64, "n_layer": 2, "vocab_size": 256, "d_state": 32}
+    m2 = init_model(ModelConfig.create(architecture="mamba2", headdim=16, ngroups=1, d_conv=4, **base), 1)
+    m3 = init_model(ModelConfig.create(architecture="mamba3", headdim=8, **base), 1)
+    assert m2.schema.state_bytes == m3.schema.state_bytes
+    return m2, m3
+
+
+def test_same_bytes_other_schema_is_rejected_naming_the_field():
+    m2, m3 = _equal_size_pair()
+    state = m2.advance(m2.initial_state(), [1, 2, 3]).state
+    receipt, blob = seal(m2, state, stream_id="s", principal="p", chunk_seq=1, epoch=0, keyring=RING)
+    # the receipt re-labelled with the other model's revision and fingerprint: the blob's
+    # authenticated schema still tells which field differs
+    forged = receipt.model_copy(update={"model_revision": m3.revision})
+    with pytest.raises(SchemaMismatch) as exc:
+        unseal(blob, forged, RING, model=m3, principal="p")
+    assert exc.value.field.startswith("schema.")
+    # same layout, another discretization (A floor): same shapes, same bytes, different schema
+    fields, seed = PRESETS["tiny-mamba3"]
+    a = init_model(ModelConfig.create(**fields), seed)
+    b = init_model(ModelConfig.create(**{**fields, "A_floor": 1e-3}), seed)
+    assert a.revision == b.revision and a.schema.state_bytes == b.schema.state_bytes
+    st_a = a.advance(a.initial_state(), [4, 5]).state
+    ra, ba = seal(a, st_a, stream_id="s", principal="p", chunk_seq=1, epoch=0, keyring=RING)
+    with pytest.raises(SchemaMismatch) as exc:
+        unseal(ba, ra, RING, model=b, principal="p")
+    assert exc.value.field == "schema.discretization.a_floor"
+    assert envelope_schema(ba) == a.schema
+
+
+def test_key_rotation_and_unknown_keys():
+    old = Keyring.generate()
+    model, state, r_old, b_old = _sealed(ring=old)
+    new = old.rotate()
+    assert new.active_id != old.active_id and set(old.ids) < set(new.ids)
+    assert unseal(b_old, r_old, new, model=model, principal="alice").equal(state)
+    r_new, b_new = seal(model, state, stream_id="stream-1", principal="alice", chunk_seq=4, epoch=1, keyring=new)
+    assert new.active_id.encode() in bytes(b_new[:200]) and old.active_id.encode() not in bytes(b_new[:200])
+    with pytest.raises(UnknownKeyId):
+        decode_checkpoint(b_new, r_new, old)
+    with pytest.raises(UnknownKeyId):
+        decode_checkpoint(b_old, r_old, Keyring.generate())
+    with pytest.raises(CorruptBlob):  # same key id, another key: authentication fails
+        impostor = Keyring({old.active_id: os.urandom(32)}, old.active_id)
+        decode_checkpoint(b_old, r_old, impostor)
+
+
+def test_unsupported_envelope_version():
+    _, _, receipt, blob = _sealed()
+    bad = bytearray(blob)
+    i = bytes(bad).index(b"\xa1v") + 2  # fixstr "v", then its value (positive fixint 1)
+    assert bad[i] == ENVELOPE_VERSION
+    bad[i] = 2
+    with pytest.raises(UnsupportedEnvelopeVersion):
+        decode_checkpoint(bad, receipt, RING)
+
+
+def test_keyring_files_and_environment(tmp_path, monkeypatch):
+    ring = Keyring.generate().rotate()
+    path = tmp_path / "keys" / "keyring.json"
+    ring.save(path)
+    assert (path.stat().st_mode & 0o777) == 0o600
+    back = Keyring.from_file(path)
+    assert back.ids == ring.ids and back.active_id == ring.active_id
+    assert all(back.key(k) == ring.key(k) for k in ring.ids)
+    os.chmod(path, 0o644)
+    with pytest.raises(KeyringError, match="readable by others"):
+        Keyring.from_file(path)
+    monkeypatch.setenv("MAMBA_STREAM_KEYRING", ring.to_json())
+    assert Keyring.from_env().active_id == ring.active_id
+    monkeypatch.setenv("MAMBA_STREAM_KEYRING", json.dumps({"active": "x", "keys": {"x": "c2hvcnQ="}}))
+    with pytest.raises(KeyringError):
+        Keyring.from_env()
+    fresh = Keyring.load_or_generate(tmp_path / "embedded" / "keyring.json")
+    assert Keyring.load_or_generate(tmp_path / "embedded" / "keyring.json").active_id == fresh.active_id
+    assert "key" not in repr(fresh).lower().replace("keyring", "")
