@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/mamba-stream verify --model tiny-mamba2
+	$(VENV)/bin/mamba-stream demo
 
 test: $(STAMP)
 	MAMBA_STREAM_REQUIRE_CROSSCHECK=1 $(PY) -m pytest -q

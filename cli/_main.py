@@ -45,6 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--tokens", type=int, default=97)
     v.add_argument("--seed", type=int, default=0)
     v.set_defaults(func=_cmd_verify)
+
+    from cli._demo import add_demo_command
+    from cli._streams import add_stream_commands
+
+    add_stream_commands(sub)
+    add_demo_command(sub)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

@@ -165,6 +165,10 @@ class Model:
             state_schema=self.schema,
         )
 
+    def check_tokens(self, tokens: Any) -> Tensor:
+        """Validate token ids as `advance` would (typed InvalidInput), returning them as a tensor."""
+        return self._check_tokens(tokens)
+
     def validate_state(self, state: State) -> None:
         """Raise InvalidState unless `state` fits this model's schema (names, shapes, dtypes, values)."""
         self._check_state(state, 0)

@@ -46,6 +46,7 @@ import msgpack
 import torch
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from state_codec._errors import (
     ChecksumMismatch,
@@ -73,10 +74,14 @@ __all__ = [
     "Keyring",
     "KeyringError",
     "decode_checkpoint",
+    "default_state_key",
     "encode_checkpoint",
     "envelope_schema",
+    "open_bytes",
+    "open_checkpoint",
     "plaintext_checksum",
     "seal",
+    "seal_bytes",
     "unseal",
 ]
 
@@ -507,6 +512,20 @@ def decode_checkpoint(
         SchemaMismatch, PositionMismatch, ChunkSequenceMismatch, EpochMismatch), UnknownKeyId,
         ChecksumMismatch. Nothing else, whatever the bytes.
     """
+    tensors, checksum = open_checkpoint(blob, receipt, keyring, rehash=rehash)
+    if checksum != receipt.checksum:
+        raise mismatch(ChecksumMismatch, "checksum", receipt.checksum, checksum)
+    return tensors
+
+
+def open_checkpoint(
+    blob: bytes | bytearray | memoryview, receipt: Receipt, keyring: Keyring, *, rehash: bool = False
+) -> tuple[dict[str, torch.Tensor], str]:
+    """Like `decode_checkpoint`, but returns the blob's checksum instead of requiring the receipt's.
+
+    For adopting a blob that an earlier attempt committed under a key this attempt derived too:
+    every bound field is still checked, only the checksum is learned rather than compared.
+    """
     env = _open_envelope(blob)
     _check_header(env)
     bound = env.fields["bound"]
@@ -536,9 +555,34 @@ def decode_checkpoint(
         recomputed = "sha256:" + hashlib.sha256(plain[:body]).hexdigest()
         if recomputed != checksum:
             raise mismatch(ChecksumMismatch, "checksum", checksum, recomputed)
-    if checksum != receipt.checksum:
-        raise mismatch(ChecksumMismatch, "checksum", receipt.checksum, checksum)
-    return _parse_plaintext(buf, body)
+    return _parse_plaintext(buf, body), checksum
+
+
+# --- small sealed records -----------------------------------------------------------------------
+
+
+def seal_bytes(data: bytes, *, binding: str, keyring: Keyring) -> bytes:
+    """Encrypt a small record (AES-256-GCM) bound to `binding` (e.g. its store key)."""
+    nonce = os.urandom(_NONCE)
+    ct = AESGCM(keyring.key(keyring.active_id)).encrypt(nonce, data, b"record/v1|" + binding.encode())
+    return msgpack.packb({"v": 1, "kid": keyring.active_id, "nonce": nonce, "ct": ct})
+
+
+def open_bytes(blob: bytes | bytearray | memoryview, *, binding: str, keyring: Keyring) -> bytes:
+    """Decrypt a record from `seal_bytes`; anything wrong raises a StateRejected subclass."""
+    try:
+        env = msgpack.unpackb(bytes(blob), raw=False, strict_map_key=True)
+        version, kid, nonce, ct = env["v"], env["kid"], env["nonce"], env["ct"]
+        if not (isinstance(kid, str) and isinstance(nonce, bytes) and isinstance(ct, bytes)):
+            raise ValueError("malformed record")
+    except Exception as exc:  # noqa: BLE001 - anything malformed is a corrupt blob
+        raise CorruptBlob(f"unreadable record: {exc}", field="record") from None
+    if version != 1:
+        raise mismatch(UnsupportedEnvelopeVersion, "v", 1, version)
+    try:
+        return AESGCM(keyring.key(kid)).decrypt(nonce, ct, b"record/v1|" + binding.encode())
+    except InvalidTag:
+        raise CorruptBlob("record authentication failed", field="record") from None
 
 
 # --- the pair activities use ----------------------------------------------------------------

@@ -23,7 +23,8 @@ EXPECTED = {
     ],
     "state_codec.codec": [
         "ALG", "CODE_REVISION", "ENVELOPE_VERSION", "Keyring", "KeyringError", "decode_checkpoint",
-        "encode_checkpoint", "envelope_schema", "plaintext_checksum", "seal", "unseal",
+        "default_state_key", "encode_checkpoint", "envelope_schema", "open_bytes", "open_checkpoint",
+        "plaintext_checksum", "seal", "seal_bytes", "unseal",
     ],
     "activities": [
         "FileStateStore", "InvalidStoreKey", "PostgresStateStore", "StateStore", "StoreCorrupt", "StoreError",

@@ -1,6 +1,50 @@
-"""Workflow definitions (sandbox-safe: standard library, temporalio and pydantic only).
+"""Workflows (sandbox-safe: the standard library, temporalio, pydantic and state_codec's record).
 
-Empty until the Temporal plugin lands; the package exists so the distribution's layout is fixed.
+    from workflows import MambaStreamWorkflow, StreamClient
+    streams = StreamClient(client)                     # client built with MambaStreamPlugin
+    sid = await streams.open("alice", "tiny-mamba2")
+    result = await streams.advance(sid, "alice", text="hello")   # update id derived from chunk_seq
 """
 
-__all__: list[str] = []
+from workflows._agent import AgentWorkflow
+from workflows._client import DEFAULT_TASK_QUEUE, StreamClient, new_stream_id, update_id
+from workflows._models import (
+    AdvanceRequest,
+    AdvanceResult,
+    AgentInput,
+    AgentResult,
+    CheckpointRequest,
+    CheckpointResult,
+    GenerateRequest,
+    GenerateResult,
+    ModelInfo,
+    OpenStreamInput,
+    ResetRequest,
+    StreamOptions,
+    StreamStats,
+    TokenLogprob,
+)
+from workflows._stream import MambaStreamWorkflow
+
+__all__ = [
+    "DEFAULT_TASK_QUEUE",
+    "AdvanceRequest",
+    "AdvanceResult",
+    "AgentInput",
+    "AgentResult",
+    "AgentWorkflow",
+    "CheckpointRequest",
+    "CheckpointResult",
+    "GenerateRequest",
+    "GenerateResult",
+    "MambaStreamWorkflow",
+    "ModelInfo",
+    "OpenStreamInput",
+    "ResetRequest",
+    "StreamClient",
+    "StreamOptions",
+    "StreamStats",
+    "TokenLogprob",
+    "new_stream_id",
+    "update_id",
+]

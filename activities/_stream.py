@@ -1,0 +1,410 @@
+"""StreamActivities: the side-effect half of a stream (load, advance, seal, store, dispose).
+
+Every activity verifies the receipt it is given against the serving model and the caller's
+principal, loads the state from the hot cache (by state key) or the store, works, commits the
+new checkpoint put-if-absent under a key derived from (input state key, chunk digest, chunk
+sequence), then commits a small sealed record of the result under `<state key>.out`. A retry
+finds that record and returns it: a chunk is never advanced twice, whatever was lost.
+
+Order of the commit edges, each a seam for the crash tests (`_edge`):
+    admitted -> (kernel) -> computed -> (write) -> written -> (record) -> recorded
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import msgpack
+import torch
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from activities._hot import HotCache, HotEntry, ModelRegistry, UnknownModel
+from activities._store import StateStore, StoreError, check_name
+from scan import InvalidInput, Model, ScanError, State
+from state_codec import Receipt, StateRejected, validate_resume
+from state_codec.codec import Keyring, default_state_key, open_bytes, open_checkpoint, seal, seal_bytes, unseal
+from workflows._models import (
+    ACTIVITY_ADVANCE,
+    ACTIVITY_CHECKPOINT,
+    ACTIVITY_DISPOSE,
+    ACTIVITY_GENERATE,
+    ACTIVITY_OPEN,
+    ACTIVITY_RESET,
+    AdvanceChunkRequest,
+    AdvanceChunkResult,
+    AdvanceResult,
+    CheckpointStreamRequest,
+    DisposeStreamRequest,
+    DisposeStreamResult,
+    GenerateChunkRequest,
+    GenerateChunkResult,
+    GenerateResult,
+    ModelInfo,
+    OpenStreamRequest,
+    OpenStreamResult,
+    ResetStreamRequest,
+    StateResult,
+    TokenLogprob,
+)
+
+__all__ = ["StreamActivities"]
+
+log = logging.getLogger(__name__)
+
+#: tokens per engine call inside one chunk: between calls the activity heartbeats, so a
+#: cancellation reaches a long prefill (the split is invisible: chunking never changes results)
+PIECE_TOKENS = 512
+
+
+def _app_error(exc: BaseException) -> ApplicationError:
+    if isinstance(exc, StateRejected):
+        return ApplicationError(str(exc), exc.details(), type=exc.reason, non_retryable=True)
+    if isinstance(exc, InvalidInput):
+        return ApplicationError(str(exc), {"position": exc.position, "value": repr(exc.value)[:200]},
+                                type=type(exc).__name__, non_retryable=True)
+    if isinstance(exc, ScanError):
+        return ApplicationError(str(exc), type=type(exc).__name__, non_retryable=True)
+    if isinstance(exc, StoreError):
+        return ApplicationError(str(exc), type=exc.reason, non_retryable=not exc.retryable)
+    if isinstance(exc, UnknownModel):
+        return ApplicationError(str(exc.args[0]), type="UnknownModel", non_retryable=True)
+    raise TypeError(exc)
+
+
+@contextmanager
+def _typed_errors() -> Iterator[None]:
+    """Our exceptions become ApplicationErrors typed by reason; permanent ones non-retryable."""
+    try:
+        yield
+    except (StateRejected, ScanError, StoreError, UnknownModel) as exc:
+        raise _app_error(exc) from exc
+
+
+def _beat(*details: Any) -> None:
+    """Heartbeat between pieces of work; a cancellation arrives as CancelledError in this thread."""
+    if activity.in_activity():
+        activity.heartbeat(*details)
+
+
+def _digest(logits: torch.Tensor) -> str:
+    return "sha256:" + hashlib.sha256(logits.to(torch.float32).contiguous().numpy().tobytes()).hexdigest()
+
+
+def _top_k(last: torch.Tensor | None, k: int) -> list[TokenLogprob]:
+    if last is None or k == 0:
+        return []
+    logp = torch.log_softmax(last.double(), dim=-1)
+    vals, idx = torch.topk(logp, min(k, logp.numel()))
+    return [TokenLogprob(token=int(i), logprob=float(v)) for v, i in zip(vals, idx)]
+
+
+def _derived_key(stream_id: str, receipt: Receipt, chunk_seq: int, chunk_digest: str) -> str:
+    """Deterministic in the input state and the chunk: every attempt of a chunk derives it."""
+    h = hashlib.sha256(f"{receipt.state_key}|{chunk_digest}".encode()).hexdigest()[:32]
+    return f"{stream_id}.e{receipt.epoch}.c{chunk_seq}.{h}"
+
+
+class StreamActivities:
+    """The activities of MambaStreamWorkflow, sharing one worker's models, store, keys and cache.
+
+    Args:
+        models: the models this worker serves.
+        store: where checkpoints live (shared by all workers of a deployment).
+        keyring: encrypts checkpoints and records.
+        worker_queue: this worker's own task queue, returned to workflows for affinity; None
+            disables affinity.
+        hot_cache_bytes: memory for hot states.
+    """
+
+    def __init__(self, *, models: ModelRegistry, store: StateStore, keyring: Keyring,
+                 worker_queue: str | None = None, hot_cache_bytes: int = 1 << 30) -> None:
+        self.models = models
+        self.store = store
+        self.keyring = keyring
+        self.worker_queue = worker_queue
+        self.cache = HotCache(hot_cache_bytes)
+        self.loads_from_store = 0
+
+    def activities(self) -> list[Callable[..., Any]]:
+        return [self.open_stream, self.advance_chunk, self.generate_tokens, self.reset_stream,
+                self.checkpoint_stream, self.dispose_stream]
+
+    def _edge(self, name: str, stream_id: str, chunk_seq: int) -> None:
+        """A commit edge (see the module docstring). Does nothing; tests kill a worker here."""
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    def _model(self, model_id: str) -> Model:
+        return self.models.get(model_id)
+
+    def _info(self, model: Model) -> ModelInfo:
+        ident = model.identity()
+        return ModelInfo(
+            model_id=model.model_id, model_revision=model.revision, architecture=model.schema.architecture,
+            vocab_size=model.vocab_size, input_transform=ident.input_transform,
+            input_transform_revision=ident.input_transform_revision, schema_fingerprint=ident.fingerprint,
+            state_bytes=model.schema.state_bytes,
+        )
+
+    def _record_key(self, state_key: str) -> str:
+        return f"{state_key}.out"
+
+    def _write_record(self, receipt: Receipt, result: dict[str, Any], last_logits: torch.Tensor | None) -> None:
+        key = self._record_key(receipt.state_key)
+        payload = msgpack.packb({
+            "result": json.dumps(result),
+            "logits": b"" if last_logits is None else last_logits.to(torch.float32).contiguous().numpy().tobytes(),
+        })
+        blob = seal_bytes(payload, binding=f"{receipt.principal}|{key}", keyring=self.keyring)
+        self.store.put_if_absent(key=key, data=blob, stream_id=receipt.stream_id, principal=receipt.principal)
+
+    def _read_record(self, state_key: str, stream_id: str, principal: str) -> tuple[dict, torch.Tensor | None] | None:
+        key = self._record_key(state_key)
+        blob = self.store.get(key=key, principal=principal)
+        if blob is None:
+            return None
+        data = msgpack.unpackb(open_bytes(blob, binding=f"{principal}|{key}", keyring=self.keyring), raw=False)
+        logits = torch.frombuffer(bytearray(data["logits"]), dtype=torch.float32) if data["logits"] else None
+        return json.loads(data["result"]), logits
+
+    def _load(self, model: Model, receipt: Receipt, principal: str) -> HotEntry:
+        entry = self.cache.get(receipt.state_key, receipt)
+        if entry is not None:
+            return entry
+        blob = self.store.get(key=receipt.state_key, principal=principal)
+        if blob is None:
+            raise ApplicationError(f"no checkpoint {receipt.state_key} for this principal in {self.store.url}",
+                                   type="CheckpointNotFound", non_retryable=True)
+        state = unseal(blob, receipt, self.keyring, model=model, principal=principal)
+        record = self._read_record(receipt.state_key, receipt.stream_id, principal)
+        entry = HotEntry(receipt.stream_id, receipt, state, record[1] if record else None)
+        self.cache.put(receipt.state_key, entry)
+        self.loads_from_store += 1
+        return entry
+
+    def _check(self, model: Model, receipt: Receipt, principal: str, stream_id: str) -> None:
+        validate_resume(receipt, model.identity(), principal, stream_id=stream_id)
+
+    def _commit(self, model: Model, stream_id: str, principal: str, state: State, *, chunk_seq: int,
+                epoch: int, key: str, backend: str) -> tuple[Receipt, State]:
+        """Seal and store put-if-absent; if an earlier attempt committed this key, adopt its bytes."""
+        receipt, blob = seal(model, state, stream_id=stream_id, principal=principal, chunk_seq=chunk_seq,
+                             epoch=epoch, keyring=self.keyring, state_key=key, backend=backend)
+        self._edge("write", stream_id, chunk_seq)
+        if self.store.put_if_absent(key=key, data=blob, stream_id=stream_id, principal=principal):
+            return receipt, state
+        existing = self.store.get(key=key, principal=principal)
+        if existing is None:  # deleted between the two calls: ours is as good
+            self.store.put_if_absent(key=key, data=blob, stream_id=stream_id, principal=principal)
+            return receipt, state
+        tensors, checksum = open_checkpoint(existing, receipt, self.keyring)
+        adopted = receipt.model_copy(update={"checksum": checksum})
+        return adopted, State(state.position, tensors, model.schema.fingerprint())
+
+    def _run(self, model: Model, state: State, tokens: list[int]) -> tuple[State, torch.Tensor, str]:
+        """Advance in pieces, heartbeating between them; returns state, logits (L, V), backend."""
+        rows = []
+        path = "empty"
+        for i in range(0, max(len(tokens), 1), PIECE_TOKENS):
+            step = model.advance(state, tokens[i : i + PIECE_TOKENS])
+            rows.append(step.logits)
+            state, path = step.state, step.path
+            _beat(i)
+        logits = torch.cat(rows) if rows else torch.zeros((0, model.vocab_size))
+        return state, logits, f"{model.backend}:{path}"
+
+    def _drop(self, keys: list[str]) -> None:
+        for k in keys:
+            self.store.delete(key=k)
+            self.store.delete(key=self._record_key(k))
+            self.cache.discard(k)
+
+    # --- activities ---------------------------------------------------------------------------
+
+    @activity.defn(name=ACTIVITY_OPEN)
+    def open_stream(self, req: OpenStreamRequest) -> OpenStreamResult:
+        """Bind a new stream to a model: its initial state, or a validated checkpoint to resume."""
+        with _typed_errors():
+            check_name("stream id", req.stream_id)
+            model = self._model(req.model_id)
+            info = self._info(model)
+            if req.input_transform not in (None, info.input_transform):
+                raise ApplicationError(
+                    f"model {req.model_id} reads {info.input_transform!r}, not {req.input_transform!r}",
+                    type="InputTransformMismatch", non_retryable=True)
+            last = None
+            if req.resume is None:
+                state = model.initial_state()
+            else:
+                # another stream's checkpoint: everything but the stream id must match
+                validate_resume(req.resume, model.identity(), req.principal)
+                entry = self._load(model, req.resume, req.principal)
+                state, last = entry.state, entry.last_logits
+            origin = req.resume.checksum if req.resume else "initial"
+            key = default_state_key(req.stream_id, 0, 0, hashlib.sha256(f"open|{origin}".encode()).hexdigest())
+            receipt, state = self._commit(model, req.stream_id, req.principal, state, chunk_seq=0, epoch=0,
+                                          key=key, backend=f"{model.backend}:open")
+            if last is not None:
+                self._write_record(receipt, {"kind": "open"}, last)
+            self.cache.put(receipt.state_key, HotEntry(req.stream_id, receipt, state, last))
+            return OpenStreamResult(receipt=receipt, info=info, worker_queue=self.worker_queue)
+
+    @activity.defn(name=ACTIVITY_ADVANCE)
+    def advance_chunk(self, req: AdvanceChunkRequest) -> AdvanceChunkResult:
+        """Advance the stream by one chunk, exactly once."""
+        with _typed_errors():
+            model = self._model(req.receipt.model_id)
+            self._check(model, req.receipt, req.principal, req.stream_id)
+            ask = req.request
+            if ask.text is not None:
+                if model.transform is None:
+                    raise ApplicationError("this model has no input transform; send tokens",
+                                           type="InvalidInput", non_retryable=True)
+                tokens = model.transform.encode(ask.text)
+            else:
+                tokens = list(ask.tokens or [])
+            if len(tokens) > req.max_chunk_tokens:
+                raise ApplicationError(f"{len(tokens)} tokens exceed the chunk limit {req.max_chunk_tokens}",
+                                       type="ChunkTooLarge", non_retryable=True)
+            model.check_tokens(tokens)  # typed InvalidInput before any work
+            digest = hashlib.sha256(f"advance|{ask.top_k}|".encode() + torch.tensor(tokens, dtype=torch.int64)
+                                    .numpy().tobytes()).hexdigest()
+            key = _derived_key(req.stream_id, req.receipt, ask.chunk_seq, digest)
+            done = self._read_record(key, req.stream_id, req.principal)
+            if done is not None:  # an earlier attempt finished: its result, not a second advance
+                return AdvanceChunkResult(result=AdvanceResult.model_validate(done[0]), worker_queue=self.worker_queue)
+            self._edge("admitted", req.stream_id, ask.chunk_seq)
+            entry = self._load(model, req.receipt, req.principal)
+            state, logits, backend = self._run(model, entry.state, tokens)
+            self._edge("computed", req.stream_id, ask.chunk_seq)
+            receipt, state = self._commit(model, req.stream_id, req.principal, state, chunk_seq=ask.chunk_seq,
+                                          epoch=req.receipt.epoch, key=key, backend=backend)
+            last = logits[-1] if len(tokens) else entry.last_logits
+            result = AdvanceResult(
+                stream_id=req.stream_id, chunk_seq=ask.chunk_seq, position=receipt.position, n_tokens=len(tokens),
+                receipt=receipt, top_k=_top_k(last, ask.top_k), output_digest=_digest(logits), backend=backend,
+            )
+            self._edge("written", req.stream_id, ask.chunk_seq)
+            self._write_record(receipt, result.model_dump(mode="json"), last)
+            self._edge("recorded", req.stream_id, ask.chunk_seq)
+            self.cache.put(key, HotEntry(req.stream_id, receipt, state, last))
+            self.cache.discard(req.receipt.state_key)
+            self._drop(req.drop_keys)
+            return AdvanceChunkResult(result=result, worker_queue=self.worker_queue)
+
+    @activity.defn(name=ACTIVITY_GENERATE)
+    def generate_tokens(self, req: GenerateChunkRequest) -> GenerateChunkResult:
+        """Sample tokens with a seeded generator; each one advances the state like input."""
+        with _typed_errors():
+            model = self._model(req.receipt.model_id)
+            self._check(model, req.receipt, req.principal, req.stream_id)
+            ask = req.request
+            seed = ask.seed if ask.seed is not None else int.from_bytes(
+                hashlib.sha256(f"{req.stream_id}|{ask.chunk_seq}".encode()).digest()[:8], "little") >> 1
+            digest = hashlib.sha256(
+                json.dumps(ask.model_dump(mode="json", exclude={"principal"}) | {"seed": seed}, sort_keys=True).encode()
+            ).hexdigest()
+            key = _derived_key(req.stream_id, req.receipt, ask.chunk_seq, digest)
+            done = self._read_record(key, req.stream_id, req.principal)
+            if done is not None:
+                return GenerateChunkResult(result=GenerateResult.model_validate(done[0]),
+                                           worker_queue=self.worker_queue)
+            self._edge("admitted", req.stream_id, ask.chunk_seq)
+            entry = self._load(model, req.receipt, req.principal)
+            if entry.last_logits is None:
+                raise ApplicationError("nothing to continue from: feed a prompt before generating",
+                                       type="EmptyContext", non_retryable=True)
+            gen = torch.Generator().manual_seed(seed)
+            state, logits, tokens, rows = entry.state, entry.last_logits, [], []
+            finish, backend = "length", f"{model.backend}:step"
+            transform = model.transform
+            for i in range(ask.max_tokens):
+                tok = _sample(logits, ask.temperature, ask.top_k, gen)
+                step = model.advance(state, [tok])
+                state, logits = step.state, step.logits[-1]
+                tokens.append(tok)
+                rows.append(step.logits)
+                backend = f"{step.backend}:{step.path}"
+                _beat(i)
+                if ask.stop and transform is not None:
+                    text = transform.decode(tokens)
+                    if any(s and s in text for s in ask.stop):
+                        finish = "stop"
+                        break
+            self._edge("computed", req.stream_id, ask.chunk_seq)
+            receipt, state = self._commit(model, req.stream_id, req.principal, state, chunk_seq=ask.chunk_seq,
+                                          epoch=req.receipt.epoch, key=key, backend=backend)
+            result = GenerateResult(
+                stream_id=req.stream_id, chunk_seq=ask.chunk_seq, position=receipt.position, tokens=tokens,
+                text=transform.decode(tokens) if transform is not None else None, finish_reason=finish,
+                receipt=receipt, output_digest=_digest(torch.cat(rows)), backend=backend,
+            )
+            self._edge("written", req.stream_id, ask.chunk_seq)
+            self._write_record(receipt, result.model_dump(mode="json"), logits)
+            self._edge("recorded", req.stream_id, ask.chunk_seq)
+            self.cache.put(key, HotEntry(req.stream_id, receipt, state, logits))
+            self.cache.discard(req.receipt.state_key)
+            self._drop(req.drop_keys)
+            return GenerateChunkResult(result=result, worker_queue=self.worker_queue)
+
+    @activity.defn(name=ACTIVITY_RESET)
+    def reset_stream(self, req: ResetStreamRequest) -> StateResult:
+        """A new epoch at position 0: the model's initial state, sealed for the stream."""
+        with _typed_errors():
+            model = self._model(req.receipt.model_id)
+            self._check(model, req.receipt, req.principal, req.stream_id)
+            if req.epoch <= req.receipt.epoch:
+                raise ApplicationError(f"epoch {req.epoch} does not follow {req.receipt.epoch}",
+                                       type="EpochMismatch", non_retryable=True)
+            key = default_state_key(req.stream_id, req.epoch, req.receipt.chunk_seq,
+                                    hashlib.sha256(b"reset|initial").hexdigest())
+            receipt, state = self._commit(model, req.stream_id, req.principal, model.initial_state(),
+                                          chunk_seq=req.receipt.chunk_seq, epoch=req.epoch, key=key,
+                                          backend=f"{model.backend}:reset")
+            self.cache.put(key, HotEntry(req.stream_id, receipt, state, None))
+            self.cache.discard(req.receipt.state_key)
+            return StateResult(receipt=receipt, worker_queue=self.worker_queue)
+
+    @activity.defn(name=ACTIVITY_CHECKPOINT)
+    def checkpoint_stream(self, req: CheckpointStreamRequest) -> StateResult:
+        """Prove the stream's current checkpoint is in the store and authentic; return its receipt."""
+        with _typed_errors():
+            model = self._model(req.receipt.model_id)
+            self._check(model, req.receipt, req.principal, req.stream_id)
+            blob = self.store.get(key=req.receipt.state_key, principal=req.principal)
+            if blob is None:
+                raise ApplicationError(f"checkpoint {req.receipt.state_key} is missing from the store",
+                                       type="CheckpointNotFound", non_retryable=True)
+            unseal(blob, req.receipt, self.keyring, model=model, principal=req.principal)
+            return StateResult(receipt=req.receipt, worker_queue=self.worker_queue)
+
+    @activity.defn(name=ACTIVITY_DISPOSE)
+    def dispose_stream(self, req: DisposeStreamRequest) -> DisposeStreamResult:
+        """Delete every blob of the stream and zero its hot states."""
+        with _typed_errors():
+            check_name("stream id", req.stream_id)
+            deleted = self.store.delete_stream(stream_id=req.stream_id)
+            evicted = self.cache.evict_stream(req.stream_id)
+            log.info("disposed stream %s: %d blobs deleted, %d hot states zeroed", req.stream_id, deleted, evicted)
+            return DisposeStreamResult(deleted=deleted, evicted=evicted)
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Generator) -> int:
+    if temperature == 0.0:
+        return int(torch.argmax(logits))
+    x = logits.double() / temperature
+    if top_k:
+        vals, idx = torch.topk(x, min(top_k, x.numel()))
+        choice = torch.multinomial(torch.softmax(vals, dim=-1), 1, generator=gen)
+        return int(idx[choice])
+    probs = torch.softmax(x, dim=-1)
+    if not math.isfinite(float(probs.sum())):
+        raise ApplicationError("non-finite sampling distribution", type="NonFiniteOutput", non_retryable=True)
+    return int(torch.multinomial(probs, 1, generator=gen))

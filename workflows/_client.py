@@ -1,0 +1,103 @@
+"""Client helpers: open streams with server-made ids, feed them with idempotent update ids."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+
+from temporalio.client import Client, WorkflowHandle
+from temporalio.common import WorkflowIDConflictPolicy
+
+from state_codec import Receipt
+from workflows._models import (
+    AdvanceRequest,
+    AdvanceResult,
+    CheckpointRequest,
+    CheckpointResult,
+    GenerateRequest,
+    GenerateResult,
+    OpenStreamInput,
+    ResetRequest,
+    StreamOptions,
+    StreamStats,
+)
+from workflows._stream import MambaStreamWorkflow
+
+__all__ = ["DEFAULT_TASK_QUEUE", "StreamClient", "new_stream_id", "update_id"]
+
+DEFAULT_TASK_QUEUE = "mamba-stream"
+
+
+def new_stream_id() -> str:
+    """Opaque, unguessable, and valid as a store key prefix."""
+    return "ms-" + uuid.uuid4().hex
+
+
+def update_id(chunk_seq: int) -> str:
+    """The idempotency key of a chunk: re-sending the same chunk_seq returns the first result."""
+    return f"seq-{chunk_seq}"
+
+
+class StreamClient:
+    """Operations on streams through a Temporal client carrying the MambaStreamPlugin."""
+
+    def __init__(self, client: Client, task_queue: str = DEFAULT_TASK_QUEUE) -> None:
+        self.client = client
+        self.task_queue = task_queue
+
+    def handle(self, stream_id: str) -> WorkflowHandle:
+        return self.client.get_workflow_handle_for(MambaStreamWorkflow.run, stream_id)
+
+    async def open(self, principal: str, model_id: str, *, options: StreamOptions | None = None,
+                   input_transform: str | None = None, resume: Receipt | None = None,
+                   stream_id: str | None = None) -> str:
+        """Start a stream; returns its id (server-made unless given)."""
+        sid = stream_id or new_stream_id()
+        await self.client.start_workflow(
+            MambaStreamWorkflow.run,
+            OpenStreamInput(principal=principal, model_id=model_id, input_transform=input_transform,
+                            resume=resume, options=options or StreamOptions()),
+            id=sid, task_queue=self.task_queue, id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
+        )
+        return sid
+
+    async def next_seq(self, stream_id: str) -> int:
+        return (await self.stats(stream_id)).chunk_seq + 1
+
+    async def advance(self, stream_id: str, principal: str, *, tokens: Sequence[int] | None = None,
+                      text: str | None = None, chunk_seq: int | None = None, top_k: int = 5) -> AdvanceResult:
+        seq = chunk_seq if chunk_seq is not None else await self.next_seq(stream_id)
+        req = AdvanceRequest(principal=principal, chunk_seq=seq, tokens=list(tokens) if tokens is not None else None,
+                             text=text, top_k=top_k)
+        return await self.handle(stream_id).execute_update(MambaStreamWorkflow.advance, req, id=update_id(seq))
+
+    async def generate(self, stream_id: str, principal: str, max_tokens: int, *, temperature: float = 1.0,
+                       top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (),
+                       chunk_seq: int | None = None) -> GenerateResult:
+        seq = chunk_seq if chunk_seq is not None else await self.next_seq(stream_id)
+        req = GenerateRequest(principal=principal, chunk_seq=seq, max_tokens=max_tokens, temperature=temperature,
+                              top_k=top_k, seed=seed, stop=list(stop))
+        return await self.handle(stream_id).execute_update(MambaStreamWorkflow.generate, req, id=update_id(seq))
+
+    async def reset(self, stream_id: str, principal: str) -> None:
+        await self.handle(stream_id).signal(MambaStreamWorkflow.reset, ResetRequest(principal=principal))
+
+    async def checkpoint(self, stream_id: str, principal: str) -> CheckpointResult:
+        return await self.handle(stream_id).execute_update(MambaStreamWorkflow.checkpoint,
+                                                           CheckpointRequest(principal=principal))
+
+    async def receipt(self, stream_id: str) -> Receipt | None:
+        return await self.handle(stream_id).query(MambaStreamWorkflow.receipt)
+
+    async def stats(self, stream_id: str) -> StreamStats:
+        return await self.handle(stream_id).query(MambaStreamWorkflow.stats)
+
+    async def cancel(self, stream_id: str, *, wait: bool = True) -> None:
+        """Cancel the stream; with `wait`, return once it has disposed of its state and ended."""
+        h = self.handle(stream_id)
+        await h.cancel()
+        if wait:
+            try:
+                await h.result()
+            except Exception:  # noqa: BLE001 - a cancelled run ends in WorkflowFailureError
+                pass

@@ -1,0 +1,315 @@
+"""Requests and results of the stream workflow and its activities (pydantic; sandbox-safe).
+
+One model in, one model out, for every update, signal, query and activity; new fields are
+optional, so histories written by an older version still decode.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from state_codec import Receipt
+
+__all__ = [
+    "ACTIVITY_ADVANCE",
+    "ACTIVITY_AGENT_FEED",
+    "ACTIVITY_CHECKPOINT",
+    "ACTIVITY_DISPOSE",
+    "ACTIVITY_GENERATE",
+    "ACTIVITY_OPEN",
+    "ACTIVITY_RESET",
+    "AdvanceChunkRequest",
+    "AdvanceChunkResult",
+    "AdvanceRequest",
+    "AdvanceResult",
+    "AgentFeedRequest",
+    "AgentInput",
+    "AgentResult",
+    "CheckpointRequest",
+    "CheckpointResult",
+    "CheckpointStreamRequest",
+    "DisposeStreamRequest",
+    "DisposeStreamResult",
+    "GenerateChunkRequest",
+    "GenerateChunkResult",
+    "GenerateRequest",
+    "GenerateResult",
+    "ModelInfo",
+    "OpenStreamInput",
+    "OpenStreamRequest",
+    "OpenStreamResult",
+    "RecentResult",
+    "ResetRequest",
+    "ResetStreamRequest",
+    "StateResult",
+    "StreamCarry",
+    "StreamOptions",
+    "StreamStats",
+    "TokenLogprob",
+]
+
+ACTIVITY_OPEN = "open_stream"
+ACTIVITY_ADVANCE = "advance_chunk"
+ACTIVITY_GENERATE = "generate_tokens"
+ACTIVITY_RESET = "reset_stream"
+ACTIVITY_CHECKPOINT = "checkpoint_stream"
+ACTIVITY_DISPOSE = "dispose_stream"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class StreamOptions(_Model):
+    """Per-stream knobs, fixed at open time."""
+
+    affinity: bool = Field(default=True, description="send activities to the worker holding the hot state")
+    checkpoints_kept: int = Field(default=2, ge=1, description="recent checkpoints kept in the store")
+    max_chunk_tokens: int = Field(default=65536, ge=1)
+    max_text_bytes: int = Field(default=262144, ge=1)
+    max_generate_tokens: int = Field(default=4096, ge=1)
+    recent_results: int = Field(default=256, ge=1, description="results kept to deduplicate across continue-as-new")
+    activity_timeout_s: float = Field(default=600.0, gt=0)
+    heartbeat_timeout_s: float = Field(default=30.0, gt=0)
+    schedule_to_start_s: float = Field(default=10.0, gt=0, description="wait for the affine worker, then rebind")
+    retry_max_attempts: int = Field(default=20, ge=1)
+
+
+class ModelInfo(_Model):
+    """What the workflow needs to know of the serving model (no tensors)."""
+
+    model_id: str
+    model_revision: str
+    architecture: str
+    vocab_size: int
+    input_transform: str
+    input_transform_revision: str
+    schema_fingerprint: str
+    state_bytes: int
+
+
+class StreamStats(_Model):
+    """The `stats` query: counters of one stream, carried across continue-as-new."""
+
+    stream_id: str = ""
+    principal: str = ""
+    model_id: str = ""
+    position: int = 0
+    epoch: int = 0
+    chunk_seq: int = 0
+    chunks: int = 0
+    tokens: int = 0
+    generated_tokens: int = 0
+    duplicates: int = 0
+    resets: int = 0
+    rejected_resets: int = 0
+    rejected_updates: int = 0
+    migrations: int = 0
+    continued_as_new: int = 0
+    last_backend: str = ""
+    cancelled: bool = False
+
+
+class TokenLogprob(_Model):
+    token: int
+    logprob: float
+
+
+class AdvanceRequest(_Model):
+    """Feed a chunk: token ids or text (encoded by the stream's input transform), not both."""
+
+    principal: str
+    chunk_seq: int = Field(description="must be exactly the stream's last chunk_seq + 1")
+    tokens: list[int] | None = None
+    text: str | None = None
+    top_k: int = Field(default=5, ge=0, le=100)
+
+    @model_validator(mode="after")
+    def _one_input(self) -> AdvanceRequest:
+        if (self.tokens is None) == (self.text is None):
+            raise ValueError("give exactly one of tokens and text")
+        return self
+
+
+class AdvanceResult(_Model):
+    stream_id: str
+    chunk_seq: int
+    position: int
+    n_tokens: int
+    receipt: Receipt
+    top_k: list[TokenLogprob] = Field(description="log-probabilities of the most likely next tokens")
+    output_digest: str = Field(description="sha256 of the chunk's float32 logits, all positions")
+    backend: str
+    duplicate: bool = False
+
+
+class GenerateRequest(_Model):
+    """Sample up to max_tokens; seeded, so a retry or replay samples the same tokens."""
+
+    principal: str
+    chunk_seq: int
+    max_tokens: int = Field(ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, description="0: greedy")
+    top_k: int = Field(default=0, ge=0, description="0: no top-k filter")
+    seed: int | None = Field(default=None, description="None: derived from the stream and chunk_seq")
+    stop: list[str] = Field(default_factory=list, description="stop after any of these texts")
+
+
+class GenerateResult(_Model):
+    stream_id: str
+    chunk_seq: int
+    position: int
+    tokens: list[int]
+    text: str | None = None
+    finish_reason: Literal["length", "stop"]
+    receipt: Receipt
+    output_digest: str
+    backend: str
+    duplicate: bool = False
+
+
+class ResetRequest(_Model):
+    """Payload of the `reset` signal: `{"principal": "..."}`."""
+
+    principal: str
+
+
+class CheckpointRequest(_Model):
+    principal: str
+
+
+class CheckpointResult(_Model):
+    stream_id: str
+    receipt: Receipt
+
+
+class RecentResult(_Model):
+    """A finished update, kept to answer its id again after continue-as-new."""
+
+    update_id: str
+    advance: AdvanceResult | None = None
+    generate: GenerateResult | None = None
+
+
+class StreamCarry(_Model):
+    """Everything a stream carries across continue-as-new."""
+
+    receipt: Receipt
+    info: ModelInfo
+    stats: StreamStats
+    recent: list[RecentResult] = Field(default_factory=list)
+    kept: list[str] = Field(default_factory=list, description="state keys of recent checkpoints")
+    pinned: list[str] = Field(default_factory=list, description="state keys handed out by `checkpoint`")
+    worker_queue: str | None = None
+
+
+class OpenStreamInput(_Model):
+    """Start input of MambaStreamWorkflow."""
+
+    principal: str
+    model_id: str
+    input_transform: str | None = Field(default=None, description="transform id; None: the model's own")
+    resume: Receipt | None = Field(default=None, description="a checkpoint to continue from")
+    options: StreamOptions = Field(default_factory=StreamOptions)
+    carry: StreamCarry | None = None
+
+
+# --- activity inputs and outputs ---------------------------------------------------------------
+
+
+class OpenStreamRequest(_Model):
+    stream_id: str
+    principal: str
+    model_id: str
+    input_transform: str | None = None
+    resume: Receipt | None = None
+
+
+class OpenStreamResult(_Model):
+    receipt: Receipt
+    info: ModelInfo
+    worker_queue: str | None = None
+
+
+class AdvanceChunkRequest(_Model):
+    stream_id: str
+    principal: str
+    receipt: Receipt = Field(description="the state to advance")
+    request: AdvanceRequest
+    max_chunk_tokens: int = 65536
+    drop_keys: list[str] = Field(default_factory=list, description="older checkpoints to delete once committed")
+
+
+class AdvanceChunkResult(_Model):
+    result: AdvanceResult
+    worker_queue: str | None = None
+
+
+class GenerateChunkRequest(_Model):
+    stream_id: str
+    principal: str
+    receipt: Receipt
+    request: GenerateRequest
+    drop_keys: list[str] = Field(default_factory=list)
+
+
+class GenerateChunkResult(_Model):
+    result: GenerateResult
+    worker_queue: str | None = None
+
+
+class ResetStreamRequest(_Model):
+    stream_id: str
+    principal: str
+    receipt: Receipt = Field(description="the state being replaced (for its model and chunk_seq)")
+    epoch: int
+
+
+class StateResult(_Model):
+    """A receipt produced by reset or verified by checkpoint."""
+
+    receipt: Receipt
+    worker_queue: str | None = None
+
+
+class CheckpointStreamRequest(_Model):
+    stream_id: str
+    principal: str
+    receipt: Receipt
+
+
+class DisposeStreamRequest(_Model):
+    stream_id: str
+
+
+class DisposeStreamResult(_Model):
+    deleted: int
+    evicted: int
+
+
+# --- the example agent -------------------------------------------------------------------------
+
+ACTIVITY_AGENT_FEED = "agent_feed_stream"
+
+
+class AgentInput(_Model):
+    """A conversation: each turn's text is fed to the agent's own stream, in order."""
+
+    principal: str
+    model_id: str
+    turns: list[str]
+    options: StreamOptions = Field(default_factory=StreamOptions)
+
+
+class AgentFeedRequest(_Model):
+    stream_id: str
+    principal: str
+    chunk_seq: int
+    text: str
+
+
+class AgentResult(_Model):
+    stream_id: str
+    turns: list[AdvanceResult]

@@ -1,0 +1,340 @@
+"""MambaStreamWorkflow: one workflow per stream; history is the record of what was committed.
+
+Updates (`advance`, `generate`, `checkpoint`) and the `reset` signal run one at a time, in
+arrival order, behind one lock. A validator rejects a wrong principal, a wrong chunk sequence,
+bad or oversized input and a cancelled stream before anything reaches history. The update id is
+the idempotency key: the server answers a repeated id within a run, and the workflow keeps recent
+results across continue-as-new to answer it after that too.
+
+Sandbox-safe: the standard library, temporalio, pydantic and the record half of state_codec.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+from typing import Any, TypeVar
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, ApplicationError
+
+with workflow.unsafe.imports_passed_through():
+    from state_codec import Receipt
+    from workflows._models import (
+        ACTIVITY_ADVANCE,
+        ACTIVITY_CHECKPOINT,
+        ACTIVITY_DISPOSE,
+        ACTIVITY_GENERATE,
+        ACTIVITY_OPEN,
+        ACTIVITY_RESET,
+        AdvanceChunkRequest,
+        AdvanceChunkResult,
+        AdvanceRequest,
+        AdvanceResult,
+        CheckpointRequest,
+        CheckpointResult,
+        CheckpointStreamRequest,
+        DisposeStreamRequest,
+        DisposeStreamResult,
+        GenerateChunkRequest,
+        GenerateChunkResult,
+        GenerateRequest,
+        GenerateResult,
+        ModelInfo,
+        OpenStreamInput,
+        OpenStreamRequest,
+        OpenStreamResult,
+        RecentResult,
+        ResetRequest,
+        ResetStreamRequest,
+        StateResult,
+        StreamCarry,
+        StreamStats,
+    )
+
+__all__ = ["MambaStreamWorkflow"]
+
+T = TypeVar("T")
+
+
+def _reject(message: str, reason: str, **details: Any) -> ApplicationError:
+    """A permanent, typed refusal; `details` (field values) travel with it to the caller."""
+    return ApplicationError(message, *([details] if details else []), type=reason, non_retryable=True)
+
+
+@workflow.defn(name="MambaStream")
+class MambaStreamWorkflow:
+    @workflow.init
+    def __init__(self, inp: OpenStreamInput) -> None:
+        self._inp = inp
+        self._opts = inp.options
+        self._lock = asyncio.Lock()
+        self._cancelled = False
+        carry = inp.carry
+        self._receipt: Receipt | None = carry.receipt if carry else None
+        self._info: ModelInfo | None = carry.info if carry else None
+        self._stats = carry.stats if carry else StreamStats(
+            stream_id=workflow.info().workflow_id, principal=inp.principal, model_id=inp.model_id)
+        self._recent: dict[str, RecentResult] = {r.update_id: r for r in (carry.recent if carry else [])}
+        self._kept: list[str] = list(carry.kept) if carry else []
+        self._pinned: list[str] = list(carry.pinned) if carry else []
+        self._worker_queue: str | None = carry.worker_queue if carry else None
+        self._admitted = self._stats.chunk_seq  # highest chunk_seq whose handler has started
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    @workflow.run
+    async def run(self, inp: OpenStreamInput) -> StreamStats:
+        try:
+            if self._receipt is None:
+                await self._open()
+            await workflow.wait_condition(
+                lambda: workflow.info().is_continue_as_new_suggested() and not self._lock.locked())
+            await workflow.wait_condition(workflow.all_handlers_finished)
+            self._stats = self._stats.model_copy(update={"continued_as_new": self._stats.continued_as_new + 1})
+            workflow.continue_as_new(self._inp.model_copy(update={"resume": None, "carry": self._carry()}))
+        except asyncio.CancelledError:
+            # No further advancement: validators refuse from now on, admitted work completes,
+            # then the stream's blobs and hot states are destroyed and the run ends cancelled.
+            self._cancelled = True
+            self._stats = self._stats.model_copy(update={"cancelled": True})
+            await workflow.wait_condition(workflow.all_handlers_finished)
+            await self._call(ACTIVITY_DISPOSE, DisposeStreamRequest(stream_id=self._stream_id), DisposeStreamResult)
+            raise
+
+    async def _open(self) -> None:
+        inp = self._inp
+        res = await self._call(
+            ACTIVITY_OPEN,
+            OpenStreamRequest(stream_id=self._stream_id, principal=inp.principal, model_id=inp.model_id,
+                              input_transform=inp.input_transform, resume=inp.resume),
+            OpenStreamResult, affine=False)
+        self._receipt, self._info = res.receipt, res.info
+        self._bind(res.worker_queue)
+        self._kept = [res.receipt.state_key]
+        self._stats = self._stats.model_copy(update={"position": res.receipt.position,
+                                                     "last_backend": res.receipt.backend})
+
+    def _carry(self) -> StreamCarry:
+        assert self._receipt is not None and self._info is not None
+        recent = list(self._recent.values())[-self._opts.recent_results :]
+        return StreamCarry(receipt=self._receipt, info=self._info, stats=self._stats, recent=recent,
+                           kept=self._kept, pinned=self._pinned, worker_queue=self._worker_queue)
+
+    @property
+    def _stream_id(self) -> str:
+        return workflow.info().workflow_id
+
+    # --- activities, with affinity ---------------------------------------------------------------
+
+    def _bind(self, queue: str | None) -> None:
+        if self._opts.affinity and queue:
+            self._worker_queue = queue
+
+    async def _call(self, name: str, arg: Any, result_type: type[T], *, affine: bool = True) -> T:
+        o = self._opts
+        common: dict[str, Any] = dict(
+            start_to_close_timeout=timedelta(seconds=o.activity_timeout_s),
+            heartbeat_timeout=timedelta(seconds=o.heartbeat_timeout_s),
+            result_type=result_type,
+        )
+        try:
+            if affine and o.affinity and self._worker_queue:
+                try:
+                    return await workflow.execute_activity(
+                        name, arg, task_queue=self._worker_queue,
+                        schedule_to_start_timeout=timedelta(seconds=o.schedule_to_start_s),
+                        retry_policy=RetryPolicy(maximum_attempts=1), **common)
+                except ActivityError as err:
+                    if _permanent(err):
+                        raise
+                    # the worker holding the hot state is gone or failing: any worker resumes
+                    # from the store
+                    workflow.logger.warning("activity %s on %s failed (%s); rebinding to the shared queue",
+                                            name, self._worker_queue, err.cause or err)
+                    self._worker_queue = None
+                    self._stats = self._stats.model_copy(update={"migrations": self._stats.migrations + 1})
+            return await workflow.execute_activity(
+                name, arg,
+                retry_policy=RetryPolicy(initial_interval=timedelta(milliseconds=200), backoff_coefficient=2.0,
+                                         maximum_interval=timedelta(seconds=10),
+                                         maximum_attempts=o.retry_max_attempts),
+                **common)
+        except ActivityError as err:
+            cause = err.cause
+            if isinstance(cause, ApplicationError):
+                raise _reject(cause.message, cause.type or "ActivityFailed") from err
+            raise
+
+    # --- admission (validators: no side effects) --------------------------------------------------
+
+    def _admit(self, principal: str, chunk_seq: int) -> None:
+        if self._cancelled:
+            raise _reject("the stream is cancelled", "StreamCancelled")
+        if principal != self._inp.principal:
+            raise _reject(f"principal {principal!r} does not own this stream", "PrincipalMismatch",
+                          expected=self._inp.principal, actual=principal)
+        expected = self._admitted + 1
+        if chunk_seq != expected:
+            raise _reject(f"chunk_seq {chunk_seq} is not the next one ({expected})", "ChunkSequenceMismatch",
+                          expected=expected, actual=chunk_seq)
+
+    def _known(self) -> RecentResult | None:
+        info = workflow.current_update_info()
+        return self._recent.get(info.id) if info is not None else None
+
+    @workflow.update
+    async def advance(self, req: AdvanceRequest) -> AdvanceResult:
+        """Feed a chunk (tokens or text); returns the new receipt and an output summary."""
+        known = self._known()
+        if known is not None and known.advance is not None:
+            return self._duplicate(known.advance)
+        self._admitted = max(self._admitted, req.chunk_seq)
+        async with self._lock:
+            await workflow.wait_condition(lambda: self._receipt is not None)
+            self._recheck(req.principal, req.chunk_seq)
+            out = await self._call(ACTIVITY_ADVANCE, AdvanceChunkRequest(
+                stream_id=self._stream_id, principal=req.principal, receipt=self._receipt, request=req,
+                max_chunk_tokens=self._opts.max_chunk_tokens, drop_keys=self._to_drop()), AdvanceChunkResult)
+            result = out.result
+            self._commit(result.receipt, out.worker_queue, tokens=result.n_tokens)
+            self._remember(RecentResult(update_id=workflow.current_update_info().id, advance=result))
+            return result
+
+    @advance.validator
+    def _validate_advance(self, req: AdvanceRequest) -> None:
+        if self._known() is not None:
+            return
+        self._admit(req.principal, req.chunk_seq)
+        o = self._opts
+        if req.tokens is not None:
+            if len(req.tokens) > o.max_chunk_tokens:
+                raise _reject(f"{len(req.tokens)} tokens exceed the chunk limit {o.max_chunk_tokens}",
+                              "ChunkTooLarge")
+            vocab = self._info.vocab_size if self._info else None
+            bad = [t for t in req.tokens if t < 0 or (vocab is not None and t >= vocab)]
+            if bad:
+                raise _reject(f"token {bad[0]} is outside [0, {vocab})", "TokenOutOfRange", value=bad[0])
+        elif req.text is not None and len(req.text.encode("utf-8")) > o.max_text_bytes:
+            raise _reject(f"text exceeds {o.max_text_bytes} bytes", "ChunkTooLarge")
+
+    @workflow.update
+    async def generate(self, req: GenerateRequest) -> GenerateResult:
+        """Sample up to max_tokens (seeded); the generated tokens advance the state like input."""
+        known = self._known()
+        if known is not None and known.generate is not None:
+            return self._duplicate(known.generate)
+        self._admitted = max(self._admitted, req.chunk_seq)
+        async with self._lock:
+            await workflow.wait_condition(lambda: self._receipt is not None)
+            self._recheck(req.principal, req.chunk_seq)
+            out = await self._call(ACTIVITY_GENERATE, GenerateChunkRequest(
+                stream_id=self._stream_id, principal=req.principal, receipt=self._receipt, request=req,
+                drop_keys=self._to_drop()), GenerateChunkResult)
+            result = out.result
+            self._commit(result.receipt, out.worker_queue, generated=len(result.tokens))
+            self._remember(RecentResult(update_id=workflow.current_update_info().id, generate=result))
+            return result
+
+    @generate.validator
+    def _validate_generate(self, req: GenerateRequest) -> None:
+        if self._known() is not None:
+            return
+        self._admit(req.principal, req.chunk_seq)
+        if req.max_tokens > self._opts.max_generate_tokens:
+            raise _reject(f"max_tokens {req.max_tokens} exceeds {self._opts.max_generate_tokens}", "ChunkTooLarge")
+        if self._receipt is not None and self._receipt.position == 0:
+            raise _reject("nothing to continue from: feed a prompt before generating", "EmptyContext")
+
+    @workflow.update
+    async def checkpoint(self, req: CheckpointRequest) -> CheckpointResult:
+        """A portable receipt: verified in the store, kept until the stream is cancelled."""
+        async with self._lock:
+            await workflow.wait_condition(lambda: self._receipt is not None)
+            if self._cancelled:
+                raise _reject("the stream is cancelled", "StreamCancelled")
+            out = await self._call(ACTIVITY_CHECKPOINT, CheckpointStreamRequest(
+                stream_id=self._stream_id, principal=req.principal, receipt=self._receipt), StateResult)
+            if out.receipt.state_key not in self._pinned:
+                self._pinned.append(out.receipt.state_key)
+            return CheckpointResult(stream_id=self._stream_id, receipt=out.receipt)
+
+    @checkpoint.validator
+    def _validate_checkpoint(self, req: CheckpointRequest) -> None:
+        if self._cancelled:
+            raise _reject("the stream is cancelled", "StreamCancelled")
+        if req.principal != self._inp.principal:
+            raise _reject(f"principal {req.principal!r} does not own this stream", "PrincipalMismatch",
+                          expected=self._inp.principal, actual=req.principal)
+
+    @workflow.signal
+    async def reset(self, req: ResetRequest) -> None:
+        """New epoch at position 0. From the wrong principal: nothing changes, it is counted."""
+        if req.principal != self._inp.principal or self._cancelled:
+            self._stats = self._stats.model_copy(update={"rejected_resets": self._stats.rejected_resets + 1})
+            workflow.logger.warning("reset refused (principal %r, cancelled %s)", req.principal, self._cancelled)
+            return
+        async with self._lock:
+            await workflow.wait_condition(lambda: self._receipt is not None)
+            assert self._receipt is not None
+            out = await self._call(ACTIVITY_RESET, ResetStreamRequest(
+                stream_id=self._stream_id, principal=req.principal, receipt=self._receipt,
+                epoch=self._receipt.epoch + 1), StateResult)
+            self._receipt = out.receipt
+            self._bind(out.worker_queue)
+            self._kept.append(out.receipt.state_key)
+            self._stats = self._stats.model_copy(update={
+                "position": 0, "epoch": out.receipt.epoch, "resets": self._stats.resets + 1,
+                "last_backend": out.receipt.backend})
+
+    @workflow.query
+    def receipt(self) -> Receipt | None:
+        return self._receipt
+
+    @workflow.query
+    def stats(self) -> StreamStats:
+        return self._stats
+
+    # --- bookkeeping -----------------------------------------------------------------------------
+
+    def _recheck(self, principal: str, chunk_seq: int) -> None:
+        """Validators ran at admission; by the time a handler holds the lock, an earlier one may have failed."""
+        if self._cancelled:
+            raise _reject("the stream is cancelled", "StreamCancelled")
+        expected = self._stats.chunk_seq + 1
+        if chunk_seq != expected:
+            self._admitted = self._stats.chunk_seq
+            raise _reject(f"chunk_seq {chunk_seq} does not follow the committed {expected - 1}",
+                          "ChunkSequenceMismatch", expected=expected, actual=chunk_seq)
+
+    def _to_drop(self) -> list[str]:
+        """Checkpoints that fall out of retention once the next one is committed."""
+        keep = self._opts.checkpoints_kept
+        excess = len(self._kept) + 1 - keep
+        return [k for k in self._kept[: max(excess, 0)] if k not in self._pinned]
+
+    def _commit(self, receipt: Receipt, worker_queue: str | None, *, tokens: int = 0, generated: int = 0) -> None:
+        dropped = set(self._to_drop())  # the activity deleted these after committing
+        self._kept = [k for k in self._kept if k not in dropped] + [receipt.state_key]
+        self._receipt = receipt
+        self._bind(worker_queue)
+        s = self._stats
+        self._stats = s.model_copy(update={
+            "position": receipt.position, "chunk_seq": receipt.chunk_seq, "chunks": s.chunks + 1,
+            "tokens": s.tokens + tokens, "generated_tokens": s.generated_tokens + generated,
+            "last_backend": receipt.backend})
+
+    def _remember(self, rec: RecentResult) -> None:
+        self._recent[rec.update_id] = rec
+        while len(self._recent) > self._opts.recent_results:
+            self._recent.pop(next(iter(self._recent)))
+
+    def _duplicate(self, result: Any) -> Any:
+        self._stats = self._stats.model_copy(update={"duplicates": self._stats.duplicates + 1})
+        return result.model_copy(update={"duplicate": True})
+
+
+def _permanent(err: ActivityError) -> bool:
+    cause = err.cause
+    return isinstance(cause, ApplicationError) and cause.non_retryable
