@@ -27,6 +27,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/bench_scan.py
 	$(PY) bench/bench_codec.py
+	$(PY) bench/bench_temporal.py
 
 crosscheck: $(STAMP)
 	MAMBA_STREAM_REQUIRE_CROSSCHECK=1 $(PY) -m pytest -q -s -m crosscheck

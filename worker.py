@@ -13,6 +13,8 @@ Environment (all optional):
     MAMBA_STREAM_TASK_QUEUE  the shared task queue (default mamba-stream); the worker also serves
                              its own queue, <shared>@<worker id>, for affinity
     MAMBA_STREAM_CODEC_PORT  port of the codec server started with the embedded stack (default 8081)
+    MAMBA_STREAM_TEMPORAL_PORT, MAMBA_STREAM_UI_PORT
+                             ports of the embedded dev server (default 7233 and 8233)
     MAMBA_STREAM_BACKEND     scan backend: auto (default), reference or chunked
 
 ctrl-C (or SIGTERM) drains the worker and stops what it started.
@@ -47,6 +49,8 @@ class WorkerConfig:
         "MAMBA_STREAM_MODELS", "tiny-mamba1,tiny-mamba2,tiny-mamba3"))
     task_queue: str = field(default_factory=lambda: os.environ.get("MAMBA_STREAM_TASK_QUEUE", "mamba-stream"))
     codec_port: int = field(default_factory=lambda: int(os.environ.get("MAMBA_STREAM_CODEC_PORT", "8081")))
+    temporal_port: int = field(default_factory=lambda: int(os.environ.get("MAMBA_STREAM_TEMPORAL_PORT", "7233")))
+    ui_port: int = field(default_factory=lambda: int(os.environ.get("MAMBA_STREAM_UI_PORT", "8233")))
     backend: str = field(default_factory=lambda: os.environ.get("MAMBA_STREAM_BACKEND", "auto"))
 
     @property
@@ -155,6 +159,7 @@ async def run_worker(cfg: WorkerConfig, stop: asyncio.Event, *, ready: asyncio.E
     async with shared, own:
         if ready is not None:
             ready.set()
+        print(f"worker {worker_id} ready on {cfg.task_queue} and {own_queue}", flush=True)
         await stop.wait()
     pool.shutdown(wait=False, cancel_futures=True)
 
@@ -168,7 +173,8 @@ def main() -> None:
         from state_codec.codec_server import CodecServer
 
         codec = CodecServer(load_keyring(cfg), port=cfg.codec_port).start()
-        server = EmbeddedTemporal(cfg.home, codec_endpoint=codec.url).start()
+        server = EmbeddedTemporal(cfg.home, port=cfg.temporal_port, ui_port=cfg.ui_port,
+                                  codec_endpoint=codec.url).start()
         cfg.address = server.address
         print(f"Temporal UI: http://127.0.0.1:{server.ui_port} (payloads decrypted through {codec.url})",
               flush=True)

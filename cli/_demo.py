@@ -64,7 +64,8 @@ async def _demo(args: argparse.Namespace) -> int:
     server = codec = None
     if cfg.address is None:
         codec = CodecServer(keyring, port=cfg.codec_port).start()
-        server = EmbeddedTemporal(cfg.home, codec_endpoint=codec.url).start()
+        server = EmbeddedTemporal(cfg.home, port=cfg.temporal_port, ui_port=cfg.ui_port,
+                                  codec_endpoint=codec.url).start()
         cfg.address = server.address
     queue = f"mamba-stream-demo-{uuid.uuid4().hex[:8]}"
     env = dict(os.environ, TEMPORAL_ADDRESS=cfg.address, MAMBA_STREAM_HOME=str(cfg.home),
@@ -165,4 +166,4 @@ async def _demo(args: argparse.Namespace) -> int:
 def add_demo_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="run the stream lifecycle end to end on the embedded stack")
     p.add_argument("--model", default="tiny-mamba2")
-    p.set_defaults(func=lambda args: asyncio.run(_demo(args)))
+    p.set_defaults(func=lambda args: asyncio.run(_demo(args)), hard_exit=True)

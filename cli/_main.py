@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 __all__ = ["main"]
@@ -52,7 +53,15 @@ def main(argv: list[str] | None = None) -> int:
     add_stream_commands(sub)
     add_demo_command(sub)
     args = parser.parse_args(argv)
-    return int(args.func(args))
+    code = int(args.func(args))
+    if getattr(args, "hard_exit", False):
+        # The Temporal client's native runtime threads can race interpreter shutdown and abort
+        # the process after the work is done ("PyGILState_Release ... finalizing"): leave
+        # without finalizing once everything is flushed.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -140,7 +140,7 @@ def add_stream_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--principal", required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--input-transform", default=None)
-    p.set_defaults(func=_run(_open))
+    p.set_defaults(func=_run(_open), hard_exit=True)
 
     p = common(sub.add_parser("feed", help="advance a stream by a chunk of text or tokens"))
     p.add_argument("stream")
@@ -149,7 +149,7 @@ def add_stream_commands(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--text")
     g.add_argument("--tokens", help="comma-separated ids")
     p.add_argument("--seq", type=int, default=None, help="chunk sequence (default: the next); also the update id")
-    p.set_defaults(func=_run(_feed))
+    p.set_defaults(func=_run(_feed), hard_exit=True)
 
     p = common(sub.add_parser("generate", help="sample tokens (seeded) that advance the stream"))
     p.add_argument("stream")
@@ -160,22 +160,22 @@ def add_stream_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--stop", action="append")
     p.add_argument("--seq", type=int, default=None)
-    p.set_defaults(func=_run(_generate))
+    p.set_defaults(func=_run(_generate), hard_exit=True)
 
     p = common(sub.add_parser("receipt", help="the stream's current receipt and counters"))
     p.add_argument("stream")
-    p.set_defaults(func=_run(_receipt))
+    p.set_defaults(func=_run(_receipt), hard_exit=True)
 
     p = common(sub.add_parser("checkpoint", help="a portable receipt of the stream's state"))
     p.add_argument("stream")
     p.add_argument("--principal", required=True)
     p.add_argument("--out", help="write the receipt JSON here (mode 0600)")
-    p.set_defaults(func=_run(_checkpoint))
+    p.set_defaults(func=_run(_checkpoint), hard_exit=True)
 
     p = common(sub.add_parser("resume", help="open a new stream from a checkpoint receipt"))
     p.add_argument("--principal", required=True)
     p.add_argument("--checkpoint", required=True, help="receipt JSON file (from `checkpoint --out`)")
-    p.set_defaults(func=_run(_resume))
+    p.set_defaults(func=_run(_resume), hard_exit=True)
 
     p = sub.add_parser("codec-server", help="serve /encode and /decode for the Temporal UI and CLI")
     p.add_argument("--host", default="127.0.0.1")

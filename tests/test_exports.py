@@ -27,10 +27,15 @@ EXPECTED = {
         "plaintext_checksum", "seal", "seal_bytes", "unseal",
     ],
     "activities": [
-        "FileStateStore", "InvalidStoreKey", "PostgresStateStore", "StateStore", "StoreCorrupt", "StoreError",
-        "StoreUnavailable", "StoreUsage", "open_store",
+        "FileStateStore", "HotCache", "InvalidStoreKey", "ModelRegistry", "PostgresStateStore", "StateStore",
+        "StoreCorrupt", "StoreError", "StoreUnavailable", "StoreUsage", "StreamActivities", "open_store",
     ],
-    "workflows": [],
+    "workflows": [
+        "DEFAULT_TASK_QUEUE", "AdvanceRequest", "AdvanceResult", "AgentInput", "AgentResult", "AgentWorkflow",
+        "CheckpointRequest", "CheckpointResult", "GenerateRequest", "GenerateResult", "MambaStreamWorkflow",
+        "ModelInfo", "OpenStreamInput", "ResetRequest", "StreamClient", "StreamOptions", "StreamStats",
+        "TokenLogprob", "new_stream_id", "update_id",
+    ],
     "cli": ["main"],
 }
 

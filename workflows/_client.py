@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.common import WorkflowIDConflictPolicy
 
 from state_codec import Receipt
@@ -50,15 +50,26 @@ class StreamClient:
 
     async def open(self, principal: str, model_id: str, *, options: StreamOptions | None = None,
                    input_transform: str | None = None, resume: Receipt | None = None,
-                   stream_id: str | None = None) -> str:
-        """Start a stream; returns its id (server-made unless given)."""
+                   stream_id: str | None = None, wait: bool = True) -> str:
+        """Start a stream; returns its id (server-made unless given) once it is open.
+
+        Raises:
+            WorkflowFailureError: opening failed; its cause is typed by reason (a resume from an
+                incompatible checkpoint: PrincipalMismatch, SchemaMismatch, ...).
+        """
         sid = stream_id or new_stream_id()
-        await self.client.start_workflow(
+        handle = await self.client.start_workflow(
             MambaStreamWorkflow.run,
             OpenStreamInput(principal=principal, model_id=model_id, input_transform=input_transform,
                             resume=resume, options=options or StreamOptions()),
             id=sid, task_queue=self.task_queue, id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
         )
+        if wait:
+            try:
+                await handle.execute_update(MambaStreamWorkflow.ready, id="ready")
+            except WorkflowUpdateFailedError:
+                await handle.result()  # raises the typed reason the stream failed to open with
+                raise
         return sid
 
     async def next_seq(self, stream_id: str) -> int:

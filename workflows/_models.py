@@ -74,7 +74,7 @@ class StreamOptions(_Model):
     activity_timeout_s: float = Field(default=600.0, gt=0)
     heartbeat_timeout_s: float = Field(default=30.0, gt=0)
     schedule_to_start_s: float = Field(default=10.0, gt=0, description="wait for the affine worker, then rebind")
-    retry_max_attempts: int = Field(default=20, ge=1)
+    retry_max_attempts: int = Field(default=0, ge=0, description="0: retry transient failures until they pass")
 
 
 class ModelInfo(_Model):

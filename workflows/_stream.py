@@ -80,7 +80,8 @@ class MambaStreamWorkflow:
         self._kept: list[str] = list(carry.kept) if carry else []
         self._pinned: list[str] = list(carry.pinned) if carry else []
         self._worker_queue: str | None = carry.worker_queue if carry else None
-        self._admitted = self._stats.chunk_seq  # highest chunk_seq whose handler has started
+        self._in_flight: set[int] = set()  # chunk_seqs whose handlers have started, not finished
+        self._open_error: ApplicationError | None = None
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -88,7 +89,14 @@ class MambaStreamWorkflow:
     async def run(self, inp: OpenStreamInput) -> StreamStats:
         try:
             if self._receipt is None:
-                await self._open()
+                try:
+                    await self._open()
+                except ApplicationError as err:
+                    # e.g. a resume from an incompatible checkpoint: the run fails with the reason,
+                    # after telling whoever waits in `ready`
+                    self._open_error = err
+                    await workflow.wait_condition(workflow.all_handlers_finished)
+                    raise
             await workflow.wait_condition(
                 lambda: workflow.info().is_continue_as_new_suggested() and not self._lock.locked())
             await workflow.wait_condition(workflow.all_handlers_finished)
@@ -172,10 +180,13 @@ class MambaStreamWorkflow:
     def _admit(self, principal: str, chunk_seq: int) -> None:
         if self._cancelled:
             raise _reject("the stream is cancelled", "StreamCancelled")
+        if self._receipt is None:
+            # Refused, not failed: a refused update is not stored, so the same id can come again.
+            raise ApplicationError("the stream is still opening; try again", type="StreamOpening")
         if principal != self._inp.principal:
             raise _reject(f"principal {principal!r} does not own this stream", "PrincipalMismatch",
                           expected=self._inp.principal, actual=principal)
-        expected = self._admitted + 1
+        expected = max(self._stats.chunk_seq, *self._in_flight) + 1 if self._in_flight else self._stats.chunk_seq + 1
         if chunk_seq != expected:
             raise _reject(f"chunk_seq {chunk_seq} is not the next one ({expected})", "ChunkSequenceMismatch",
                           expected=expected, actual=chunk_seq)
@@ -190,7 +201,13 @@ class MambaStreamWorkflow:
         known = self._known()
         if known is not None and known.advance is not None:
             return self._duplicate(known.advance)
-        self._admitted = max(self._admitted, req.chunk_seq)
+        self._in_flight.add(req.chunk_seq)
+        try:
+            return await self._advance(req)
+        finally:
+            self._in_flight.discard(req.chunk_seq)
+
+    async def _advance(self, req: AdvanceRequest) -> AdvanceResult:
         async with self._lock:
             await workflow.wait_condition(lambda: self._receipt is not None)
             self._recheck(req.principal, req.chunk_seq)
@@ -225,7 +242,13 @@ class MambaStreamWorkflow:
         known = self._known()
         if known is not None and known.generate is not None:
             return self._duplicate(known.generate)
-        self._admitted = max(self._admitted, req.chunk_seq)
+        self._in_flight.add(req.chunk_seq)
+        try:
+            return await self._generate(req)
+        finally:
+            self._in_flight.discard(req.chunk_seq)
+
+    async def _generate(self, req: GenerateRequest) -> GenerateResult:
         async with self._lock:
             await workflow.wait_condition(lambda: self._receipt is not None)
             self._recheck(req.principal, req.chunk_seq)
@@ -288,6 +311,17 @@ class MambaStreamWorkflow:
                 "position": 0, "epoch": out.receipt.epoch, "resets": self._stats.resets + 1,
                 "last_backend": out.receipt.backend})
 
+    @workflow.update
+    async def ready(self) -> Receipt:
+        """Returns once the stream is open (its first receipt exists)."""
+        await workflow.wait_condition(
+            lambda: self._receipt is not None or self._cancelled or self._open_error is not None)
+        if self._open_error is not None:
+            raise _reject(self._open_error.message, self._open_error.type or "OpenFailed")
+        if self._receipt is None:
+            raise _reject("the stream was cancelled before it opened", "StreamCancelled")
+        return self._receipt
+
     @workflow.query
     def receipt(self) -> Receipt | None:
         return self._receipt
@@ -304,7 +338,6 @@ class MambaStreamWorkflow:
             raise _reject("the stream is cancelled", "StreamCancelled")
         expected = self._stats.chunk_seq + 1
         if chunk_seq != expected:
-            self._admitted = self._stats.chunk_seq
             raise _reject(f"chunk_seq {chunk_seq} does not follow the committed {expected - 1}",
                           "ChunkSequenceMismatch", expected=expected, actual=chunk_seq)
 

