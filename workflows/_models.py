@@ -102,10 +102,10 @@ class StreamStats(_Model):
     chunks: int = 0
     tokens: int = 0
     generated_tokens: int = 0
-    duplicates: int = 0
+    duplicates: int = Field(default=0, description="repeated update ids answered by this workflow "
+                            "(after continue-as-new; within a run the server answers them itself)")
     resets: int = 0
     rejected_resets: int = 0
-    rejected_updates: int = 0
     migrations: int = 0
     continued_as_new: int = 0
     last_backend: str = ""

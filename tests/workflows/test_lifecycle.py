@@ -182,3 +182,42 @@ async def test_agent_workflow_owns_its_stream(stack: Stack):
 async def _empty(stack: Stack, sid: str) -> bool:
     await asyncio.sleep(0)
     return stack.acts.store.list_stream(stream_id=sid) == []
+
+
+def b64(data: bytes) -> str:
+    import base64
+
+    return base64.b64encode(data).decode()
+
+
+async def test_malformed_update_from_the_cli_is_refused_before_history(stack: Stack):
+    """Plain JSON typed into `temporal workflow update`: non-integer tokens never reach history."""
+    from tests.workflows.test_stream_workflow import history_updates
+
+    sid = await stack.streams.open("alice", "tiny-mamba1")
+    before = await history_updates(stack, sid)
+    for bad in ({"principal": "alice", "chunk_seq": 1, "tokens": [1.5]},
+                {"principal": "alice", "chunk_seq": 1, "tokens": [1], "text": "both"},
+                {"principal": "alice", "chunk_seq": 1}):
+        out = await cli(stack, "update", "execute", "--workflow-id", sid, "--name", "advance",
+                        "--input", json.dumps(bad))
+        assert out.returncode != 0, bad
+    assert await history_updates(stack, sid) == before
+    # a good one, its encrypted result decoded for the CLI by our codec server
+    from state_codec.codec_server import CodecServer
+
+    codec = CodecServer(stack.keyring, port=0).start()
+    try:
+        ok = await cli(stack, "update", "execute", "--workflow-id", sid, "--name", "advance", "--update-id", "seq-1",
+                       "--input", json.dumps({"principal": "alice", "chunk_seq": 1, "tokens": [1, 2]}),
+                       "--codec-endpoint", codec.url)
+        assert ok.returncode == 0, ok.stderr
+        assert "position:2" in ok.stdout and "checksum:sha256:" in ok.stdout  # decrypted for the CLI
+        plain, sealed = b64(b"json/plain"), b64(b"binary/encrypted")  # payload encodings, as shown
+        shown = await cli(stack, "show", "--workflow-id", sid, "--codec-endpoint", codec.url, "--output", "json")
+        assert shown.returncode == 0 and plain in shown.stdout and sealed not in shown.stdout
+        hidden = await cli(stack, "show", "--workflow-id", sid, "--output", "json")
+        assert hidden.returncode == 0 and sealed in hidden.stdout and plain not in hidden.stdout
+    finally:
+        codec.stop()
+    assert (await stack.streams.stats(sid)).position == 2
