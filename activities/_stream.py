@@ -220,6 +220,22 @@ class StreamActivities:
         logits = torch.cat(rows) if rows else torch.zeros((0, model.vocab_size))
         return state, logits, f"{model.backend}:{path}"
 
+    def _complete(self, model: Model, stream_id: str, principal: str, before: Receipt, chunk_seq: int, key: str,
+                  state: State, backend: str, last: torch.Tensor | None,
+                  make_result: Callable[[Receipt], Any], drop_keys: list[str]) -> Any:
+        """The commit edges of a chunk: checkpoint, then result record, then bookkeeping."""
+        self._edge("computed", stream_id, chunk_seq)
+        receipt, state = self._commit(model, stream_id, principal, state, chunk_seq=chunk_seq,
+                                      epoch=before.epoch, key=key, backend=backend)
+        result = make_result(receipt)
+        self._edge("written", stream_id, chunk_seq)
+        self._write_record(receipt, result.model_dump(mode="json"), last)
+        self._edge("recorded", stream_id, chunk_seq)
+        self.cache.put(key, HotEntry(stream_id, receipt, state, last))
+        self.cache.discard(before.state_key)
+        self._drop(drop_keys)
+        return result
+
     def _drop(self, keys: list[str]) -> None:
         for k in keys:
             self.store.delete(key=k)
@@ -277,27 +293,23 @@ class StreamActivities:
             digest = hashlib.sha256(f"advance|{ask.top_k}|".encode() + torch.tensor(tokens, dtype=torch.int64)
                                     .numpy().tobytes()).hexdigest()
             key = _derived_key(req.stream_id, req.receipt, ask.chunk_seq, digest)
-            done = self._read_record(key, req.stream_id, req.principal)
-            if done is not None:  # an earlier attempt finished: its result, not a second advance
-                return AdvanceChunkResult(result=AdvanceResult.model_validate(done[0]), worker_queue=self.worker_queue)
+            prior = self._read_record(key, req.stream_id, req.principal)
+            if prior is not None:  # an earlier attempt finished: its result, not a second advance
+                return AdvanceChunkResult(result=AdvanceResult.model_validate(prior[0]), worker_queue=self.worker_queue)
             self._edge("admitted", req.stream_id, ask.chunk_seq)
             entry = self._load(model, req.receipt, req.principal)
             state, logits, backend = self._run(model, entry.state, tokens)
-            self._edge("computed", req.stream_id, ask.chunk_seq)
-            receipt, state = self._commit(model, req.stream_id, req.principal, state, chunk_seq=ask.chunk_seq,
-                                          epoch=req.receipt.epoch, key=key, backend=backend)
             last = logits[-1] if len(tokens) else entry.last_logits
-            result = AdvanceResult(
-                stream_id=req.stream_id, chunk_seq=ask.chunk_seq, position=receipt.position, n_tokens=len(tokens),
-                receipt=receipt, top_k=_top_k(last, ask.top_k), output_digest=_digest(logits), backend=backend,
-            )
-            self._edge("written", req.stream_id, ask.chunk_seq)
-            self._write_record(receipt, result.model_dump(mode="json"), last)
-            self._edge("recorded", req.stream_id, ask.chunk_seq)
-            self.cache.put(key, HotEntry(req.stream_id, receipt, state, last))
-            self.cache.discard(req.receipt.state_key)
-            self._drop(req.drop_keys)
-            return AdvanceChunkResult(result=result, worker_queue=self.worker_queue)
+
+            def result(receipt: Receipt) -> AdvanceResult:
+                return AdvanceResult(
+                    stream_id=req.stream_id, chunk_seq=ask.chunk_seq, position=receipt.position,
+                    n_tokens=len(tokens), receipt=receipt, top_k=_top_k(last, ask.top_k),
+                    output_digest=_digest(logits), backend=backend)
+
+            done = self._complete(model, req.stream_id, req.principal, req.receipt, ask.chunk_seq, key, state,
+                                  backend, last, result, req.drop_keys)
+            return AdvanceChunkResult(result=done, worker_queue=self.worker_queue)
 
     @activity.defn(name=ACTIVITY_GENERATE)
     def generate_tokens(self, req: GenerateChunkRequest) -> GenerateChunkResult:
@@ -312,9 +324,9 @@ class StreamActivities:
                 json.dumps(ask.model_dump(mode="json", exclude={"principal"}) | {"seed": seed}, sort_keys=True).encode()
             ).hexdigest()
             key = _derived_key(req.stream_id, req.receipt, ask.chunk_seq, digest)
-            done = self._read_record(key, req.stream_id, req.principal)
-            if done is not None:
-                return GenerateChunkResult(result=GenerateResult.model_validate(done[0]),
+            prior = self._read_record(key, req.stream_id, req.principal)
+            if prior is not None:
+                return GenerateChunkResult(result=GenerateResult.model_validate(prior[0]),
                                            worker_queue=self.worker_queue)
             self._edge("admitted", req.stream_id, ask.chunk_seq)
             entry = self._load(model, req.receipt, req.principal)
@@ -338,21 +350,17 @@ class StreamActivities:
                     if any(s and s in text for s in ask.stop):
                         finish = "stop"
                         break
-            self._edge("computed", req.stream_id, ask.chunk_seq)
-            receipt, state = self._commit(model, req.stream_id, req.principal, state, chunk_seq=ask.chunk_seq,
-                                          epoch=req.receipt.epoch, key=key, backend=backend)
-            result = GenerateResult(
-                stream_id=req.stream_id, chunk_seq=ask.chunk_seq, position=receipt.position, tokens=tokens,
-                text=transform.decode(tokens) if transform is not None else None, finish_reason=finish,
-                receipt=receipt, output_digest=_digest(torch.cat(rows)), backend=backend,
-            )
-            self._edge("written", req.stream_id, ask.chunk_seq)
-            self._write_record(receipt, result.model_dump(mode="json"), logits)
-            self._edge("recorded", req.stream_id, ask.chunk_seq)
-            self.cache.put(key, HotEntry(req.stream_id, receipt, state, logits))
-            self.cache.discard(req.receipt.state_key)
-            self._drop(req.drop_keys)
-            return GenerateChunkResult(result=result, worker_queue=self.worker_queue)
+            text = transform.decode(tokens) if transform is not None else None
+
+            def result(receipt: Receipt) -> GenerateResult:
+                return GenerateResult(
+                    stream_id=req.stream_id, chunk_seq=ask.chunk_seq, position=receipt.position, tokens=tokens,
+                    text=text, finish_reason=finish, receipt=receipt, output_digest=_digest(torch.cat(rows)),
+                    backend=backend)
+
+            done = self._complete(model, req.stream_id, req.principal, req.receipt, ask.chunk_seq, key, state,
+                                  backend, logits, result, req.drop_keys)
+            return GenerateChunkResult(result=done, worker_queue=self.worker_queue)
 
     @activity.defn(name=ACTIVITY_RESET)
     def reset_stream(self, req: ResetStreamRequest) -> StateResult:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from temporalio import workflow
@@ -198,26 +199,9 @@ class MambaStreamWorkflow:
     @workflow.update
     async def advance(self, req: AdvanceRequest) -> AdvanceResult:
         """Feed a chunk (tokens or text); returns the new receipt and an output summary."""
-        known = self._known()
-        if known is not None and known.advance is not None:
-            return self._duplicate(known.advance)
-        self._in_flight.add(req.chunk_seq)
-        try:
-            return await self._advance(req)
-        finally:
-            self._in_flight.discard(req.chunk_seq)
-
-    async def _advance(self, req: AdvanceRequest) -> AdvanceResult:
-        async with self._lock:
-            await workflow.wait_condition(lambda: self._receipt is not None)
-            self._recheck(req.principal, req.chunk_seq)
-            out = await self._call(ACTIVITY_ADVANCE, AdvanceChunkRequest(
-                stream_id=self._stream_id, principal=req.principal, receipt=self._receipt, request=req,
-                max_chunk_tokens=self._opts.max_chunk_tokens, drop_keys=self._to_drop()), AdvanceChunkResult)
-            result = out.result
-            self._commit(result.receipt, out.worker_queue, tokens=result.n_tokens)
-            self._remember(RecentResult(update_id=workflow.current_update_info().id, advance=result))
-            return result
+        return await self._chunk(req, "advance", ACTIVITY_ADVANCE, AdvanceChunkResult, lambda: AdvanceChunkRequest(
+            stream_id=self._stream_id, principal=req.principal, receipt=self._receipt, request=req,
+            max_chunk_tokens=self._opts.max_chunk_tokens, drop_keys=self._to_drop()))
 
     @advance.validator
     def _validate_advance(self, req: AdvanceRequest) -> None:
@@ -239,26 +223,9 @@ class MambaStreamWorkflow:
     @workflow.update
     async def generate(self, req: GenerateRequest) -> GenerateResult:
         """Sample up to max_tokens (seeded); the generated tokens advance the state like input."""
-        known = self._known()
-        if known is not None and known.generate is not None:
-            return self._duplicate(known.generate)
-        self._in_flight.add(req.chunk_seq)
-        try:
-            return await self._generate(req)
-        finally:
-            self._in_flight.discard(req.chunk_seq)
-
-    async def _generate(self, req: GenerateRequest) -> GenerateResult:
-        async with self._lock:
-            await workflow.wait_condition(lambda: self._receipt is not None)
-            self._recheck(req.principal, req.chunk_seq)
-            out = await self._call(ACTIVITY_GENERATE, GenerateChunkRequest(
-                stream_id=self._stream_id, principal=req.principal, receipt=self._receipt, request=req,
-                drop_keys=self._to_drop()), GenerateChunkResult)
-            result = out.result
-            self._commit(result.receipt, out.worker_queue, generated=len(result.tokens))
-            self._remember(RecentResult(update_id=workflow.current_update_info().id, generate=result))
-            return result
+        return await self._chunk(req, "generate", ACTIVITY_GENERATE, GenerateChunkResult, lambda: GenerateChunkRequest(
+            stream_id=self._stream_id, principal=req.principal, receipt=self._receipt, request=req,
+            drop_keys=self._to_drop()))
 
     @generate.validator
     def _validate_generate(self, req: GenerateRequest) -> None:
@@ -331,6 +298,28 @@ class MambaStreamWorkflow:
         return self._stats
 
     # --- bookkeeping -----------------------------------------------------------------------------
+
+    async def _chunk(self, req: AdvanceRequest | GenerateRequest, kind: str, activity: str, result_type: type,
+                     make_request: Callable[[], Any]) -> Any:
+        """Answer a known update id from memory, or run the chunk's activity and commit it, in order."""
+        known = self._known()
+        if known is not None and getattr(known, kind) is not None:
+            return self._duplicate(getattr(known, kind))
+        self._in_flight.add(req.chunk_seq)
+        try:
+            async with self._lock:
+                await workflow.wait_condition(lambda: self._receipt is not None)
+                self._recheck(req.principal, req.chunk_seq)
+                out = await self._call(activity, make_request(), result_type)
+                result = out.result
+                if kind == "advance":
+                    self._commit(result.receipt, out.worker_queue, tokens=result.n_tokens)
+                else:
+                    self._commit(result.receipt, out.worker_queue, generated=len(result.tokens))
+                self._remember(RecentResult(update_id=workflow.current_update_info().id, **{kind: result}))
+                return result
+        finally:
+            self._in_flight.discard(req.chunk_seq)
 
     def _recheck(self, principal: str, chunk_seq: int) -> None:
         """Validators ran at admission; by the time a handler holds the lock, an earlier one may have failed."""
