@@ -35,6 +35,8 @@ class ModelConfig(BaseModel):
     tie_embeddings: bool = True
     rms_norm: bool = True  # False: LayerNorm (with bias), as mamba-ssm allows
     norm_eps: float = 1e-5
+    # Kept so that checkpoints round-trip; the engine computes in float32 or float64, where the
+    # residual stream is already at least float32, so it changes no arithmetic today.
     residual_in_fp32: bool = True
 
     d_state: int = 0  # filled with the architecture's default by `create`
