@@ -9,8 +9,10 @@ Backends:
                streams gives bit-identical results too.
     chunked    parallel over the chunk: GEMMs over all L tokens, the chunked SSD form for
                Mamba-2/3 and a precomputed selective scan for Mamba-1; single tokens take the
-               step path with PyTorch's native kernels. Within `scan.TOLERANCES` of reference.
-    auto       the fastest backend available on the model's device (chunked on CPU).
+               step path with PyTorch's native kernels. Within `scan.TOLERANCES` of the truth.
+    triton     CUDA only: mamba-ssm's Triton kernels for the scans (`scan._triton`).
+    auto       the fastest backend available on the model's device: triton on CUDA when its
+               kernels import, chunked otherwise (reference for a narrow state dtype).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ Tensor = torch.Tensor
 LayerStates = list[tuple[Tensor, ...]]
 
 #: Backends a caller may name; "auto" resolves to one of the others.
-BACKENDS = ("auto", "reference", "chunked")
+BACKENDS = ("auto", "reference", "chunked", "triton")
 
 #: dtypes the engine computes in
 COMPUTE_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
@@ -227,13 +229,21 @@ class Model:
     def _resolve_backend(self, backend: str) -> str:
         if backend not in BACKENDS:
             raise UnsupportedBackend(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+        from scan import _triton
+
         lossy = self.state_dtype != self.dtype
         if backend == "auto":
-            return "reference" if lossy else "chunked"
-        if backend == "chunked" and lossy:
+            if lossy:
+                return "reference"
+            return "triton" if _triton.unavailable_reason(self.device) is None else "chunked"
+        if backend in ("chunked", "triton") and lossy:
             # chunked scans round the state once per call, not once per token: chunking would show
-            raise UnsupportedBackend(f"the chunked backend keeps state in {self.dtype}; "
+            raise UnsupportedBackend(f"the {backend} backend keeps state in {self.dtype}; "
                                      f"a {self.state_dtype} state needs the reference backend")
+        if backend == "triton":
+            reason = _triton.unavailable_reason(self.device)
+            if reason is not None:
+                raise UnsupportedBackend(reason)
         return backend
 
     def _check_state(self, state: Any, index: int) -> None:
@@ -421,7 +431,21 @@ class Model:
         return self._finish(states, inputs, logits_per_stream, layer_states, "recurrent")
 
     def _run_chunked(self, states: list[State], inputs: list[Tensor], embedded: bool) -> list[StepResult]:
+        """All streams of one length at once; the chunked backend, or the triton one on CUDA."""
         lm, cfg = self._lm, self.config
+        if self.backend == "triton":
+            from scan import _triton
+
+            step = _triton.step
+            chunk = _triton.chunk
+        else:
+            def step(mixer, u, st):  # noqa: ANN001, ANN202
+                out, new = mixer.step(u, st, NATIVE_OPS)
+                return out, new, "step"
+
+            def chunk(mixer, u, st):  # noqa: ANN001, ANN202
+                out, new = mixer.chunk(u, st)
+                return out, new, mixer.chunk_path
         layer_states = self._stack(states)
         x = torch.stack(inputs)  # (B, L) ids or (B, L, D) embeddings
         hidden = x if embedded else F.embedding(x, lm.backbone.embedding.weight)
@@ -432,16 +456,15 @@ class Model:
             residual = hidden if residual is None else hidden + residual
             normed = norm(residual, blk.norm.weight, blk.norm.bias, cfg.norm_eps, cfg.rms_norm)
             if length == 1:
-                out, st_new = blk.mixer.step(normed[:, 0], st, NATIVE_OPS)
+                out, st_new, path = step(blk.mixer, normed[:, 0], st)
                 hidden = out.unsqueeze(1)
             else:
-                hidden, st_new = blk.mixer.chunk(normed, st)
+                hidden, st_new, path = chunk(blk.mixer, normed, st)
             new_states.append(st_new)
         assert residual is not None
         residual = hidden + residual
         nf = lm.backbone.norm_f
         logits = F.linear(norm(residual, nf.weight, nf.bias, cfg.norm_eps, cfg.rms_norm), lm.lm_head.weight)
-        path = "step" if length == 1 else lm.mixers[0].chunk_path
         return self._finish(states, inputs, list(logits), new_states, path)
 
 

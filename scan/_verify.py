@@ -98,14 +98,20 @@ def verify_chunking(model: Model, n_tokens: int = 97, seed: int = 0) -> VerifyRe
         model.model_id, model.revision, model.schema.architecture, model.backend, model.schema.dtype,
         n_tokens, time.perf_counter() - t,
     )
-    tol = tolerance(model.schema.architecture, model.backend, model.schema.dtype)
+    # The reference backend promises bit-equality across partitions; any other backend, the sum
+    # of its bound against the truth for the two scans compared.
+    exact_only = model.backend == "reference"
+    if not exact_only:
+        one = tolerance(model.schema.architecture, model.backend, model.schema.dtype)
+        tol = one + one
     for name, chunks in standard_partitions(n_tokens, model.config.d_conv or 4, seed):
         t = time.perf_counter()
         logits, state = _scan(model, s0, tokens, chunks)
         secs = time.perf_counter() - t
         exact = torch.equal(logits, full.logits) and state.equal(full.state)
         passed = exact or (
-            tol.logits_excess(logits, full.logits) <= 1.0
+            not exact_only
+            and tol.logits_excess(logits, full.logits) <= 1.0
             and state.position == full.state.position
             and all(tol.state_excess(a, b) <= 1.0 for a, b in zip(state.tensors.values(), full.state.tensors.values()))
         )

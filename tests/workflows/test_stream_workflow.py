@@ -80,9 +80,9 @@ async def test_random_chunkings_through_temporal_equal_one_advance(stack: Stack,
 async def test_chunked_backend_through_temporal_within_declared_tolerance(temporal_env, tmp_path):
     stack = await make_stack(temporal_env, tmp_path, backend="chunked")
     async with stack.exits:
-        model = local("tiny-mamba2")
+        truth_model = load_model("tiny-mamba2", backend="reference", dtype=torch.float64)
         tokens = [random.Random(3).randrange(256) for _ in range(90)]
-        truth = model.advance(model.initial_state(), tokens)
+        truth = truth_model.advance(truth_model.initial_state(), tokens)
         sid = await stack.streams.open("alice", "tiny-mamba2")
         results = await feed(stack, sid, "alice", tokens, [1, 40, 0, 17, 32])
         receipt = results[-1].receipt
