@@ -129,7 +129,7 @@ class EmbeddedTemporal:
 
 def build_activities(cfg: WorkerConfig, keyring, worker_queue: str):
     from activities import open_store
-    from activities._hot import ModelRegistry
+    from activities._registry import ModelRegistry
     from activities._stream import StreamActivities
 
     return StreamActivities(models=ModelRegistry.from_spec(cfg.models, backend=cfg.backend),
@@ -162,6 +162,7 @@ async def run_worker(cfg: WorkerConfig, stop: asyncio.Event, *, ready: asyncio.E
         print(f"worker {worker_id} ready on {cfg.task_queue} and {own_queue}", flush=True)
         await stop.wait()
     pool.shutdown(wait=False, cancel_futures=True)
+    acts.close()
 
 
 def main() -> None:

@@ -1,4 +1,5 @@
-"""Worker-side pieces: the stream activities, the models they serve, their hot cache, state stores.
+"""Worker-side pieces: the stream activities, the models they serve, their engines (slot tables and
+batching), state stores.
 
     from activities import open_store
     store = open_store("file:///var/lib/mamba-stream")     # or postgresql://user@host/db
@@ -18,16 +19,17 @@ from activities._store import (
 
 __all__ = [
     "FileStateStore",
-    "HotCache",
     "InvalidStoreKey",
     "ModelRegistry",
     "PostgresStateStore",
+    "SlotTable",
     "StateStore",
     "StoreCorrupt",
     "StoreError",
     "StoreUnavailable",
     "StoreUsage",
     "StreamActivities",
+    "StreamEngine",
     "open_store",
 ]
 
@@ -38,8 +40,10 @@ def __getattr__(name: str):
         from activities._pg_store import PostgresStateStore
 
         return PostgresStateStore
-    if name in ("StreamActivities", "ModelRegistry", "HotCache"):
-        from activities import _hot, _stream
+    homes = {"StreamActivities": "_stream", "ModelRegistry": "_registry", "StreamEngine": "_engine",
+             "SlotTable": "_slots"}
+    if name in homes:
+        import importlib
 
-        return getattr(_stream if name == "StreamActivities" else _hot, name)
+        return getattr(importlib.import_module(f"activities.{homes[name]}"), name)
     raise AttributeError(name)

@@ -1,10 +1,12 @@
 """StreamActivities: the side-effect half of a stream (load, advance, seal, store, dispose).
 
 Every activity verifies the receipt it is given against the serving model and the caller's
-principal, loads the state from the hot cache (by state key) or the store, works, commits the
-new checkpoint put-if-absent under a key derived from (input state key, chunk digest, chunk
-sequence), then commits a small sealed record of the result under `<state key>.out`. A retry
-finds that record and returns it: a chunk is never advanced twice, whatever was lost.
+principal. The model's `StreamEngine` advances the state: from its slot when the slot holds that
+committed state (by state key, never by shape), otherwise after loading it from the store. It
+batches the single-token steps of concurrent streams. The activity then commits the new
+checkpoint put-if-absent under a key derived from (input state key, chunk digest, chunk
+sequence), and a small sealed record of the result under `<state key>.out`. A retry finds that
+record and returns it: a chunk is never advanced twice, whatever was lost.
 
 Order of the commit edges, each a seam for the crash tests (`_edge`):
     admitted -> (kernel) -> computed -> (write) -> written -> (record) -> recorded
@@ -25,7 +27,10 @@ import torch
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
-from activities._hot import HotCache, HotEntry, ModelRegistry, UnknownModel
+import threading
+
+from activities._engine import StreamEngine
+from activities._registry import ModelRegistry, UnknownModel
 from activities._store import StateStore, StoreError, check_name
 from scan import InvalidInput, Model, ScanError, State
 from state_codec import Receipt, StateRejected, validate_resume
@@ -112,7 +117,7 @@ def _derived_key(stream_id: str, receipt: Receipt, chunk_seq: int, chunk_digest:
 
 
 class StreamActivities:
-    """The activities of MambaStreamWorkflow, sharing one worker's models, store, keys and cache.
+    """The activities of MambaStreamWorkflow, sharing one worker's models, store, keys and engines.
 
     Args:
         models: the models this worker serves.
@@ -120,17 +125,33 @@ class StreamActivities:
         keyring: encrypts checkpoints and records.
         worker_queue: this worker's own task queue, returned to workflows for affinity; None
             disables affinity.
-        hot_cache_bytes: memory for hot states.
+        slots: streams each model keeps hot (its engine's slot table).
+        max_batch, max_wait_s, prefill_piece: the engines' batching (see `StreamEngine`).
     """
 
     def __init__(self, *, models: ModelRegistry, store: StateStore, keyring: Keyring,
-                 worker_queue: str | None = None, hot_cache_bytes: int = 1 << 30) -> None:
+                 worker_queue: str | None = None, slots: int = 256, max_batch: int = 64,
+                 max_wait_s: float = 0.002, prefill_piece: int = 256) -> None:
         self.models = models
         self.store = store
         self.keyring = keyring
         self.worker_queue = worker_queue
-        self.cache = HotCache(hot_cache_bytes)
-        self.loads_from_store = 0
+        self._engine_args = dict(capacity=slots, max_batch=max_batch, max_wait_s=max_wait_s,
+                                 prefill_piece=prefill_piece)
+        self.engines: dict[str, StreamEngine] = {}
+        self._engines_lock = threading.Lock()
+        self.loads_from_store = 0  # states that were not hot here: migrations and evictions
+
+    def engine(self, model: Model) -> StreamEngine:
+        with self._engines_lock:
+            eng = self.engines.get(model.model_id)
+            if eng is None:
+                eng = self.engines[model.model_id] = StreamEngine(model, **self._engine_args)
+            return eng
+
+    def close(self) -> None:
+        for eng in self.engines.values():
+            eng.close()
 
     def activities(self) -> list[Callable[..., Any]]:
         return [self.open_stream, self.advance_chunk, self.generate_tokens, self.reset_stream,
@@ -174,65 +195,57 @@ class StreamActivities:
         logits = torch.frombuffer(bytearray(data["logits"]), dtype=torch.float32) if data["logits"] else None
         return json.loads(data["result"]), logits
 
-    def _load(self, model: Model, receipt: Receipt, principal: str) -> HotEntry:
-        entry = self.cache.get(receipt.state_key, receipt)
-        if entry is not None:
-            return entry
+    def _fetch(self, model: Model, receipt: Receipt, principal: str) -> tuple[State, torch.Tensor | None]:
+        """A committed state (and its next-token logits) from the store, fully checked."""
         blob = self.store.get(key=receipt.state_key, principal=principal)
         if blob is None:
             raise ApplicationError(f"no checkpoint {receipt.state_key} for this principal in {self.store.url}",
                                    type="CheckpointNotFound", non_retryable=True)
         state = unseal(blob, receipt, self.keyring, model=model, principal=principal)
         record = self._read_record(receipt.state_key, receipt.stream_id, principal)
-        entry = HotEntry(receipt.stream_id, receipt, state, record[1] if record else None)
-        self.cache.put(receipt.state_key, entry)
         self.loads_from_store += 1
-        return entry
+        return state, record[1] if record else None
 
     def _check(self, model: Model, receipt: Receipt, principal: str, stream_id: str) -> None:
         validate_resume(receipt, model.identity(), principal, stream_id=stream_id)
 
     def _commit(self, model: Model, stream_id: str, principal: str, state: State, *, chunk_seq: int,
-                epoch: int, key: str, backend: str) -> tuple[Receipt, State]:
-        """Seal and store put-if-absent; if an earlier attempt committed this key, adopt its bytes."""
+                epoch: int, key: str, backend: str, last: torch.Tensor | None = None,
+                in_slot: bool = False) -> Receipt:
+        """Seal and store put-if-absent; if an earlier attempt committed this key, adopt its bytes.
+
+        The stream's slot then holds exactly the committed state (`in_slot`: the engine already
+        wrote `state` there).
+        """
+        adopted = False
         receipt, blob = seal(model, state, stream_id=stream_id, principal=principal, chunk_seq=chunk_seq,
                              epoch=epoch, keyring=self.keyring, state_key=key, backend=backend)
-        self._edge("write", stream_id, chunk_seq)
-        if self.store.put_if_absent(key=key, data=blob, stream_id=stream_id, principal=principal):
-            return receipt, state
-        existing = self.store.get(key=key, principal=principal)
-        if existing is None:  # deleted between the two calls: ours is as good
-            self.store.put_if_absent(key=key, data=blob, stream_id=stream_id, principal=principal)
-            return receipt, state
-        tensors, checksum = open_checkpoint(existing, receipt, self.keyring)
-        adopted = receipt.model_copy(update={"checksum": checksum})
-        return adopted, State(state.position, tensors, model.schema.fingerprint())
-
-    def _run(self, model: Model, state: State, tokens: list[int]) -> tuple[State, torch.Tensor, str]:
-        """Advance in pieces, heartbeating between them; returns state, logits (L, V), backend."""
-        rows = []
-        path = "empty"
-        for i in range(0, max(len(tokens), 1), PIECE_TOKENS):
-            step = model.advance(state, tokens[i : i + PIECE_TOKENS])
-            rows.append(step.logits)
-            state, path = step.state, step.path
-            _beat(i)
-        logits = torch.cat(rows) if rows else torch.zeros((0, model.vocab_size))
-        return state, logits, f"{model.backend}:{path}"
+        if not self.store.put_if_absent(key=key, data=blob, stream_id=stream_id, principal=principal):
+            existing = self.store.get(key=key, principal=principal)
+            if existing is not None:
+                tensors, checksum = open_checkpoint(existing, receipt, self.keyring)
+                receipt = receipt.model_copy(update={"checksum": checksum})
+                state = State(state.position, tensors, model.schema.fingerprint())
+                adopted = True
+            else:  # deleted between the two calls: ours is as good
+                self.store.put_if_absent(key=key, data=blob, stream_id=stream_id, principal=principal)
+        if in_slot and not adopted:
+            self.engine(model).commit(stream_id, key)
+        else:
+            self.engine(model).put(stream_id, state, epoch=epoch, state_key=key, logits=last)
+        return receipt
 
     def _complete(self, model: Model, stream_id: str, principal: str, before: Receipt, chunk_seq: int, key: str,
                   state: State, backend: str, last: torch.Tensor | None,
                   make_result: Callable[[Receipt], Any], drop_keys: list[str]) -> Any:
         """The commit edges of a chunk: checkpoint, then result record, then bookkeeping."""
         self._edge("computed", stream_id, chunk_seq)
-        receipt, state = self._commit(model, stream_id, principal, state, chunk_seq=chunk_seq,
-                                      epoch=before.epoch, key=key, backend=backend)
+        receipt = self._commit(model, stream_id, principal, state, chunk_seq=chunk_seq, epoch=before.epoch,
+                               key=key, backend=backend, last=last, in_slot=True)
         result = make_result(receipt)
         self._edge("written", stream_id, chunk_seq)
         self._write_record(receipt, result.model_dump(mode="json"), last)
         self._edge("recorded", stream_id, chunk_seq)
-        self.cache.put(key, HotEntry(stream_id, receipt, state, last))
-        self.cache.discard(before.state_key)
         self._drop(drop_keys)
         return result
 
@@ -240,7 +253,6 @@ class StreamActivities:
         for k in keys:
             self.store.delete(key=k)
             self.store.delete(key=self._record_key(k))
-            self.cache.discard(k)
 
     # --- activities ---------------------------------------------------------------------------
 
@@ -261,15 +273,13 @@ class StreamActivities:
             else:
                 # another stream's checkpoint: everything but the stream id must match
                 validate_resume(req.resume, model.identity(), req.principal)
-                entry = self._load(model, req.resume, req.principal)
-                state, last = entry.state, entry.last_logits
+                state, last = self._fetch(model, req.resume, req.principal)
             origin = req.resume.checksum if req.resume else "initial"
             key = default_state_key(req.stream_id, 0, 0, hashlib.sha256(f"open|{origin}".encode()).hexdigest())
-            receipt, state = self._commit(model, req.stream_id, req.principal, state, chunk_seq=0, epoch=0,
-                                          key=key, backend=f"{model.backend}:open")
+            receipt = self._commit(model, req.stream_id, req.principal, state, chunk_seq=0, epoch=0, key=key,
+                                   backend=f"{model.backend}:open", last=last)
             if last is not None:
                 self._write_record(receipt, {"kind": "open"}, last)
-            self.cache.put(receipt.state_key, HotEntry(req.stream_id, receipt, state, last))
             return OpenStreamResult(receipt=receipt, info=info, worker_queue=self.worker_queue)
 
     @activity.defn(name=ACTIVITY_ADVANCE)
@@ -297,9 +307,11 @@ class StreamActivities:
             if prior is not None:  # an earlier attempt finished: its result, not a second advance
                 return AdvanceChunkResult(result=AdvanceResult.model_validate(prior[0]), worker_queue=self.worker_queue)
             self._edge("admitted", req.stream_id, ask.chunk_seq)
-            entry = self._load(model, req.receipt, req.principal)
-            state, logits, backend = self._run(model, entry.state, tokens)
-            last = logits[-1] if len(tokens) else entry.last_logits
+            out = self.engine(model).advance(
+                req.stream_id, tokens, expected_key=req.receipt.state_key, epoch=req.receipt.epoch,
+                load=lambda: self._fetch(model, req.receipt, req.principal), on_wait=_beat)
+            state, logits, last = out.state, out.logits, out.last_logits
+            backend = f"{model.backend}:{out.path}"
 
             def result(receipt: Receipt) -> AdvanceResult:
                 return AdvanceResult(
@@ -329,27 +341,33 @@ class StreamActivities:
                 return GenerateChunkResult(result=GenerateResult.model_validate(prior[0]),
                                            worker_queue=self.worker_queue)
             self._edge("admitted", req.stream_id, ask.chunk_seq)
-            entry = self._load(model, req.receipt, req.principal)
-            if entry.last_logits is None:
-                raise ApplicationError("nothing to continue from: feed a prompt before generating",
-                                       type="EmptyContext", non_retryable=True)
             gen = torch.Generator().manual_seed(seed)
-            state, logits, tokens, rows = entry.state, entry.last_logits, [], []
-            finish, backend = "length", f"{model.backend}:step"
             transform = model.transform
-            for i in range(ask.max_tokens):
-                tok = _sample(logits, ask.temperature, ask.top_k, gen)
-                step = model.advance(state, [tok])
-                state, logits = step.state, step.logits[-1]
-                tokens.append(tok)
-                rows.append(step.logits)
-                backend = f"{step.backend}:{step.path}"
-                _beat(i)
-                if ask.stop and transform is not None:
-                    text = transform.decode(tokens)
-                    if any(s and s in text for s in ask.stop):
+            sampled: list[int] = []
+            finish = "length"
+
+            def sampler(next_logits: torch.Tensor) -> int | None:
+                nonlocal finish
+                if sampled and ask.stop and transform is not None:
+                    if any(s_ and s_ in transform.decode(sampled) for s_ in ask.stop):
                         finish = "stop"
-                        break
+                        return None
+                tok = _sample(next_logits.cpu(), ask.temperature, ask.top_k, gen)
+                sampled.append(tok)
+                return tok
+
+            try:
+                out = self.engine(model).generate(
+                    req.stream_id, sampler, ask.max_tokens, expected_key=req.receipt.state_key,
+                    epoch=req.receipt.epoch, load=lambda: self._fetch(model, req.receipt, req.principal),
+                    on_wait=_beat)
+            except ValueError as exc:
+                raise ApplicationError(str(exc), type="EmptyContext", non_retryable=True) from None
+            tokens, state, logits, rows = out.tokens, out.state, out.last_logits, [out.logits]
+            if ask.stop and transform is not None and finish == "length" and \
+                    any(s_ and s_ in transform.decode(tokens) for s_ in ask.stop):
+                finish = "stop"  # the last sampled token completed a stop text
+            backend = f"{model.backend}:{out.path}"
             text = transform.decode(tokens) if transform is not None else None
 
             def result(receipt: Receipt) -> GenerateResult:
@@ -373,11 +391,9 @@ class StreamActivities:
                                        type="EpochMismatch", non_retryable=True)
             key = default_state_key(req.stream_id, req.epoch, req.receipt.chunk_seq,
                                     hashlib.sha256(b"reset|initial").hexdigest())
-            receipt, state = self._commit(model, req.stream_id, req.principal, model.initial_state(),
-                                          chunk_seq=req.receipt.chunk_seq, epoch=req.epoch, key=key,
-                                          backend=f"{model.backend}:reset")
-            self.cache.put(key, HotEntry(req.stream_id, receipt, state, None))
-            self.cache.discard(req.receipt.state_key)
+            receipt = self._commit(model, req.stream_id, req.principal, model.initial_state(),
+                                   chunk_seq=req.receipt.chunk_seq, epoch=req.epoch, key=key,
+                                   backend=f"{model.backend}:reset")
             return StateResult(receipt=receipt, worker_queue=self.worker_queue)
 
     @activity.defn(name=ACTIVITY_CHECKPOINT)
@@ -399,7 +415,9 @@ class StreamActivities:
         with _typed_errors():
             check_name("stream id", req.stream_id)
             deleted = self.store.delete_stream(stream_id=req.stream_id)
-            evicted = self.cache.evict_stream(req.stream_id)
+            with self._engines_lock:
+                engines = list(self.engines.values())
+            evicted = sum(eng.release(req.stream_id) for eng in engines)
             log.info("disposed stream %s: %d blobs deleted, %d hot states zeroed", req.stream_id, deleted, evicted)
             return DisposeStreamResult(deleted=deleted, evicted=evicted)
 

@@ -29,7 +29,7 @@ from temporalio.worker import Worker  # noqa: E402
 
 from _noop_workflow import NoopWorkflow  # noqa: E402
 from activities import open_store  # noqa: E402
-from activities._hot import ModelRegistry  # noqa: E402
+from activities._registry import ModelRegistry  # noqa: E402
 from activities._stream import StreamActivities  # noqa: E402
 from plugin import MambaStreamPlugin  # noqa: E402
 from scan import ModelConfig, init_model, save_checkpoint  # noqa: E402

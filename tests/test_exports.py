@@ -27,8 +27,9 @@ EXPECTED = {
         "plaintext_checksum", "seal", "seal_bytes", "unseal",
     ],
     "activities": [
-        "FileStateStore", "HotCache", "InvalidStoreKey", "ModelRegistry", "PostgresStateStore", "StateStore",
-        "StoreCorrupt", "StoreError", "StoreUnavailable", "StoreUsage", "StreamActivities", "open_store",
+        "FileStateStore", "InvalidStoreKey", "ModelRegistry", "PostgresStateStore", "SlotTable", "StateStore",
+        "StoreCorrupt", "StoreError", "StoreUnavailable", "StoreUsage", "StreamActivities", "StreamEngine",
+        "open_store",
     ],
     "workflows": [
         "DEFAULT_TASK_QUEUE", "AdvanceRequest", "AdvanceResult", "AgentInput", "AgentResult", "AgentWorkflow",

@@ -20,7 +20,7 @@ from temporalio.client import Client
 from temporalio.worker import Worker
 
 from activities import open_store
-from activities._hot import ModelRegistry
+from activities._registry import ModelRegistry
 from activities._stream import StreamActivities
 from plugin import data_converter
 from state_codec.codec import Keyring

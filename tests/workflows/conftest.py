@@ -17,7 +17,7 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 from activities import open_store
-from activities._hot import ModelRegistry
+from activities._registry import ModelRegistry
 from activities._stream import StreamActivities
 from activities._agent import agent_feed_stream
 from plugin import MambaStreamPlugin, _runner, data_converter
@@ -98,9 +98,11 @@ class Stack:
         return acts
 
     def new_activities(self, cls: type[StreamActivities] = StreamActivities, **kw) -> StreamActivities:
-        return cls(models=ModelRegistry(MODELS, backend=kw.pop("backend", "reference")),
+        acts = cls(models=ModelRegistry(MODELS, backend=kw.pop("backend", "reference")),
                    store=open_store(self.store_url), keyring=self.keyring,
                    worker_queue=f"{self.queue}@{uuid.uuid4().hex[:8]}", **kw)
+        self.exits.callback(acts.close)
+        return acts
 
 
 async def make_stack(env: WorkflowEnvironment, tmp_path: Path, *, backend: str = "reference",

@@ -54,7 +54,7 @@ async def test_reset_and_cancel_from_the_temporal_cli(stack: Stack):
     with pytest.raises(WorkflowFailureError):
         await stack.streams.handle(sid).result()
     assert stack.acts.store.list_stream(stream_id=sid) == []
-    assert not [k for k, e in stack.acts.cache._entries.items() if e.stream_id == sid]
+    assert all(eng.slots.handle(sid) is None for eng in stack.acts.engines.values())
     with pytest.raises(Exception):
         await stack.streams.advance(sid, "alice", text="after cancel", chunk_seq=3)
     # the query still answers: cancelled, as the receipt left it
@@ -69,11 +69,13 @@ async def _if(stack: Stack, sid: str, pred):
 async def test_cancel_zeroes_the_hot_state(stack: Stack):
     sid = await stack.streams.open("alice", "tiny-mamba1")
     r = await stack.streams.advance(sid, "alice", tokens=[1, 2, 3, 4])
-    entry = stack.acts.cache.get(r.receipt.state_key, r.receipt)
-    assert entry is not None and any(bool(t.abs().sum()) for t in entry.state.tensors.values())
+    engine = next(iter(stack.acts.engines.values()))
+    assert engine.holds(sid, r.receipt.state_key)
+    slot = engine.slots.handle(sid).slot
+    assert any(bool(b[slot].abs().sum()) for b in engine.slots.buffers.values())
     await stack.streams.cancel(sid)
-    assert all(not bool(t.abs().sum()) for t in entry.state.tensors.values())  # zeroed, then dropped
-    assert stack.acts.cache.get(r.receipt.state_key, r.receipt) is None
+    assert all(not bool(b[slot].abs().sum()) for b in engine.slots.buffers.values())  # zeroed, then freed
+    assert engine.slots.handle(sid) is None and not engine.holds(sid, r.receipt.state_key)
 
 
 async def test_checkpoint_and_resume_in_another_stream(stack: Stack):

@@ -1,0 +1,59 @@
+"""The models a worker serves, by id, loaded on first use."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from scan import Model, load_model
+
+__all__ = ["ModelRegistry", "UnknownModel"]
+
+log = logging.getLogger(__name__)
+
+
+class UnknownModel(KeyError):
+    """This worker does not serve the requested model id."""
+
+
+class ModelRegistry:
+    """Models by id: preset names, or `id=/path/to/checkpoint` entries, loaded on first use."""
+
+    def __init__(self, sources: Mapping[str, str] | Iterable[str], *, backend: str = "auto",
+                 dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
+        if isinstance(sources, Mapping):
+            self._sources = dict(sources)
+        else:
+            self._sources = {s: s for s in sources}
+        self._backend, self._dtype, self._device = backend, dtype, device
+        self._models: dict[str, Model] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_spec(cls, spec: str, **kw: object) -> ModelRegistry:
+        """Parse `tiny-mamba2,mine=/models/mine` (what MAMBA_STREAM_MODELS holds)."""
+        sources: dict[str, str] = {}
+        for item in filter(None, (p.strip() for p in spec.split(","))):
+            mid, _, src = item.partition("=")
+            sources[mid.strip()] = (src or mid).strip()
+        return cls(sources, **kw)  # type: ignore[arg-type]
+
+    @property
+    def ids(self) -> list[str]:
+        return sorted(self._sources)
+
+    def get(self, model_id: str) -> Model:
+        with self._lock:
+            model = self._models.get(model_id)
+            if model is None:
+                if model_id not in self._sources:
+                    raise UnknownModel(f"model {model_id!r} is not served here; known: {self.ids}")
+                model = load_model(self._sources[model_id], backend=self._backend, dtype=self._dtype,
+                                   device=self._device)
+                model.model_id = model_id  # the id streams name it by, whatever its source
+                self._models[model_id] = model
+                log.info("loaded model %s (%s, %s)", model_id, model.revision[:19], model.backend)
+            return model

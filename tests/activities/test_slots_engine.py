@@ -1,0 +1,219 @@
+"""The slot table and the stream engine: identity moves with state, reuse never leaks, batching
+and prefill splitting change no result."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from activities._engine import NeedsLoad, StreamEngine
+from activities._slots import SlotTable, StaleSlot
+from scan import InvalidState, load_model
+from tests.scan._helpers import model_for, tokens
+
+MODEL = "tiny-mamba2"
+
+
+def test_release_zeroes_and_the_next_occupant_starts_fresh():
+    model = model_for(MODEL)
+    table = SlotTable(model, 2)
+    used = model.advance(model.initial_state(), tokens(30, 1))
+    h = table.insert("a", used.state, epoch=0, state_key="k-a", logits=used.logits[-1])
+    assert table.release("a") and len(table) == 0
+    assert all(not bool(b[h.slot].abs().sum()) for b in table.buffers.values())
+    assert not bool(table.logits[h.slot].abs().sum())
+    with pytest.raises(StaleSlot):
+        table.view(h)  # the old handle cannot read the slot
+    h2 = table.insert("b", model.initial_state(), epoch=0, state_key="k-b")
+    assert h2.slot == h.slot and h2.generation != h.generation
+    toks = tokens(12, 2)
+    via_slot = model.advance(table.view(h2), toks)
+    fresh = model.advance(model.initial_state(), toks)
+    assert torch.equal(via_slot.logits, fresh.logits) and via_slot.state.equal(fresh.state)
+
+
+def test_a_table_admits_only_its_own_schema():
+    table = SlotTable(model_for(MODEL), 2)
+    other = load_model("tiny-mamba3")  # another recurrence
+    with pytest.raises(InvalidState):
+        table.insert("x", other.initial_state(), epoch=0, state_key="k")
+    wide = model_for(MODEL, dtype="float64")  # same shapes, another dtype
+    with pytest.raises(InvalidState):
+        table.insert("y", wide.initial_state(), epoch=0, state_key="k")
+
+
+class SlotsAgainstSoloRuns(RuleBasedStateMachine):
+    """Random insert / remove / advance / compact; every stream's slot must equal its solo run."""
+
+    @initialize()
+    def setup(self):
+        self.model = model_for(MODEL)
+        self.table = SlotTable(self.model, 4)
+        self.solo: dict[str, object] = {}
+        self.fed: dict[str, list[int]] = {}
+        self.n = 0
+
+    @precondition(lambda self: self.table.free > 0)
+    @rule(prefix=st.lists(st.integers(0, 255), max_size=6))
+    def insert(self, prefix):
+        self.n += 1
+        sid = f"s{self.n}"
+        state = self.model.advance(self.model.initial_state(), prefix).state
+        self.table.insert(sid, state, epoch=0, state_key=None)
+        self.solo[sid] = state
+        self.fed[sid] = list(prefix)
+
+    @precondition(lambda self: len(self.table) > 0)
+    @rule(data=st.data())
+    def remove(self, data):
+        sid = data.draw(st.sampled_from(sorted(self.solo)))
+        h = self.table.handle(sid)
+        assert self.table.release(sid)
+        with pytest.raises(StaleSlot):
+            self.table.view(h)
+        del self.solo[sid]
+
+    @precondition(lambda self: len(self.table) > 0)
+    @rule(data=st.data(), toks=st.lists(st.integers(0, 255), min_size=0, max_size=4))
+    def advance(self, data, toks):
+        sids = data.draw(st.lists(st.sampled_from(sorted(self.solo)), min_size=1, max_size=3, unique=True))
+        handles = [self.table.handle(s) for s in sids]
+        results = self.model.advance_batch([self.table.view(h) for h in handles], [toks] * len(sids))
+        for s, h, r in zip(sids, handles, results):
+            self.table.write(h, r.state, r.logits[-1] if toks else None, state_key=None)
+            self.solo[s] = self.model.advance(self.solo[s], toks).state
+
+    @rule()
+    def compact(self):
+        before = {s: self.table.handle(s) for s in self.solo}
+        moved = self.table.compact()
+        occupied = sorted(self.table.handle(s).slot for s in self.solo)
+        assert occupied == list(range(len(self.solo)))  # dense at the front
+        if moved:
+            assert any(self.table.handle(s) != before[s] for s in self.solo)
+
+    @invariant()
+    def every_slot_equals_its_solo_run(self):
+        if not hasattr(self, "table"):
+            return
+        for sid, state in self.solo.items():
+            got = self.table.view(self.table.handle(sid))
+            assert got.equal(state), sid
+            assert self.table.meta_of(self.table.handle(sid)).stream_id == sid
+
+
+SlotsAgainstSoloRuns.TestCase.settings = settings(max_examples=60, stateful_step_count=25, deadline=None)
+test_slots_against_solo_runs = SlotsAgainstSoloRuns.TestCase
+
+
+def _engine(**kw) -> StreamEngine:
+    return StreamEngine(model_for(MODEL), **kw)
+
+
+def test_engine_batches_concurrent_decode_steps_and_equals_solo_runs():
+    model = model_for(MODEL)
+    engine = _engine(capacity=16, max_batch=16, max_wait_s=0.02)
+    try:
+        prefixes = {f"s{i}": tokens(5 + i, i) for i in range(12)}
+        for sid, pre in prefixes.items():
+            r = model.advance(model.initial_state(), pre)
+            engine.put(sid, r.state, epoch=0, state_key=f"{sid}-0", logits=r.logits[-1])
+        outs: dict[str, list] = {}
+
+        def stream(sid: str) -> None:
+            key, got = f"{sid}-0", []
+            for i, tok in enumerate(tokens(6, hash(sid) % 1000)):
+                out = engine.advance(sid, [tok], expected_key=key, epoch=0, load=lambda: (_ for _ in ()).throw(AssertionError))
+                key = f"{sid}-{i + 1}"
+                engine.commit(sid, key)
+                got.append((tok, out))
+            outs[sid] = got
+
+        threads = [threading.Thread(target=stream, args=(sid,)) for sid in prefixes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert engine.stats.max_batch > 1  # steps of different streams ran together
+        for sid, pre in prefixes.items():
+            state = model.advance(model.initial_state(), pre).state
+            for tok, out in outs[sid]:
+                solo = model.advance(state, [tok])
+                assert torch.equal(out.logits, solo.logits) and out.state.equal(solo.state)
+                state = solo.state
+    finally:
+        engine.close()
+
+
+def test_a_long_prefill_does_not_starve_decode_and_is_split_invisibly():
+    model = model_for(MODEL)
+    engine = _engine(prefill_piece=128, max_wait_s=0.0)
+    try:
+        engine.put("long", model.initial_state(), epoch=0, state_key="l0")
+        engine.put("fast", model.initial_state(), epoch=0, state_key="f0")
+        big = tokens(2048, 9)
+        result: dict = {}
+        t = threading.Thread(target=lambda: result.setdefault("long", engine.advance(
+            "long", big, expected_key="l0", epoch=0, load=lambda: None)))
+        t.start()
+        time.sleep(0.05)
+        waits, key = [], "f0"
+        for i in range(10):
+            t0 = time.perf_counter()
+            engine.advance("fast", [i], expected_key=key, epoch=0, load=lambda: None)
+            waits.append(time.perf_counter() - t0)
+            key = f"f{i + 1}"
+            engine.commit("fast", key)
+        t.join()
+        whole = model.advance(model.initial_state(), big)
+        assert torch.equal(result["long"].logits, whole.logits) and result["long"].state.equal(whole.state)
+        piece = model.advance(model.initial_state(), big[:128])
+        t0 = time.perf_counter()
+        model.advance(piece.state, big[128:256])
+        one_piece = time.perf_counter() - t0
+        assert engine.stats.pieces == 16
+        assert max(waits) < 10 * one_piece + 0.05, (max(waits), one_piece)  # bounded by a piece, not the chunk
+    finally:
+        engine.close()
+
+
+def test_eviction_writes_nothing_and_the_next_chunk_reloads():
+    model = model_for(MODEL)
+    engine = _engine(capacity=2)
+    try:
+        states = {s: model.advance(model.initial_state(), tokens(4, i)).state for i, s in enumerate("abc")}
+        for s, st_ in states.items():
+            engine.put(s, st_, epoch=0, state_key=f"{s}0")
+        assert not engine.holds("a", "a0") and engine.stats.evictions == 1  # "a" was least recently used
+        loads = []
+
+        def load():
+            loads.append(1)
+            return states["a"], None
+
+        out = engine.advance("a", [1, 2], expected_key="a0", epoch=0, load=load)
+        assert loads == [1] and engine.stats.loads == 1
+        assert out.state.equal(model.advance(states["a"], [1, 2]).state)
+        with pytest.raises(NeedsLoad):
+            engine.advance("zzz", [1], expected_key="nope", epoch=0, load=lambda: (_ for _ in ()).throw(NeedsLoad()))
+    finally:
+        engine.close()
+
+
+def test_release_zeroes_the_slot():
+    model = model_for(MODEL)
+    engine = _engine(capacity=2)
+    try:
+        engine.put("a", model.advance(model.initial_state(), [5, 6, 7]).state, epoch=0, state_key="a0")
+        slot = engine.slots.handle("a").slot
+        assert engine.release("a") and not engine.release("a")
+        assert all(not bool(b[slot].abs().sum()) for b in engine.slots.buffers.values())
+        assert not engine.holds("a", "a0")
+    finally:
+        engine.close()
