@@ -28,6 +28,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_scan.py
 	$(PY) bench/bench_codec.py
 	$(PY) bench/bench_temporal.py
+	$(PY) bench/bench_serving.py
 
 crosscheck: $(STAMP)
 	MAMBA_STREAM_REQUIRE_CROSSCHECK=1 $(PY) -m pytest -q -s -m crosscheck

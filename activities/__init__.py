@@ -6,6 +6,7 @@ batching), state stores.
     store.put_if_absent(key=receipt.state_key, data=blob, stream_id=..., principal=...)
 """
 
+from activities._alloc import tune_allocator
 from activities._file_store import FileStateStore
 from activities._store import (
     InvalidStoreKey,
@@ -31,6 +32,7 @@ __all__ = [
     "StreamActivities",
     "StreamEngine",
     "open_store",
+    "tune_allocator",
 ]
 
 

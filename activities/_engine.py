@@ -2,7 +2,8 @@
 
 Activities submit chunks and wait; the engine thread is the only one that touches the slot table
 and runs the model. Each round it takes every waiting single-token step (decode, generate) as
-one batched `advance_batch` (up to `max_batch`, after waiting at most `max_wait_s` for company),
+one batched step on the slot buffers in place (`Model.step_rows`, the arithmetic of
+`advance_batch`; up to `max_batch`, after waiting at most `max_wait_s` for company),
 then one piece (`prefill_piece` tokens) of the oldest long chunk. A 4,096-token prefill therefore
 holds waiting decodes up for at most one piece. Splitting a chunk into pieces is invisible by the
 engine's own contract: bit-exact on the reference backend, within the declared bounds elsewhere.
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from activities._alloc import tune_allocator
 from activities._slots import SlotTable
 from scan import Model, State
 
@@ -54,6 +56,7 @@ class EngineStats:
     steps: int = 0  # batched single-token rounds
     stepped_streams: int = 0  # streams advanced by them (sum of batch sizes)
     max_batch: int = 0
+    step_seconds: float = 0.0  # wall time inside the batched steps
     pieces: int = 0  # prefill pieces
     loads: int = 0  # states brought in from the store
     evictions: int = 0
@@ -87,6 +90,7 @@ class StreamEngine:
 
     def __init__(self, model: Model, *, capacity: int = 256, max_batch: int = 64, max_wait_s: float = 0.002,
                  prefill_piece: int = 256) -> None:
+        tune_allocator()  # batched steps churn state-sized temporaries; see activities/_alloc.py
         self.model = model
         self.slots = SlotTable(model, capacity)
         self.max_batch, self.max_wait_s, self.prefill_piece = max_batch, max_wait_s, prefill_piece
@@ -286,8 +290,9 @@ class StreamEngine:
         singles = [w for w in pending if len(w.tokens) - w.done == 1][: self.max_batch]
         if singles:
             try:
-                states = [slots.view(w.handle) for w in singles]
-                results = model.advance_batch(states, [[w.tokens[w.done]] for w in singles])
+                t0 = time.perf_counter()
+                logits, path = slots.step([w.handle for w in singles], [w.tokens[w.done] for w in singles])
+                self.stats.step_seconds += time.perf_counter() - t0
             except Exception as exc:  # noqa: BLE001
                 for w in singles:
                     self._fail(w, exc)
@@ -295,21 +300,21 @@ class StreamEngine:
             self.stats.steps += 1
             self.stats.stepped_streams += len(singles)
             self.stats.max_batch = max(self.stats.max_batch, len(singles))
-            for w, r in zip(singles, results):
-                slots.write(w.handle, r.state, r.logits[-1], state_key=None)
-                w.rows.append(r.logits)
+            for i, w in enumerate(singles):
+                row = logits[i : i + 1].clone()  # not a view: the batch must not outlive its round
+                w.rows.append(row)
                 w.done += 1
-                w.path = r.path
+                w.path = path
                 if w.sampler is not None and w.done < w.max_tokens:
                     try:
-                        nxt = w.sampler(r.logits[-1])
+                        nxt = w.sampler(row[0])
                     except Exception as exc:  # noqa: BLE001 - the sampler is the caller's
                         self._fail(w, exc)
                         continue
                     if nxt is not None:
                         w.tokens.append(nxt)
                         continue
-                self._finish(w, r.state, r.logits[-1])
+                self._finish(w, slots.state(w.handle), row[0].clone())
         longs = [w for w in pending if len(w.tokens) - w.done > 1]
         if longs:
             w = longs[0]

@@ -141,6 +141,34 @@ class SlotTable:
         meta.position = state.position
         meta.state_key = state_key
 
+    def step(self, handles: list[SlotHandle], tokens: list[int]) -> tuple[torch.Tensor, str]:
+        """One token for each handle's stream, computed on the buffers in place (one batched step).
+
+        Positions advance, the slots' next-token logits are replaced, and the slots become
+        uncommitted (state_key None) until `commit`. Returns the float32 logits (B, V).
+        """
+        metas = [self._check(h) for h in handles]
+        dev = self.logits.device
+        # In slot order, so the rows of a compacted table form one span (stepped as a view).
+        order = sorted(range(len(handles)), key=lambda i: handles[i].slot)
+        rows = torch.tensor([handles[i].slot for i in order], dtype=torch.long, device=dev)
+        toks = torch.tensor([tokens[i] for i in order], dtype=torch.long, device=dev)
+        sorted_logits, path = self.model.step_rows(self.buffers, rows, toks)
+        self.logits.index_copy_(0, rows, sorted_logits)
+        logits = torch.empty_like(sorted_logits)
+        logits[torch.tensor(order, dtype=torch.long, device=dev)] = sorted_logits
+        self._clock += 1
+        for h, m in zip(handles, metas):
+            self.has_logits[h.slot] = True
+            m.position += 1
+            m.state_key = None
+            m.last_used = self._clock
+        return logits, path
+
+    def state(self, h: SlotHandle) -> State:
+        """A copy of the slot's state (the caller's own tensors)."""
+        return self.view(h).clone()
+
     def commit(self, h: SlotHandle, state_key: str) -> None:
         self._check(h).state_key = state_key
 

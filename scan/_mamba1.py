@@ -64,8 +64,8 @@ class Mamba1Mixer(Mixer):
         dt_r, b, cc = x_dbl[:, :r], x_dbl[:, r : r + n], x_dbl[:, r + n :]
         dt = ops.softplus(ops.linear(dt_r, self.dt_proj.weight, self.dt_proj.bias))  # (B, C)
         d_a = torch.exp(dt.unsqueeze(-1) * self._A())  # (B, C, N)
-        h = ssm * d_a + (dt * xc).unsqueeze(-1) * b.unsqueeze(1)
-        y = (h * cc.unsqueeze(1)).sum(-1) + self.D * xc  # (B, C)
+        h = ops.decay_add(ssm, d_a, (dt * xc).unsqueeze(-1) * b.unsqueeze(1))
+        y = ops.contract(h, cc.unsqueeze(1)) + self.D * xc  # (B, C)
         y = y * ops.silu(z)
         out = ops.linear(y, self.out_proj.weight, self.out_proj.bias)
         return out, (window, h)

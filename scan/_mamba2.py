@@ -122,8 +122,9 @@ class Mamba2Mixer(Mixer):
         # heads of a group are contiguous: view (B, H, ...) as (B, G, H/G, ...)
         hg = h // g
         dtx = (dt.unsqueeze(-1) * x).reshape(-1, g, hg, p, 1)
-        new = ssm * d_a[:, :, None, None] + (dtx * b.unsqueeze(3)).reshape(-1, h, p, n)
-        y = (new.reshape(-1, g, hg, p, n) * c.unsqueeze(3)).sum(-1).reshape(-1, h, p)
+        new = ops.decay_add(ssm, d_a[:, :, None, None], (dtx * b.unsqueeze(3)).reshape(-1, h, p, n))
+        # a group's heads share c: one (H/G * P, N) mat-vec per group rather than one per head
+        y = ops.contract(new.reshape(-1, g, hg * p, n), c).reshape(-1, h, p)
         y = y + self._D() * x
         out = self._finish(y.reshape(-1, e), z, z0, x0, ops)
         return out, (window, new)

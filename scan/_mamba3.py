@@ -183,8 +183,8 @@ class Mamba3Mixer(Mixer):
         upd = terms[:, 0]
         for i in range(1, terms.shape[1]):
             upd = upd + terms[:, i]
-        new = ssm * alpha[:, :, None, None] + upd  # (B, H, P, N)
-        yr = (new.unsqueeze(1) * q.unsqueeze(-2)).sum(-1) + self.D[:, None] * xr  # (B, R, H, P)
+        new = ops.decay_add(ssm, alpha[:, :, None, None], upd)  # (B, H, P, N)
+        yr = ops.contract(new.unsqueeze(1), q.unsqueeze(-2)) + self.D[:, None] * xr  # (B, R, H, P)
         y = self._combine(yr, z.reshape(-1, h, p), ops)
         out = ops.linear(y.reshape(-1, cfg.d_inner), self.out_proj.weight)
         return out, (theta, new, k, v)

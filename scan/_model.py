@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -166,6 +166,74 @@ class Model:
             input_transform_revision=getattr(t, "revision", ""),
             state_schema=self.schema,
         )
+
+    def step_rows(self, buffers: Mapping[str, Tensor], rows: Tensor, tokens: Tensor) -> tuple[Tensor, str]:
+        """Advance the states at `rows` of per-name buffers (K, *shape) by one token each, in place.
+
+        For a slot table, where the states live in preallocated buffers rather than in State
+        objects: one gather, one step of every layer for all rows, one scatter, with none of the
+        per-stream work of `advance_batch`. The arithmetic is `advance_batch`'s for single tokens,
+        so results are bit-identical on the reference backend. Nothing is written if the step
+        overflows (NonFiniteOutput).
+
+        Args:
+            buffers: tensor name -> (K, *shape) buffer in the schema's dtype, for every schema name.
+            rows: (B,) int64 row indices, distinct.
+            tokens: (B,) int64 token ids, already validated.
+
+        Returns:
+            float32 logits (B, V) and the path that ran.
+        """
+        lm, cfg, names, k = self._lm, self.config, self._names, self._per_layer
+        # A compacted slot table steps a run of adjacent rows: read them as a view and write them
+        # back as a slice, saving the gather's copy of every state (decode is bound by that traffic).
+        b = int(rows.numel())
+        if b == 0:
+            return torch.empty((0, self.vocab_size), dtype=torch.float32, device=self.device), "step"
+        first = int(rows[0])
+        span = bool((rows == torch.arange(first, first + b, device=rows.device)).all())
+        with torch.inference_mode():
+            if span:
+                flat = [buffers[n].narrow(0, first, b).to(self.dtype) for n in names]
+            else:
+                flat = [buffers[n].index_select(0, rows).to(self.dtype) for n in names]
+            layer_states = [tuple(flat[i * k : (i + 1) * k]) for i in range(cfg.n_layer)]
+            hidden = lm.backbone.embedding.weight.index_select(0, tokens)
+            if self.backend == "triton":
+                from scan import _triton
+
+                step = _triton.step
+            else:
+                ops = REFERENCE_OPS if self.backend == "reference" else NATIVE_OPS
+
+                def step(mixer, u, st):  # noqa: ANN001, ANN202
+                    out, new = mixer.step(u, st, ops)
+                    return out, new, "recurrent" if self.backend == "reference" else "step"
+
+            residual: Tensor | None = None
+            new_states: LayerStates = []
+            path = "step"
+            for blk, st in zip(lm.backbone.layers, layer_states):
+                residual = hidden if residual is None else hidden + residual
+                normed = norm(residual, blk.norm.weight, blk.norm.bias, cfg.norm_eps, cfg.rms_norm)
+                hidden, st_new, path = step(blk.mixer, normed, st)
+                new_states.append(st_new)
+            if self.backend == "reference":
+                new_states = self._round(new_states)
+            assert residual is not None
+            residual = hidden + residual
+            nf = lm.backbone.norm_f
+            normed = norm(residual, nf.weight, nf.bias, cfg.norm_eps, cfg.rms_norm)
+            lin = REFERENCE_OPS.linear if self.backend == "reference" else NATIVE_OPS.linear
+            logits = lin(normed, lm.lm_head.weight).to(torch.float32)
+            if not bool(torch.isfinite(logits).all()):
+                raise NonFiniteOutput("the batched step produced non-finite logits; no state was written")
+            for name, new in zip(names, (t for layer in new_states for t in layer)):
+                if span:
+                    buffers[name].narrow(0, first, b).copy_(new)
+                else:
+                    buffers[name].index_copy_(0, rows, new.to(buffers[name].dtype))
+        return logits, path
 
     def check_tokens(self, tokens: Any) -> Tensor:
         """Validate token ids as `advance` would (typed InvalidInput), returning them as a tensor."""

@@ -61,19 +61,44 @@ def _softplus_native(x: Tensor) -> Tensor:
     return F.softplus(x)
 
 
+def _decay_add_ref(h: Tensor, decay: Tensor, update: Tensor) -> Tensor:
+    return h * decay + update
+
+
+def _decay_add_native(h: Tensor, decay: Tensor, update: Tensor) -> Tensor:
+    # one pass over the state instead of two: decode is bound by state traffic
+    return torch.addcmul(update, h, decay)
+
+
+def _contract_ref(h: Tensor, c: Tensor) -> Tensor:
+    return (h * c).sum(-1)
+
+
+def _contract_native(h: Tensor, c: Tensor) -> Tensor:
+    # h (..., P, N) against c (..., 1, N): a batched mat-vec, without an (..., P, N) temporary
+    return torch.matmul(h, c.transpose(-1, -2)).squeeze(-1)
+
+
 @dataclass(frozen=True)
 class Ops:
-    """A set of primitives; mixers take one and never call the others directly."""
+    """A set of primitives; mixers take one and never call the others directly.
+
+    decay_add(h, decay, update) = h * decay + update; contract(h, c) = (h * c).sum(-1) for h
+    (..., P, N) and c (..., 1, N). The native versions fuse them, which changes rounding.
+    """
 
     name: str
     linear: Callable[..., Tensor]
     silu: Callable[[Tensor], Tensor]
     sigmoid: Callable[[Tensor], Tensor]
     softplus: Callable[[Tensor], Tensor]
+    decay_add: Callable[[Tensor, Tensor, Tensor], Tensor]
+    contract: Callable[[Tensor, Tensor], Tensor]
 
 
-REFERENCE_OPS = Ops("reference", _linear_rows, _silu_ref, _sigmoid_ref, _softplus_ref)
-NATIVE_OPS = Ops("native", _linear_native, F.silu, torch.sigmoid, _softplus_native)
+REFERENCE_OPS = Ops("reference", _linear_rows, _silu_ref, _sigmoid_ref, _softplus_ref, _decay_add_ref, _contract_ref)
+NATIVE_OPS = Ops("native", _linear_native, F.silu, torch.sigmoid, _softplus_native, _decay_add_native,
+                 _contract_native)
 
 
 def conv_taps(window: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

@@ -29,7 +29,7 @@ EXPECTED = {
     "activities": [
         "FileStateStore", "InvalidStoreKey", "ModelRegistry", "PostgresStateStore", "SlotTable", "StateStore",
         "StoreCorrupt", "StoreError", "StoreUnavailable", "StoreUsage", "StreamActivities", "StreamEngine",
-        "open_store",
+        "open_store", "tune_allocator",
     ],
     "workflows": [
         "DEFAULT_TASK_QUEUE", "AdvanceRequest", "AdvanceResult", "AgentInput", "AgentResult", "AgentWorkflow",

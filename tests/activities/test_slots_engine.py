@@ -48,6 +48,21 @@ def test_a_table_admits_only_its_own_schema():
         table.insert("y", wide.initial_state(), epoch=0, state_key="k")
 
 
+def test_a_batched_step_answers_in_handle_order_whatever_the_slot_order():
+    model = model_for(MODEL)
+    table = SlotTable(model, 4)
+    fed = {name: tokens(n, n) for name, n in (("a", 5), ("b", 9), ("c", 2))}
+    handles = {name: table.insert(name, model.advance(model.initial_state(), t).state, epoch=0, state_key=None)
+               for name, t in fed.items()}
+    order = ["c", "a", "b"]  # slots 2, 0, 1: stepped as one span, answered in this order
+    logits, _ = table.step([handles[n] for n in order], [7, 8, 9])
+    for i, (name, tok) in enumerate(zip(order, [7, 8, 9])):
+        solo = model.advance(model.initial_state(), fed[name] + [tok])
+        assert torch.equal(logits[i], solo.logits[-1])
+        assert torch.equal(table.next_logits(handles[name]), solo.logits[-1])
+        assert table.view(handles[name]).equal(solo.state)
+
+
 class SlotsAgainstSoloRuns(RuleBasedStateMachine):
     """Random insert / remove / advance / compact; every stream's slot must equal its solo run."""
 

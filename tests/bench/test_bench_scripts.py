@@ -43,3 +43,32 @@ def test_drift_measurement_arguments_and_a_cpu_run(tmp_path):
     rows = [line for line in text.splitlines() if line.startswith("| tiny-mamba2 |")]
     assert len(rows) == 2 and all("| ok |" in r for r in rows)
     assert "## tiny-mamba2, chunked, float32" in text
+
+
+def test_serving_tables_on_a_small_cpu_run(tmp_path):
+    mod = _load("bench_serving")
+    a = mod.table_a(3, tmp_path)
+    turns = [line for line in a if line.startswith("| ") and line[2].isdigit()]
+    assert [int(r.split("|")[1]) for r in turns] == [1, 2, 3]
+    new = [int(r.split("|")[2]) for r in turns]
+    history = [int(r.split("|")[3]) for r in turns]
+    assert history == [sum(new[: i + 1]) for i in range(3)]  # HF re-feeds all of it; we feed only `new`
+    assert any(line.startswith("least-squares slope") for line in a)
+
+    import asyncio
+
+    b = asyncio.run(mod._throughput([1, 2], 2, 4, tmp_path))
+    rows = [line.split("|") for line in b if line.startswith("| ") and line[2].isdigit()]
+    assert [int(r[1]) for r in rows] == [1, 2]
+    assert all(float(r[5].replace(",", "")) > 0 for r in rows)  # decode tokens/s
+    assert 1.0 <= float(rows[1][9]) <= 2.0  # batch occupancy at 2 streams
+    eng = [line.split("|") for line in mod.table_b_engine([1, 2], 4, tmp_path) if line.startswith("| ")
+           and line[2].isdigit()]
+    assert [int(r[1]) for r in eng] == [1, 2] and all(0 < float(r[5]) <= float(r[4]) for r in eng)
+
+    c = mod.table_c(6_000)
+    rows = [line.split("|") for line in c if line.startswith("| ") and line[2].isdigit()]
+    assert [r[1].strip() for r in rows] == ["4,096", "8,192"]  # whole chunks
+    assert len({r[2] for r in rows}) == 1  # state bytes do not depend on position
+    kv = [float(r[7].replace(",", "")) for r in rows]
+    assert kv[1] > kv[0]

@@ -140,3 +140,45 @@ def test_narrow_state_dtype_is_rounded_per_token_so_chunking_stays_exact(preset,
     wide = model_for(preset)
     assert not torch.equal(wide.advance(wide.initial_state(), toks).logits, full.logits)
     assert model.schema.fingerprint() != wide.schema.fingerprint()
+
+
+@pytest.mark.parametrize("backend", ["reference", "chunked"])
+@pytest.mark.parametrize("rows", [[2, 0], [1, 2]], ids=["scattered", "span"])
+def test_step_rows_equals_advance_batch_and_touches_only_its_rows(preset, backend, rows):
+    model = model_for(preset, backend)
+    states = [model.advance(model.initial_state(), tokens(n, n)).state for n in (3, 7, 1, 12)]
+    buffers = {name: torch.stack([s.tensors[name] for s in states]) for name in states[0].tensors}
+    before = {k: v.clone() for k, v in buffers.items()}
+    toks = [11, 42]
+    logits, path = model.step_rows(buffers, torch.tensor(rows), torch.tensor(toks))
+    solo = model.advance_batch([states[r] for r in rows], [[t] for t in toks])
+    tol = tolerance(model.config.architecture, backend, "float32")
+    for i, (r, res) in enumerate(zip(rows, solo)):
+        got_state = {k: v[r] for k, v in buffers.items()}
+        if backend == "reference":  # the same arithmetic, bit for bit
+            assert torch.equal(logits[i : i + 1], res.logits)
+            assert all(torch.equal(got_state[k], res.state.tensors[k]) for k in got_state)
+        else:
+            assert (tol + tol).logits_excess(logits[i : i + 1], res.logits) <= 1.0
+    for r in sorted({0, 1, 2, 3} - set(rows)):  # rows not stepped are untouched
+        assert all(torch.equal(buffers[k][r], before[k][r]) for k in buffers)
+    assert path in ("recurrent", "step")
+
+
+def test_step_rows_of_no_rows_is_a_no_op():
+    model = model_for("tiny-mamba2", "reference")
+    buffers = {t.name: torch.ones((2, *t.shape)) for t in model.schema.tensors}
+    logits, _ = model.step_rows(buffers, torch.tensor([], dtype=torch.long), torch.tensor([], dtype=torch.long))
+    assert logits.shape == (0, model.vocab_size)
+    assert all(bool((b == 1).all()) for b in buffers.values())
+
+
+def test_step_rows_writes_nothing_when_it_overflows():
+    model = copy.deepcopy(load_model("tiny-mamba2", backend="reference"))
+    with torch.no_grad():
+        model.module.backbone.layers[1].mixer.out_proj.weight.fill_(float("inf"))
+    buffers = {t.name: torch.ones((2, *t.shape)) for t in model.schema.tensors}
+    before = {k: v.clone() for k, v in buffers.items()}
+    with pytest.raises(NonFiniteOutput):
+        model.step_rows(buffers, torch.tensor([0, 1]), torch.tensor([1, 2]))
+    assert all(torch.equal(buffers[k], before[k]) for k in buffers)

@@ -1,0 +1,65 @@
+"""Process allocator settings for a serving worker (glibc malloc).
+
+Every batched decode step allocates a few state-sized temporaries (B x nheads x headdim x d_state
+floats: 4 MB at 32 streams of a d_state-64 Mamba-2 layer). glibc serves allocations over its mmap
+threshold with a fresh mmap, so each one is page-faulted and zeroed by the kernel and unmapped on
+free; its dynamic threshold only adapts after some frees and per arena. Measured on the 2-core CI
+machine (bench/bench_serving.py's model, 32 streams): 20 ms per batched step with the defaults,
+7.5 ms with a fixed 32 MB threshold, so the batch gain is lost to page faults. PyTorch's own CPU
+inference guides recommend a caching allocator for the same reason; this keeps glibc and fixes
+its thresholds instead, so freed blocks are reused from the heap.
+
+Set MAMBA_STREAM_MALLOC_TUNE=0 to leave the allocator alone (for example under jemalloc).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import threading
+
+__all__ = ["tune_allocator"]
+
+log = logging.getLogger(__name__)
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+# glibc refuses an mmap threshold above HEAP_MAX_SIZE / 2 (32 MiB on 64-bit).
+MMAP_THRESHOLD = 32 * 1024 * 1024
+TRIM_THRESHOLD = 256 * 1024 * 1024
+
+_lock = threading.Lock()
+_applied: dict[str, int] | None = None
+
+
+def tune_allocator() -> dict[str, int]:
+    """Fix glibc's mmap and trim thresholds once per process; returns what was set (empty if nothing).
+
+    Idempotent and safe off glibc (nothing happens). Memory freed stays in the heap up to
+    TRIM_THRESHOLD, so RSS holds the peak working set of a step rather than shrinking between steps.
+    """
+    global _applied
+    with _lock:
+        if _applied is not None:
+            return dict(_applied)
+        _applied = {}
+        if os.environ.get("MAMBA_STREAM_MALLOC_TUNE", "1") == "0":
+            log.info("allocator tuning disabled by MAMBA_STREAM_MALLOC_TUNE=0")
+            return {}
+        name = ctypes.util.find_library("c")
+        try:
+            libc = ctypes.CDLL(name or "libc.so.6")
+            mallopt = libc.mallopt
+        except (OSError, AttributeError):
+            log.info("no glibc mallopt here; allocator left as it is")
+            return {}
+        for label, param, value in (("mmap_threshold", _M_MMAP_THRESHOLD, MMAP_THRESHOLD),
+                                    ("trim_threshold", _M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
+            if mallopt(ctypes.c_int(param), ctypes.c_int(value)) == 1:
+                _applied[label] = value
+            else:
+                log.warning("mallopt refused %s=%d", label, value)
+        log.info("allocator thresholds set: %s", _applied)
+        return dict(_applied)
