@@ -78,6 +78,23 @@ async def test_cancel_zeroes_the_hot_state(stack: Stack):
     assert engine.slots.handle(sid) is None and not engine.holds(sid, r.receipt.state_key)
 
 
+async def test_the_next_occupant_of_a_cancelled_streams_slot_starts_fresh(stack: Stack):
+    model = local("tiny-mamba1")
+    old = await stack.streams.open("alice", "tiny-mamba1")
+    await stack.streams.advance(old, "alice", tokens=[9, 8, 7, 6, 5])
+    engine = stack.acts.engines["tiny-mamba1"]
+    slot = engine.slots.handle(old).slot
+    await stack.streams.cancel(old)
+    new = await stack.streams.open("bob", "tiny-mamba1")
+    first = await stack.streams.advance(new, "bob", tokens=[1, 2, 3])
+    assert engine.slots.handle(new).slot == slot  # the same buffers, reused
+    then = await stack.streams.advance(new, "bob", tokens=[4])  # a decode step on the reused slot
+    fresh = model.advance(model.initial_state(), [1, 2, 3, 4])
+    assert first.output_digest == digest(fresh.logits[:3])
+    assert then.output_digest == digest(fresh.logits[3:])
+    assert then.receipt.checksum == plaintext_checksum(fresh.state.tensors)
+
+
 async def test_checkpoint_and_resume_in_another_stream(stack: Stack):
     model = local("tiny-mamba3")
     sid = await stack.streams.open("alice", "tiny-mamba3", options=_opts(checkpoints_kept=1))
