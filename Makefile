@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: run test bench verify crosscheck clean
+.PHONY: run test bench eval verify crosscheck clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,9 @@ bench: $(STAMP)
 	$(PY) bench/bench_codec.py
 	$(PY) bench/bench_temporal.py
 	$(PY) bench/bench_serving.py
+
+eval: $(STAMP)
+	$(VENV)/bin/mamba-stream eval --append docs/results/quality.md
 
 crosscheck: $(STAMP)
 	MAMBA_STREAM_REQUIRE_CROSSCHECK=1 $(PY) -m pytest -q -s -m crosscheck

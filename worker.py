@@ -9,13 +9,31 @@ Environment (all optional):
     MAMBA_STREAM_KEYRING     keyring JSON, or the path of a 0600 keyring file
                              (default $MAMBA_STREAM_HOME/keyring.json, generated on first use)
     MAMBA_STREAM_MODELS      models served: presets or id=/checkpoint/dir, comma-separated
-                             (default tiny-mamba1,tiny-mamba2,tiny-mamba3)
+                             (default: the tiny-mamba1/2/3 presets and the trained
+                             recall-mamba2; each is loaded on first use)
     MAMBA_STREAM_TASK_QUEUE  the shared task queue (default mamba-stream); the worker also serves
                              its own queue, <shared>@<worker id>, for affinity
     MAMBA_STREAM_CODEC_PORT  port of the codec server started with the embedded stack (default 8081)
     MAMBA_STREAM_TEMPORAL_PORT, MAMBA_STREAM_UI_PORT
                              ports of the embedded dev server (default 7233 and 8233)
     MAMBA_STREAM_BACKEND     scan backend: auto (default), reference or chunked
+    MAMBA_STREAM_PRINCIPAL_KEYS
+                             principals' Ed25519 public keys, JSON {"alice": "<base64>"} or a file
+                             holding it: when set, every request must be signed by its principal
+                             (`mamba-stream keygen` makes a key pair; docs/signing.md)
+    MAMBA_STREAM_METRICS     the Prometheus endpoint, host:port (default 127.0.0.1:9464; "off"):
+                             Temporal's runtime metrics and ours (docs/metrics.md)
+    MAMBA_STREAM_DRIFT_CHECK_EVERY
+                             every Nth advanced chunk is re-run on the reference backend and its
+                             logits difference recorded (default 0: off)
+    MAMBA_STREAM_BUILD_ID    this worker's build id: with it set, the worker runs as version
+                             <MAMBA_STREAM_DEPLOYMENT>:<build id> of a Temporal worker deployment
+                             (default deployment name mamba-stream) and streams are pinned to the
+                             version they start on (docs/rollout.md). Unset: unversioned.
+    MAMBA_STREAM_SWEEP_S, MAMBA_STREAM_ORPHAN_GRACE_S
+                             how often this worker sweeps the store for orphaned states (default
+                             600 s; 0: never), and how long after its workflow closed a stream's
+                             states count as orphaned (default 3600 s)
 
 ctrl-C (or SIGTERM) drains the worker and stops what it started.
 """
@@ -46,12 +64,19 @@ class WorkerConfig:
     store_url: str | None = field(default_factory=lambda: os.environ.get("MAMBA_STREAM_STORE") or None)
     keyring: str | None = field(default_factory=lambda: os.environ.get("MAMBA_STREAM_KEYRING") or None)
     models: str = field(default_factory=lambda: os.environ.get(
-        "MAMBA_STREAM_MODELS", "tiny-mamba1,tiny-mamba2,tiny-mamba3"))
+        "MAMBA_STREAM_MODELS", "tiny-mamba1,tiny-mamba2,tiny-mamba3,recall-mamba2"))
     task_queue: str = field(default_factory=lambda: os.environ.get("MAMBA_STREAM_TASK_QUEUE", "mamba-stream"))
     codec_port: int = field(default_factory=lambda: int(os.environ.get("MAMBA_STREAM_CODEC_PORT", "8081")))
     temporal_port: int = field(default_factory=lambda: int(os.environ.get("MAMBA_STREAM_TEMPORAL_PORT", "7233")))
     ui_port: int = field(default_factory=lambda: int(os.environ.get("MAMBA_STREAM_UI_PORT", "8233")))
     backend: str = field(default_factory=lambda: os.environ.get("MAMBA_STREAM_BACKEND", "auto"))
+    principal_keys: str | None = field(default_factory=lambda: os.environ.get("MAMBA_STREAM_PRINCIPAL_KEYS") or None)
+    metrics: str = field(default_factory=lambda: os.environ.get("MAMBA_STREAM_METRICS", "127.0.0.1:9464"))
+    drift_check_every: int = field(default_factory=lambda: int(os.environ.get("MAMBA_STREAM_DRIFT_CHECK_EVERY", "0")))
+    build_id: str | None = field(default_factory=lambda: os.environ.get("MAMBA_STREAM_BUILD_ID") or None)
+    deployment: str = field(default_factory=lambda: os.environ.get("MAMBA_STREAM_DEPLOYMENT", "mamba-stream"))
+    sweep_s: float = field(default_factory=lambda: float(os.environ.get("MAMBA_STREAM_SWEEP_S", "600")))
+    orphan_grace_s: float = field(default_factory=lambda: float(os.environ.get("MAMBA_STREAM_ORPHAN_GRACE_S", "3600")))
 
     @property
     def store(self) -> str:
@@ -127,13 +152,45 @@ class EmbeddedTemporal:
         self.proc = None
 
 
-def build_activities(cfg: WorkerConfig, keyring, worker_queue: str):
+def build_runtime(cfg: WorkerConfig):
+    """A Temporal runtime exporting metrics on cfg.metrics (None when "off")."""
+    if cfg.metrics.lower() in ("", "off", "none"):
+        return None
+    from activities._metrics import HISTOGRAM_BUCKETS
+    from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
+
+    try:
+        return Runtime(telemetry=TelemetryConfig(metrics=PrometheusConfig(
+            bind_address=cfg.metrics, histogram_bucket_overrides=HISTOGRAM_BUCKETS)))
+    except ValueError as exc:  # the port is taken (another worker on this host): serve, unmetered
+        log.warning("no metrics endpoint on %s: %s (set MAMBA_STREAM_METRICS)", cfg.metrics, exc)
+        return None
+
+
+def deployment_config(cfg: WorkerConfig):
+    """Worker versioning: this worker as a version of the deployment, streams pinned (None: unversioned)."""
+    if not cfg.build_id:
+        return None
+    from temporalio.common import VersioningBehavior, WorkerDeploymentVersion
+    from temporalio.worker import WorkerDeploymentConfig
+
+    return WorkerDeploymentConfig(
+        version=WorkerDeploymentVersion(deployment_name=cfg.deployment, build_id=cfg.build_id),
+        use_worker_versioning=True, default_versioning_behavior=VersioningBehavior.PINNED)
+
+
+def build_activities(cfg: WorkerConfig, keyring, worker_queue: str, metrics=None):
     from activities import open_store
     from activities._registry import ModelRegistry
     from activities._stream import StreamActivities
+    from state_codec.signing import PrincipalKeys
 
+    keys = PrincipalKeys.from_spec(cfg.principal_keys) if cfg.principal_keys else None
+    if keys is not None:
+        log.info("verifying signed requests of %d principals", len(keys))
     return StreamActivities(models=ModelRegistry.from_spec(cfg.models, backend=cfg.backend),
-                            store=open_store(cfg.store), keyring=keyring, worker_queue=worker_queue)
+                            store=open_store(cfg.store), keyring=keyring, worker_queue=worker_queue,
+                            principal_keys=keys, metrics=metrics, drift_check_every=cfg.drift_check_every)
 
 
 async def run_worker(cfg: WorkerConfig, stop: asyncio.Event, *, ready: asyncio.Event | None = None,
@@ -142,27 +199,54 @@ async def run_worker(cfg: WorkerConfig, stop: asyncio.Event, *, ready: asyncio.E
     from temporalio.client import Client
     from temporalio.worker import Worker
 
+    from activities._metrics import StreamMetrics
     from plugin import MambaStreamPlugin
 
     keyring = load_keyring(cfg)
     worker_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     own_queue = f"{cfg.task_queue}@{worker_id}"
-    acts = activities or build_activities(cfg, keyring, own_queue)
+    runtime = build_runtime(cfg)
+    metrics = StreamMetrics(runtime.metric_meter) if runtime is not None else None
+    acts = activities or build_activities(cfg, keyring, own_queue, metrics)
     acts.worker_queue = own_queue
-    client = await Client.connect(cfg.address or "127.0.0.1:7233",
+    if activities is not None and metrics is not None:
+        acts.metrics = metrics
+    client = await Client.connect(cfg.address or "127.0.0.1:7233", runtime=runtime,
                                   plugins=[MambaStreamPlugin(keyring=keyring, activities=acts)])
+    if runtime is not None:
+        log.info("metrics on http://%s/metrics", cfg.metrics)
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="activity")
-    shared = Worker(client, task_queue=cfg.task_queue, activity_executor=pool)
-    own = Worker(client, task_queue=own_queue, activity_executor=pool)
-    log.info("worker %s serving %s and %s (models %s, store %s)", worker_id, cfg.task_queue, own_queue,
-             cfg.models, acts.store.url)
+    versioning = deployment_config(cfg)
+    kw = {"deployment_config": versioning} if versioning is not None else {}
+    shared = Worker(client, task_queue=cfg.task_queue, activity_executor=pool, **kw)
+    own = Worker(client, task_queue=own_queue, activity_executor=pool, **kw)
+    log.info("worker %s serving %s and %s (models %s, store %s, version %s)", worker_id, cfg.task_queue, own_queue,
+             cfg.models, acts.store.url, f"{cfg.deployment}:{cfg.build_id}" if cfg.build_id else "unversioned")
     async with shared, own:
         if ready is not None:
             ready.set()
         print(f"worker {worker_id} ready on {cfg.task_queue} and {own_queue}", flush=True)
+        sweeper = asyncio.create_task(_sweep_forever(cfg, client, acts)) if cfg.sweep_s > 0 else None
         await stop.wait()
+        if sweeper is not None:
+            sweeper.cancel()
     pool.shutdown(wait=False, cancel_futures=True)
     acts.close()
+
+
+async def _sweep_forever(cfg: WorkerConfig, client, acts) -> None:
+    from activities._sweep import sweep_orphans
+
+    while True:
+        await asyncio.sleep(cfg.sweep_s)
+        try:
+            rep = await sweep_orphans(client, acts.store, acts.metrics, grace_s=cfg.orphan_grace_s,
+                                     activities=acts)
+            if rep.orphans:
+                log.info("orphan sweep: %d of %d streams orphaned, %d blobs deleted", len(rep.orphans),
+                         rep.checked, rep.blobs_deleted)
+        except Exception:  # noqa: BLE001 - a failed sweep is retried at the next interval
+            log.exception("orphan sweep failed")
 
 
 def main() -> None:

@@ -31,7 +31,10 @@ __all__ = [
     "StoreUsage",
     "StreamActivities",
     "StreamEngine",
+    "StreamMetrics",
+    "SweepReport",
     "open_store",
+    "sweep_orphans",
     "tune_allocator",
 ]
 
@@ -43,7 +46,7 @@ def __getattr__(name: str):
 
         return PostgresStateStore
     homes = {"StreamActivities": "_stream", "ModelRegistry": "_registry", "StreamEngine": "_engine",
-             "SlotTable": "_slots"}
+             "SlotTable": "_slots", "StreamMetrics": "_metrics", "SweepReport": "_sweep", "sweep_orphans": "_sweep"}
     if name in homes:
         import importlib
 

@@ -105,6 +105,15 @@ class StreamEngine:
 
     # --- called from activity threads ----------------------------------------------------------
 
+    def hot_streams(self) -> int:
+        """Streams whose committed state this engine holds in a slot."""
+        with self._lock:
+            return len(self._committed)
+
+    def hot_stream_ids(self) -> list[str]:
+        with self._lock:
+            return sorted(self._committed)
+
     def holds(self, stream_id: str, state_key: str) -> bool:
         """Whether the stream's slot holds exactly this committed state."""
         with self._lock:

@@ -174,6 +174,10 @@ class FileStateStore(StateStore):
             return []
         return sorted(k for k in os.listdir(d) if self._object(k).exists())
 
+    def stream_ids(self) -> list[str]:
+        d = self.root / "streams"
+        return sorted(e.name for e in os.scandir(d) if e.is_dir() and any(os.scandir(e.path)))
+
     def delete_stream(self, *, stream_id: str) -> int:
         check_name("stream id", stream_id)
         d = self.root / "streams" / stream_id

@@ -131,6 +131,11 @@ class PostgresStateStore(StateStore):
                                 (stream_id,)).fetchall()
         return [r[0] for r in rows]
 
+    def stream_ids(self) -> list[str]:
+        with self._conn() as conn:
+            rows = conn.execute(f"SELECT DISTINCT stream_id FROM {self.table} ORDER BY stream_id").fetchall()
+        return [r[0] for r in rows]
+
     def usage(self) -> StoreUsage:
         with self._conn() as conn:
             objects, size, streams = conn.execute(

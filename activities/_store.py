@@ -92,6 +92,10 @@ class StateStore(ABC):
     def list_stream(self, *, stream_id: str) -> list[str]:
         """Keys of a stream's objects, sorted."""
 
+    def stream_ids(self) -> list[str]:
+        """Ids of the streams that hold objects, sorted (for the orphan sweep)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot list its streams")
+
     @abstractmethod
     def usage(self) -> StoreUsage:
         """Objects, bytes and streams held."""

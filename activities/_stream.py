@@ -28,13 +28,16 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 import threading
+import time
 
 from activities._engine import StreamEngine
+from activities._metrics import StreamMetrics
 from activities._registry import ModelRegistry, UnknownModel
 from activities._store import StateStore, StoreError, check_name
 from scan import InvalidInput, Model, ScanError, State
-from state_codec import Receipt, StateRejected, validate_resume
+from state_codec import BadSignature, Receipt, RequestRejected, StateRejected, validate_resume
 from state_codec.codec import Keyring, default_state_key, open_bytes, open_checkpoint, seal, seal_bytes, unseal
+from state_codec.signing import PrincipalKeys
 from workflows._models import (
     ACTIVITY_ADVANCE,
     ACTIVITY_CHECKPOINT,
@@ -84,11 +87,20 @@ def _app_error(exc: BaseException) -> ApplicationError:
 
 
 @contextmanager
-def _typed_errors() -> Iterator[None]:
-    """Our exceptions become ApplicationErrors typed by reason; permanent ones non-retryable."""
+def _typed_errors(metrics: StreamMetrics | None = None, model_id: str = "") -> Iterator[None]:
+    """Our exceptions become ApplicationErrors typed by reason; permanent ones non-retryable.
+
+    Refusals are counted on the way out: a signature's as a refused request, a receipt's or a
+    checkpoint's as a refused resume.
+    """
     try:
         yield
     except (StateRejected, ScanError, StoreError, UnknownModel) as exc:
+        if metrics is not None and isinstance(exc, StateRejected):
+            if isinstance(exc, RequestRejected):
+                metrics.requests_rejected.add(1, {"reason": exc.reason})
+            else:
+                metrics.refused(exc.reason, model_id)
         raise _app_error(exc) from exc
 
 
@@ -127,15 +139,28 @@ class StreamActivities:
             disables affinity.
         slots: streams each model keeps hot (its engine's slot table).
         max_batch, max_wait_s, prefill_piece: the engines' batching (see `StreamEngine`).
+        principal_keys: the principals' Ed25519 public keys; when given, every open, advance,
+            generate, reset and checkpoint must be signed by its principal for its stream, and is
+            verified before it touches any state. None: requests are not signed.
+        metrics: the meters to report to (`StreamMetrics` on the worker runtime's meter); None:
+            counted nowhere.
+        drift_check_every: every Nth advanced chunk is also run by the reference backend from
+            the same input state, and max |logits difference| goes to the drift histogram; 0: off.
     """
 
     def __init__(self, *, models: ModelRegistry, store: StateStore, keyring: Keyring,
                  worker_queue: str | None = None, slots: int = 256, max_batch: int = 64,
-                 max_wait_s: float = 0.002, prefill_piece: int = 256) -> None:
+                 max_wait_s: float = 0.002, prefill_piece: int = 256,
+                 principal_keys: PrincipalKeys | None = None, metrics: StreamMetrics | None = None,
+                 drift_check_every: int = 0) -> None:
         self.models = models
         self.store = store
         self.keyring = keyring
         self.worker_queue = worker_queue
+        self.principal_keys = principal_keys
+        self.metrics = metrics or StreamMetrics()
+        self.drift_check_every = drift_check_every
+        self._advanced = 0  # chunks advanced, for the drift sampling
         self._engine_args = dict(capacity=slots, max_batch=max_batch, max_wait_s=max_wait_s,
                                  prefill_piece=prefill_piece)
         self.engines: dict[str, StreamEngine] = {}
@@ -162,6 +187,18 @@ class StreamActivities:
 
     # --- helpers ------------------------------------------------------------------------------
 
+    def _verify(self, kind: str, stream_id: str, principal: str, request: Any) -> None:
+        """The request's signature, before anything else (no-op when no principal keys are configured)."""
+        if self.principal_keys is None:
+            return
+        if request is None:
+            self.principal_keys.verify(kind, stream_id, {"principal": principal}, None)
+        claims = request.claims()
+        if claims.get("principal") != principal:
+            raise BadSignature(f"the {kind} request is signed for {claims.get('principal')!r}, sent for {principal!r}",
+                               field="principal", expected=principal, actual=claims.get("principal"))
+        self.principal_keys.verify(kind, stream_id, claims, request.signature)
+
     def _model(self, model_id: str) -> Model:
         return self.models.get(model_id)
 
@@ -174,6 +211,25 @@ class StreamActivities:
             state_bytes=model.schema.state_bytes,
         )
 
+    def hot_stream_ids(self) -> set[str]:
+        """Streams whose state some engine of this worker holds hot."""
+        with self._engines_lock:
+            engines = list(self.engines.values())
+        return {sid for e in engines for sid in e.hot_stream_ids()}
+
+    def release_stream(self, stream_id: str) -> int:
+        """Zero and free the stream's hot states here; how many there were."""
+        with self._engines_lock:
+            engines = list(self.engines.values())
+        released = sum(eng.release(stream_id) for eng in engines)
+        self._gauge()
+        return released
+
+    def _gauge(self) -> None:
+        with self._engines_lock:
+            engines = list(self.engines.values())
+        self.metrics.active_states.set(sum(e.hot_streams() for e in engines))
+
     def _record_key(self, state_key: str) -> str:
         return f"{state_key}.out"
 
@@ -182,6 +238,7 @@ class StreamActivities:
         payload = msgpack.packb({
             "result": json.dumps(result),
             "logits": b"" if last_logits is None else last_logits.to(torch.float32).contiguous().numpy().tobytes(),
+            "committed_at": self.metrics.committed_at(receipt.state_key) or time.time(),
         })
         blob = seal_bytes(payload, binding=f"{receipt.principal}|{key}", keyring=self.keyring)
         self.store.put_if_absent(key=key, data=blob, stream_id=receipt.stream_id, principal=receipt.principal)
@@ -193,21 +250,27 @@ class StreamActivities:
             return None
         data = msgpack.unpackb(open_bytes(blob, binding=f"{principal}|{key}", keyring=self.keyring), raw=False)
         logits = torch.frombuffer(bytearray(data["logits"]), dtype=torch.float32) if data["logits"] else None
+        if data.get("committed_at") is not None:
+            self.metrics.note_commit(state_key, float(data["committed_at"]))
         return json.loads(data["result"]), logits
 
     def _fetch(self, model: Model, receipt: Receipt, principal: str) -> tuple[State, torch.Tensor | None]:
         """A committed state (and its next-token logits) from the store, fully checked."""
         blob = self.store.get(key=receipt.state_key, principal=principal)
         if blob is None:
+            self.metrics.refused("CheckpointNotFound", model.model_id)
             raise ApplicationError(f"no checkpoint {receipt.state_key} for this principal in {self.store.url}",
                                    type="CheckpointNotFound", non_retryable=True)
         state = unseal(blob, receipt, self.keyring, model=model, principal=principal)
         record = self._read_record(receipt.state_key, receipt.stream_id, principal)
         self.loads_from_store += 1
+        self.metrics.migrations.add(1, {"model": model.model_id})
+        self.metrics.migration_bytes.add(len(blob), {"model": model.model_id})
         return state, record[1] if record else None
 
     def _check(self, model: Model, receipt: Receipt, principal: str, stream_id: str) -> None:
         validate_resume(receipt, model.identity(), principal, stream_id=stream_id)
+        self.metrics.used(receipt.state_key, model.model_id)
 
     def _commit(self, model: Model, stream_id: str, principal: str, state: State, *, chunk_seq: int,
                 epoch: int, key: str, backend: str, last: torch.Tensor | None = None,
@@ -220,15 +283,19 @@ class StreamActivities:
         adopted = False
         receipt, blob = seal(model, state, stream_id=stream_id, principal=principal, chunk_seq=chunk_seq,
                              epoch=epoch, keyring=self.keyring, state_key=key, backend=backend)
-        if not self.store.put_if_absent(key=key, data=blob, stream_id=stream_id, principal=principal):
+        wrote = self.store.put_if_absent(key=key, data=blob, stream_id=stream_id, principal=principal)
+        if wrote:
+            self.metrics.committed(key, len(blob), model.model_id)
+        else:
             existing = self.store.get(key=key, principal=principal)
             if existing is not None:
                 tensors, checksum = open_checkpoint(existing, receipt, self.keyring)
                 receipt = receipt.model_copy(update={"checksum": checksum})
                 state = State(state.position, tensors, model.schema.fingerprint())
                 adopted = True
-            else:  # deleted between the two calls: ours is as good
-                self.store.put_if_absent(key=key, data=blob, stream_id=stream_id, principal=principal)
+            elif self.store.put_if_absent(key=key, data=blob, stream_id=stream_id, principal=principal):
+                # deleted between the two calls: ours is as good
+                self.metrics.committed(key, len(blob), model.model_id)
         if in_slot and not adopted:
             self.engine(model).commit(stream_id, key)
         else:
@@ -249,6 +316,20 @@ class StreamActivities:
         self._drop(drop_keys)
         return result
 
+    def _reference_input(self, model: Model, receipt: Receipt, principal: str) -> State | None:
+        """The chunk's input state, read from the store for the reference check (None if gone)."""
+        blob = self.store.get(key=receipt.state_key, principal=principal)
+        return None if blob is None else unseal(blob, receipt, self.keyring, model=model, principal=principal)
+
+    def _drift_sample(self, model: Model, state: State, tokens: list[int], logits: torch.Tensor) -> None:
+        """Run the chunk again on the reference backend; record how far the served logits are."""
+        if not tokens:
+            return
+        ref = model.with_backend("reference").advance(state, tokens).logits
+        diff = float((logits.to(torch.float64) - ref.to(torch.float64)).abs().max())
+        self.metrics.drift.record(diff, {"model": model.model_id, "backend": model.backend})
+        log.debug("drift sample %s: max |logits - reference| %.3e over %d tokens", model.model_id, diff, len(tokens))
+
     def _drop(self, keys: list[str]) -> None:
         for k in keys:
             self.store.delete(key=k)
@@ -259,8 +340,9 @@ class StreamActivities:
     @activity.defn(name=ACTIVITY_OPEN)
     def open_stream(self, req: OpenStreamRequest) -> OpenStreamResult:
         """Bind a new stream to a model: its initial state, or a validated checkpoint to resume."""
-        with _typed_errors():
+        with _typed_errors(self.metrics, req.model_id):
             check_name("stream id", req.stream_id)
+            self._verify("open", req.stream_id, req.principal, req)
             model = self._model(req.model_id)
             info = self._info(model)
             if req.input_transform not in (None, info.input_transform):
@@ -280,12 +362,15 @@ class StreamActivities:
                                    backend=f"{model.backend}:open", last=last)
             if last is not None:
                 self._write_record(receipt, {"kind": "open"}, last)
+            self._gauge()
             return OpenStreamResult(receipt=receipt, info=info, worker_queue=self.worker_queue)
 
     @activity.defn(name=ACTIVITY_ADVANCE)
     def advance_chunk(self, req: AdvanceChunkRequest) -> AdvanceChunkResult:
         """Advance the stream by one chunk, exactly once."""
-        with _typed_errors():
+        t0 = time.perf_counter()
+        with _typed_errors(self.metrics, req.receipt.model_id):
+            self._verify("advance", req.stream_id, req.principal, req.request)
             model = self._model(req.receipt.model_id)
             self._check(model, req.receipt, req.principal, req.stream_id)
             ask = req.request
@@ -305,12 +390,22 @@ class StreamActivities:
             key = _derived_key(req.stream_id, req.receipt, ask.chunk_seq, digest)
             prior = self._read_record(key, req.stream_id, req.principal)
             if prior is not None:  # an earlier attempt finished: its result, not a second advance
+                self.metrics.duplicate_chunks.add(1, {"model": model.model_id})
+                self._drop(req.drop_keys)  # that attempt may have died before its bookkeeping
                 return AdvanceChunkResult(result=AdvanceResult.model_validate(prior[0]), worker_queue=self.worker_queue)
             self._edge("admitted", req.stream_id, ask.chunk_seq)
+            self._advanced += 1
+            reference = (self._reference_input(model, req.receipt, req.principal)
+                         if self.drift_check_every and self._advanced % self.drift_check_every == 0 else None)
             out = self.engine(model).advance(
                 req.stream_id, tokens, expected_key=req.receipt.state_key, epoch=req.receipt.epoch,
                 load=lambda: self._fetch(model, req.receipt, req.principal), on_wait=_beat)
             state, logits, last = out.state, out.logits, out.last_logits
+            labels = {"model": model.model_id, "kind": "advance"}
+            self.metrics.time_to_first_output.record(time.perf_counter() - t0, labels)
+            self.metrics.tokens.add(len(tokens), {"model": model.model_id, "kind": "prefill"})
+            if reference is not None:
+                self._drift_sample(model, reference, tokens, logits)
             backend = f"{model.backend}:{out.path}"
 
             def result(receipt: Receipt) -> AdvanceResult:
@@ -321,12 +416,15 @@ class StreamActivities:
 
             done = self._complete(model, req.stream_id, req.principal, req.receipt, ask.chunk_seq, key, state,
                                   backend, last, result, req.drop_keys)
+            self._gauge()
             return AdvanceChunkResult(result=done, worker_queue=self.worker_queue)
 
     @activity.defn(name=ACTIVITY_GENERATE)
     def generate_tokens(self, req: GenerateChunkRequest) -> GenerateChunkResult:
         """Sample tokens with a seeded generator; each one advances the state like input."""
-        with _typed_errors():
+        t0 = time.perf_counter()
+        with _typed_errors(self.metrics, req.receipt.model_id):
+            self._verify("generate", req.stream_id, req.principal, req.request)
             model = self._model(req.receipt.model_id)
             self._check(model, req.receipt, req.principal, req.stream_id)
             ask = req.request
@@ -338,6 +436,8 @@ class StreamActivities:
             key = _derived_key(req.stream_id, req.receipt, ask.chunk_seq, digest)
             prior = self._read_record(key, req.stream_id, req.principal)
             if prior is not None:
+                self.metrics.duplicate_chunks.add(1, {"model": model.model_id})
+                self._drop(req.drop_keys)
                 return GenerateChunkResult(result=GenerateResult.model_validate(prior[0]),
                                            worker_queue=self.worker_queue)
             self._edge("admitted", req.stream_id, ask.chunk_seq)
@@ -345,9 +445,17 @@ class StreamActivities:
             transform = model.transform
             sampled: list[int] = []
             finish = "length"
+            step_labels = {"model": model.model_id}
+            last_t = t0
 
             def sampler(next_logits: torch.Tensor) -> int | None:
-                nonlocal finish
+                nonlocal finish, last_t
+                now = time.perf_counter()
+                if sampled:
+                    self.metrics.decode_step.record(now - last_t, step_labels)
+                else:
+                    self.metrics.time_to_first_output.record(now - t0, {**step_labels, "kind": "generate"})
+                last_t = now
                 if sampled and ask.stop and transform is not None:
                     if any(s_ and s_ in transform.decode(sampled) for s_ in ask.stop):
                         finish = "stop"
@@ -378,12 +486,18 @@ class StreamActivities:
 
             done = self._complete(model, req.stream_id, req.principal, req.receipt, ask.chunk_seq, key, state,
                                   backend, logits, result, req.drop_keys)
+            self.metrics.tokens.add(len(tokens), {"model": model.model_id, "kind": "decode"})
+            self._gauge()
             return GenerateChunkResult(result=done, worker_queue=self.worker_queue)
 
     @activity.defn(name=ACTIVITY_RESET)
     def reset_stream(self, req: ResetStreamRequest) -> StateResult:
         """A new epoch at position 0: the model's initial state, sealed for the stream."""
-        with _typed_errors():
+        with _typed_errors(self.metrics, req.receipt.model_id):
+            self._verify("reset", req.stream_id, req.principal, req.request)
+            if req.request is not None and req.request.epoch not in (None, req.epoch):
+                raise ApplicationError(f"the reset was signed for epoch {req.request.epoch}, not {req.epoch}",
+                                       type="EpochMismatch", non_retryable=True)
             model = self._model(req.receipt.model_id)
             self._check(model, req.receipt, req.principal, req.stream_id)
             if req.epoch <= req.receipt.epoch:
@@ -394,16 +508,20 @@ class StreamActivities:
             receipt = self._commit(model, req.stream_id, req.principal, model.initial_state(),
                                    chunk_seq=req.receipt.chunk_seq, epoch=req.epoch, key=key,
                                    backend=f"{model.backend}:reset")
+            self.metrics.resets.add(1, {"model": model.model_id})
+            self._gauge()
             return StateResult(receipt=receipt, worker_queue=self.worker_queue)
 
     @activity.defn(name=ACTIVITY_CHECKPOINT)
     def checkpoint_stream(self, req: CheckpointStreamRequest) -> StateResult:
         """Prove the stream's current checkpoint is in the store and authentic; return its receipt."""
-        with _typed_errors():
+        with _typed_errors(self.metrics, req.receipt.model_id):
+            self._verify("checkpoint", req.stream_id, req.principal, req.request)
             model = self._model(req.receipt.model_id)
             self._check(model, req.receipt, req.principal, req.stream_id)
             blob = self.store.get(key=req.receipt.state_key, principal=req.principal)
             if blob is None:
+                self.metrics.refused("CheckpointNotFound", model.model_id)
                 raise ApplicationError(f"checkpoint {req.receipt.state_key} is missing from the store",
                                        type="CheckpointNotFound", non_retryable=True)
             unseal(blob, req.receipt, self.keyring, model=model, principal=req.principal)
@@ -412,13 +530,12 @@ class StreamActivities:
     @activity.defn(name=ACTIVITY_DISPOSE)
     def dispose_stream(self, req: DisposeStreamRequest) -> DisposeStreamResult:
         """Delete every blob of the stream and zero its hot states."""
-        with _typed_errors():
+        with _typed_errors(self.metrics):
             check_name("stream id", req.stream_id)
             deleted = self.store.delete_stream(stream_id=req.stream_id)
-            with self._engines_lock:
-                engines = list(self.engines.values())
-            evicted = sum(eng.release(req.stream_id) for eng in engines)
+            evicted = self.release_stream(req.stream_id)
             log.info("disposed stream %s: %d blobs deleted, %d hot states zeroed", req.stream_id, deleted, evicted)
+            self._gauge()
             return DisposeStreamResult(deleted=deleted, evicted=evicted)
 
 

@@ -1,10 +1,12 @@
 """`mamba-stream demo`: the lifecycle end to end on the embedded stack, with each claim proved.
 
 It starts the embedded Temporal dev server (unless TEMPORAL_ADDRESS is set) and a worker process
-on the reference backend, then: opens a stream, feeds text in uneven chunks (an empty one too),
-generates, and checks the stream's state checksum against one local scan of the same tokens;
-resets and shows the inequality control; checkpoints, restarts the worker and resumes the
-checkpoint in a new stream; cancels both streams and shows their state is gone.
+on the reference backend serving `recall-mamba2`, a model trained to recall facts across
+distractors (`quality/`). Then: it opens a stream, feeds facts in the first chunk and distractors
+in several more (an empty one too), checkpoints, asks a question and gets the right answer, and
+checks the stream's state checksum against one local scan of the same tokens; resets and shows
+the answer is gone (the inequality control); restarts the worker, resumes the checkpoint in a new
+stream and gets the right answer again; cancels both streams and shows their state is gone.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ from pathlib import Path
 __all__ = ["add_demo_command"]
 
 ROOT = Path(__file__).resolve().parents[1]
-TEXT_A = "Facts: the vault code is 4817. The courier is Ada. "
-TEXT_B = "A different story begins here. "
-TEXT_C = "And then the rain stopped."
+# The task format of quality.tasks.recall_sample: "key value" facts, "|", distractors, "|", a key.
+FACTS = "k7 m2 q3 d4|"
+DISTRACTORS = ["RED FOX RED FOX ", "", "BLUE OWL ", "GREY CAT BLUE OWL"]
+QUESTION, ANSWER = "|q", "3"
 
 
 def _digest(logits) -> str:
@@ -95,43 +98,56 @@ async def _demo(args: argparse.Namespace) -> int:
         sid = await streams.open(alice, args.model)
         print(f"   stream {sid}", flush=True)
 
-        print("2. feed text in uneven chunks (one of them empty), then generate", flush=True)
-        cuts = [0, 5, 6, 6, 23, len(TEXT_A)]
-        for lo, hi in zip(cuts, cuts[1:]):
-            r = await streams.advance(sid, alice, text=TEXT_A[lo:hi])
-            print(f"   chunk {r.chunk_seq}: {TEXT_A[lo:hi]!r} -> position {r.position}", flush=True)
-        gen = await streams.generate(sid, alice, 12, seed=7, temperature=0.8)
-        print(f"   generated {gen.tokens} ({gen.text!r}), position {gen.position}", flush=True)
-        tokens_a = enc(TEXT_A) + gen.tokens
+        print("2. facts in the first chunk, distractors in the next ones (one of them empty)", flush=True)
+        for chunk in [FACTS, *DISTRACTORS]:
+            r = await streams.advance(sid, alice, text=chunk)
+            print(f"   chunk {r.chunk_seq}: {chunk!r} -> position {r.position}", flush=True)
+        cp = await streams.checkpoint(sid, alice)
+        print(f"   checkpoint at position {cp.receipt.position}", flush=True)
+
+        async def ask(stream: str):  # noqa: ANN202
+            await streams.advance(stream, alice, text=QUESTION)
+            return await streams.generate(stream, alice, 1, temperature=0.0)
+
+        print(f"3. ask {QUESTION[1:]!r} (greedy, one token)", flush=True)
+        answer = await ask(sid)
+        said = answer.text or ""
+        ok(f"the stream answers {said!r}; the fact was {QUESTION[1:]}{ANSWER}, "
+           f"{cp.receipt.position - FACTS.index(QUESTION[1:])} tokens back", said == ANSWER)
+        tokens_a = enc(FACTS + "".join(DISTRACTORS) + QUESTION + said)
         one_shot = model.advance(model.initial_state(), tokens_a)
         ok(f"the stream's state checksum equals one scan of all {len(tokens_a)} tokens "
-           f"({gen.receipt.checksum[:23]}...)", plaintext_checksum(one_shot.state.tensors) == gen.receipt.checksum)
+           f"({answer.receipt.checksum[:23]}...)", plaintext_checksum(one_shot.state.tensors) == answer.receipt.checksum)
 
-        print("3. reset, then feed another text", flush=True)
+        print("4. reset, then ask again", flush=True)
         await streams.reset(sid, alice)
         for _ in range(200):
             if (await streams.stats(sid)).epoch == 1:
                 break
             await asyncio.sleep(0.05)
-        b = await streams.advance(sid, alice, text=TEXT_B)
-        fresh_b = model.advance(model.initial_state(), enc(TEXT_B))
-        a_then_b = model.advance(one_shot.state, enc(TEXT_B))
-        ok("after reset, B's outputs equal B from a fresh state", b.output_digest == _digest(fresh_b.logits))
-        ok("and differ from A followed by B without reset (the inequality control)",
+        b = await streams.advance(sid, alice, text=QUESTION)
+        forgot = (await streams.generate(sid, alice, 1, temperature=0.0)).text or ""
+        fresh_b = model.advance(model.initial_state(), enc(QUESTION))
+        a_then_b = model.advance(one_shot.state, enc(QUESTION))
+        ok(f"after reset the answer is gone: it says {forgot!r}", forgot != ANSWER)
+        ok("the question's outputs equal a fresh stream's", b.output_digest == _digest(fresh_b.logits))
+        ok("and differ from the same question without the reset (the inequality control)",
            b.output_digest != _digest(a_then_b.logits))
 
-        print("4. checkpoint, restart the worker, resume the checkpoint in a new stream", flush=True)
-        cp = await streams.checkpoint(sid, alice)
+        print("5. restart the worker, resume the checkpoint in a new stream, ask", flush=True)
         _stop(worker)
         worker = _spawn_worker(env, worker_log)
         sid2 = await streams.open(alice, args.model, resume=cp.receipt)
-        c = await streams.advance(sid2, alice, text=TEXT_C)
-        expected_c = model.advance(fresh_b.state, enc(TEXT_C))
+        c = await streams.advance(sid2, alice, text=QUESTION)
+        upto_cp = model.advance(model.initial_state(), enc(FACTS + "".join(DISTRACTORS)))
+        expected_c = model.advance(upto_cp.state, enc(QUESTION))
         ok(f"the resumed stream {sid2} continues exactly (position {c.position})",
            c.output_digest == _digest(expected_c.logits)
            and c.receipt.checksum == plaintext_checksum(expected_c.state.tensors))
+        again = (await streams.generate(sid2, alice, 1, temperature=0.0)).text or ""
+        ok(f"and answers {again!r} again: the memory survived the restart", again == ANSWER)
 
-        print("5. cancel both streams", flush=True)
+        print("6. cancel both streams", flush=True)
         before = len(store.list_stream(stream_id=sid)) + len(store.list_stream(stream_id=sid2))
         await streams.cancel(sid)
         await streams.cancel(sid2)
@@ -165,5 +181,6 @@ async def _demo(args: argparse.Namespace) -> int:
 
 def add_demo_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="run the stream lifecycle end to end on the embedded stack")
-    p.add_argument("--model", default="tiny-mamba2")
+    p.add_argument("--model", default="recall-mamba2",
+                   help="a model trained on quality.tasks' recall format (recall-mamba2)")
     p.set_defaults(func=lambda args: asyncio.run(_demo(args)), hard_exit=True)

@@ -10,6 +10,19 @@ __all__ = ["main"]
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
+    if args.markdown:
+        from pathlib import Path
+
+        from cli._release import VERIFY_MODELS, render_verification
+
+        models = tuple(args.model.split(",")) if args.model_given else VERIFY_MODELS
+        text, ok = render_verification(models, tuple(args.backend.split(",")), n_tokens=args.tokens, seed=args.seed)
+        if args.out:
+            Path(args.out).write_text(text)
+            print(f"wrote {args.out}: {'PASS' if ok else 'FAIL'}")
+        else:
+            print(text)
+        return 0 if ok else 1
     import torch
 
     from scan import load_model
@@ -36,23 +49,102 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from quality.evaluate import EvalConfig, append_run, evaluate_attention, evaluate_preset, render_run
+
+    cfg = EvalConfig(n=args.n)
+    if args.max_delay is not None:
+        cfg.delays = tuple(d for d in cfg.delays if d <= args.max_delay)
+        cfg.chunked_delays = tuple(d for d in cfg.chunked_delays if d <= args.max_delay)
+    reports = []
+    from scan import TRAINED_PRESETS
+
+    for name in (args.models.split(",") if args.models else sorted(TRAINED_PRESETS)):
+        print(f"evaluating {name} ...", file=sys.stderr, flush=True)
+        reports.append(evaluate_preset(name, cfg))
+    if not args.no_attention:
+        print("evaluating the attention baseline ...", file=sys.stderr, flush=True)
+        att = evaluate_attention(cfg)
+        if att is None:
+            print("  (no attention baseline weights; train them with python -m quality.train --arch attention)",
+                  file=sys.stderr)
+        else:
+            reports.append(att)
+    section = render_run(reports, cfg)
+    print(section)
+    if args.append:
+        append_run(Path(args.append), section)
+        print(f"appended to {args.append}", file=sys.stderr)
+    bad = [r.name for r in reports if r.chunked_identical and any(d for d, _ in r.chunked_identical.values())]
+    if bad:
+        print(f"chunked predictions differ from one-shot for: {', '.join(bad)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _cmd_keygen(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from state_codec.signing import RequestSigner
+
+    signer = RequestSigner.generate(args.principal)
+    out = Path(args.out)
+    if out.exists():
+        print(f"{out} exists; not overwriting a key", file=sys.stderr)
+        return 1
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(signer.spec() + "\n")
+    print(f"signing key of {args.principal!r} written to {out} (0600): the client's MAMBA_STREAM_SIGNING_KEY={out}")
+    print("the workers' MAMBA_STREAM_PRINCIPAL_KEYS entry:")
+    print(f'  {{"{args.principal}": "{signer.public_key}"}}')
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mamba-stream", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     v = sub.add_parser("verify", help="print the chunk-equivalence report of a model")
-    v.add_argument("--model", default="tiny-mamba2", help="preset name or checkpoint directory")
+    v.add_argument("--model", default=None, help="preset name or checkpoint directory (default tiny-mamba2; "
+                   "with --markdown, comma-separated, default the release packet's models)")
     v.add_argument("--backend", default="reference,chunked", help="comma-separated backends")
     v.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     v.add_argument("--tokens", type=int, default=97)
     v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--markdown", action="store_true", help="the release packet's results table (no timings)")
+    v.add_argument("--out", default=None, help="with --markdown: write it here (docs/release/verification.md)")
     v.set_defaults(func=_cmd_verify)
 
+    e = sub.add_parser("eval", help="the model-quality suite of the trained presets and the attention baseline")
+    e.add_argument("--models", default=None,
+                   help="comma-separated trained presets or checkpoint directories (default: every shipped "
+                   "trained preset)")
+    e.add_argument("--n", type=int, default=200, help="held-out samples per cell")
+    e.add_argument("--max-delay", type=int, default=None, help="skip recall delays above this")
+    e.add_argument("--no-attention", action="store_true", help="leave out the attention baseline")
+    e.add_argument("--append", default=None, metavar="PATH",
+                   help="append the run to this markdown file (docs/results/quality.md)")
+    e.set_defaults(func=_cmd_eval)
+
+    k = sub.add_parser("keygen", help="an Ed25519 key pair for signing a principal's requests")
+    k.add_argument("principal")
+    k.add_argument("--out", required=True, help="where to write the private key (created 0600)")
+    k.set_defaults(func=_cmd_keygen)
+
+    from cli._release import add_release_commands
+
+    add_release_commands(sub)
     from cli._demo import add_demo_command
     from cli._streams import add_stream_commands
 
     add_stream_commands(sub)
     add_demo_command(sub)
     args = parser.parse_args(argv)
+    if args.command == "verify":
+        args.model_given = args.model is not None
+        args.model = args.model or "tiny-mamba2"
     code = int(args.func(args))
     if getattr(args, "hard_exit", False):
         # The Temporal client's native runtime threads can race interpreter shutdown and abort

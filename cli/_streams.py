@@ -1,4 +1,4 @@
-"""Stream commands of `mamba-stream`: open, feed, generate, receipt, checkpoint, resume, codec-server."""
+"""Stream commands of `mamba-stream`: open, feed, generate, receipt, checkpoint, resume, sweep, codec-server."""
 
 from __future__ import annotations
 
@@ -23,7 +23,12 @@ async def _streams(args: argparse.Namespace):
     cfg = WorkerConfig()
     address = args.address or cfg.address or "127.0.0.1:7233"
     client = await Client.connect(address, plugins=[MambaStreamPlugin(keyring=load_keyring(cfg))])
-    return StreamClient(client, args.task_queue or cfg.task_queue)
+    signer = None
+    if os.environ.get("MAMBA_STREAM_SIGNING_KEY"):
+        from state_codec.signing import RequestSigner
+
+        signer = RequestSigner.from_spec(os.environ["MAMBA_STREAM_SIGNING_KEY"])
+    return StreamClient(client, args.task_queue or cfg.task_queue, signer=signer)
 
 
 def _emit(args: argparse.Namespace, obj: Any, human: str) -> None:
@@ -97,6 +102,21 @@ async def _resume(args: argparse.Namespace) -> int:
     sid = await streams.open(args.principal, receipt.model_id, resume=receipt)
     _emit(args, {"stream_id": sid, "resumed_from": receipt.stream_id, "position": receipt.position},
           f"{sid} (resumed from {receipt.stream_id} at position {receipt.position})")
+    return 0
+
+
+async def _sweep(args: argparse.Namespace) -> int:
+    from activities import open_store, sweep_orphans
+    from worker import WorkerConfig
+
+    streams = await _streams(args)
+    cfg = WorkerConfig()
+    with open_store(cfg.store) as store:
+        rep = await sweep_orphans(streams.client, store, grace_s=args.grace, dry_run=args.dry_run)
+    for sid, why in rep.orphans.items():
+        print(f"{sid}: {why}")
+    verb = "found" if args.dry_run else f"deleted ({rep.blobs_deleted} blobs)"
+    print(f"{len(rep.orphans)} of {rep.checked} streams in {cfg.store} orphaned: {verb}")
     return 0
 
 
@@ -176,6 +196,11 @@ def add_stream_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--principal", required=True)
     p.add_argument("--checkpoint", required=True, help="receipt JSON file (from `checkpoint --out`)")
     p.set_defaults(func=_run(_resume), hard_exit=True)
+
+    p = common(sub.add_parser("sweep", help="find and delete states whose stream's workflow is gone"))
+    p.add_argument("--grace", type=float, default=3600.0, help="seconds since the workflow closed (default 3600)")
+    p.add_argument("--dry-run", action="store_true", help="list the orphans, delete nothing")
+    p.set_defaults(func=_run(_sweep), hard_exit=True)
 
     p = sub.add_parser("codec-server", help="serve /encode and /decode for the Temporal UI and CLI")
     p.add_argument("--host", default="127.0.0.1")

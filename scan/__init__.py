@@ -21,7 +21,7 @@ from scan._errors import (
 )
 from scan._loading import init_model, load_model, save_checkpoint, weights_revision
 from scan._model import BACKENDS, Model
-from scan._presets import PRESETS
+from scan._presets import PRESETS, TRAINED_PRESETS
 from scan._state import State, StepResult
 from scan._tolerance import TOLERANCES, Tolerance, tolerance
 from scan._transforms import ByteTransform, HFTokenizerTransform, InputTransform
@@ -30,6 +30,7 @@ __all__ = [
     "BACKENDS",
     "PRESETS",
     "TOLERANCES",
+    "TRAINED_PRESETS",
     "ByteTransform",
     "CheckpointError",
     "ConfigError",

@@ -15,7 +15,7 @@ from scan._config import ModelConfig
 from scan._errors import CheckpointError, ConfigError
 from scan._lm import MambaLM
 from scan._model import Model
-from scan._presets import PRESETS, build_preset, initial_weights
+from scan._presets import PRESETS, TRAINED_PRESETS, build_preset, initial_weights, trained_preset_dir
 from scan._transforms import ByteTransform, HFTokenizerTransform
 
 __all__ = [
@@ -247,7 +247,8 @@ def load_model(
     """Load a preset by name, or a checkpoint directory (mamba-ssm or Hugging Face layout).
 
     Args:
-        source: a preset name (see `scan.PRESETS`) or a directory with config.json and
+        source: a preset name (`scan.PRESETS`, built from a seed; `scan.TRAINED_PRESETS`, shipped
+            weights) or a directory with config.json and
             model.safetensors (memory-mapped) or pytorch_model.bin (loaded with weights_only).
         backend: "auto", "reference" or "chunked".
         dtype: torch.float32 or torch.float64, for weights and computation.
@@ -266,12 +267,13 @@ def load_model(
         transform: Any = ByteTransform()
         model_id = name
     else:
-        directory = Path(source)
+        directory = trained_preset_dir(name) if name in TRAINED_PRESETS else Path(source)
         cfg_path = directory / "config.json"
         if not cfg_path.is_file():
-            raise CheckpointError(
-                f"{source!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a directory with config.json"
-            )
+            if name in TRAINED_PRESETS:
+                raise CheckpointError(f"trained preset {name!r} is missing its files under {directory}")
+            names = ", ".join(sorted([*PRESETS, *TRAINED_PRESETS]))
+            raise CheckpointError(f"{source!r} is neither a preset ({names}) nor a directory with config.json")
         try:
             raw = json.loads(cfg_path.read_text())
         except json.JSONDecodeError as exc:

@@ -87,9 +87,18 @@ class Mamba1Mixer(Mixer):
             e = s + _SEGMENT
             d_a = torch.exp(dt[:, s:e].unsqueeze(-1) * a)  # (B, l, C, N)
             d_bx = dtx[:, s:e].unsqueeze(-1) * b[:, s:e].unsqueeze(2)  # (B, l, C, N)
-            hs = torch.empty_like(d_a)
-            for t in range(d_a.shape[1]):
-                h = torch.addcmul(d_bx[:, t], d_a[:, t], h, out=hs[:, t])
+            if torch.is_grad_enabled():
+                # training: autograd cannot see through out=, and unbind keeps the backward of
+                # per-token slices from materializing a segment-sized gradient for each token
+                steps = []
+                for d_bx_t, d_a_t in zip(d_bx.unbind(1), d_a.unbind(1)):
+                    h = torch.addcmul(d_bx_t, d_a_t, h)
+                    steps.append(h)
+                hs = torch.stack(steps, dim=1)
+            else:
+                hs = torch.empty_like(d_a)
+                for t in range(d_a.shape[1]):
+                    h = torch.addcmul(d_bx[:, t], d_a[:, t], h, out=hs[:, t])
             ys.append(torch.matmul(hs, cc[:, s:e].unsqueeze(-1)).squeeze(-1))  # (B, l, C)
         y = (torch.cat(ys, dim=1) + self.D * xc) * F.silu(z)
         out = F.linear(y, self.out_proj.weight, self.out_proj.bias)

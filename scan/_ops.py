@@ -29,12 +29,16 @@ def _linear_rows(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tenso
     lead = x.shape[:-1]
     k = x.shape[-1]
     n = weight.shape[0]
-    rows = x.reshape(-1, 1, k)
+    rows = x.reshape(-1, k)
     m = rows.shape[0]
     if m == 0:
         out = x.new_zeros((0, n))
     else:
-        out = torch.bmm(rows, weight.t().expand(m, k, n)).reshape(m, n)
+        # One identical (1, K) x (K, N) call per row, on a fresh (aligned) copy of the row: a
+        # batched bmm is not row-invariant on every CPU (AVX-512 MKL, K=256, N=1100, float32
+        # differed), and a kernel may take another path for another alignment.
+        wt = weight.t()
+        out = torch.cat([rows[i : i + 1].clone() @ wt for i in range(m)])
     if bias is not None:
         out = out + bias
     return out.reshape(*lead, n)

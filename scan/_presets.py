@@ -8,6 +8,7 @@ spectrum of real ones and their outputs depend on history.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from scan._mamba1 import Mamba1Mixer
 from scan._mamba2 import Mamba2Mixer
 from scan._mamba3 import Mamba3Mixer
 
-__all__ = ["PRESETS", "build_preset", "init_weights", "initial_weights"]
+__all__ = ["PRESETS", "TRAINED_PRESETS", "build_preset", "init_weights", "initial_weights", "trained_preset_dir"]
 
 _TINY = {"d_model": 64, "n_layer": 2, "vocab_size": 256}
 
@@ -41,6 +42,23 @@ PRESETS: dict[str, tuple[dict[str, Any], int]] = {
         4,
     ),
 }
+
+
+#: Trained presets: weights shipped in the package (scan/presets/<name>/: config.json,
+#: model.safetensors, card.json), trained by `python -m quality.train` on the tasks of
+#: `quality.tasks`. name -> architecture. Only presets that pass the quality bar (held-out
+#: recall >= 90% at the shortest delay, tests/quality/test_presets.py) ship. recall-mamba1 and
+#: recall-mamba3 do not yet: within the 20-minute CPU budget, Mamba-3 plateaued at 0.60 held-out
+#: recall (d_state 32 and 64, lr 1e-2 and 5e-3) and Mamba-1's autograd path (a per-token loop)
+#: gets too few steps (docs/results/quality.md).
+TRAINED_PRESETS: dict[str, str] = {
+    "recall-mamba2": "mamba2",
+}
+
+
+def trained_preset_dir(name: str) -> Path:
+    """Where a trained preset's files live (inside the installed package)."""
+    return Path(__file__).resolve().parent / "presets" / name
 
 
 def _inv_softplus_dt(n: int, dt_min: float = 1e-3, dt_max: float = 0.1, floor: float = 1e-4) -> torch.Tensor:

@@ -6,6 +6,10 @@ inside Temporal's sandbox. The checkpoint codec (msgpack, AES-256-GCM, torch) is
 """
 
 from state_codec._errors import (
+    BadSignature,
+    RequestRejected,
+    UnknownSigner,
+    UnsignedRequest,
     ChecksumMismatch,
     ChunkSequenceMismatch,
     CorruptBlob,
@@ -28,6 +32,7 @@ from state_codec._schema import SCHEMA_VERSION, Discretization, StateSchema, Ten
 __all__ = [
     "RECEIPT_VERSION",
     "SCHEMA_VERSION",
+    "BadSignature",
     "ChecksumMismatch",
     "ChunkSequenceMismatch",
     "CorruptBlob",
@@ -40,6 +45,7 @@ __all__ = [
     "PositionMismatch",
     "PrincipalMismatch",
     "Receipt",
+    "RequestRejected",
     "SchemaMismatch",
     "StateRejected",
     "StateSchema",
@@ -47,6 +53,8 @@ __all__ = [
     "TensorSpec",
     "TruncatedBlob",
     "UnknownKeyId",
+    "UnknownSigner",
+    "UnsignedRequest",
     "UnsupportedEnvelopeVersion",
     "schema_diff",
     "validate_resume",

@@ -25,6 +25,10 @@ __all__ = [
     "TruncatedBlob",
     "UnknownKeyId",
     "UnsupportedEnvelopeVersion",
+    "RequestRejected",
+    "UnsignedRequest",
+    "UnknownSigner",
+    "BadSignature",
 ]
 
 
@@ -121,3 +125,28 @@ class TruncatedBlob(CorruptBlob):
 
 class UnsupportedEnvelopeVersion(StateRejected):
     reason = "UnsupportedEnvelopeVersion"
+
+
+class RequestRejected(StateRejected):
+    """A request whose signature does not prove it comes from its principal for this stream.
+
+    Raised before the request touches any state (see `state_codec.signing`).
+    """
+
+    reason = "RequestRejected"
+
+
+class UnsignedRequest(RequestRejected):
+    reason = "UnsignedRequest"
+
+
+class UnknownSigner(RequestRejected):
+    """The worker holds no public key for the request's principal."""
+
+    reason = "UnknownSigner"
+
+
+class BadSignature(RequestRejected):
+    """Malformed, made with another key, or over other bytes: tampered, or meant for another stream."""
+
+    reason = "BadSignature"

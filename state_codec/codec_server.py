@@ -12,6 +12,7 @@ import json
 import logging
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
 
 from google.protobuf import json_format
 from temporalio.api.common.v1 import Payloads
@@ -56,14 +57,17 @@ class CodecServer:
                         self._cors()
                         self.end_headers()
                         return
-                if self.path not in ("/encode", "/decode"):
+                # the UI asks for /decode?preserveStorageRefs=true: route on the path alone
+                path = urlsplit(self.path).path.rstrip("/")
+                if path not in ("/encode", "/decode"):
                     self.send_response(404)
+                    self._cors()
                     self.end_headers()
                     return
                 try:
                     body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
                     payloads = json_format.Parse(body, Payloads())
-                    fn = codec.encode if self.path == "/encode" else codec.decode
+                    fn = codec.encode if path == "/encode" else codec.decode
                     out = Payloads(payloads=asyncio.run(fn(list(payloads.payloads))))
                     data = json_format.MessageToJson(out).encode()
                 except Exception as exc:  # noqa: BLE001 - report, never crash the server

@@ -8,19 +8,21 @@ import pytest
 
 EXPECTED = {
     "scan": [
-        "BACKENDS", "PRESETS", "TOLERANCES", "ByteTransform", "CheckpointError", "ConfigError",
+        "BACKENDS", "PRESETS", "TOLERANCES", "TRAINED_PRESETS", "ByteTransform", "CheckpointError", "ConfigError",
         "HFTokenizerTransform", "InputTransform", "InvalidInput", "InvalidState", "Model", "ModelConfig",
         "NonFiniteInput", "NonFiniteOutput", "NonIntegerInput", "ScanError", "State", "StepResult",
         "TokenOutOfRange", "Tolerance", "UnsupportedBackend", "init_model", "load_model", "save_checkpoint", "tolerance",
         "weights_revision",
     ],
     "state_codec": [
-        "RECEIPT_VERSION", "SCHEMA_VERSION", "ChecksumMismatch", "ChunkSequenceMismatch", "CorruptBlob",
-        "DTypeMismatch", "Discretization", "EpochMismatch", "InputTransformMismatch", "ModelIdentity",
-        "ModelRevisionMismatch", "PositionMismatch", "PrincipalMismatch", "Receipt", "SchemaMismatch",
-        "StateRejected", "StateSchema", "StreamMismatch", "TensorSpec", "TruncatedBlob", "UnknownKeyId",
-        "UnsupportedEnvelopeVersion", "schema_diff", "validate_resume",
+        "RECEIPT_VERSION", "SCHEMA_VERSION", "BadSignature", "ChecksumMismatch", "ChunkSequenceMismatch",
+        "CorruptBlob", "DTypeMismatch", "Discretization", "EpochMismatch", "InputTransformMismatch",
+        "ModelIdentity", "ModelRevisionMismatch", "PositionMismatch", "PrincipalMismatch", "Receipt",
+        "RequestRejected", "SchemaMismatch", "StateRejected", "StateSchema", "StreamMismatch", "TensorSpec",
+        "TruncatedBlob", "UnknownKeyId", "UnknownSigner", "UnsignedRequest", "UnsupportedEnvelopeVersion",
+        "schema_diff", "validate_resume",
     ],
+    "state_codec.signing": ["DOMAIN", "PrincipalKeys", "RequestSigner", "signing_bytes"],
     "state_codec.codec": [
         "ALG", "CODE_REVISION", "ENVELOPE_VERSION", "Keyring", "KeyringError", "decode_checkpoint",
         "default_state_key", "encode_checkpoint", "envelope_schema", "open_bytes", "open_checkpoint",
@@ -29,7 +31,7 @@ EXPECTED = {
     "activities": [
         "FileStateStore", "InvalidStoreKey", "ModelRegistry", "PostgresStateStore", "SlotTable", "StateStore",
         "StoreCorrupt", "StoreError", "StoreUnavailable", "StoreUsage", "StreamActivities", "StreamEngine",
-        "open_store", "tune_allocator",
+        "StreamMetrics", "SweepReport", "open_store", "sweep_orphans", "tune_allocator",
     ],
     "workflows": [
         "DEFAULT_TASK_QUEUE", "AdvanceRequest", "AdvanceResult", "AgentInput", "AgentResult", "AgentWorkflow",
@@ -38,6 +40,7 @@ EXPECTED = {
         "TokenLogprob", "new_stream_id", "update_id",
     ],
     "cli": ["main"],
+    "quality": ["DISTRACTOR_WORDS", "KEYS", "VALUES", "Sample", "parity_sample", "recall_sample"],
 }
 
 

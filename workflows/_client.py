@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.common import WorkflowIDConflictPolicy
@@ -23,6 +25,9 @@ from workflows._models import (
 )
 from workflows._stream import MambaStreamWorkflow
 
+if TYPE_CHECKING:
+    from state_codec.signing import RequestSigner
+
 __all__ = ["DEFAULT_TASK_QUEUE", "StreamClient", "new_stream_id", "update_id"]
 
 DEFAULT_TASK_QUEUE = "mamba-stream"
@@ -33,17 +38,36 @@ def new_stream_id() -> str:
     return "ms-" + uuid.uuid4().hex
 
 
-def update_id(chunk_seq: int) -> str:
-    """The idempotency key of a chunk: re-sending the same chunk_seq returns the first result."""
-    return f"seq-{chunk_seq}"
+def update_id(chunk_seq: int, signature: str | None = None) -> str:
+    """The idempotency key of a chunk: re-sending the same chunk_seq returns the first result.
+
+    A signed chunk's id also names its signature (deterministic: the same request signs to the
+    same bytes), so a forged request refused under `seq-N` cannot take the id of the real one.
+    """
+    if signature is None:
+        return f"seq-{chunk_seq}"
+    return f"seq-{chunk_seq}-{hashlib.sha256(signature.encode()).hexdigest()[:16]}"
 
 
 class StreamClient:
-    """Operations on streams through a Temporal client carrying the MambaStreamPlugin."""
+    """Operations on streams through a Temporal client carrying the MambaStreamPlugin.
 
-    def __init__(self, client: Client, task_queue: str = DEFAULT_TASK_QUEUE) -> None:
+    Args:
+        signer: signs every request for its principal (`state_codec.signing.RequestSigner`);
+            needed when the workers verify signatures.
+    """
+
+    def __init__(self, client: Client, task_queue: str = DEFAULT_TASK_QUEUE, *,
+                 signer: RequestSigner | None = None) -> None:
         self.client = client
         self.task_queue = task_queue
+        self.signer = signer
+
+    def sign(self, kind: str, stream_id: str, request):  # noqa: ANN001, ANN201 - any signed request model
+        """`request` with its signature, when this client signs (unchanged otherwise)."""
+        if self.signer is None:
+            return request
+        return request.model_copy(update={"signature": self.signer.sign(kind, stream_id, request.claims())})
 
     def handle(self, stream_id: str) -> WorkflowHandle:
         return self.client.get_workflow_handle_for(MambaStreamWorkflow.run, stream_id)
@@ -58,10 +82,11 @@ class StreamClient:
                 incompatible checkpoint: PrincipalMismatch, SchemaMismatch, ...).
         """
         sid = stream_id or new_stream_id()
+        inp = self.sign("open", sid, OpenStreamInput(principal=principal, model_id=model_id,
+                                                     input_transform=input_transform, resume=resume,
+                                                     options=options or StreamOptions()))
         handle = await self.client.start_workflow(
-            MambaStreamWorkflow.run,
-            OpenStreamInput(principal=principal, model_id=model_id, input_transform=input_transform,
-                            resume=resume, options=options or StreamOptions()),
+            MambaStreamWorkflow.run, inp,
             id=sid, task_queue=self.task_queue, id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
         )
         if wait:
@@ -78,24 +103,33 @@ class StreamClient:
     async def advance(self, stream_id: str, principal: str, *, tokens: Sequence[int] | None = None,
                       text: str | None = None, chunk_seq: int | None = None, top_k: int = 5) -> AdvanceResult:
         seq = chunk_seq if chunk_seq is not None else await self.next_seq(stream_id)
-        req = AdvanceRequest(principal=principal, chunk_seq=seq, tokens=list(tokens) if tokens is not None else None,
-                             text=text, top_k=top_k)
-        return await self.handle(stream_id).execute_update(MambaStreamWorkflow.advance, req, id=update_id(seq))
+        req = self.sign("advance", stream_id, AdvanceRequest(
+            principal=principal, chunk_seq=seq, tokens=list(tokens) if tokens is not None else None, text=text,
+            top_k=top_k))
+        return await self.handle(stream_id).execute_update(MambaStreamWorkflow.advance, req,
+                                                           id=update_id(seq, req.signature))
 
     async def generate(self, stream_id: str, principal: str, max_tokens: int, *, temperature: float = 1.0,
                        top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (),
                        chunk_seq: int | None = None) -> GenerateResult:
         seq = chunk_seq if chunk_seq is not None else await self.next_seq(stream_id)
-        req = GenerateRequest(principal=principal, chunk_seq=seq, max_tokens=max_tokens, temperature=temperature,
-                              top_k=top_k, seed=seed, stop=list(stop))
-        return await self.handle(stream_id).execute_update(MambaStreamWorkflow.generate, req, id=update_id(seq))
+        req = self.sign("generate", stream_id, GenerateRequest(
+            principal=principal, chunk_seq=seq, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
+            seed=seed, stop=list(stop)))
+        return await self.handle(stream_id).execute_update(MambaStreamWorkflow.generate, req,
+                                                           id=update_id(seq, req.signature))
 
-    async def reset(self, stream_id: str, principal: str) -> None:
-        await self.handle(stream_id).signal(MambaStreamWorkflow.reset, ResetRequest(principal=principal))
+    async def reset(self, stream_id: str, principal: str, *, epoch: int | None = None) -> None:
+        """Signal a reset. A signing client names the epoch it begins (the current one + 1 unless
+        given), so the signed signal cannot be replayed to reset the stream again."""
+        if epoch is None and self.signer is not None:
+            epoch = (await self.stats(stream_id)).epoch + 1
+        req = self.sign("reset", stream_id, ResetRequest(principal=principal, epoch=epoch))
+        await self.handle(stream_id).signal(MambaStreamWorkflow.reset, req)
 
     async def checkpoint(self, stream_id: str, principal: str) -> CheckpointResult:
-        return await self.handle(stream_id).execute_update(MambaStreamWorkflow.checkpoint,
-                                                           CheckpointRequest(principal=principal))
+        req = self.sign("checkpoint", stream_id, CheckpointRequest(principal=principal))
+        return await self.handle(stream_id).execute_update(MambaStreamWorkflow.checkpoint, req)
 
     async def receipt(self, stream_id: str) -> Receipt | None:
         return await self.handle(stream_id).query(MambaStreamWorkflow.receipt)

@@ -62,6 +62,31 @@ class _Model(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+_SIGNATURE = Field(default=None, description="Ed25519 signature of the request by its principal "
+                   "(state_codec.signing); required by workers configured with principals' keys")
+
+
+class _Signed(_Model):
+    """A request a client may sign: its claims are its fields but the signature."""
+
+    signature: str | None = _SIGNATURE
+
+    def claims(self) -> dict:
+        """The signed fields. Fields at their defaults are left out, so a field added later with a
+        default leaves the signatures of older clients valid."""
+        return self.model_dump(mode="json", exclude={"signature"}, exclude_defaults=True)
+
+
+def open_claims(principal: str, model_id: str, input_transform: str | None, resume: Receipt | None) -> dict:
+    """The signed fields of opening a stream (the start input carries more than the activity sees)."""
+    claims: dict = {"principal": principal, "model_id": model_id}
+    if input_transform is not None:
+        claims["input_transform"] = input_transform
+    if resume is not None:
+        claims["resume"] = resume.model_dump(mode="json")
+    return claims
+
+
 class StreamOptions(_Model):
     """Per-stream knobs, fixed at open time."""
 
@@ -108,6 +133,7 @@ class StreamStats(_Model):
     rejected_resets: int = 0
     migrations: int = 0
     continued_as_new: int = 0
+    version_moves: int = Field(default=0, description="continue-as-new onto a new worker deployment version")
     last_backend: str = ""
     cancelled: bool = False
 
@@ -117,7 +143,7 @@ class TokenLogprob(_Model):
     logprob: float
 
 
-class AdvanceRequest(_Model):
+class AdvanceRequest(_Signed):
     """Feed a chunk: token ids or text (encoded by the stream's input transform), not both."""
 
     principal: str
@@ -145,7 +171,7 @@ class AdvanceResult(_Model):
     duplicate: bool = False
 
 
-class GenerateRequest(_Model):
+class GenerateRequest(_Signed):
     """Sample up to max_tokens; seeded, so a retry or replay samples the same tokens."""
 
     principal: str
@@ -170,13 +196,16 @@ class GenerateResult(_Model):
     duplicate: bool = False
 
 
-class ResetRequest(_Model):
+class ResetRequest(_Signed):
     """Payload of the `reset` signal: `{"principal": "..."}`."""
 
     principal: str
+    epoch: int | None = Field(default=None, ge=1, description="the epoch this reset begins; when given, a "
+                              "reset arriving for any other epoch is refused (a signed reset gives it, so "
+                              "replaying its signal resets nothing)")
 
 
-class CheckpointRequest(_Model):
+class CheckpointRequest(_Signed):
     principal: str
 
 
@@ -214,6 +243,10 @@ class OpenStreamInput(_Model):
     resume: Receipt | None = Field(default=None, description="a checkpoint to continue from")
     options: StreamOptions = Field(default_factory=StreamOptions)
     carry: StreamCarry | None = None
+    signature: str | None = _SIGNATURE
+
+    def claims(self) -> dict:
+        return open_claims(self.principal, self.model_id, self.input_transform, self.resume)
 
 
 # --- activity inputs and outputs ---------------------------------------------------------------
@@ -225,6 +258,10 @@ class OpenStreamRequest(_Model):
     model_id: str
     input_transform: str | None = None
     resume: Receipt | None = None
+    signature: str | None = None
+
+    def claims(self) -> dict:
+        return open_claims(self.principal, self.model_id, self.input_transform, self.resume)
 
 
 class OpenStreamResult(_Model):
@@ -265,6 +302,7 @@ class ResetStreamRequest(_Model):
     principal: str
     receipt: Receipt = Field(description="the state being replaced (for its model and chunk_seq)")
     epoch: int
+    request: ResetRequest | None = Field(default=None, description="the signal's payload, for its signature")
 
 
 class StateResult(_Model):
@@ -278,6 +316,7 @@ class CheckpointStreamRequest(_Model):
     stream_id: str
     principal: str
     receipt: Receipt
+    request: CheckpointRequest | None = Field(default=None, description="the update's payload, for its signature")
 
 
 class DisposeStreamRequest(_Model):

@@ -64,6 +64,8 @@ def _reject(message: str, reason: str, **details: Any) -> ApplicationError:
     return ApplicationError(message, *([details] if details else []), type=reason, non_retryable=True)
 
 
+# Pinned by the versioned worker's default behavior (worker.deployment_config), not here: a
+# behavior on the definition is refused by unversioned workers.
 @workflow.defn(name="MambaStream")
 class MambaStreamWorkflow:
     @workflow.init
@@ -98,11 +100,21 @@ class MambaStreamWorkflow:
                     self._open_error = err
                     await workflow.wait_condition(workflow.all_handlers_finished)
                     raise
+            # Pinned to the worker deployment version it started on; it moves (continue-as-new
+            # onto the current version) at a chunk boundary once that version changes, or when
+            # its history is long. The next chunk's activity validates the carried receipt
+            # against the new workers' model: another revision or schema is refused, typed.
             await workflow.wait_condition(
-                lambda: workflow.info().is_continue_as_new_suggested() and not self._lock.locked())
+                lambda: (workflow.info().is_continue_as_new_suggested() or self._version_changed())
+                and not self._lock.locked())
             await workflow.wait_condition(workflow.all_handlers_finished)
-            self._stats = self._stats.model_copy(update={"continued_as_new": self._stats.continued_as_new + 1})
-            workflow.continue_as_new(self._inp.model_copy(update={"resume": None, "carry": self._carry()}))
+            moving = self._version_changed()
+            self._stats = self._stats.model_copy(update={
+                "continued_as_new": self._stats.continued_as_new + 1,
+                "version_moves": self._stats.version_moves + int(moving)})
+            workflow.continue_as_new(
+                self._inp.model_copy(update={"resume": None, "carry": self._carry()}),
+                initial_versioning_behavior=workflow.ContinueAsNewVersioningBehavior.AUTO_UPGRADE if moving else None)
         except asyncio.CancelledError:
             # No further advancement: validators refuse from now on, admitted work completes,
             # then the stream's blobs and hot states are destroyed and the run ends cancelled.
@@ -117,13 +129,17 @@ class MambaStreamWorkflow:
         res = await self._call(
             ACTIVITY_OPEN,
             OpenStreamRequest(stream_id=self._stream_id, principal=inp.principal, model_id=inp.model_id,
-                              input_transform=inp.input_transform, resume=inp.resume),
+                              input_transform=inp.input_transform, resume=inp.resume, signature=inp.signature),
             OpenStreamResult, affine=False)
         self._receipt, self._info = res.receipt, res.info
         self._bind(res.worker_queue)
         self._kept = [res.receipt.state_key]
         self._stats = self._stats.model_copy(update={"position": res.receipt.position,
                                                      "last_backend": res.receipt.backend})
+
+    @staticmethod
+    def _version_changed() -> bool:
+        return workflow.info().is_target_worker_deployment_version_changed()
 
     def _carry(self) -> StreamCarry:
         assert self._receipt is not None and self._info is not None
@@ -245,7 +261,7 @@ class MambaStreamWorkflow:
             if self._cancelled:
                 raise _reject("the stream is cancelled", "StreamCancelled")
             out = await self._call(ACTIVITY_CHECKPOINT, CheckpointStreamRequest(
-                stream_id=self._stream_id, principal=req.principal, receipt=self._receipt), StateResult)
+                stream_id=self._stream_id, principal=req.principal, receipt=self._receipt, request=req), StateResult)
             if out.receipt.state_key not in self._pinned:
                 self._pinned.append(out.receipt.state_key)
             return CheckpointResult(stream_id=self._stream_id, receipt=out.receipt)
@@ -268,9 +284,20 @@ class MambaStreamWorkflow:
         async with self._lock:
             await workflow.wait_condition(lambda: self._receipt is not None)
             assert self._receipt is not None
-            out = await self._call(ACTIVITY_RESET, ResetStreamRequest(
-                stream_id=self._stream_id, principal=req.principal, receipt=self._receipt,
-                epoch=self._receipt.epoch + 1), StateResult)
+            if req.epoch is not None and req.epoch != self._receipt.epoch + 1:
+                # a reset meant for another epoch: a replayed or stale signal resets nothing
+                self._stats = self._stats.model_copy(update={"rejected_resets": self._stats.rejected_resets + 1})
+                workflow.logger.warning("reset for epoch %d refused at epoch %d", req.epoch, self._receipt.epoch)
+                return
+            try:
+                out = await self._call(ACTIVITY_RESET, ResetStreamRequest(
+                    stream_id=self._stream_id, principal=req.principal, receipt=self._receipt,
+                    epoch=self._receipt.epoch + 1, request=req), StateResult)
+            except ApplicationError as err:
+                # a signal has no caller to fail: refused (e.g. a bad signature), counted, nothing changed
+                self._stats = self._stats.model_copy(update={"rejected_resets": self._stats.rejected_resets + 1})
+                workflow.logger.warning("reset refused by the worker: %s (%s)", err.message, err.type)
+                return
             self._receipt = out.receipt
             self._bind(out.worker_queue)
             self._kept.append(out.receipt.state_key)

@@ -64,12 +64,16 @@ def test_put_get_list_delete_usage(store):
     assert store.get(key="nope", principal="alice") is None
     assert store.list_stream(stream_id="s1") == ["s1.k1", "s1.k2"]
     assert store.list_stream(stream_id="s3") == []
+    assert store.stream_ids() == ["s1", "s2"]
     u = store.usage()
     assert (u.objects, u.bytes, u.streams) == (3, 3 + 4 + 5, 2)
     assert store.delete(key="s1.k2") and not store.delete(key="s1.k2")
     assert store.delete_stream(stream_id="s2") == 1
     assert store.get(key="s2.k1", principal="bob") is None
     assert store.list_stream(stream_id="s1") == ["s1.k1"]
+    assert store.stream_ids() == ["s1"]
+    store.delete(key="s1.k1")
+    assert store.stream_ids() == []
 
 
 def test_a_read_with_the_wrong_principal_returns_nothing(store):

@@ -1,0 +1,113 @@
+"""The worker's own meters, exported beside Temporal's runtime telemetry.
+
+`StreamMetrics` creates every meter on a Temporal `MetricMeter`: a worker whose `Runtime` has a
+Prometheus endpoint (worker.py, `MAMBA_STREAM_METRICS`) serves them there, next to the SDK's
+`temporal_*` series; with no telemetry configured they go to the no-op meter. Names, units and
+labels are the contract of docs/metrics.md (tests read them back from the endpoint).
+
+Lifecycle faults are counted where they are detected, so that they show as counters before they
+show as odd generations: resumes refused by reason, stale ones among them, chunks delivered twice,
+signed requests refused, states left behind by streams that ended without disposing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+
+from temporalio.common import MetricMeter
+
+__all__ = ["HISTOGRAM_BUCKETS", "STALE_REASONS", "StreamMetrics"]
+
+log = logging.getLogger(__name__)
+
+#: refusals of a receipt that names a state which is no longer the one to continue from: dropped
+#: by retention or disposal, left behind by a reset or a later chunk, or made by another model
+#: revision or state schema (a rollout). Other reasons (principal, stream, corruption) are not stale.
+STALE_REASONS = frozenset({
+    "CheckpointNotFound", "ChunkSequenceMismatch", "EpochMismatch", "PositionMismatch",
+    "ModelRevisionMismatch", "SchemaMismatch", "InputTransformMismatch",
+})
+
+_LATENCY = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+#: bucket bounds for the Prometheus exporter (its defaults are for milliseconds)
+HISTOGRAM_BUCKETS: dict[str, list[float]] = {
+    "mamba_stream_time_to_first_output_seconds": _LATENCY,
+    "mamba_stream_decode_step_seconds": _LATENCY,
+    "mamba_stream_state_age_seconds": [1.0, 10.0, 60.0, 300.0, 900.0, 3600.0, 6 * 3600.0, 86400.0, 7 * 86400.0],
+    "mamba_stream_drift_logits_abs": [1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0],
+}
+
+#: committed-at times remembered for the state-age histogram (oldest forgotten first)
+_AGES_KEPT = 100_000
+
+
+class StreamMetrics:
+    """Every meter of the stream activities. Thread-safe (Temporal's meters are)."""
+
+    def __init__(self, meter: MetricMeter | None = None) -> None:
+        m = meter or MetricMeter.noop
+        self.enabled = meter is not None
+        self.active_states = m.create_gauge(
+            "mamba_stream_active_states", "streams whose state is held hot in this worker's slots")
+        self.checkpoints_written = m.create_counter(
+            "mamba_stream_checkpoints_written", "checkpoints sealed and stored by this worker")
+        self.checkpoint_bytes = m.create_counter(
+            "mamba_stream_checkpoint_bytes_written", "bytes of sealed checkpoints stored", "By")
+        self.resume_failures = m.create_counter(
+            "mamba_stream_resume_failures", "receipts or checkpoints refused, by reason")
+        self.stale_resumes = m.create_counter(
+            "mamba_stream_stale_resumes_rejected", "refused receipts naming a state that is no longer current")
+        self.requests_rejected = m.create_counter(
+            "mamba_stream_requests_rejected", "signed requests refused before touching state, by reason")
+        self.resets = m.create_counter("mamba_stream_resets", "resets committed (a new epoch at position 0)")
+        self.duplicate_chunks = m.create_counter(
+            "mamba_stream_duplicate_chunks", "chunks delivered again after they committed; answered from the record")
+        self.orphans = m.create_counter(
+            "mamba_stream_orphaned_states_found", "streams whose states outlived their workflow (then deleted)")
+        self.orphan_blobs = m.create_counter(
+            "mamba_stream_orphaned_blobs_deleted", "blobs deleted with orphaned streams")
+        self.state_age = m.create_histogram_float(
+            "mamba_stream_state_age_seconds", "age of a committed state when it is next used", "s")
+        self.migrations = m.create_counter(
+            "mamba_stream_migrations", "states loaded from the store because this worker did not hold them")
+        self.migration_bytes = m.create_counter(
+            "mamba_stream_migration_bytes", "sealed bytes loaded by migrations", "By")
+        self.time_to_first_output = m.create_histogram_float(
+            "mamba_stream_time_to_first_output_seconds",
+            "from the activity's start to the chunk's logits (advance) or first sampled token (generate)", "s")
+        self.decode_step = m.create_histogram_float(
+            "mamba_stream_decode_step_seconds", "between consecutive sampled tokens of a generate", "s")
+        self.tokens = m.create_counter("mamba_stream_tokens", "tokens advanced, by kind (prefill, decode)")
+        self.drift = m.create_histogram_float(
+            "mamba_stream_drift_logits_abs", "max |logits - float64 reference| of a sampled chunk (reference check)")
+        self._committed_at: OrderedDict[str, float] = OrderedDict()
+
+    # --- helpers the activities call ------------------------------------------------------------
+
+    def refused(self, reason: str, model_id: str) -> None:
+        """A resume refused for `reason`; stale reasons are counted twice (by reason, and as stale)."""
+        self.resume_failures.add(1, {"reason": reason, "model": model_id})
+        if reason in STALE_REASONS:
+            self.stale_resumes.add(1, {"model": model_id})
+
+    def committed(self, state_key: str, size: int, model_id: str, *, at: float | None = None) -> None:
+        self.checkpoints_written.add(1, {"model": model_id})
+        self.checkpoint_bytes.add(size, {"model": model_id})
+        self.note_commit(state_key, at)
+
+    def note_commit(self, state_key: str, at: float | None = None) -> None:
+        self._committed_at[state_key] = time.time() if at is None else at
+        self._committed_at.move_to_end(state_key)
+        while len(self._committed_at) > _AGES_KEPT:
+            self._committed_at.popitem(last=False)
+
+    def used(self, state_key: str, model_id: str) -> None:
+        """A committed state is used again: its age goes into the histogram (when it is known)."""
+        at = self._committed_at.get(state_key)
+        if at is not None:
+            self.state_age.record(max(0.0, time.time() - at), {"model": model_id})
+
+    def committed_at(self, state_key: str) -> float | None:
+        return self._committed_at.get(state_key)

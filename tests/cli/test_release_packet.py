@@ -1,0 +1,51 @@
+"""The release packet's generated parts match the code: regenerated here, compared with what is
+committed (docs/release/)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from cli._release import VERIFY_MODELS, render_schema_reference, render_verification
+
+ROOT = Path(__file__).resolve().parents[2]
+RELEASE = ROOT / "docs" / "release"
+
+
+def test_the_state_schema_reference_is_what_the_code_generates():
+    committed = (RELEASE / "state-schema-reference.md").read_text()
+    assert render_schema_reference() == committed, (
+        "regenerate: mamba-stream schema --out docs/release/state-schema-reference.md")
+
+
+def _verdicts(text: str) -> list[tuple[str, ...]]:
+    """Section titles, partition verdicts and reset-control answers, without the measured values."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith("## ") or line.startswith("Reset control") or "Verdict:" in line:
+            out.append((line,))
+        elif line.startswith("| ") and not line.startswith(("| partition", "|---")):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            out.append((cells[0], cells[1], cells[-1]))
+    return out
+
+
+@pytest.mark.slow
+def test_the_verification_results_are_what_verify_reports():
+    committed = (RELEASE / "verification.md").read_text()
+    text, ok = render_verification(VERIFY_MODELS)
+    assert ok and "FAIL" not in committed
+    assert _verdicts(text) == _verdicts(committed), (
+        "regenerate: mamba-stream verify --markdown --out docs/release/verification.md")
+    assert committed.count("Reset control: A+B differs from B alone: **True**; A, reset, B equals a fresh B: "
+                           "**True**") == 2 * len(VERIFY_MODELS) - 1  # the trained preset: reference only
+
+
+def test_the_packet_index_names_files_that_exist_and_the_readme_draws_the_lifecycle():
+    index = (RELEASE / "README.md").read_text()
+    for link in re.findall(r"\]\(([^)#]+)\)", index):
+        assert (RELEASE / link).resolve().exists(), link
+    readme = (ROOT / "README.md").read_text()
+    assert "```mermaid\nstateDiagram-v2" in readme and "docs/release/README.md" in readme

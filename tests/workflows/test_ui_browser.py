@@ -1,0 +1,88 @@
+"""The Temporal UI shows a stream's history decrypted: the embedded dev server is started with
+`--ui-codec-endpoint` pointing at our codec server, a stream takes a few chunks, and headless
+Chromium opens the stream's history page. The receipts are on the page as text; a screenshot is
+saved to docs/."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import shutil
+import socket
+import uuid
+from pathlib import Path
+
+import pytest
+from temporalio.client import Client
+from temporalio.worker import Worker
+
+from activities import open_store
+from activities._registry import ModelRegistry
+from activities._stream import StreamActivities
+from plugin import MambaStreamPlugin
+from state_codec.codec import Keyring
+from state_codec.codec_server import CodecServer
+from worker import EmbeddedTemporal
+from workflows import StreamClient
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+ROOT = Path(__file__).resolve().parents[2]
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+SCREENSHOT = ROOT / "docs" / "ui-decrypted-history.png"
+
+try:
+    import playwright.async_api as pw
+except ImportError:  # pragma: no cover - a test dependency
+    pw = None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(CHROMIUM is None or pw is None,
+                    reason="needs Debian's chromium (installed by .ci/run) and playwright (a test dependency)")
+async def test_the_ui_shows_the_decrypted_receipts_of_a_stream(tmp_path):
+    ring = Keyring.generate()
+    port, ui_port = free_port(), free_port()
+    ui = f"http://127.0.0.1:{ui_port}"
+    codec = CodecServer(ring, port=0, origins=(ui, f"http://localhost:{ui_port}")).start()
+    server = EmbeddedTemporal(tmp_path / "home", port=port, ui_port=ui_port, codec_endpoint=codec.url).start()
+    acts = StreamActivities(models=ModelRegistry(["tiny-mamba2"], backend="reference"),
+                            store=open_store(f"file://{tmp_path / 'states'}"), keyring=ring)
+    queue = f"ui-{uuid.uuid4().hex[:8]}"
+    try:
+        client = await Client.connect(server.address, plugins=[MambaStreamPlugin(keyring=ring, activities=acts)])
+        pool = concurrent.futures.ThreadPoolExecutor(4)
+        async with Worker(client, task_queue=queue, activity_executor=pool):
+            streams = StreamClient(client, queue)
+            sid = await streams.open("alice", "tiny-mamba2")
+            for text in ("the key is k7 ", "and the colour is teal ", "what was the key?"):
+                last = await streams.advance(sid, "alice", text=text)
+            run_id = (await streams.handle(sid).describe()).run_id
+            # what an operator without the codec sees: ciphertext only
+            raw = [e async for e in client.get_workflow_handle(sid).fetch_history_events()]
+            blob = b"".join(e.SerializeToString() for e in raw)
+            assert last.receipt.checksum.encode() not in blob and b"colour is teal" not in blob
+
+            async with pw.async_playwright() as p:
+                browser = await p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+                page = await browser.new_page(viewport={"width": 1400, "height": 1800})
+                await page.goto(f"{ui}/namespaces/default/workflows/{sid}/{run_id}/history", wait_until="load")
+                # the newest event first: the last chunk's update, whose outcome holds its receipt
+                row = page.get_by_text("Workflow Execution Update Completed").first
+                await row.wait_for(timeout=30_000)
+                await row.click()
+                await page.get_by_text(last.receipt.checksum).first.wait_for(timeout=30_000)
+                body = await page.inner_text("body")
+                await page.screenshot(path=str(SCREENSHOT))
+                await browser.close()
+            assert last.receipt.checksum in body, "the decrypted receipt of the last chunk is on the page"
+            assert "what was the key?" in body and '"principal": "alice"' in body  # the decrypted request
+            await streams.cancel(sid)
+    finally:
+        acts.close()
+        server.stop()
+        codec.stop()
