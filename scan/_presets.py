@@ -48,9 +48,9 @@ PRESETS: dict[str, tuple[dict[str, Any], int]] = {
 #: model.safetensors, card.json), trained by `python -m quality.train` on the tasks of
 #: `quality.tasks`. name -> architecture. Only presets that pass the quality bar (held-out
 #: recall >= 90% at the shortest delay, tests/quality/test_presets.py) ship. recall-mamba1 and
-#: recall-mamba3 do not yet: within the 20-minute CPU budget, Mamba-3 plateaued at 0.60 held-out
-#: recall (d_state 32 and 64, lr 1e-2 and 5e-3) and Mamba-1's autograd path (a per-token loop)
-#: gets too few steps (docs/results/quality.md).
+#: recall-mamba3 do not yet: within the 20-minute CPU budget, Mamba-3 reached 0.77 held-out recall
+#: (4 x 176; 0.60 at 2 x 256) and Mamba-1's autograd path (a per-token loop) gets too few steps
+#: (docs/results/quality.md).
 TRAINED_PRESETS: dict[str, str] = {
     "recall-mamba2": "mamba2",
 }
