@@ -105,12 +105,8 @@ class StreamEngine:
 
     # --- called from activity threads ----------------------------------------------------------
 
-    def hot_streams(self) -> int:
-        """Streams whose committed state this engine holds in a slot."""
-        with self._lock:
-            return len(self._committed)
-
     def hot_stream_ids(self) -> list[str]:
+        """Streams whose committed state this engine holds in a slot."""
         with self._lock:
             return sorted(self._committed)
 

@@ -48,7 +48,6 @@ class StreamMetrics:
 
     def __init__(self, meter: MetricMeter | None = None) -> None:
         m = meter or MetricMeter.noop
-        self.enabled = meter is not None
         self.active_states = m.create_gauge(
             "mamba_stream_active_states", "streams whose state is held hot in this worker's slots")
         self.checkpoints_written = m.create_counter(

@@ -15,6 +15,7 @@ Order of the commit edges, each a seam for the crash tests (`_edge`):
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -35,7 +36,7 @@ from activities._metrics import StreamMetrics
 from activities._registry import ModelRegistry, UnknownModel
 from activities._store import StateStore, StoreError, check_name
 from scan import InvalidInput, Model, ScanError, State
-from state_codec import BadSignature, Receipt, RequestRejected, StateRejected, validate_resume
+from state_codec import BadSignature, CheckpointNotFound, Receipt, RequestRejected, StateRejected, validate_resume
 from state_codec.codec import Keyring, default_state_key, open_bytes, open_checkpoint, seal, seal_bytes, unseal
 from state_codec.signing import PrincipalKeys
 from workflows._models import (
@@ -160,7 +161,7 @@ class StreamActivities:
         self.principal_keys = principal_keys
         self.metrics = metrics or StreamMetrics()
         self.drift_check_every = drift_check_every
-        self._advanced = 0  # chunks advanced, for the drift sampling
+        self._advanced = itertools.count(1)  # chunks advanced, for the drift sampling
         self._engine_args = dict(capacity=slots, max_batch=max_batch, max_wait_s=max_wait_s,
                                  prefill_piece=prefill_piece)
         self.engines: dict[str, StreamEngine] = {}
@@ -175,7 +176,7 @@ class StreamActivities:
             return eng
 
     def close(self) -> None:
-        for eng in self.engines.values():
+        for eng in self._engine_list():
             eng.close()
 
     def activities(self) -> list[Callable[..., Any]]:
@@ -191,13 +192,11 @@ class StreamActivities:
         """The request's signature, before anything else (no-op when no principal keys are configured)."""
         if self.principal_keys is None:
             return
-        if request is None:
-            self.principal_keys.verify(kind, stream_id, {"principal": principal}, None)
-        claims = request.claims()
+        claims = request.claims() if request is not None else {"principal": principal}
         if claims.get("principal") != principal:
             raise BadSignature(f"the {kind} request is signed for {claims.get('principal')!r}, sent for {principal!r}",
                                field="principal", expected=principal, actual=claims.get("principal"))
-        self.principal_keys.verify(kind, stream_id, claims, request.signature)
+        self.principal_keys.verify(kind, stream_id, claims, request.signature if request is not None else None)
 
     def _model(self, model_id: str) -> Model:
         return self.models.get(model_id)
@@ -211,24 +210,22 @@ class StreamActivities:
             state_bytes=model.schema.state_bytes,
         )
 
+    def _engine_list(self) -> list[StreamEngine]:
+        with self._engines_lock:
+            return list(self.engines.values())
+
     def hot_stream_ids(self) -> set[str]:
         """Streams whose state some engine of this worker holds hot."""
-        with self._engines_lock:
-            engines = list(self.engines.values())
-        return {sid for e in engines for sid in e.hot_stream_ids()}
+        return {sid for e in self._engine_list() for sid in e.hot_stream_ids()}
 
     def release_stream(self, stream_id: str) -> int:
         """Zero and free the stream's hot states here; how many there were."""
-        with self._engines_lock:
-            engines = list(self.engines.values())
-        released = sum(eng.release(stream_id) for eng in engines)
+        released = sum(eng.release(stream_id) for eng in self._engine_list())
         self._gauge()
         return released
 
     def _gauge(self) -> None:
-        with self._engines_lock:
-            engines = list(self.engines.values())
-        self.metrics.active_states.set(sum(e.hot_streams() for e in engines))
+        self.metrics.active_states.set(sum(len(e.hot_stream_ids()) for e in self._engine_list()))
 
     def _record_key(self, state_key: str) -> str:
         return f"{state_key}.out"
@@ -258,9 +255,8 @@ class StreamActivities:
         """A committed state (and its next-token logits) from the store, fully checked."""
         blob = self.store.get(key=receipt.state_key, principal=principal)
         if blob is None:
-            self.metrics.refused("CheckpointNotFound", model.model_id)
-            raise ApplicationError(f"no checkpoint {receipt.state_key} for this principal in {self.store.url}",
-                                   type="CheckpointNotFound", non_retryable=True)
+            raise CheckpointNotFound(f"no checkpoint {receipt.state_key} for this principal in {self.store.url}",
+                                     field="state_key", expected=receipt.state_key, actual=None)
         state = unseal(blob, receipt, self.keyring, model=model, principal=principal)
         record = self._read_record(receipt.state_key, receipt.stream_id, principal)
         self.loads_from_store += 1
@@ -394,9 +390,9 @@ class StreamActivities:
                 self._drop(req.drop_keys)  # that attempt may have died before its bookkeeping
                 return AdvanceChunkResult(result=AdvanceResult.model_validate(prior[0]), worker_queue=self.worker_queue)
             self._edge("admitted", req.stream_id, ask.chunk_seq)
-            self._advanced += 1
+            nth = next(self._advanced)
             reference = (self._reference_input(model, req.receipt, req.principal)
-                         if self.drift_check_every and self._advanced % self.drift_check_every == 0 else None)
+                         if self.drift_check_every and nth % self.drift_check_every == 0 else None)
             out = self.engine(model).advance(
                 req.stream_id, tokens, expected_key=req.receipt.state_key, epoch=req.receipt.epoch,
                 load=lambda: self._fetch(model, req.receipt, req.principal), on_wait=_beat)
@@ -521,9 +517,8 @@ class StreamActivities:
             self._check(model, req.receipt, req.principal, req.stream_id)
             blob = self.store.get(key=req.receipt.state_key, principal=req.principal)
             if blob is None:
-                self.metrics.refused("CheckpointNotFound", model.model_id)
-                raise ApplicationError(f"checkpoint {req.receipt.state_key} is missing from the store",
-                                       type="CheckpointNotFound", non_retryable=True)
+                raise CheckpointNotFound(f"checkpoint {req.receipt.state_key} is missing from the store",
+                                         field="state_key", expected=req.receipt.state_key, actual=None)
             unseal(blob, req.receipt, self.keyring, model=model, principal=req.principal)
             return StateResult(receipt=req.receipt, worker_queue=self.worker_queue)
 
@@ -535,7 +530,6 @@ class StreamActivities:
             deleted = self.store.delete_stream(stream_id=req.stream_id)
             evicted = self.release_stream(req.stream_id)
             log.info("disposed stream %s: %d blobs deleted, %d hot states zeroed", req.stream_id, deleted, evicted)
-            self._gauge()
             return DisposeStreamResult(deleted=deleted, evicted=evicted)
 
 

@@ -13,10 +13,11 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     if args.markdown:
         from pathlib import Path
 
-        from cli._release import VERIFY_MODELS, render_verification
+        from cli._release import VERIFY_RUNS, render_verification
 
-        models = tuple(args.model.split(",")) if args.model_given else VERIFY_MODELS
-        text, ok = render_verification(models, tuple(args.backend.split(",")), n_tokens=args.tokens, seed=args.seed)
+        runs = VERIFY_RUNS if args.model is None else tuple(
+            (m, b) for m in args.model.split(",") for b in args.backend.split(","))
+        text, ok = render_verification(runs, n_tokens=args.tokens, seed=args.seed)
         if args.out:
             Path(args.out).write_text(text)
             print(f"wrote {args.out}: {'PASS' if ok else 'FAIL'}")
@@ -31,7 +32,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     dtype = {"float32": torch.float32, "float64": torch.float64}[args.dtype]
     ok = True
     for backend in args.backend.split(","):
-        model = load_model(args.model, backend=backend, dtype=dtype)
+        model = load_model(args.model or "tiny-mamba2", backend=backend, dtype=dtype)
         rep = verify_chunking(model, n_tokens=args.tokens, seed=args.seed)
         ok &= rep.passed
         print(f"chunk equivalence: {rep.model_id} ({rep.architecture}, {rep.revision[:19]}...)")
@@ -142,9 +143,6 @@ def main(argv: list[str] | None = None) -> int:
     add_stream_commands(sub)
     add_demo_command(sub)
     args = parser.parse_args(argv)
-    if args.command == "verify":
-        args.model_given = args.model is not None
-        args.model = args.model or "tiny-mamba2"
     code = int(args.func(args))
     if getattr(args, "hard_exit", False):
         # The Temporal client's native runtime threads can race interpreter shutdown and abort

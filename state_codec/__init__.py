@@ -7,6 +7,7 @@ inside Temporal's sandbox. The checkpoint codec (msgpack, AES-256-GCM, torch) is
 
 from state_codec._errors import (
     BadSignature,
+    CheckpointNotFound,
     RequestRejected,
     UnknownSigner,
     UnsignedRequest,
@@ -33,6 +34,7 @@ __all__ = [
     "RECEIPT_VERSION",
     "SCHEMA_VERSION",
     "BadSignature",
+    "CheckpointNotFound",
     "ChecksumMismatch",
     "ChunkSequenceMismatch",
     "CorruptBlob",

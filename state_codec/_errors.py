@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 __all__ = [
+    "CheckpointNotFound",
     "ChecksumMismatch",
     "ChunkSequenceMismatch",
     "CorruptBlob",
@@ -107,6 +108,12 @@ class EpochMismatch(StateRejected):
 
 class ChecksumMismatch(StateRejected):
     reason = "ChecksumMismatch"
+
+
+class CheckpointNotFound(StateRejected):
+    """The receipt names a checkpoint the store does not hold (for this principal)."""
+
+    reason = "CheckpointNotFound"
 
 
 class UnknownKeyId(StateRejected):

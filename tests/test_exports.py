@@ -15,8 +15,8 @@ EXPECTED = {
         "weights_revision",
     ],
     "state_codec": [
-        "RECEIPT_VERSION", "SCHEMA_VERSION", "BadSignature", "ChecksumMismatch", "ChunkSequenceMismatch",
-        "CorruptBlob", "DTypeMismatch", "Discretization", "EpochMismatch", "InputTransformMismatch",
+        "RECEIPT_VERSION", "SCHEMA_VERSION", "BadSignature", "CheckpointNotFound", "ChecksumMismatch",
+        "ChunkSequenceMismatch", "CorruptBlob", "DTypeMismatch", "Discretization", "EpochMismatch", "InputTransformMismatch",
         "ModelIdentity", "ModelRevisionMismatch", "PositionMismatch", "PrincipalMismatch", "Receipt",
         "RequestRejected", "SchemaMismatch", "StateRejected", "StateSchema", "StreamMismatch", "TensorSpec",
         "TruncatedBlob", "UnknownKeyId", "UnknownSigner", "UnsignedRequest", "UnsupportedEnvelopeVersion",
