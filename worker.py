@@ -10,7 +10,7 @@ Environment (all optional):
                              (default $MAMBA_STREAM_HOME/keyring.json, generated on first use)
     MAMBA_STREAM_MODELS      models served: presets or id=/checkpoint/dir, comma-separated
                              (default: the tiny-mamba1/2/3 presets and the trained
-                             recall-mamba2; each is loaded on first use)
+                             recall-mamba1/2/3; each is loaded on first use)
     MAMBA_STREAM_TASK_QUEUE  the shared task queue (default mamba-stream); the worker also serves
                              its own queue, <shared>@<worker id>, for affinity
     MAMBA_STREAM_CODEC_PORT  port of the codec server started with the embedded stack (default 8081)
@@ -64,7 +64,7 @@ class WorkerConfig:
     store_url: str | None = field(default_factory=lambda: os.environ.get("MAMBA_STREAM_STORE") or None)
     keyring: str | None = field(default_factory=lambda: os.environ.get("MAMBA_STREAM_KEYRING") or None)
     models: str = field(default_factory=lambda: os.environ.get(
-        "MAMBA_STREAM_MODELS", "tiny-mamba1,tiny-mamba2,tiny-mamba3,recall-mamba2"))
+        "MAMBA_STREAM_MODELS", "tiny-mamba1,tiny-mamba2,tiny-mamba3,recall-mamba1,recall-mamba2,recall-mamba3"))
     task_queue: str = field(default_factory=lambda: os.environ.get("MAMBA_STREAM_TASK_QUEUE", "mamba-stream"))
     codec_port: int = field(default_factory=lambda: int(os.environ.get("MAMBA_STREAM_CODEC_PORT", "8081")))
     temporal_port: int = field(default_factory=lambda: int(os.environ.get("MAMBA_STREAM_TEMPORAL_PORT", "7233")))

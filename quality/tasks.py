@@ -73,11 +73,14 @@ def _distractor(rng: random.Random, length: int) -> str:
     return out[:length]
 
 
-def recall_sample(seed: int, index: int, *, pairs: int = 4, delay: int = 0, queries: int | None = None) -> Sample:
+def recall_sample(seed: int, index: int, *, pairs: int = 4, delay: int = 0, queries: int | None = None,
+                  repeat: bool = False) -> Sample:
     """Associative recall: `pairs` distinct keys with values, `delay` distractor bytes, queries.
 
     Queries ask `queries` of the keys (all of them by default) in a shuffled order; every value
-    byte of a query is a target.
+    byte of a query is a target. With `repeat`, each query draws its key afresh (a key may be
+    asked twice, another never), so the last answer cannot be had by elimination: training on
+    these pushes a model to bind keys to values rather than to track which values are left.
     """
     if not 1 <= pairs <= len(KEYS):
         raise ValueError(f"pairs must be in 1..{len(KEYS)}, got {pairs}")
@@ -86,7 +89,8 @@ def recall_sample(seed: int, index: int, *, pairs: int = 4, delay: int = 0, quer
     rng = _rng("recall", seed, index)
     keys = rng.sample(KEYS, pairs)
     facts = {k: rng.choice(VALUES) for k in keys}
-    asked = rng.sample(keys, pairs if queries is None else min(queries, pairs))
+    n_asked = pairs if queries is None else min(queries, pairs)
+    asked = [rng.choice(keys) for _ in range(n_asked)] if repeat else rng.sample(keys, n_asked)
     head = " ".join(f"{k}{facts[k]}" for k in keys) + "|" + _distractor(rng, delay) + "|"
     text, targets = head, []
     for i, k in enumerate(asked):
@@ -96,7 +100,7 @@ def recall_sample(seed: int, index: int, *, pairs: int = 4, delay: int = 0, quer
         targets.append(len(text))
         text += facts[k]
     return Sample("recall", text, tuple(targets), delay=delay, prefix_end=len(head),
-                  meta={"pairs": pairs, "facts": facts})
+                  meta={"pairs": pairs, "facts": facts, "repeat": repeat})
 
 
 def parity_sample(seed: int, index: int, *, bits: int = 16) -> Sample:

@@ -31,6 +31,7 @@ class Drift:
     state_abs: dict[str, float]  # per state tensor
     state_scale: dict[str, float]  # max |truth| per state tensor
     seconds: float = 0.0
+    logits_scale_by_position: list[float] = field(default_factory=list)  # max |truth logits| per position
 
     @property
     def logits_abs(self) -> float:
@@ -38,11 +39,20 @@ class Drift:
 
     @property
     def logits_rel(self) -> float:
+        """The largest normwise relative logits error: per position, |diff| / max|truth| of its row."""
+        if self.logits_scale_by_position:
+            return max((a / s for a, s in zip(self.logits_abs_by_position, self.logits_scale_by_position) if s),
+                       default=0.0)
         return self.logits_abs / self.logits_scale if self.logits_scale else 0.0
 
     @property
     def state_abs_max(self) -> float:
         return max(self.state_abs.values(), default=0.0)
+
+    @property
+    def state_rel(self) -> float:
+        """The largest normwise relative state error: |diff| / max|truth|, per tensor."""
+        return max((v / self.state_scale[n] for n, v in self.state_abs.items() if self.state_scale[n]), default=0.0)
 
     def state_by_layer(self) -> dict[int, float]:
         out: dict[int, float] = {}
@@ -94,12 +104,14 @@ def _scan(model: Model, state: State, tokens: list[int], chunks: list[int]) -> t
 def _compare(logits: torch.Tensor, state: State, t_logits: torch.Tensor, t_state: State, secs: float) -> Drift:
     diff = (logits.double() - t_logits.double()).abs()
     by_pos = diff.max(dim=-1).values.tolist() if diff.numel() else []
+    scale_by_pos = t_logits.double().abs().max(dim=-1).values.tolist() if diff.numel() else []
     st_abs, st_scale = {}, {}
     for name, t in state.tensors.items():
         truth = t_state.tensors[name].double().cpu()
         st_abs[name] = float((t.double().cpu() - truth).abs().max()) if t.numel() else 0.0
         st_scale[name] = float(truth.abs().max()) if t.numel() else 0.0
-    return Drift(by_pos, float(t_logits.abs().max()) if t_logits.numel() else 0.0, st_abs, st_scale, secs)
+    return Drift(by_pos, float(t_logits.abs().max()) if t_logits.numel() else 0.0, st_abs, st_scale, secs,
+                 scale_by_pos)
 
 
 def measure_drift(model: Model, truth: Model, tokens: list[int], chunks: list[int],

@@ -8,8 +8,9 @@ Backends:
                partition of a token sequence gives bit-identical logits and state; batching
                streams gives bit-identical results too.
     chunked    parallel over the chunk: GEMMs over all L tokens, the chunked SSD form for
-               Mamba-2/3 and a precomputed selective scan for Mamba-1; single tokens take the
-               step path with PyTorch's native kernels. Within `scan.TOLERANCES` of the truth.
+               Mamba-2/3 and the selective scan for Mamba-1 (projections over all L, the
+               recurrence token by token); single tokens take the step path with PyTorch's
+               native kernels. Within `scan.TOLERANCES` of the truth.
     triton     CUDA only: mamba-ssm's Triton kernels for the scans (`scan._triton`).
     auto       the fastest backend available on the model's device: triton on CUDA when its
                kernels import, chunked otherwise (reference for a narrow state dtype).

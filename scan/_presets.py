@@ -47,12 +47,11 @@ PRESETS: dict[str, tuple[dict[str, Any], int]] = {
 #: Trained presets: weights shipped in the package (scan/presets/<name>/: config.json,
 #: model.safetensors, card.json), trained by `python -m quality.train` on the tasks of
 #: `quality.tasks`. name -> architecture. Only presets that pass the quality bar (held-out
-#: recall >= 90% at the shortest delay, tests/quality/test_presets.py) ship. recall-mamba1 and
-#: recall-mamba3 do not yet: within the 20-minute CPU budget, Mamba-3 reached 0.77 held-out recall
-#: (4 x 176; 0.60 at 2 x 256) and Mamba-1's autograd path (a per-token loop) gets too few steps
-#: (docs/results/quality.md).
+#: recall >= 90% at the shortest delay, tests/quality/test_presets.py) ship.
 TRAINED_PRESETS: dict[str, str] = {
+    "recall-mamba1": "mamba1",
     "recall-mamba2": "mamba2",
+    "recall-mamba3": "mamba3",
 }
 
 
@@ -67,8 +66,12 @@ def _inv_softplus_dt(n: int, dt_min: float = 1e-3, dt_max: float = 0.1, floor: f
     return dt + torch.log(-torch.expm1(-dt))
 
 
-def init_weights(lm: MambaLM, seed: int) -> None:
-    """Deterministic mamba-ssm-style initialization of every parameter, from `seed` alone."""
+def init_weights(lm: MambaLM, seed: int, *, dt_max: float = 0.1) -> None:
+    """Deterministic mamba-ssm-style initialization of every parameter, from `seed` alone.
+
+    `dt_max` is the top of the log-uniform range of initial step sizes (mamba-ssm's 0.1 by
+    default); it changes the values drawn, not how many.
+    """
     cfg = lm.cfg
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(seed)
@@ -87,16 +90,16 @@ def init_weights(lm: MambaLM, seed: int) -> None:
             if isinstance(m, Mamba1Mixer):
                 std = cfg.resolved_dt_rank**-0.5
                 nn.init.uniform_(m.dt_proj.weight, -std, std)
-                m.dt_proj.bias.copy_(_inv_softplus_dt(cfg.d_inner))
+                m.dt_proj.bias.copy_(_inv_softplus_dt(cfg.d_inner, dt_max=dt_max))
                 a = torch.arange(1, cfg.d_state + 1, dtype=torch.float32).repeat(cfg.d_inner, 1)
                 m.A_log.copy_(torch.log(a))
                 m.D.fill_(1.0)
             elif isinstance(m, Mamba2Mixer):
-                m.dt_bias.copy_(_inv_softplus_dt(cfg.nheads))
+                m.dt_bias.copy_(_inv_softplus_dt(cfg.nheads, dt_max=dt_max))
                 m.A_log.copy_(torch.log(torch.empty(cfg.nheads).uniform_(1.0, 16.0)))
                 m.D.fill_(1.0)
             elif isinstance(m, Mamba3Mixer):
-                m.dt_bias.copy_(_inv_softplus_dt(cfg.nheads))
+                m.dt_bias.copy_(_inv_softplus_dt(cfg.nheads, dt_max=dt_max))
                 m.D.fill_(1.0)
 
 

@@ -58,8 +58,9 @@ def test_after_a_reset_the_facts_are_gone(preset):
     assert lo <= acc <= hi, f"{name}: accuracy {acc:.3f} after reset is outside the chance band [{lo:.3f}, {hi:.3f}]"
 
 
-def test_the_reference_backend_agrees_bit_for_bit_across_chunkings():
-    model = load_model("recall-mamba2", backend="reference")
+@pytest.mark.parametrize("name", sorted(TRAINED_PRESETS))
+def test_the_reference_backend_agrees_bit_for_bit_across_chunkings(name):
+    model = load_model(name, backend="reference")
     s = recall_set(EvalConfig(n=2), 8)[1]
     whole = model.advance(model.initial_state(), s.tokens)
     a = model.advance(model.initial_state(), s.tokens[:7])

@@ -33,6 +33,21 @@ def test_recall_targets_are_the_facts_values_after_the_delay(pairs, delay):
         assert bytes(s.answers()).decode() == "".join(s.text[o] for o in s.targets)
 
 
+def test_repeated_queries_ask_known_keys_and_defeat_elimination():
+    samples = [recall_sample(5, i, pairs=4, delay=3, repeat=True) for i in range(40)]
+    assert samples == [recall_sample(5, i, pairs=4, delay=3, repeat=True) for i in range(40)]
+    asked_twice = 0
+    for s in samples:
+        facts = s.meta["facts"]
+        asked = [s.text[o - 1] for o in s.targets]
+        assert len(asked) == 4 and set(asked) <= set(facts)
+        assert all(s.text[o] == facts[s.text[o - 1]] for o in s.targets)
+        asked_twice += len(set(asked)) < len(asked)
+    assert asked_twice >= 20  # 4 draws from 4 keys repeat one with probability 0.91
+    # the default draws what it always drew
+    assert recall_sample(0, 1, pairs=4, delay=12, repeat=False).text == "n6 t1 y8 m4|CAT BLUE CAT|t1 n6 y8 m4"
+
+
 def test_parity_targets_are_the_parity():
     for i in range(50):
         s = parity_sample(2, i, bits=1 + i)

@@ -62,3 +62,24 @@ def test_the_batches_are_a_function_of_seed_and_step():
 def test_bad_arguments_are_refused(argv):
     with pytest.raises(SystemExit):
         parse_args(argv)
+
+
+def test_an_architecture_alone_runs_its_recipe_and_flags_override_it():
+    from quality.train import RECIPES
+
+    a = parse_args(["--arch", "mamba1", "--out", "x"])
+    assert (a.batch, a.lr, a.steps) == (RECIPES["mamba1"]["batch"], RECIPES["mamba1"]["lr"], RECIPES["mamba1"]["steps"])
+    b = parse_args(["--arch", "mamba1", "--out", "x", "--lr", "0.5", "--batch", "3"])
+    assert (b.batch, b.lr, b.steps) == (3, 0.5, RECIPES["mamba1"]["steps"])
+    assert RECIPES.keys() == ARCH_CONFIGS.keys()
+
+
+def test_a_wider_initial_dt_range_changes_only_the_step_sizes():
+    narrow, wide = build("mamba3", 0).state_dict(), build("mamba3", 0, dt_max=1.0).state_dict()
+    changed = sorted(k for k in narrow if not torch.equal(narrow[k], wide[k]))
+    assert changed == sorted(k for k in narrow if k.endswith("dt_bias"))
+    for k in changed:
+        dt_n, dt_w = torch.nn.functional.softplus(narrow[k]), torch.nn.functional.softplus(wide[k])
+        assert 1e-3 * 0.99 <= float(dt_n.min()) and float(dt_n.max()) <= 0.1 * 1.01
+        assert 1e-3 * 0.99 <= float(dt_w.min()) and float(dt_w.max()) <= 1.0 * 1.01
+    assert max(float(torch.nn.functional.softplus(wide[k]).max()) for k in changed) > 0.1
