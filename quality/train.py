@@ -60,10 +60,10 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
 #: to 1.0 instead of 0.1: no faster); on batches of 32 at lr 6e-3 with repeats it left the
 #: plateau at step 1,250 and passed 0.9 by 1,500.
 RECIPES: dict[str, dict[str, Any]] = {
-    "mamba1": {"batch": 16, "lr": 2e-3, "steps": 2400, "repeat_share": 0.5, "dt_max": 0.1},
-    "mamba2": {"batch": 32, "lr": 1e-2, "steps": 2500, "repeat_share": 0.0, "dt_max": 0.1},
-    "mamba3": {"batch": 32, "lr": 6e-3, "steps": 2600, "repeat_share": 0.5, "dt_max": 0.1},
-    "attention": {"batch": 32, "lr": 1e-3, "steps": 3000, "repeat_share": 0.5, "dt_max": 0.1},
+    "mamba1": {"batch": 16, "lr": 2e-3, "steps": 2400, "repeat_share": 0.5},
+    "mamba2": {"batch": 32, "lr": 1e-2, "steps": 2500, "repeat_share": 0.0},
+    "mamba3": {"batch": 32, "lr": 6e-3, "steps": 2600, "repeat_share": 0.5},
+    "attention": {"batch": 32, "lr": 1e-3, "steps": 3000, "repeat_share": 0.5},
 }
 
 
@@ -285,7 +285,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, help="default: the architecture's recipe")
     ap.add_argument("--repeat-share", type=float, help="share of recall samples whose queries repeat keys "
                     "(default: the architecture's recipe)")
-    ap.add_argument("--dt-max", type=float, help="top of the initial dt range (default: the recipe)")
+    ap.add_argument("--dt-max", type=float, default=TrainConfig.dt_max, help="top of the initial dt range")
     ap.add_argument("--max-minutes", type=float, default=TrainConfig.max_minutes)
     ap.add_argument("--eval-every", type=int, default=TrainConfig.eval_every)
     args = ap.parse_args(argv)

@@ -40,10 +40,8 @@ class Drift:
     @property
     def logits_rel(self) -> float:
         """The largest normwise relative logits error: per position, |diff| / max|truth| of its row."""
-        if self.logits_scale_by_position:
-            return max((a / s for a, s in zip(self.logits_abs_by_position, self.logits_scale_by_position) if s),
-                       default=0.0)
-        return self.logits_abs / self.logits_scale if self.logits_scale else 0.0
+        return max((a / s for a, s in zip(self.logits_abs_by_position, self.logits_scale_by_position) if s),
+                   default=0.0)
 
     @property
     def state_abs_max(self) -> float:

@@ -28,7 +28,7 @@ from torch import nn
 
 from scan._config import ModelConfig
 from scan._mixer import Mixer, States, conv_chunk
-from scan._ops import NATIVE_OPS, Ops, conv_taps, gated_rms_norm
+from scan._ops import NATIVE_OPS, Ops, chunk_decays, conv_taps, gated_rms_norm
 
 __all__ = ["Mamba2Mixer", "ssd_chunked"]
 
@@ -180,22 +180,13 @@ def ssd_chunked(
     b = b.reshape(bsz, k, q, g, n)
     c = c.reshape(bsz, k, q, g, n)
 
-    # Log-decays summed in float64: a decay between two positions is the difference of two sums
-    # from the chunk start, which in float32 cancels away the precision of a long or fast-decaying
-    # chunk (a trained Mamba-2's chunked logits drifted 4e-4 of their scale from the truth).
-    acum = torch.cumsum((dt * a.reshape(g, hg)).double(), dim=2)  # (B, K, Q, G, Hg) from chunk start
+    decay, decay_to_end, chunk_decay, from_start = chunk_decays(dt * a.reshape(g, hg), x.dtype)
     xdt = x * dt.unsqueeze(-1)
-    ac = acum.permute(0, 1, 3, 4, 2)  # (B, K, G, Hg, Q)
-    diff = ac.unsqueeze(-1) - ac.unsqueeze(-2)  # (B, K, G, Hg, Qi, Qj)
-    causal = torch.ones(q, q, dtype=torch.bool, device=x.device).tril()
-    decay = torch.exp(torch.where(causal, diff, torch.full_like(diff, float("-inf")))).to(x.dtype)
     cb = torch.einsum("bkign,bkjgn->bkgij", c, b)  # (B, K, G, Qi, Qj)
     scores = cb.unsqueeze(3) * decay  # (B, K, G, Hg, Qi, Qj)
     y = torch.einsum("bkghij,bkjghp->bkighp", scores, xdt)
 
-    decay_to_end = torch.exp(acum[:, :, -1:] - acum).to(x.dtype)  # (B, K, Q, G, Hg)
     chunk_states = torch.einsum("bkjghp,bkjgh,bkjgn->bkghpn", xdt, decay_to_end, b)
-    chunk_decay = torch.exp(acum[:, :, -1]).to(x.dtype)  # (B, K, G, Hg)
 
     state = h0.reshape(bsz, g, hg, p, n)
     entering = []
@@ -203,6 +194,6 @@ def ssd_chunked(
         entering.append(state)
         state = chunk_decay[:, i, :, :, None, None] * state + chunk_states[:, i]
     h_in = torch.stack(entering, dim=1)  # (B, K, G, Hg, P, N)
-    y_off = torch.einsum("bkign,bkghpn->bkighp", c, h_in) * torch.exp(acum).to(x.dtype).unsqueeze(-1)
+    y_off = torch.einsum("bkign,bkghpn->bkighp", c, h_in) * from_start.unsqueeze(-1)
     y = (y + y_off).reshape(bsz, k * q, h, p)[:, :length]
     return y, state.reshape(bsz, h, p, n)

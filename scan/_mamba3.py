@@ -34,7 +34,7 @@ from torch import nn
 
 from scan._config import ModelConfig
 from scan._mixer import Mixer, States
-from scan._ops import NATIVE_OPS, Ops, gated_rms_norm, rms_normalize
+from scan._ops import NATIVE_OPS, Ops, chunk_decays, gated_rms_norm, rms_normalize
 
 __all__ = ["Mamba3Mixer"]
 
@@ -248,32 +248,28 @@ def _trapezoid_chunked(
     q = q.reshape(bsz, nk, qn, r, h, n)
     k = k.reshape(bsz, nk, qn, r, h, n)
     xr = xr.reshape(bsz, nk, qn, r, h, p)
-    # float64 log-decays: see scan._mamba2.ssd_chunked (differences of sums cancel in float32)
-    acum = torch.cumsum(log_alpha.reshape(bsz, nk, qn, h).double(), dim=2)  # (B, K, Q, H)
+    decay, to_end, chunk_decay, from_start = chunk_decays(log_alpha.reshape(bsz, nk, qn, h), q.dtype)
     w_self = w_self.reshape(bsz, nk, qn, h)
     w_later = w_later.reshape(bsz, nk, qn, h)
 
-    ac = acum.transpose(2, 3)  # (B, K, H, Q)
-    diff = ac.unsqueeze(-1) - ac.unsqueeze(-2)  # (B, K, H, Qi, Qj)
     idx = torch.arange(qn, device=q.device)
     later = idx[:, None] > idx[None, :]
     same = idx[:, None] == idx[None, :]
     wl = w_later.transpose(2, 3).unsqueeze(-2)  # (B, K, H, 1, Qj)
     ws = w_self.transpose(2, 3).unsqueeze(-2)
     weight = torch.where(later, wl, torch.where(same, ws, torch.zeros_like(ws)))
-    coef = torch.exp(torch.where(later | same, diff, torch.full_like(diff, float("-inf")))).to(q.dtype) * weight
+    coef = decay * weight  # (B, K, H, Qi, Qj)
     qk = torch.einsum("bkishn,bkjrhn->bkhsrij", q, k)  # (B, K, H, R, R, Qi, Qj)
     y = torch.einsum("bkhsrij,bkhij,bkjrhp->bkishp", qk, coef, xr)
 
-    to_end = torch.exp(acum[:, :, -1:] - acum).to(q.dtype) * w_later  # (B, K, Q, H)
+    to_end = to_end * w_later  # (B, K, Q, H)
     chunk_states = torch.einsum("bkjrhp,bkjh,bkjrhn->bkhpn", xr, to_end, k)
-    chunk_decay = torch.exp(acum[:, :, -1]).to(q.dtype)  # (B, K, H)
     state = h0
     entering = []
     for i in range(nk):
         entering.append(state)
         state = chunk_decay[:, i, :, None, None] * state + chunk_states[:, i]
     h_in = torch.stack(entering, dim=1)  # (B, K, H, P, N)
-    y_off = torch.einsum("bkishn,bkhpn->bkishp", q, h_in) * torch.exp(acum).to(q.dtype)[:, :, :, None, :, None]
+    y_off = torch.einsum("bkishn,bkhpn->bkishp", q, h_in) * from_start[:, :, :, None, :, None]
     y = (y + y_off).reshape(bsz, nk * qn, r, h, p)[:, :length]
     return y, state
