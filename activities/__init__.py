@@ -1,5 +1,5 @@
 """Worker-side pieces: the stream activities, the models they serve, their engines (slot tables and
-batching), state stores.
+batching), state stores, and the example agent's activity (`agent_feed_stream`).
 
     from activities import open_store
     store = open_store("file:///var/lib/mamba-stream")     # or postgresql://user@host/db
@@ -33,6 +33,7 @@ __all__ = [
     "StreamEngine",
     "StreamMetrics",
     "SweepReport",
+    "agent_feed_stream",
     "open_store",
     "sweep_orphans",
     "tune_allocator",
@@ -46,7 +47,8 @@ def __getattr__(name: str):
 
         return PostgresStateStore
     homes = {"StreamActivities": "_stream", "ModelRegistry": "_registry", "StreamEngine": "_engine",
-             "SlotTable": "_slots", "StreamMetrics": "_metrics", "SweepReport": "_sweep", "sweep_orphans": "_sweep"}
+             "SlotTable": "_slots", "StreamMetrics": "_metrics", "SweepReport": "_sweep", "sweep_orphans": "_sweep",
+             "agent_feed_stream": "_agent"}
     if name in homes:
         import importlib
 

@@ -176,7 +176,10 @@ class StreamActivities:
             return eng
 
     def close(self) -> None:
-        for eng in self._engine_list():
+        """Stop the engines (threads, slots). Idempotent; a later chunk starts a fresh engine."""
+        with self._engines_lock:
+            engines, self.engines = list(self.engines.values()), {}
+        for eng in engines:
             eng.close()
 
     def activities(self) -> list[Callable[..., Any]]:

@@ -17,17 +17,16 @@ async def _streams(args: argparse.Namespace):
     from temporalio.client import Client
 
     from plugin import MambaStreamPlugin
-    from worker import WorkerConfig, load_keyring
-    from workflows import StreamClient
+    from workflows import ClientConfig, StreamClient
 
-    cfg = WorkerConfig()
-    address = args.address or cfg.address or "127.0.0.1:7233"
-    client = await Client.connect(address, plugins=[MambaStreamPlugin(keyring=load_keyring(cfg))])
+    cfg = ClientConfig()
+    keyring = cfg.load_keyring()  # found, never made: KeyringNotFound says where it looked
+    client = await Client.connect(args.address or cfg.target, plugins=[MambaStreamPlugin(keyring=keyring)])
     signer = None
-    if os.environ.get("MAMBA_STREAM_SIGNING_KEY"):
+    if cfg.signing_key:
         from state_codec.signing import RequestSigner
 
-        signer = RequestSigner.from_spec(os.environ["MAMBA_STREAM_SIGNING_KEY"])
+        signer = RequestSigner.from_spec(cfg.signing_key)
     return StreamClient(client, args.task_queue or cfg.task_queue, signer=signer)
 
 
@@ -122,11 +121,17 @@ async def _sweep(args: argparse.Namespace) -> int:
 
 def _codec_server(args: argparse.Namespace) -> int:
     from state_codec.codec_server import CodecServer
-    from worker import WorkerConfig, load_keyring
+    from state_codec.keyring import KeyringError
+    from workflows import ClientConfig
 
     origins = tuple(o for o in args.origins.split(",") if o)
     token = args.token or os.environ.get("MAMBA_STREAM_CODEC_TOKEN") or None
-    server = CodecServer(load_keyring(WorkerConfig()), host=args.host, port=args.port, origins=origins, token=token)
+    try:
+        keyring = ClientConfig().load_keyring()
+    except KeyringError as exc:
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    server = CodecServer(keyring, host=args.host, port=args.port, origins=origins, token=token)
     print(f"codec server on {server.url} (origins {', '.join(origins)}; token {'required' if token else 'off'})",
           flush=True)
     try:

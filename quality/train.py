@@ -123,9 +123,8 @@ def build(arch: str, seed: int, dt_max: float = 0.1) -> torch.nn.Module:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             return TinyTransformer(AttentionConfig(**fields))
-    from scan import ModelConfig
+    from scan import ModelConfig, init_weights
     from scan._lm import MambaLM
-    from scan._presets import init_weights
 
     cfg = ModelConfig.create(**ARCH_CONFIGS[arch])
     with torch.random.fork_rng(devices=[]):

@@ -19,6 +19,7 @@ from scan._errors import (
     TokenOutOfRange,
     UnsupportedBackend,
 )
+from scan._init import init_weights
 from scan._loading import init_model, load_model, save_checkpoint, weights_revision
 from scan._model import BACKENDS, Model
 from scan._presets import PRESETS, TRAINED_PRESETS
@@ -50,6 +51,7 @@ __all__ = [
     "Tolerance",
     "UnsupportedBackend",
     "init_model",
+    "init_weights",
     "load_model",
     "save_checkpoint",
     "tolerance",

@@ -258,6 +258,13 @@ class Model:
         }
         return State(0, tensors, self._fingerprint)
 
+    def restore_state(self, position: int, tensors: Mapping[str, torch.Tensor]) -> State:
+        """A State of this model from checkpointed tensors (already checked against its schema),
+        moved to the model's device."""
+        if self.device.type != "cpu":
+            tensors = {k: v.to(self.device) for k, v in tensors.items()}
+        return State(position, tensors, self._fingerprint)
+
     def advance(self, state: State, tokens: Any) -> StepResult:
         """Continue `state` with `tokens` (any number, zero included).
 

@@ -28,14 +28,10 @@ Decoding decrypts straight into the buffer that the returned tensors view.
 
 from __future__ import annotations
 
-import base64
 import hashlib
-import json
 import os
-import secrets
 import struct
 import sys
-import tempfile
 import threading
 from collections.abc import Mapping
 from importlib import metadata
@@ -60,12 +56,12 @@ from state_codec._errors import (
     StateRejected,
     StreamMismatch,
     TruncatedBlob,
-    UnknownKeyId,
     UnsupportedEnvelopeVersion,
     mismatch,
 )
 from state_codec._receipt import ModelIdentity, Receipt, schema_diff, validate_resume
 from state_codec._schema import StateSchema
+from state_codec.keyring import Keyring, KeyringError
 
 __all__ = [
     "ALG",
@@ -90,7 +86,6 @@ ALG = "AES-256-GCM"
 _NONCE = 12
 _TAG = 16
 _ALIGN = 64
-_KEY_BYTES = 32
 _DIGEST = 32
 # below this many bytes a helper thread costs more than it saves
 _PARALLEL_HASH_BYTES = 1 << 20
@@ -125,120 +120,6 @@ CODE_REVISION = _code_revision()
 
 if sys.byteorder != "little":  # pragma: no cover
     raise ImportError("state_codec.codec stores little-endian tensor bytes; this host is big-endian")
-
-
-# --- keyring ------------------------------------------------------------------------------------
-
-
-class KeyringError(Exception):
-    """A keyring file or variable is missing, malformed or readable by others."""
-
-
-class Keyring:
-    """AES-256 keys by id: one active key for writing, older ones kept for reading.
-
-    Keys never live in source code: a keyring is generated (`Keyring.generate()`), loaded from a
-    file readable by its owner only (`Keyring.from_file`) or from an environment variable holding
-    the same JSON (`Keyring.from_env`). `rotate()` returns a keyring with a new active key that
-    still reads every older one.
-    """
-
-    def __init__(self, keys: Mapping[str, bytes], active: str) -> None:
-        if active not in keys:
-            raise KeyringError(f"active key {active!r} is not in the keyring")
-        for kid, key in keys.items():
-            if not isinstance(key, (bytes, bytearray)) or len(key) != _KEY_BYTES:
-                raise KeyringError(f"key {kid!r} must be {_KEY_BYTES} bytes")
-        self._keys = {k: bytes(v) for k, v in keys.items()}
-        self._active = active
-
-    @staticmethod
-    def _new_id() -> str:
-        return "k" + secrets.token_hex(6)
-
-    @classmethod
-    def generate(cls) -> Keyring:
-        kid = cls._new_id()
-        return cls({kid: secrets.token_bytes(_KEY_BYTES)}, kid)
-
-    def rotate(self) -> Keyring:
-        kid = self._new_id()
-        return Keyring({**self._keys, kid: secrets.token_bytes(_KEY_BYTES)}, kid)
-
-    @property
-    def active_id(self) -> str:
-        return self._active
-
-    @property
-    def ids(self) -> list[str]:
-        return list(self._keys)
-
-    def key(self, kid: str) -> bytes:
-        try:
-            return self._keys[kid]
-        except KeyError:
-            raise UnknownKeyId(f"key id {kid!r} is not in this keyring", field="kid",
-                               expected=sorted(self._keys), actual=kid) from None
-
-    def to_json(self) -> str:
-        return json.dumps({"active": self._active,
-                           "keys": {k: base64.b64encode(v).decode() for k, v in self._keys.items()}})
-
-    @classmethod
-    def from_json(cls, text: str) -> Keyring:
-        try:
-            data = json.loads(text)
-            keys = {k: base64.b64decode(v, validate=True) for k, v in data["keys"].items()}
-            return cls(keys, data["active"])
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise KeyringError(f"malformed keyring: {exc}") from None
-
-    @classmethod
-    def from_file(cls, path: str | Path) -> Keyring:
-        p = Path(path)
-        try:
-            mode = p.stat().st_mode
-        except FileNotFoundError:
-            raise KeyringError(f"no keyring at {p}") from None
-        if mode & 0o077:
-            raise KeyringError(f"{p} is readable by others (mode {oct(mode & 0o777)}); chmod 600 it")
-        return cls.from_json(p.read_text())
-
-    @classmethod
-    def from_env(cls, var: str = "MAMBA_STREAM_KEYRING") -> Keyring:
-        text = os.environ.get(var)
-        if not text:
-            raise KeyringError(f"${var} is not set")
-        return cls.from_json(text)
-
-    def save(self, path: str | Path) -> None:
-        """Write atomically with mode 0600."""
-        p = Path(path)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=".keyring-")
-        try:
-            os.fchmod(fd, 0o600)
-            with os.fdopen(fd, "w") as fh:
-                fh.write(self.to_json())
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, p)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-
-    @classmethod
-    def load_or_generate(cls, path: str | Path) -> Keyring:
-        """The embedded default: the keyring at `path`, created (0600) on first use."""
-        p = Path(path)
-        if p.exists():
-            return cls.from_file(p)
-        ring = cls.generate()
-        ring.save(p)
-        return ring
-
-    def __repr__(self) -> str:
-        return f"Keyring(active={self._active!r}, ids={self.ids})"
 
 
 # --- plaintext framing --------------------------------------------------------------------------
@@ -640,14 +521,13 @@ def unseal(
     model: Any,
     principal: str,
 ) -> Any:
-    """The `scan.State` in `blob`, after every check a resume needs.
+    """The state in `blob`, after every check a resume needs, as `model.restore_state` builds it.
 
     Validates the receipt against the serving model and the caller's principal
     (`validate_resume`), names the differing schema field if the blob was written under another
-    schema, then authenticates, decrypts and checksums.
+    schema, then authenticates, decrypts and checksums. `model` is duck-typed (a `scan.Model`):
+    the record stays below the engine and never imports it.
     """
-    from scan import State  # worker side only; keeps scan out of the record half
-
     identity: ModelIdentity = model.identity()
     try:
         validate_resume(receipt, identity, principal)
@@ -662,10 +542,7 @@ def unseal(
     actual = [(n, tuple(t.shape), _NAMES[t.dtype]) for n, t in tensors.items()]
     if expected != actual:
         raise mismatch(SchemaMismatch, "schema.tensors", expected, actual)
-    device = getattr(model, "device", torch.device("cpu"))
-    if device.type != "cpu":
-        tensors = {k: v.to(device) for k, v in tensors.items()}
-    return State(receipt.position, tensors, identity.fingerprint)
+    return model.restore_state(receipt.position, tensors)
 
 
 def _schema_or_none(blob: bytes | bytearray | memoryview) -> StateSchema | None:

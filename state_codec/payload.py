@@ -1,27 +1,43 @@
-"""Temporal payload codec: every payload in history encrypted with the keyring (worker side).
+"""Temporal payload codec: every payload in history encrypted with the keyring.
 
 Encoded payloads carry `encoding: binary/encrypted` and the key id; their data is the 12-byte
 nonce followed by the AES-256-GCM ciphertext of the original serialized payload. Payloads
 without that encoding (plain JSON typed into the Temporal CLI, say) pass through decoding as
 they are, so operators can still signal and query with the stock CLI.
+
+A payload this keyring cannot open (another keyring's key id, or altered bytes) is not an error
+in the codec: the codec runs before the workflow code, where an error either fails the workflow
+task again and again (the stream looks Running and never moves) or fails whatever workflow the
+payload was sent to. Instead it decodes to a `binary/undecryptable` payload naming the key id,
+and `SealedPayloadConverter` turns that into a typed, non-retryable `ApplicationError` at the
+point of use: a stream's start input fails the stream at once with `UnknownKeyId` (the client
+that opened it is told in one line, nothing is left Running); an update's input rejects that
+update only, and the stream goes on serving the clients that hold the right keys.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import Any
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from temporalio.api.common.v1 import Payload
-from temporalio.converter import PayloadCodec
+from temporalio.contrib.pydantic import PydanticPayloadConverter
+from temporalio.converter import EncodingPayloadConverter, PayloadCodec
+from temporalio.exceptions import ApplicationError
 
-from state_codec.codec import Keyring
+from state_codec._errors import CorruptBlob, UnknownKeyId
+from state_codec.keyring import Keyring
 
-__all__ = ["ENCRYPTED_ENCODING", "EncryptionCodec"]
+__all__ = ["ENCRYPTED_ENCODING", "UNDECRYPTABLE_ENCODING", "EncryptionCodec", "SealedPayloadConverter",
+           "StreamPayloadConverter"]
 
 ENCRYPTED_ENCODING = b"binary/encrypted"
+UNDECRYPTABLE_ENCODING = b"binary/undecryptable"
 _AAD = b"mamba-stream/payload/v1"
+_KID = "encryption-key-id"
 
 
 class EncryptionCodec(PayloadCodec):
@@ -31,26 +47,38 @@ class EncryptionCodec(PayloadCodec):
         self._keyring = keyring
         self._ciphers: dict[str, AESGCM] = {}
 
-    def _cipher(self, kid: str) -> AESGCM:
+    @property
+    def keyring(self) -> Keyring:
+        return self._keyring
+
+    def _cipher(self, kid: str) -> AESGCM | None:
         c = self._ciphers.get(kid)
-        if c is None:
+        if c is None and kid in self._keyring.ids:
             c = self._ciphers[kid] = AESGCM(self._keyring.key(kid))
         return c
 
     def encrypt(self, payload: Payload) -> Payload:
         kid = self._keyring.active_id
         nonce = os.urandom(12)
-        data = nonce + self._cipher(kid).encrypt(nonce, payload.SerializeToString(), _AAD)
-        return Payload(metadata={"encoding": ENCRYPTED_ENCODING, "encryption-key-id": kid.encode()}, data=data)
+        cipher = self._cipher(kid)
+        assert cipher is not None  # the active key is in its own keyring
+        data = nonce + cipher.encrypt(nonce, payload.SerializeToString(), _AAD)
+        return Payload(metadata={"encoding": ENCRYPTED_ENCODING, _KID: kid.encode()}, data=data)
 
     def decrypt(self, payload: Payload) -> Payload:
+        """The original payload, or (when this keyring cannot open it) a `binary/undecryptable` one."""
         if payload.metadata.get("encoding") != ENCRYPTED_ENCODING:
             return payload
-        kid = payload.metadata.get("encryption-key-id", b"").decode()
+        kid = payload.metadata.get(_KID, b"").decode(errors="replace")
+        cipher = self._cipher(kid)
+        if cipher is None:
+            return _undecryptable(UnknownKeyId.reason, kid,
+                                  f"the payload is encrypted under key id {kid!r}, which the receiving "
+                                  f"keyring does not hold: the client and the workers use different keyrings")
         try:
-            plain = self._cipher(kid).decrypt(payload.data[:12], payload.data[12:], _AAD)
+            plain = cipher.decrypt(payload.data[:12], payload.data[12:], _AAD)
         except InvalidTag:
-            raise ValueError(f"payload under key {kid!r} fails authentication") from None
+            return _undecryptable(CorruptBlob.reason, kid, f"the payload under key id {kid!r} fails authentication")
         return Payload.FromString(plain)
 
     async def encode(self, payloads: Sequence[Payload]) -> list[Payload]:
@@ -58,3 +86,32 @@ class EncryptionCodec(PayloadCodec):
 
     async def decode(self, payloads: Sequence[Payload]) -> list[Payload]:
         return [self.decrypt(p) for p in payloads]
+
+
+def _undecryptable(reason: str, kid: str, message: str) -> Payload:
+    return Payload(metadata={"encoding": UNDECRYPTABLE_ENCODING, "reason": reason.encode(), _KID: kid.encode()},
+                   data=message.encode())
+
+
+class SealedPayloadConverter(EncodingPayloadConverter):
+    """Refuses, typed, to turn a payload the codec could not open into a value."""
+
+    @property
+    def encoding(self) -> str:
+        return UNDECRYPTABLE_ENCODING.decode()
+
+    def to_payload(self, value: Any) -> Payload | None:
+        return None  # never encodes anything
+
+    def from_payload(self, payload: Payload, type_hint: type | None = None) -> Any:
+        reason = payload.metadata.get("reason", b"CorruptBlob").decode(errors="replace")
+        # no details: they would be encrypted for a reader that, by now, evidently lacks the key
+        raise ApplicationError(payload.data.decode(errors="replace"), type=reason, non_retryable=True)
+
+
+class StreamPayloadConverter(PydanticPayloadConverter):
+    """Pydantic payloads, and the typed refusal of payloads the codec could not open."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._set_converters(*self.converters.values(), SealedPayloadConverter())

@@ -11,7 +11,7 @@ EXPECTED = {
         "BACKENDS", "PRESETS", "TOLERANCES", "TRAINED_PRESETS", "ByteTransform", "CheckpointError", "ConfigError",
         "HFTokenizerTransform", "InputTransform", "InvalidInput", "InvalidState", "Model", "ModelConfig",
         "NonFiniteInput", "NonFiniteOutput", "NonIntegerInput", "ScanError", "State", "StepResult",
-        "TokenOutOfRange", "Tolerance", "UnsupportedBackend", "init_model", "load_model", "save_checkpoint", "tolerance",
+        "TokenOutOfRange", "Tolerance", "UnsupportedBackend", "init_model", "init_weights", "load_model", "save_checkpoint", "tolerance",
         "weights_revision",
     ],
     "state_codec": [
@@ -22,6 +22,10 @@ EXPECTED = {
         "TruncatedBlob", "UnknownKeyId", "UnknownSigner", "UnsignedRequest", "UnsupportedEnvelopeVersion",
         "schema_diff", "validate_resume",
     ],
+    "state_codec.keyring": ["KEYRING_FILE", "Keyring", "KeyringError", "KeyringNotFound", "default_home",
+                            "find_keyring"],
+    "state_codec.payload": ["ENCRYPTED_ENCODING", "UNDECRYPTABLE_ENCODING", "EncryptionCodec",
+                            "SealedPayloadConverter", "StreamPayloadConverter"],
     "state_codec.signing": ["DOMAIN", "PrincipalKeys", "RequestSigner", "signing_bytes"],
     "state_codec.codec": [
         "ALG", "CODE_REVISION", "ENVELOPE_VERSION", "Keyring", "KeyringError", "decode_checkpoint",
@@ -31,11 +35,11 @@ EXPECTED = {
     "activities": [
         "FileStateStore", "InvalidStoreKey", "ModelRegistry", "PostgresStateStore", "SlotTable", "StateStore",
         "StoreCorrupt", "StoreError", "StoreUnavailable", "StoreUsage", "StreamActivities", "StreamEngine",
-        "StreamMetrics", "SweepReport", "open_store", "sweep_orphans", "tune_allocator",
+        "StreamMetrics", "SweepReport", "agent_feed_stream", "open_store", "sweep_orphans", "tune_allocator",
     ],
     "workflows": [
         "DEFAULT_TASK_QUEUE", "AdvanceRequest", "AdvanceResult", "AgentInput", "AgentResult", "AgentWorkflow",
-        "CheckpointRequest", "CheckpointResult", "GenerateRequest", "GenerateResult", "MambaStreamWorkflow",
+        "CheckpointRequest", "CheckpointResult", "ClientConfig", "GenerateRequest", "GenerateResult", "MambaStreamWorkflow",
         "ModelInfo", "OpenStreamInput", "ResetRequest", "StreamClient", "StreamOptions", "StreamStats",
         "TokenLogprob", "new_stream_id", "update_id",
     ],

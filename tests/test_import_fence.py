@@ -1,4 +1,5 @@
-"""The workflow sandbox never sees torch, mamba_ssm, triton, msgpack or cryptography."""
+"""The workflow sandbox never sees torch, mamba_ssm, triton, msgpack or cryptography; a client never
+loads the engine, the checkpoint codec or the worker; the record never reaches up to the engine."""
 
 from __future__ import annotations
 
@@ -8,14 +9,38 @@ import sys
 import pytest
 
 HEAVY = ("torch", "mamba_ssm", "triton", "msgpack", "cryptography", "numpy", "safetensors")
+#: what a client process must not pay for: the payload codec's cryptography is all it needs
+WORKER_ONLY = ("torch", "mamba_ssm", "triton", "msgpack", "numpy", "safetensors", "scan", "state_codec.codec",
+               "activities._stream", "activities._engine", "worker", "psycopg")
+
+
+def _loaded(statement: str, watch: tuple[str, ...]) -> list[str]:
+    code = (
+        f"import sys\n{statement}\n"
+        f"bad = [m for m in {watch!r} if m in sys.modules]\n"
+        "print(','.join(bad))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return [m for m in out.stdout.strip().split(",") if m]
 
 
 @pytest.mark.parametrize("package", ["workflows", "state_codec"])
 def test_importing_sandbox_packages_loads_no_heavy_module(package):
-    code = (
-        f"import sys, {package}\n"
-        f"bad = [m for m in {HEAVY!r} if m in sys.modules]\n"
-        "print(','.join(bad))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "", f"{package} pulled in: {out.stdout.strip()}"
+    assert _loaded(f"import {package}", HEAVY) == [], package
+
+
+@pytest.mark.parametrize("statement", [
+    "import plugin",
+    "from workflows import StreamClient",
+    "from workflows import ClientConfig",
+    "from state_codec.keyring import Keyring, find_keyring",
+    "from plugin import MambaStreamPlugin; from workflows import StreamClient; import cli._streams",
+])
+def test_a_client_loads_nothing_of_the_worker(statement):
+    assert _loaded(statement, WORKER_ONLY) == [], statement
+
+
+def test_the_keyring_needs_no_cryptography_and_the_record_never_imports_the_engine():
+    assert _loaded("import state_codec.keyring", ("cryptography", "msgpack", "torch")) == []
+    # the checkpoint codec is worker-side (torch, msgpack) but sits below the engine
+    assert _loaded("import state_codec.codec", ("scan", "activities", "workflows", "worker")) == []

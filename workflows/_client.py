@@ -7,10 +7,12 @@ import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from temporalio.client import Client, WorkflowHandle, WorkflowUpdateFailedError
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.service import RPCError
 
 from state_codec import Receipt
+from workflows._config import DEFAULT_TASK_QUEUE
 from workflows._models import (
     AdvanceRequest,
     AdvanceResult,
@@ -28,9 +30,7 @@ from workflows._stream import MambaStreamWorkflow
 if TYPE_CHECKING:
     from state_codec.signing import RequestSigner
 
-__all__ = ["DEFAULT_TASK_QUEUE", "StreamClient", "new_stream_id", "update_id"]
-
-DEFAULT_TASK_QUEUE = "mamba-stream"
+__all__ = ["StreamClient", "new_stream_id", "update_id"]
 
 
 def new_stream_id() -> str:
@@ -94,6 +94,12 @@ class StreamClient:
                 await handle.execute_update(MambaStreamWorkflow.ready, id="ready")
             except WorkflowUpdateFailedError:
                 await handle.result()  # raises the typed reason the stream failed to open with
+                raise
+            except RPCError:
+                # The stream closed before it took the update (it could not read its input: another
+                # keyring): its failure is the reason. Still running: the RPC error is.
+                if (await handle.describe()).status != WorkflowExecutionStatus.RUNNING:
+                    await handle.result()
                 raise
         return sid
 

@@ -10,21 +10,24 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 from temporalio.api.common.v1 import Payload
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
+from temporalio.exceptions import ApplicationError
 
 from plugin import MambaStreamPlugin
 from state_codec.codec import Keyring
 from state_codec.codec_server import CodecServer
-from state_codec.payload import ENCRYPTED_ENCODING, EncryptionCodec
+from state_codec.keyring import KeyringNotFound, find_keyring
+from state_codec.payload import ENCRYPTED_ENCODING, UNDECRYPTABLE_ENCODING, EncryptionCodec, StreamPayloadConverter
 from tests.workflows.conftest import Stack, eventually
 from worker import WorkerConfig, load_keyring
-from workflows import StreamClient
+from workflows import ClientConfig, StreamClient
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,8 +48,18 @@ async def test_payload_codec_round_trip_rotation_and_passthrough():
     assert (await codec.decode([enc]))[0] == plain
     assert (await codec.decode([plain]))[0] == plain  # plain JSON from the CLI passes through
     assert (await EncryptionCodec(ring.rotate()).decode([enc]))[0] == plain
-    with pytest.raises(Exception):
-        await EncryptionCodec(Keyring.generate()).decode([enc])
+    # another keyring cannot open it: a sealed payload that refuses, typed, to become a value
+    [sealed] = await EncryptionCodec(Keyring.generate()).decode([enc])
+    assert sealed.metadata["encoding"] == UNDECRYPTABLE_ENCODING and b"alice" not in sealed.data
+    with pytest.raises(ApplicationError) as err:
+        StreamPayloadConverter().from_payloads([sealed], [dict])
+    assert err.value.type == "UnknownKeyId" and err.value.non_retryable and ring.active_id in err.value.message
+    tampered = Payload(metadata=enc.metadata, data=enc.data[:-1] + bytes([enc.data[-1] ^ 1]))
+    [bad] = await codec.decode([tampered])
+    with pytest.raises(ApplicationError) as err:
+        StreamPayloadConverter().from_payloads([bad], [dict])
+    assert err.value.type == "CorruptBlob"
+    assert StreamPayloadConverter().from_payloads([plain], [dict]) == [{"principal": "alice"}]
 
 
 def _post(url: str, body: dict, headers: dict | None = None) -> tuple[int, dict, dict]:
@@ -95,14 +108,42 @@ async def test_keyring_configuration(tmp_path, monkeypatch):
     assert load_keyring(WorkerConfig()).active_id == ring.active_id
 
 
+async def test_clients_find_keyrings_and_never_make_one(tmp_path, monkeypatch):
+    monkeypatch.delenv("MAMBA_STREAM_KEYRING", raising=False)
+    monkeypatch.delenv("MAMBA_STREAM_HOME", raising=False)
+    monkeypatch.delenv("XDG_DATA_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "user"))
+    for cwd in (tmp_path, tmp_path / "user"):  # the default home is the user's, wherever we are
+        (cwd).mkdir(exist_ok=True)
+        monkeypatch.chdir(cwd)
+        assert WorkerConfig().home == ClientConfig().home == tmp_path / "user" / ".local" / "share" / "mamba-stream"
+        with pytest.raises(KeyringNotFound) as err:
+            ClientConfig().load_keyring()
+        assert str(ClientConfig().home / "keyring.json") in str(err.value)
+    assert not (tmp_path / "user" / ".local").exists()
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+    assert ClientConfig().home == tmp_path / "xdg" / "mamba-stream"
+    made = load_keyring(WorkerConfig())  # the worker makes it, in a 0700 directory
+    assert (tmp_path / "xdg" / "mamba-stream").stat().st_mode & 0o777 == 0o700
+    assert ClientConfig().load_keyring().active_id == made.active_id == find_keyring().active_id
+    monkeypatch.setenv("MAMBA_STREAM_KEYRING", str(tmp_path / "missing.json"))
+    with pytest.raises(Exception, match="no keyring at"):
+        ClientConfig().load_keyring()
+    with pytest.raises(Exception, match="no keyring at"):
+        load_keyring(WorkerConfig())  # a named keyring that is not there is never made
+
+
 async def test_worker_py_runs_the_embedded_stack_and_stops_cleanly(tmp_path):
     ports = {"MAMBA_STREAM_TEMPORAL_PORT": _free_port(), "MAMBA_STREAM_UI_PORT": _free_port(),
              "MAMBA_STREAM_CODEC_PORT": _free_port()}
-    env = {k: v for k, v in os.environ.items() if k != "TEMPORAL_ADDRESS"}
-    env.update({k: str(v) for k, v in ports.items()}, MAMBA_STREAM_HOME=str(tmp_path / "home"),
+    # no home configured: the worker's is the user's data directory, wherever it is started from
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TEMPORAL_ADDRESS", "MAMBA_STREAM_HOME", "MAMBA_STREAM_KEYRING", "XDG_DATA_HOME")}
+    env.update({k: str(v) for k, v in ports.items()}, HOME=str(tmp_path / "user"),
                MAMBA_STREAM_MODELS="tiny-mamba1", MAMBA_STREAM_TASK_QUEUE="embedded-test")
-    env.pop("MAMBA_STREAM_KEYRING", None)
-    proc = subprocess.Popen([sys.executable, str(ROOT / "worker.py")], env=env, cwd=tmp_path,
+    home = tmp_path / "user" / ".local" / "share" / "mamba-stream"
+    (tmp_path / "worker-dir").mkdir()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "worker.py")], env=env, cwd=tmp_path / "worker-dir",
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines = []
@@ -112,15 +153,30 @@ async def test_worker_py_runs_the_embedded_stack_and_stops_cleanly(tmp_path):
             lines.append(line)
             if " ready on " in line:
                 break
-        ring = Keyring.from_file(tmp_path / "home" / "keyring.json")
+        ring = Keyring.from_file(home / "keyring.json")
         client = await Client.connect(f"127.0.0.1:{ports['MAMBA_STREAM_TEMPORAL_PORT']}",
                                       plugins=[MambaStreamPlugin(keyring=ring)])
         streams = StreamClient(client, "embedded-test")
         sid = await streams.open("alice", "tiny-mamba1")
         r = await streams.advance(sid, "alice", text="embedded")
         assert r.position == 8
-        assert list((tmp_path / "home" / "states" / "streams" / sid).iterdir())
-        assert (tmp_path / "home" / "temporal.db").exists()
+        assert list((home / "states" / "streams" / sid).iterdir())
+        assert (home / "temporal.db").exists()
+        # the real CLI, from another directory, with nothing configured but the same user: it finds
+        # the worker's keyring and the stream runs (it used to make a keyring of its own there)
+        cli_dir = tmp_path / "cli-dir"
+        cli_dir.mkdir()
+        cli_env = dict(env, TEMPORAL_ADDRESS=f"127.0.0.1:{ports['MAMBA_STREAM_TEMPORAL_PORT']}")
+
+        async def cli(*args: str) -> dict:
+            out = await asyncio.to_thread(subprocess.run, [MAMBA_STREAM, *args, "--json"], env=cli_env, cwd=cli_dir,
+                                          capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0, out.stderr
+            return json.loads(out.stdout)
+
+        bob = (await cli("open", "--principal", "bob", "--model", "tiny-mamba1"))["stream_id"]
+        assert (await cli("feed", bob, "--principal", "bob", "--text", "hi"))["position"] == 2
+        assert list(cli_dir.iterdir()) == []
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
         with socket.socket() as s:  # the embedded server went down with it
@@ -170,3 +226,74 @@ async def test_stream_commands_of_the_cli(stack: Stack, tmp_path):
 
 async def _alive(stack: Stack, sid: str) -> bool:
     return (await stack.streams.stats(sid)).position == 11
+
+
+# --- keyrings through the real CLI, from a directory other than the worker's ----------------------
+
+MAMBA_STREAM = str(Path(sys.executable).parent / "mamba-stream")
+
+
+async def _cli_elsewhere(stack: Stack, cwd: Path, env: dict[str, str], *args: str) -> tuple[subprocess.CompletedProcess, float]:
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("MAMBA_STREAM_KEYRING", "MAMBA_STREAM_HOME", "XDG_DATA_HOME")}
+    base.update(TEMPORAL_ADDRESS=stack.address, MAMBA_STREAM_TASK_QUEUE=stack.queue, **env)
+    cwd.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    out = await asyncio.to_thread(subprocess.run, [MAMBA_STREAM, *args], env=base, cwd=cwd, capture_output=True,
+                                  text=True, timeout=60)
+    return out, time.monotonic() - t0
+
+
+async def _on_queue(stack: Stack) -> list:
+    return [w async for w in stack.client.list_workflows(f"TaskQueue = '{stack.queue}'")]
+
+
+async def test_the_cli_without_a_keyring_says_where_it_looked_and_starts_nothing(stack: Stack, tmp_path):
+    home, user = tmp_path / "no-home", tmp_path / "user"
+    for env, where in (({"MAMBA_STREAM_HOME": str(home)}, home / "keyring.json"),
+                       ({"HOME": str(user)}, user / ".local" / "share" / "mamba-stream" / "keyring.json")):
+        out, _ = await _cli_elsewhere(stack, tmp_path / "elsewhere", env,
+                                      "open", "--principal", "alice", "--model", "tiny-mamba2")
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(lines) == 1, out.stderr
+        assert lines[0].startswith("error: KeyringNotFound: ") and str(where) in lines[0]
+        assert "MAMBA_STREAM_KEYRING" in lines[0] and "MAMBA_STREAM_HOME" in lines[0] and "worker.py" in lines[0]
+    assert not home.exists() and not user.exists() and list((tmp_path / "elsewhere").iterdir()) == []
+    await asyncio.sleep(1.0)  # visibility is eventually consistent: give a stray start time to show
+    assert await _on_queue(stack) == []
+
+
+async def test_the_cli_with_another_keyring_is_told_at_once_and_leaves_nothing_running(stack: Stack, tmp_path):
+    other = Keyring.generate()
+    keyfile = tmp_path / "other.json"
+    other.save(keyfile)
+    out, seconds = await _cli_elsewhere(stack, tmp_path / "elsewhere", {"MAMBA_STREAM_KEYRING": str(keyfile)},
+                                        "open", "--principal", "alice", "--model", "tiny-mamba2")
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert lines[0].startswith("error: UnknownKeyId: ") and other.active_id in lines[0] and seconds < 10
+    [wf] = await eventually(lambda: _on_queue(stack))
+    handle = stack.client.get_workflow_handle(wf.id)
+    assert (await handle.describe()).status == WorkflowExecutionStatus.FAILED  # closed, not Running
+    with pytest.raises(WorkflowFailureError) as err:
+        await handle.result()
+    assert err.value.cause.type == "UnknownKeyId" and other.active_id in err.value.cause.message
+    assert not (Path(stack.store_url.removeprefix("file://")) / "streams" / wf.id).exists()
+
+
+async def test_a_chunk_under_another_keyring_is_refused_and_the_stream_goes_on(stack: Stack, tmp_path):
+    sid = await stack.streams.open("alice", "tiny-mamba2")
+    await stack.streams.advance(sid, "alice", text="kept")
+    other, mine = tmp_path / "other.json", tmp_path / "mine.json"
+    Keyring.generate().save(other)
+    stack.keyring.save(mine)
+    out, seconds = await _cli_elsewhere(stack, tmp_path / "elsewhere", {"MAMBA_STREAM_KEYRING": str(other)},
+                                        "feed", sid, "--principal", "alice", "--text", "lost", "--seq", "2")
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: UnknownKeyId: ") and seconds < 10
+    stats = await stack.streams.stats(sid)
+    assert (stats.position, stats.chunk_seq) == (4, 1)  # nothing advanced
+    out, _ = await _cli_elsewhere(stack, tmp_path / "elsewhere", {"MAMBA_STREAM_KEYRING": str(mine)},
+                                  "feed", sid, "--principal", "alice", "--text", "more", "--seq", "2", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["position"] == 8

@@ -1,0 +1,100 @@
+"""MambaStreamPlugin builds on the converter and runner it is given, finds (never makes) a client's
+keyring, and closes the activities it serves when its last worker stops."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Sequence
+
+import pytest
+from temporalio.api.common.v1 import Payload
+from temporalio.client import Client
+from temporalio.converter import DataConverter, PayloadCodec
+from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import UnsandboxedWorkflowRunner, Worker
+from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
+
+from plugin import PASSTHROUGH, MambaStreamPlugin, _runner, data_converter
+from state_codec.keyring import Keyring, KeyringNotFound
+from state_codec.payload import ENCRYPTED_ENCODING, EncryptionCodec, StreamPayloadConverter
+from worker import temporal_binary
+
+
+class Tagging(PayloadCodec):
+    """A user's own codec (compression, say): marks what it encoded."""
+
+    async def encode(self, payloads: Sequence[Payload]) -> list[Payload]:
+        return [Payload(metadata={"encoding": b"binary/tagged"}, data=b"T" + p.SerializeToString()) for p in payloads]
+
+    async def decode(self, payloads: Sequence[Payload]) -> list[Payload]:
+        return [Payload.FromString(p.data[1:]) if p.metadata.get("encoding") == b"binary/tagged" else p
+                for p in payloads]
+
+
+async def test_the_converter_keeps_the_given_codec_and_adds_encryption_once():
+    ring = Keyring.generate()
+    conv = data_converter(ring, DataConverter(payload_codec=Tagging()))
+    assert conv.payload_converter_class is StreamPayloadConverter
+    [enc] = await conv.payload_codec.encode([Payload(metadata={"encoding": b"json/plain"}, data=b'"secret"')])
+    assert enc.metadata["encoding"] == ENCRYPTED_ENCODING and b"secret" not in enc.data  # theirs, then ours
+    [inner] = await EncryptionCodec(ring).decode([enc])
+    assert inner.metadata["encoding"] == b"binary/tagged"
+    assert (await conv.payload_codec.decode([enc]))[0].data == b'"secret"'
+    again = data_converter(ring, conv)  # a replayer or a second plugin: no second layer
+    assert again.payload_codec is conv.payload_codec
+    assert await conv.encode(["x"]) and await conv.decode(await conv.encode(["x"]), [str]) == ["x"]
+    with pytest.raises(TypeError, match="CompositePayloadConverter"):
+        data_converter(ring, dataclasses.replace(DataConverter.default, payload_converter_class=object))
+
+
+def test_the_runner_keeps_the_given_sandbox_and_an_unsandboxed_runner():
+    theirs = SandboxedWorkflowRunner(restrictions=SandboxRestrictions.default.with_passthrough_modules("json"))
+    mine = _runner(theirs)
+    assert isinstance(mine, SandboxedWorkflowRunner)
+    assert {"json", *PASSTHROUGH} <= set(mine.restrictions.passthrough_modules)
+    plain = UnsandboxedWorkflowRunner()
+    assert _runner(plain) is plain
+    assert set(PASSTHROUGH) <= set(_runner(None).restrictions.passthrough_modules)
+
+
+def test_a_client_plugin_finds_the_keyring_and_never_makes_one(tmp_path, monkeypatch):
+    monkeypatch.delenv("MAMBA_STREAM_KEYRING", raising=False)
+    monkeypatch.setenv("MAMBA_STREAM_HOME", str(tmp_path / "home"))
+    with pytest.raises(KeyringNotFound):
+        MambaStreamPlugin()
+    assert not (tmp_path / "home").exists()
+    ring = Keyring.generate()
+    monkeypatch.setenv("MAMBA_STREAM_KEYRING", ring.to_json())
+    conv = MambaStreamPlugin().configure_client({"data_converter": DataConverter.default})["data_converter"]
+    assert conv.payload_codec.keyring.active_id == ring.active_id
+
+
+class _Acts:
+    def __init__(self) -> None:
+        self.closed = 0
+
+    def activities(self) -> list:
+        return []
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+async def test_the_activities_close_when_the_last_worker_stops():
+    env = await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(), ip="127.0.0.1",
+                                                dev_server_log_level="error")
+    try:
+        acts = _Acts()
+        client = await Client.connect(env.client.service_client.config.target_host,
+                                      plugins=[MambaStreamPlugin(keyring=Keyring.generate(), activities=acts)])
+        queue = f"plugin-{uuid.uuid4().hex[:8]}"
+        shared = Worker(client, task_queue=queue)
+        own = Worker(client, task_queue=queue + "@own")
+        async with shared:
+            async with own:
+                assert acts.closed == 0
+            assert acts.closed == 0  # the shared queue's worker still serves them
+        assert acts.closed == 1
+    finally:
+        await env.shutdown()

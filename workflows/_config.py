@@ -1,0 +1,45 @@
+"""What a client needs to reach the streams, from the environment (standard library only).
+
+Workers extend it (`worker.WorkerConfig`); clients (the CLI's stream commands, agents) use it
+alone and never load the worker, the engine or the checkpoint codec.
+
+    TEMPORAL_ADDRESS          the Temporal frontend (default 127.0.0.1:7233)
+    MAMBA_STREAM_TASK_QUEUE   the streams' task queue (default mamba-stream)
+    MAMBA_STREAM_HOME         where the embedded stack keeps its keyring, store and database
+                              (default: the per-user data directory, never the current one)
+    MAMBA_STREAM_KEYRING      keyring JSON, or the path of a 0600 keyring file
+    MAMBA_STREAM_SIGNING_KEY  this client's signing key, when the workers verify signatures
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from state_codec.keyring import Keyring, default_home, find_keyring
+
+__all__ = ["DEFAULT_TASK_QUEUE", "ClientConfig"]
+
+DEFAULT_TASK_QUEUE = "mamba-stream"
+
+
+def _env(name: str) -> str | None:
+    return os.environ.get(name) or None
+
+
+@dataclass
+class ClientConfig:
+    home: Path = field(default_factory=default_home)
+    address: str | None = field(default_factory=lambda: _env("TEMPORAL_ADDRESS"))
+    keyring: str | None = field(default_factory=lambda: _env("MAMBA_STREAM_KEYRING"))
+    task_queue: str = field(default_factory=lambda: os.environ.get("MAMBA_STREAM_TASK_QUEUE", DEFAULT_TASK_QUEUE))
+    signing_key: str | None = field(default_factory=lambda: _env("MAMBA_STREAM_SIGNING_KEY"))
+
+    @property
+    def target(self) -> str:
+        return self.address or "127.0.0.1:7233"
+
+    def load_keyring(self) -> Keyring:
+        """The workers' keyring, found, never made (`KeyringNotFound` names where it looked)."""
+        return find_keyring(self.keyring or "", self.home, create=False)
