@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scan import ModelConfig, init_model  # noqa: E402
-from scan._ops import NATIVE_OPS  # noqa: E402
+from scan._forward import backend_named  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -116,15 +116,17 @@ def run(args: argparse.Namespace) -> str:
         reason = _triton.unavailable_reason(device)
         if reason:
             raise SystemExit(f"bench_kernels: {reason}")
-        step_fn, chunk_fn, impl = _triton.step, _triton.chunk, "triton kernels"
+        backend, impl = _triton.TRITON, "triton kernels"
     else:
-        def step_fn(m, u, st):  # noqa: ANN001, ANN202
-            return (*m.step(u, st, NATIVE_OPS), "step")
+        backend, impl = backend_named("chunked"), "chunked backend (torch, CPU)"
 
-        def chunk_fn(m, u, st):  # noqa: ANN001, ANN202
-            return (*m.chunk(u, st), m.chunk_path)
+    def step_fn(m, u, st):  # noqa: ANN001, ANN202 - one token: (B, D) in, (B, D) out
+        out, new, path = backend.mix(m, u.unsqueeze(1), st)
+        return out[:, 0], new, path
 
-        impl = "chunked backend (torch, CPU)"
+    def chunk_fn(m, u, st):  # noqa: ANN001, ANN202
+        return backend.mix(m, u, st)
+
     bw = copy_bandwidth(device) if use_kernels else float("nan")
     out = [f"# Kernel matrix ({datetime.date.today()})", "",
            f"device {torch.cuda.get_device_name() if use_kernels else 'cpu'}; torch {torch.__version__}; {impl}; "
@@ -206,7 +208,7 @@ def mamba_ssm_step_comparison(device: torch.device, repeats: int) -> list[str]:
             st = _states(mixer, batch, device)
             conv = st[0].clone()
             ssm = st[1].clone()
-            _, ours = _time(lambda: _triton.step(mixer, u, st), device, repeats)
+            _, ours = _time(lambda: _triton.TRITON.mix(mixer, u.unsqueeze(1), st), device, repeats)
             _, ref = _time(lambda: theirs.step(u.unsqueeze(1), conv, ssm), device, repeats)
             rows.append(f"| {batch} | {ours * 1e6:.1f} | {ref * 1e6:.1f} | {ref / ours:.2f}x |")
     return rows

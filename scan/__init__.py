@@ -19,6 +19,7 @@ from scan._errors import (
     TokenOutOfRange,
     UnsupportedBackend,
 )
+from scan._forward import embed, forward, zero_states
 from scan._init import init_weights
 from scan._loading import init_model, load_model, save_checkpoint, weights_revision
 from scan._model import BACKENDS, Model
@@ -50,10 +51,13 @@ __all__ = [
     "TokenOutOfRange",
     "Tolerance",
     "UnsupportedBackend",
+    "embed",
+    "forward",
     "init_model",
     "init_weights",
     "load_model",
     "save_checkpoint",
     "tolerance",
     "weights_revision",
+    "zero_states",
 ]

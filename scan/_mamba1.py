@@ -17,14 +17,14 @@ Reference for the math: mamba-ssm `selective_scan_ref` and `Mamba.step`.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from scan._config import ModelConfig
-from scan._mixer import Mixer, States, conv_chunk
-from scan._ops import Ops, conv_taps
+from scan._mixer import Mixer, States
+from scan._ops import REFERENCE_OPS, Ops, Primitives
 
-__all__ = ["Mamba1Mixer"]
+__all__ = ["Mamba1Mixer", "selective_scan", "selective_scan_autograd", "selective_scan_chunked",
+           "selective_scan_steps"]
 
 Tensor = torch.Tensor
 
@@ -53,44 +53,55 @@ class Mamba1Mixer(Mixer):
     def _A(self) -> Tensor:
         return -torch.exp(self.A_log)  # (C, N)
 
-    def step(self, u: Tensor, states: States, ops: Ops) -> tuple[Tensor, States]:
+    def forward(self, u: Tensor, states: States, be: Primitives) -> tuple[Tensor, States, str]:
         conv, ssm = states  # (B, C, W), (B, C, N)
         c, n, r = self.cfg.d_inner, self.cfg.d_state, self.cfg.resolved_dt_rank
-        xz = ops.linear(u, self.in_proj.weight, self.in_proj.bias)  # (B, 2C)
-        x, z = xz[:, :c], xz[:, c:]
-        window = torch.cat([conv[:, :, 1:], x.unsqueeze(-1)], dim=-1)  # (B, C, W)
-        xc = ops.silu(conv_taps(window, self.conv1d.weight[:, 0, :], self.conv1d.bias))
-        x_dbl = ops.linear(xc, self.x_proj.weight)  # (B, R + 2N)
-        dt_r, b, cc = x_dbl[:, :r], x_dbl[:, r : r + n], x_dbl[:, r + n :]
-        dt = ops.softplus(ops.linear(dt_r, self.dt_proj.weight, self.dt_proj.bias))  # (B, C)
-        d_a = torch.exp(dt.unsqueeze(-1) * self._A())  # (B, C, N)
-        h = ops.decay_add(ssm, d_a, (dt * xc).unsqueeze(-1) * b.unsqueeze(1))
-        y = ops.contract(h, cc.unsqueeze(1)) + self.D * xc  # (B, C)
-        y = y * ops.silu(z)
-        out = ops.linear(y, self.out_proj.weight, self.out_proj.bias)
-        return out, (window, h)
-
-    def chunk(self, u: Tensor, states: States) -> tuple[Tensor, States]:
-        conv, h = states
-        c, n, r = self.cfg.d_inner, self.cfg.d_state, self.cfg.resolved_dt_rank
-        xz = F.linear(u, self.in_proj.weight, self.in_proj.bias)  # (B, L, 2C)
+        xz = be.linear(u, self.in_proj.weight, self.in_proj.bias)  # (B, L, 2C)
         x, z = xz[..., :c], xz[..., c:]
-        xc, new_conv = conv_chunk(conv, x, self.conv1d.weight, self.conv1d.bias)
-        xc = F.silu(xc)  # (B, L, C)
-        x_dbl = F.linear(xc, self.x_proj.weight)
+        xc, new_conv = be.conv(conv, x, self.conv1d.weight, self.conv1d.bias)
+        xc = be.silu(xc)  # (B, L, C)
+        x_dbl = be.linear(xc, self.x_proj.weight)  # (B, L, R + 2N)
         dt_r, b, cc = x_dbl[..., :r], x_dbl[..., r : r + n], x_dbl[..., r + n :]
-        dt = F.softplus(F.linear(dt_r, self.dt_proj.weight) + self.dt_proj.bias)  # (B, L, C)
-        a = self._A()
-        dtx = dt * xc
-        scan = selective_scan if torch.is_grad_enabled() else _selective_scan_forward
-        ys = []
-        for s in range(0, u.shape[1], _SEGMENT):
-            e = s + _SEGMENT
-            y_seg, h = scan(dt[:, s:e], a, dtx[:, s:e], b[:, s:e], cc[:, s:e], h)
-            ys.append(y_seg)
-        y = (torch.cat(ys, dim=1) + self.D * xc) * F.silu(z)
-        out = F.linear(y, self.out_proj.weight, self.out_proj.bias)
-        return out, (new_conv, h)
+        dt = be.softplus(be.linear(dt_r, self.dt_proj.weight, self.dt_proj.bias))  # (B, L, C)
+        y, h, path = be.selective_scan(dt, self._A(), xc, b, cc, ssm)
+        y = (y + self.D * xc) * be.silu(z)
+        out = be.linear(y, self.out_proj.weight, self.out_proj.bias)
+        return out, (new_conv, h), path
+
+
+def selective_scan_steps(dt: Tensor, a: Tensor, x: Tensor, b: Tensor, cc: Tensor, h0: Tensor, *,
+                         ops: Ops = REFERENCE_OPS) -> tuple[Tensor, Tensor]:
+    """The selective scan one token at a time: the reference twin of `selective_scan_chunked`
+    (same arguments), decaying and contracting with the primitives `ops`.
+
+    Args:
+        dt, x: (B, L, C) step sizes (after softplus) and inputs.
+        a: (C, N) the (negative) A.
+        b, cc: (B, L, N) the input and output projections.
+        h0: (B, C, N) the state before the chunk (not written).
+
+    Returns:
+        y (B, L, C) without the D skip term, and the state after the chunk (B, C, N).
+    """
+    h, ys = h0, []
+    for t in range(dt.shape[1]):
+        d_a = torch.exp(dt[:, t].unsqueeze(-1) * a)  # (B, C, N)
+        h = ops.decay_add(h, d_a, (dt[:, t] * x[:, t]).unsqueeze(-1) * b[:, t].unsqueeze(1))
+        ys.append(ops.contract(h, cc[:, t].unsqueeze(1)))  # (B, C)
+    return torch.stack(ys, dim=1), h
+
+
+def selective_scan_chunked(dt: Tensor, a: Tensor, x: Tensor, b: Tensor, cc: Tensor,
+                           h0: Tensor) -> tuple[Tensor, Tensor]:
+    """The chunked backend's scan: segments of `_SEGMENT` tokens, differentiable when grad is on."""
+    scan = selective_scan if torch.is_grad_enabled() else _selective_scan_forward
+    dtx = dt * x
+    ys, h = [], h0
+    for s in range(0, dt.shape[1], _SEGMENT):
+        e = s + _SEGMENT
+        y_seg, h = scan(dt[:, s:e], a, dtx[:, s:e], b[:, s:e], cc[:, s:e], h)
+        ys.append(y_seg)
+    return torch.cat(ys, dim=1), h
 
 
 def _selective_scan_forward(dt: Tensor, a: Tensor, dtx: Tensor, b: Tensor, cc: Tensor, h0: Tensor,

@@ -27,10 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from scan._config import ModelConfig
-from scan._mixer import Mixer, States, conv_chunk
-from scan._ops import NATIVE_OPS, Ops, chunk_decays, conv_taps, gated_rms_norm
+from scan._mixer import Mixer, States
+from scan._ops import REFERENCE_OPS, Ops, Primitives, chunk_decays, gated_rms_norm
 
-__all__ = ["Mamba2Mixer", "ssd_chunked"]
+__all__ = ["Mamba2Mixer", "ssd_chunked", "ssd_steps"]
 
 Tensor = torch.Tensor
 
@@ -78,7 +78,7 @@ class Mamba2Mixer(Mixer):
         z0, x0, z, xbc, dt = torch.split(zxbcdt, sizes, dim=-1)
         return z0, x0, z, xbc, dt
 
-    def _dt(self, dt_raw: Tensor, ops: Ops) -> Tensor:
+    def _dt(self, dt_raw: Tensor, ops: Primitives) -> Tensor:
         dt = ops.softplus(dt_raw + self.dt_bias)
         if self.cfg.dt_min_clamp > 0.0 or self.cfg.dt_max_clamp is not None:
             dt = torch.clamp(dt, min=self.cfg.dt_min_clamp, max=self.cfg.dt_max_clamp)
@@ -91,7 +91,7 @@ class Mamba2Mixer(Mixer):
             return self.D.reshape(cfg.nheads, cfg.headdim)
         return self.D.unsqueeze(-1)
 
-    def _finish(self, y: Tensor, z: Tensor, z0: Tensor, x0: Tensor, ops: Ops) -> Tensor:
+    def _finish(self, y: Tensor, z: Tensor, z0: Tensor, x0: Tensor, ops: Primitives) -> Tensor:
         """Gate / norm, gated-MLP part, out_proj. y: (..., E)."""
         cfg = self.cfg
         if cfg.rmsnorm:
@@ -105,49 +105,46 @@ class Mamba2Mixer(Mixer):
             y = torch.cat([ops.silu(z0) * x0, y], dim=-1)
         return ops.linear(y, self.out_proj.weight, self.out_proj.bias)
 
-    # --- one token -------------------------------------------------------------------------
+    # --- any number of tokens --------------------------------------------------------------
 
-    def step(self, u: Tensor, states: States, ops: Ops) -> tuple[Tensor, States]:
+    def forward(self, u: Tensor, states: States, be: Primitives) -> tuple[Tensor, States, str]:
         conv, ssm = states  # (B, C, W), (B, H, P, N)
         cfg = self.cfg
         e, g, n, h, p = cfg.resolved_d_ssm, cfg.ngroups, cfg.d_state, cfg.nheads, cfg.headdim
-        z0, x0, z, xbc, dt_raw = self._split(ops.linear(u, self.in_proj.weight, self.in_proj.bias))
-        window = torch.cat([conv[:, :, 1:], xbc.unsqueeze(-1)], dim=-1)  # (B, C, W)
-        xbc = ops.silu(conv_taps(window, self.conv1d.weight[:, 0, :], self.conv1d.bias))
-        x = xbc[:, :e].reshape(-1, h, p)
-        b = xbc[:, e : e + g * n].reshape(-1, g, 1, n)  # (B, G, 1, N)
-        c = xbc[:, e + g * n :].reshape(-1, g, 1, n)
-        dt = self._dt(dt_raw, ops)  # (B, H)
-        d_a = torch.exp(dt * -torch.exp(self.A_log))  # (B, H)
-        # heads of a group are contiguous: view (B, H, ...) as (B, G, H/G, ...)
-        hg = h // g
-        dtx = (dt.unsqueeze(-1) * x).reshape(-1, g, hg, p, 1)
-        new = ops.decay_add(ssm, d_a[:, :, None, None], (dtx * b.unsqueeze(3)).reshape(-1, h, p, n))
-        # a group's heads share c: one (H/G * P, N) mat-vec per group rather than one per head
-        y = ops.contract(new.reshape(-1, g, hg * p, n), c).reshape(-1, h, p)
-        y = y + self._D() * x
-        out = self._finish(y.reshape(-1, e), z, z0, x0, ops)
-        return out, (window, new)
-
-    # --- a chunk ---------------------------------------------------------------------------
-
-    def chunk(self, u: Tensor, states: States) -> tuple[Tensor, States]:
-        conv, ssm = states
-        cfg = self.cfg
-        e, g, n, h, p = cfg.resolved_d_ssm, cfg.ngroups, cfg.d_state, cfg.nheads, cfg.headdim
         bsz, length, _ = u.shape
-        z0, x0, z, xbc, dt_raw = self._split(F.linear(u, self.in_proj.weight, self.in_proj.bias))
-        xbc, new_conv = conv_chunk(conv, xbc, self.conv1d.weight, self.conv1d.bias)
-        xbc = F.silu(xbc)
+        z0, x0, z, xbc, dt_raw = self._split(be.linear(u, self.in_proj.weight, self.in_proj.bias))
+        xbc, new_conv = be.conv(conv, xbc, self.conv1d.weight, self.conv1d.bias)
+        xbc = be.silu(xbc)
         x = xbc[..., :e].reshape(bsz, length, h, p)
         b = xbc[..., e : e + g * n].reshape(bsz, length, g, n)
         c = xbc[..., e + g * n :].reshape(bsz, length, g, n)
-        dt = self._dt(dt_raw, NATIVE_OPS)
-        a = -torch.exp(self.A_log)
-        y, new_ssm = ssd_chunked(x, dt, a, b, c, ssm, cfg.chunk_size)
+        dt = self._dt(dt_raw, be)
+        y, new_ssm, path = be.ssd(x, dt, -torch.exp(self.A_log), b, c, ssm, cfg.chunk_size)
         y = y + self._D() * x
-        out = self._finish(y.reshape(bsz, length, e), z, z0, x0, NATIVE_OPS)
-        return out, (new_conv, new_ssm)
+        out = self._finish(y.reshape(bsz, length, e), z, z0, x0, be)
+        return out, (new_conv, new_ssm), path
+
+
+def ssd_steps(x: Tensor, dt: Tensor, a: Tensor, b: Tensor, c: Tensor, h0: Tensor, chunk_size: int = 0, *,
+              ops: Ops = REFERENCE_OPS) -> tuple[Tensor, Tensor]:
+    """The SSD recurrence one token at a time: the reference twin of `ssd_chunked` (same arguments;
+    `chunk_size` has no meaning here), decaying and contracting with the primitives `ops`.
+
+    Per token and head: h = exp(dt a) h + dt x b^T; y = h c.
+    """
+    bsz, length, h, p = x.shape
+    g, n = b.shape[2], b.shape[3]
+    hg = h // g
+    state, ys = h0, []
+    for t in range(length):
+        d_a = torch.exp(dt[:, t] * a)  # (B, H)
+        # heads of a group are contiguous: view (B, H, ...) as (B, G, H/G, ...)
+        dtx = (dt[:, t].unsqueeze(-1) * x[:, t]).reshape(bsz, g, hg, p, 1)
+        bt = b[:, t].reshape(bsz, g, 1, n)
+        state = ops.decay_add(state, d_a[:, :, None, None], (dtx * bt.unsqueeze(3)).reshape(bsz, h, p, n))
+        # a group's heads share c: one (H/G * P, N) mat-vec per group rather than one per head
+        ys.append(ops.contract(state.reshape(bsz, g, hg * p, n), c[:, t].reshape(bsz, g, 1, n)).reshape(bsz, h, p))
+    return torch.stack(ys, dim=1), state
 
 
 def ssd_chunked(

@@ -34,9 +34,9 @@ from torch import nn
 
 from scan._config import ModelConfig
 from scan._mixer import Mixer, States
-from scan._ops import NATIVE_OPS, Ops, chunk_decays, gated_rms_norm, rms_normalize
+from scan._ops import REFERENCE_OPS, Ops, Primitives, chunk_decays, gated_rms_norm, rms_normalize
 
-__all__ = ["Mamba3Mixer"]
+__all__ = ["Mamba3Mixer", "mamba3_chunked", "mamba3_steps"]
 
 Tensor = torch.Tensor
 _TWO_PI = 2.0 * math.pi
@@ -96,25 +96,25 @@ class Mamba3Mixer(Mixer):
         sizes = [cfg.d_inner, cfg.d_inner, bc, bc, h, h, h, cfg.n_angles]
         return list(torch.split(proj, sizes, dim=-1))
 
-    def _decay_and_gates(self, dd_dt: Tensor, dd_a: Tensor, trap: Tensor, ops: Ops):
+    def _decay_and_dt(self, dd_dt: Tensor, dd_a: Tensor, ops: Primitives) -> tuple[Tensor, Tensor]:
         a = torch.clamp(-ops.softplus(dd_a), max=-self.cfg.A_floor)
         dt = ops.softplus(dd_dt + self.dt_bias)
-        lam = ops.sigmoid(trap)
-        return a, dt, lam
+        return a, dt
 
-    def _qk(self, raw: Tensor, weight: Tensor, bias: Tensor, theta: Tensor) -> Tensor:
-        """Normalize, broadcast to heads, add the per-head bias, rotate.
+    def _normalized(self, raw: Tensor, weight: Tensor) -> Tensor:
+        """(..., R * G * N) projection slice -> (..., R, G, N), RMS-normalized per group, weighted."""
+        cfg = self.cfg
+        r, g, n = cfg.mimo_rank, cfg.ngroups, cfg.d_state
+        return rms_normalize(raw.reshape(*raw.shape[:-1], r, g, n), cfg.mixer_norm_eps) * weight
 
-        Args:
-            raw: (..., R * G * N) projection slice.
-            theta: (..., H, S) angles of this position.
+    def _heads_rotated(self, t: Tensor, bias: Tensor, theta: Tensor) -> Tensor:
+        """Broadcast (..., R, G, N) to heads, add the per-head bias, rotate by theta (..., H, S).
 
         Returns:
             (..., R, H, N).
         """
         cfg = self.cfg
-        r, g, n, h = cfg.mimo_rank, cfg.ngroups, cfg.d_state, cfg.nheads
-        t = rms_normalize(raw.reshape(*raw.shape[:-1], r, g, n), cfg.mixer_norm_eps) * weight
+        g, n, h = cfg.ngroups, cfg.d_state, cfg.nheads
         t = t.repeat_interleave(h // g, dim=-2) if g > 1 else t.expand(*t.shape[:-2], h, n)
         t = t + bias.transpose(0, 1)  # (R, H, N)
         return self._rotate(t, torch.cos(theta).unsqueeze(-3), torch.sin(theta).unsqueeze(-3))
@@ -140,7 +140,7 @@ class Mamba3Mixer(Mixer):
             return v.unsqueeze(-3)
         return v.unsqueeze(-3) * self.mimo_x.transpose(0, 1)
 
-    def _combine(self, yr: Tensor, z: Tensor, ops: Ops) -> Tensor:
+    def _combine(self, yr: Tensor, z: Tensor, ops: Primitives) -> Tensor:
         """(..., R, H, P) per-rank outputs and (..., H, P) gate -> (..., H, P)."""
         cfg = self.cfg
         zr = z.unsqueeze(-3)
@@ -162,61 +162,84 @@ class Mamba3Mixer(Mixer):
             out = out + weighted[..., i, :, :]
         return out
 
-    # --- one token -------------------------------------------------------------------------
+    # --- any number of tokens --------------------------------------------------------------
 
-    def step(self, u: Tensor, states: States, ops: Ops) -> tuple[Tensor, States]:
-        angle, ssm, k_prev, v_prev = states  # (B,H,S) (B,H,P,N) (B,R,H,N) (B,H,P)
+    def forward(self, u: Tensor, states: States, be: Primitives) -> tuple[Tensor, States, str]:
         cfg = self.cfg
         h, p = cfg.nheads, cfg.headdim
-        z, x, bp, cp, dd_dt, dd_a, trap, ang = self._split(ops.linear(u, self.in_proj.weight))
-        a, dt, lam = self._decay_and_gates(dd_dt, dd_a, trap, ops)  # (B, H) each
-        theta = _wrap(angle + torch.tanh(ang).unsqueeze(-2) * math.pi * dt.unsqueeze(-1))
-        q = self._qk(cp, self.C_norm.weight, self.C_bias, theta)  # (B, R, H, N)
-        k = self._qk(bp, self.B_norm.weight, self.B_bias, theta)
-        alpha = torch.exp(a * dt)
-        beta = alpha * dt * (1.0 - lam)
-        gamma = lam * dt
-        v = x.reshape(-1, h, p)
-        xr, xr_prev = self._xr(v), self._xr(v_prev)  # (B, R, H, P)
+        bsz, length, _ = u.shape
+        z, x, bp, cp, dd_dt, dd_a, trap, ang = self._split(be.linear(u, self.in_proj.weight))
+        a, dt = self._decay_and_dt(dd_dt, dd_a, be)  # (B, L, H)
+        qn = self._normalized(cp, self.C_norm.weight)  # (B, L, R, G, N)
+        kn = self._normalized(bp, self.B_norm.weight)
+        v = x.reshape(bsz, length, h, p)
+        yr, new_states, path = be.mamba3_scan(self, qn, kn, v, a, dt, trap, ang, states)
+        y = self._combine(yr, z.reshape(bsz, length, h, p), be)
+        out = be.linear(y.reshape(bsz, length, cfg.d_inner), self.out_proj.weight)
+        return out, new_states, path
+
+
+def mamba3_steps(m: Mamba3Mixer, qn: Tensor, kn: Tensor, v: Tensor, a: Tensor, dt: Tensor, trap: Tensor,
+                 ang: Tensor, states: States, *, ops: Ops = REFERENCE_OPS) -> tuple[Tensor, States]:
+    """The Mamba-3 recurrence one token at a time: the reference twin of `mamba3_chunked` (same
+    arguments), with the primitives `ops`.
+
+    Args:
+        m: the layer (its biases, D and MIMO projections).
+        qn, kn: (B, L, R, G, N) normalized C and B, before the bias and the rotation.
+        v: (B, L, H, P) the inputs x.
+        a, dt: (B, L, H) decay rate (< 0) and step size; trap, ang: the raw trapezoid gate
+            (B, L, H) and angle rates (B, L, S) of the projection.
+        states: (angle (B, H, S), ssm (B, H, P, N), k (B, R, H, N), v (B, H, P)).
+
+    Returns:
+        y (B, L, R, H, P), including the D skip term, and the new states.
+    """
+    angle, ssm, k_prev, v_prev = states
+    lam = ops.sigmoid(trap)
+    inc = torch.tanh(ang).unsqueeze(-2) * math.pi * dt.unsqueeze(-1)  # (B, L, H, S)
+    ys = []
+    for t in range(v.shape[1]):
+        angle = _wrap(angle + inc[:, t])
+        q = m._heads_rotated(qn[:, t], m.C_bias, angle)  # (B, R, H, N)
+        k = m._heads_rotated(kn[:, t], m.B_bias, angle)
+        alpha = torch.exp(a[:, t] * dt[:, t])
+        beta = alpha * dt[:, t] * (1.0 - lam[:, t])
+        gamma = lam[:, t] * dt[:, t]
+        xr, xr_prev = m._xr(v[:, t]), m._xr(v_prev)  # (B, R, H, P)
         terms = (beta[:, None, :, None] * xr_prev).unsqueeze(-1) * k_prev.unsqueeze(-2)
         terms = terms + (gamma[:, None, :, None] * xr).unsqueeze(-1) * k.unsqueeze(-2)
         upd = terms[:, 0]
         for i in range(1, terms.shape[1]):
             upd = upd + terms[:, i]
-        new = ops.decay_add(ssm, alpha[:, :, None, None], upd)  # (B, H, P, N)
-        yr = ops.contract(new.unsqueeze(1), q.unsqueeze(-2)) + self.D[:, None] * xr  # (B, R, H, P)
-        y = self._combine(yr, z.reshape(-1, h, p), ops)
-        out = ops.linear(y.reshape(-1, cfg.d_inner), self.out_proj.weight)
-        return out, (theta, new, k, v)
+        ssm = ops.decay_add(ssm, alpha[:, :, None, None], upd)  # (B, H, P, N)
+        ys.append(ops.contract(ssm.unsqueeze(1), q.unsqueeze(-2)) + m.D[:, None] * xr)  # (B, R, H, P)
+        k_prev, v_prev = k, v[:, t]
+    return torch.stack(ys, dim=1), (angle, ssm, k_prev, v_prev)
 
-    # --- a chunk ---------------------------------------------------------------------------
 
-    def chunk(self, u: Tensor, states: States) -> tuple[Tensor, States]:
-        angle, h0, k_prev, v_prev = states
-        cfg = self.cfg
-        h, p = cfg.nheads, cfg.headdim
-        bsz, length, _ = u.shape
-        z, x, bp, cp, dd_dt, dd_a, trap, ang = self._split(F.linear(u, self.in_proj.weight))
-        a, dt, lam = self._decay_and_gates(dd_dt, dd_a, trap, NATIVE_OPS)  # (B, L, H)
-        inc = torch.tanh(ang).unsqueeze(-2) * math.pi * dt.unsqueeze(-1)  # (B, L, H, S)
-        # Summed in float64 so that long chunks lose no angle precision before wrapping.
-        theta = _wrap(angle.unsqueeze(1).double() + torch.cumsum(inc.double(), dim=1)).to(u.dtype)
-        q = self._qk(cp, self.C_norm.weight, self.C_bias, theta)  # (B, L, R, H, N)
-        k = self._qk(bp, self.B_norm.weight, self.B_bias, theta)
-        v = x.reshape(bsz, length, h, p)
-        xr = self._xr(v)  # (B, L, R, H, P)
-        gamma = lam * dt
-        delta = (1.0 - lam) * dt  # beta = alpha * delta
-        # The previous token's pending term enters the state before the first decay.
-        pending = (delta[:, 0, None, :, None] * self._xr(v_prev)).unsqueeze(-1) * k_prev.unsqueeze(-2)
-        h_start = h0 + pending.sum(1)
-        # A source j reaches i > j with weight gamma_j + delta_{j+1}, and i == j with gamma_j.
-        delta_next = torch.cat([delta[:, 1:], torch.zeros_like(delta[:, :1])], dim=1)
-        y, h_end = _trapezoid_chunked(q, k, xr, a * dt, gamma, gamma + delta_next, h_start, cfg.chunk_size)
-        yr = y + self.D[:, None] * xr
-        y = self._combine(yr, z.reshape(bsz, length, h, p), NATIVE_OPS)
-        out = F.linear(y.reshape(bsz, length, cfg.d_inner), self.out_proj.weight)
-        return out, (theta[:, -1].contiguous(), h_end, k[:, -1].contiguous(), v[:, -1].contiguous())
+def mamba3_chunked(m: Mamba3Mixer, qn: Tensor, kn: Tensor, v: Tensor, a: Tensor, dt: Tensor, trap: Tensor,
+                   ang: Tensor, states: States) -> tuple[Tensor, States]:
+    """The chunked backend's Mamba-3 scan (arguments and results as `mamba3_steps`)."""
+    angle, h0, k_prev, v_prev = states
+    cfg = m.cfg
+    lam = torch.sigmoid(trap)
+    inc = torch.tanh(ang).unsqueeze(-2) * math.pi * dt.unsqueeze(-1)  # (B, L, H, S)
+    # Summed in float64 so that long chunks lose no angle precision before wrapping.
+    theta = _wrap(angle.unsqueeze(1).double() + torch.cumsum(inc.double(), dim=1)).to(v.dtype)
+    q = m._heads_rotated(qn, m.C_bias, theta)  # (B, L, R, H, N)
+    k = m._heads_rotated(kn, m.B_bias, theta)
+    xr = m._xr(v)  # (B, L, R, H, P)
+    gamma = lam * dt
+    delta = (1.0 - lam) * dt  # beta = alpha * delta
+    # The previous token's pending term enters the state before the first decay.
+    pending = (delta[:, 0, None, :, None] * m._xr(v_prev)).unsqueeze(-1) * k_prev.unsqueeze(-2)
+    h_start = h0 + pending.sum(1)
+    # A source j reaches i > j with weight gamma_j + delta_{j+1}, and i == j with gamma_j.
+    delta_next = torch.cat([delta[:, 1:], torch.zeros_like(delta[:, :1])], dim=1)
+    y, h_end = _trapezoid_chunked(q, k, xr, a * dt, gamma, gamma + delta_next, h_start, cfg.chunk_size)
+    yr = y + m.D[:, None] * xr
+    return yr, (theta[:, -1].contiguous(), h_end, k[:, -1].contiguous(), v[:, -1].contiguous())
 
 
 def _trapezoid_chunked(

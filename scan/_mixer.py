@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from scan._config import ModelConfig
-from scan._ops import Ops
+from scan._ops import Primitives, conv_taps
 
-__all__ = ["Mixer", "conv_chunk"]
+__all__ = ["Mixer", "conv_chunk", "conv_steps"]
 
 Tensor = torch.Tensor
 States = tuple[Tensor, ...]
@@ -38,31 +38,23 @@ class Mixer(nn.Module):
         """(role, per-stream shape) of each state tensor, in the order step/chunk use them."""
         raise NotImplementedError
 
-    def step(self, u: Tensor, states: States, ops: Ops) -> tuple[Tensor, States]:
-        """Advance B streams by one token each.
+    def forward(self, u: Tensor, states: States, be: Primitives) -> tuple[Tensor, States, str]:
+        """Advance B streams by L >= 1 tokens each, with the primitives of a backend.
+
+        The same code for every backend and every L: what differs between them (how a product,
+        an activation, the conv and the scan are computed) is `be`.
 
         Args:
-            u: (B, D) normalized hidden states of the token.
+            u: (B, L, D) normalized hidden states.
             states: this layer's state tensors, each with a leading B.
-            ops: the primitives to compute with.
+            be: the primitives to compute with.
 
         Returns:
-            (B, D) mixer output and the new states (fresh tensors).
+            (B, L, D) mixer output, the new states (fresh tensors), and the path the scan took.
         """
         raise NotImplementedError
 
-    def chunk(self, u: Tensor, states: States) -> tuple[Tensor, States]:
-        """Advance B streams by L >= 1 tokens each, in parallel over the chunk (native ops).
-
-        Args:
-            u: (B, L, D).
-
-        Returns:
-            (B, L, D) output and the new states.
-        """
-        raise NotImplementedError
-
-    #: name of the algorithm `chunk` runs, recorded on results
+    #: name of the algorithm the chunked backend runs for L > 1, recorded on results
     chunk_path: str = "chunk"
 
 
@@ -84,3 +76,17 @@ def conv_chunk(
     full = torch.cat([conv_state, xs.transpose(1, 2)], dim=-1)  # (B, C, W + L)
     out = F.conv1d(full[:, :, 1:], weight, bias, groups=weight.shape[0])  # (B, C, L)
     return out.transpose(1, 2), full[:, :, -w:].contiguous()
+
+
+def conv_steps(
+    conv_state: Tensor, xs: Tensor, weight: Tensor, bias: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """`conv_chunk`'s reference twin: one window per token, its taps summed in a fixed order.
+
+    The output of a token depends on nothing but its window, so any chunking gives the same bits.
+    """
+    window, outs = conv_state, []
+    for t in range(xs.shape[1]):
+        window = torch.cat([window[:, :, 1:], xs[:, t].unsqueeze(-1)], dim=-1)  # (B, C, W)
+        outs.append(conv_taps(window, weight[:, 0, :], bias))
+    return torch.stack(outs, dim=1), window

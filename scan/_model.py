@@ -2,16 +2,18 @@
 
 Dimension letters: B streams, L tokens, D d_model, V padded vocabulary.
 
-Backends:
-    reference  one token at a time through every layer, with batch-invariant primitives
+Every backend runs the one forward pass of `scan._forward` and the mixers' one `forward`; a
+backend is a set of primitives (`scan._backends`):
+    reference  one token at a time through each layer, with batch-invariant primitives
                (`scan._ops.REFERENCE_OPS`). Chunking cannot change its arithmetic, so every
                partition of a token sequence gives bit-identical logits and state; batching
                streams gives bit-identical results too.
     chunked    parallel over the chunk: GEMMs over all L tokens, the chunked SSD form for
                Mamba-2/3 and the selective scan for Mamba-1 (projections over all L, the
-               recurrence token by token); single tokens take the step path with PyTorch's
+               recurrence token by token); single tokens take the step formulas with PyTorch's
                native kernels. Within `scan.TOLERANCES` of the truth.
-    triton     CUDA only: mamba-ssm's Triton kernels for the scans (`scan._triton`).
+    triton     CUDA only: the chunked primitives with mamba-ssm's Triton kernels as the scans
+               (`scan._triton`).
     auto       the fastest backend available on the model's device: triton on CUDA when its
                kernels import, chunked otherwise (reference for a narrow state dtype).
 """
@@ -24,7 +26,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from scan._config import ModelConfig
 from scan._errors import (
@@ -36,8 +37,9 @@ from scan._errors import (
     TokenOutOfRange,
     UnsupportedBackend,
 )
+from scan._backends import Backend, RoundState
+from scan._forward import LayerStates, backend_named, embed, forward
 from scan._lm import MambaLM
-from scan._ops import NATIVE_OPS, REFERENCE_OPS, norm
 from scan._state import State, StepResult
 from state_codec import Discretization, ModelIdentity, StateSchema, TensorSpec
 
@@ -46,7 +48,6 @@ __all__ = ["BACKENDS", "Model", "build_schema"]
 log = logging.getLogger(__name__)
 
 Tensor = torch.Tensor
-LayerStates = list[tuple[Tensor, ...]]
 
 #: Backends a caller may name; "auto" resolves to one of the others.
 BACKENDS = ("auto", "reference", "chunked", "triton")
@@ -199,34 +200,9 @@ class Model:
             else:
                 flat = [buffers[n].index_select(0, rows).to(self.dtype) for n in names]
             layer_states = [tuple(flat[i * k : (i + 1) * k]) for i in range(cfg.n_layer)]
-            hidden = lm.backbone.embedding.weight.index_select(0, tokens)
-            if self.backend == "triton":
-                from scan import _triton
-
-                step = _triton.step
-            else:
-                ops = REFERENCE_OPS if self.backend == "reference" else NATIVE_OPS
-
-                def step(mixer, u, st):  # noqa: ANN001, ANN202
-                    out, new = mixer.step(u, st, ops)
-                    return out, new, "recurrent" if self.backend == "reference" else "step"
-
-            residual: Tensor | None = None
-            new_states: LayerStates = []
-            path = "step"
-            for blk, st in zip(lm.backbone.layers, layer_states):
-                residual = hidden if residual is None else hidden + residual
-                normed = norm(residual, blk.norm.weight, blk.norm.bias, cfg.norm_eps, cfg.rms_norm)
-                hidden, st_new, path = step(blk.mixer, normed, st)
-                new_states.append(st_new)
-            if self.backend == "reference":
-                new_states = self._round(new_states)
-            assert residual is not None
-            residual = hidden + residual
-            nf = lm.backbone.norm_f
-            normed = norm(residual, nf.weight, nf.bias, cfg.norm_eps, cfg.rms_norm)
-            lin = REFERENCE_OPS.linear if self.backend == "reference" else NATIVE_OPS.linear
-            logits = lin(normed, lm.lm_head.weight).to(torch.float32)
+            hidden = embed(lm, tokens.unsqueeze(1))  # (B, 1, D)
+            logits, new_states, path = forward(lm, hidden, layer_states, self._impl(), self._rounding())
+            logits = logits[:, 0].to(torch.float32)
             if not bool(torch.isfinite(logits).all()):
                 raise NonFiniteOutput("the batched step produced non-finite logits; no state was written")
             for name, new in zip(names, (t for layer in new_states for t in layer)):
@@ -403,24 +379,26 @@ class Model:
 
     # --- execution ---------------------------------------------------------------------------
 
+    def _impl(self) -> Backend:
+        """The primitives behind `self.backend`."""
+        return backend_named(self.backend)
+
     def _run(self, states: list[State], inputs: list[Tensor], *, embedded: bool) -> list[StepResult]:
         results: list[StepResult | None] = [None] * len(states)
+        impl, lm = self._impl(), self._lm
         with torch.inference_mode():
-            if self.backend == "reference":
-                todo = [i for i, x in enumerate(inputs) if len(x)]
-                if todo:
-                    out = self._run_reference([states[i] for i in todo], [inputs[i] for i in todo], embedded)
-                    for i, r in zip(todo, out):
-                        results[i] = r
-            else:
-                groups: dict[int, list[int]] = {}
-                for i, x in enumerate(inputs):
-                    if len(x):
-                        groups.setdefault(len(x), []).append(i)
-                for idx in groups.values():
-                    out = self._run_chunked([states[i] for i in idx], [inputs[i] for i in idx], embedded)
-                    for i, r in zip(idx, out):
-                        results[i] = r
+            groups: dict[int, list[int]] = {}
+            for i, x in enumerate(inputs):
+                if len(x):
+                    groups.setdefault(len(x), []).append(i)
+            for idx in groups.values():  # streams of one length advance together
+                group_states, group_inputs = [states[i] for i in idx], [inputs[i] for i in idx]
+                x = torch.stack(group_inputs)  # (B, L) ids or (B, L, D) embeddings
+                hidden = x if embedded else embed(lm, x)
+                logits, new_states, path = forward(lm, hidden, self._stack(group_states), impl, self._rounding())
+                out = self._finish(group_states, group_inputs, list(logits), new_states, path)
+                for i, r in zip(idx, out):
+                    results[i] = r
         for i, r in enumerate(results):
             if r is None:  # empty chunk: nothing to scan, the state is returned as it was
                 logits = torch.zeros((0, self.vocab_size), dtype=torch.float32, device=self.device)
@@ -437,11 +415,12 @@ class Model:
             stacked = [t.to(self.dtype) for t in stacked]
         return [tuple(stacked[i * k : (i + 1) * k]) for i in range(self.config.n_layer)]
 
-    def _round(self, layer_states: LayerStates) -> LayerStates:
-        """Round to the state dtype (kept in the compute dtype): once per token, never per call."""
+    def _rounding(self) -> RoundState:
+        """Rounds a layer's states to the state dtype, kept in the compute dtype (None: no rounding)."""
         if self.state_dtype == self.dtype:
-            return layer_states
-        return [tuple(t.to(self.state_dtype).to(self.dtype) for t in layer) for layer in layer_states]
+            return None
+        narrow, wide = self.state_dtype, self.dtype
+        return lambda states: tuple(t.to(narrow).to(wide) for t in states)
 
     def _unstack(self, layer_states: LayerStates, b: int) -> dict[str, Tensor]:
         flat = [t.to(self.state_dtype) for layer in layer_states for t in layer]
@@ -463,85 +442,6 @@ class Model:
             new = State(s.position + len(x), self._unstack(layer_states, b), self._fingerprint)
             out.append(StepResult(lg, new, self.backend, path))
         return out
-
-    def _run_reference(self, states: list[State], inputs: list[Tensor], embedded: bool) -> list[StepResult]:
-        lm, cfg, ops = self._lm, self.config, REFERENCE_OPS
-        blocks = list(lm.backbone.layers)
-        layer_states = self._stack(states)
-        lengths = [len(x) for x in inputs]
-        rows: list[list[Tensor]] = [[] for _ in states]
-        everyone = torch.arange(len(states), device=self.device)
-        for t in range(max(lengths)):
-            active = [b for b, n in enumerate(lengths) if n > t]
-            sub = everyone if len(active) == len(states) else torch.tensor(active, device=self.device)
-            if embedded:
-                hidden = torch.stack([inputs[b][t] for b in active])
-            else:
-                tok = torch.stack([inputs[b][t] for b in active])
-                hidden = lm.backbone.embedding.weight.index_select(0, tok)
-            cur = layer_states if len(active) == len(states) else [
-                tuple(x.index_select(0, sub) for x in layer) for layer in layer_states
-            ]
-            residual: Tensor | None = None
-            new_states: LayerStates = []
-            for blk, st in zip(blocks, cur):
-                residual = hidden if residual is None else hidden + residual
-                normed = norm(residual, blk.norm.weight, blk.norm.bias, cfg.norm_eps, cfg.rms_norm)
-                hidden, st_new = blk.mixer.step(normed, st, ops)
-                new_states.append(st_new)
-            new_states = self._round(new_states)
-            assert residual is not None
-            residual = hidden + residual
-            nf = lm.backbone.norm_f
-            logits = ops.linear(norm(residual, nf.weight, nf.bias, cfg.norm_eps, cfg.rms_norm), lm.lm_head.weight)
-            if len(active) == len(states):
-                layer_states = new_states
-            else:
-                layer_states = [
-                    tuple(old.index_copy(0, sub, new) for old, new in zip(lo, ln))
-                    for lo, ln in zip(layer_states, new_states)
-                ]
-            for j, b in enumerate(active):
-                rows[b].append(logits[j])
-        logits_per_stream = [torch.stack(r) for r in rows]
-        return self._finish(states, inputs, logits_per_stream, layer_states, "recurrent")
-
-    def _run_chunked(self, states: list[State], inputs: list[Tensor], embedded: bool) -> list[StepResult]:
-        """All streams of one length at once; the chunked backend, or the triton one on CUDA."""
-        lm, cfg = self._lm, self.config
-        if self.backend == "triton":
-            from scan import _triton
-
-            step = _triton.step
-            chunk = _triton.chunk
-        else:
-            def step(mixer, u, st):  # noqa: ANN001, ANN202
-                out, new = mixer.step(u, st, NATIVE_OPS)
-                return out, new, "step"
-
-            def chunk(mixer, u, st):  # noqa: ANN001, ANN202
-                out, new = mixer.chunk(u, st)
-                return out, new, mixer.chunk_path
-        layer_states = self._stack(states)
-        x = torch.stack(inputs)  # (B, L) ids or (B, L, D) embeddings
-        hidden = x if embedded else F.embedding(x, lm.backbone.embedding.weight)
-        length = hidden.shape[1]
-        residual: Tensor | None = None
-        new_states: LayerStates = []
-        for blk, st in zip(lm.backbone.layers, layer_states):
-            residual = hidden if residual is None else hidden + residual
-            normed = norm(residual, blk.norm.weight, blk.norm.bias, cfg.norm_eps, cfg.rms_norm)
-            if length == 1:
-                out, st_new, path = step(blk.mixer, normed[:, 0], st)
-                hidden = out.unsqueeze(1)
-            else:
-                hidden, st_new, path = chunk(blk.mixer, normed, st)
-            new_states.append(st_new)
-        assert residual is not None
-        residual = hidden + residual
-        nf = lm.backbone.norm_f
-        logits = F.linear(norm(residual, nf.weight, nf.bias, cfg.norm_eps, cfg.rms_norm), lm.lm_head.weight)
-        return self._finish(states, inputs, list(logits), new_states, path)
 
 
 def _is_int(v: Any) -> bool:

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["NATIVE_OPS", "REFERENCE_OPS", "Ops", "chunk_decays"]
+__all__ = ["NATIVE_OPS", "REFERENCE_OPS", "Ops", "Primitives", "chunk_decays"]
 
 Tensor = torch.Tensor
 
@@ -98,6 +98,35 @@ class Ops:
     softplus: Callable[[Tensor], Tensor]
     decay_add: Callable[[Tensor, Tensor, Tensor], Tensor]
     contract: Callable[[Tensor, Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class Primitives:
+    """Everything a mixer computes with: a backend is one of these per chunk length.
+
+    The elementwise and product primitives, and the sequence primitives a mixer's `forward`
+    hands its tensors to. Each sequence primitive returns its outputs and the path it took.
+
+        linear(x (..., K), weight (N, K), bias (N,) | None) -> (..., N)
+        silu, sigmoid, softplus: elementwise
+        conv(conv_state (B, C, W), xs (B, L, C), weight (C, 1, W), bias) -> out (B, L, C), state
+        selective_scan(dt, a, x, b, cc, h0) -> y, h, path                    (Mamba-1)
+        ssd(x, dt, a, b, c, h0, chunk_size) -> y, h, path                     (Mamba-2)
+        mamba3_scan(mixer, qn, kn, v, a, dt, trap, ang, states) -> y, states, path  (Mamba-3)
+
+    Shapes of the scans' arguments are in `scan._mamba1.selective_scan_steps`,
+    `scan._mamba2.ssd_steps` and `scan._mamba3.mamba3_steps`, the reference twins.
+    """
+
+    name: str
+    linear: Callable[..., Tensor]
+    silu: Callable[[Tensor], Tensor]
+    sigmoid: Callable[[Tensor], Tensor]
+    softplus: Callable[[Tensor], Tensor]
+    conv: Callable[..., tuple[Tensor, Tensor]]
+    selective_scan: Callable[..., tuple[Tensor, Tensor, str]]
+    ssd: Callable[..., tuple[Tensor, Tensor, str]]
+    mamba3_scan: Callable[..., tuple[Tensor, tuple[Tensor, ...], str]]
 
 
 REFERENCE_OPS = Ops("reference", _linear_rows, _silu_ref, _sigmoid_ref, _softplus_ref, _decay_add_ref, _contract_ref)

@@ -1,26 +1,28 @@
-"""The triton backend: mamba-ssm's Triton kernels on CUDA, imported lazily.
+"""The triton backend: the chunked backend's primitives, with mamba-ssm's Triton kernels as the scans.
 
-Dimension letters as in the mixer modules: B batch, L tokens, D d_model, H heads, P headdim,
-G groups, N d_state, S rotary angles, C conv channels.
+Dimension letters as in the mixer modules: B batch, L tokens, H heads, P headdim, G groups,
+N d_state, S rotary angles, C channels.
 
 What runs (recorded as the result's path):
     Mamba-2  chunk: `mamba_chunk_scan_combined(initial_states, return_final_states)`  "fused-ssd"
              token: `selective_state_update`                                          "step-kernel"
-             (a dt clamp is not supported by the step kernel: the torch step runs,      "torch-step")
     Mamba-3  SISO chunk: `mamba3_siso_combined(Input_States, return_final_states)`     "fused-siso"
              SISO token: `mamba3_siso_step`                                            "step-kernel"
-             MIMO: the torch paths (the MIMO kernels take no initial state)            "torch-ssd"/"torch-step"
+             MIMO: the torch scans (the MIMO kernels take no initial state)            "torch-ssd"/"torch-step"
     Mamba-1  token: `selective_state_update`                                           "step-kernel"
              chunk: the CUDA selective scan has no initial state, so the torch scan
              of the chunked backend runs on the GPU                                    "torch-scan"
 
-The conv, projections and norms are ours (torch); only the scans are kernels. States stay in
-float32 (or the schema's dtype): kernel outputs are cast back, and input states are never
-written (the in-place step kernel gets a copy).
+Everything around the scans (projections, conv, dt and its clamp, D, gates, norms) is the
+mixers' own code with the chunked backend's primitives; the kernels get dt after softplus and
+clamp, and neither D nor the gate (Mamba-3's kernels add D). States stay in the schema's dtype:
+kernel outputs are cast back, and input states are never written (the in-place step kernel
+gets a copy).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import sys
@@ -28,15 +30,14 @@ import types
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from scan._mamba1 import Mamba1Mixer
-from scan._mamba2 import Mamba2Mixer
-from scan._mamba3 import Mamba3Mixer, _wrap
-from scan._mixer import Mixer, States, conv_chunk
-from scan._ops import NATIVE_OPS, conv_taps, gated_rms_norm, rms_normalize
+from scan._backends import CHUNK_PRIMITIVES, ChunkedBackend, labelled, step_primitives
+from scan._mamba1 import selective_scan_chunked
+from scan._mamba3 import Mamba3Mixer, _wrap, mamba3_chunked, mamba3_steps
+from scan._mixer import States
+from scan._ops import NATIVE_OPS
 
-__all__ = ["TRITON_CHUNK", "chunk", "step", "unavailable_reason"]
+__all__ = ["MAMBA3_CHUNK", "TRITON", "TRITON_CHUNK", "unavailable_reason"]
 
 Tensor = torch.Tensor
 
@@ -91,164 +92,85 @@ def unavailable_reason(device: torch.device) -> str | None:
 # --- Mamba-2 -----------------------------------------------------------------------------------
 
 
-def _m2_D(m: Mamba2Mixer) -> Tensor:
-    cfg = m.cfg
-    return m.D.float().reshape(cfg.nheads, cfg.headdim) if cfg.D_has_hdim else m.D.float()
-
-
-def _m2_chunk(m: Mamba2Mixer, u: Tensor, states: States) -> tuple[Tensor, States, str]:
-    conv, ssm = states
-    cfg = m.cfg
-    e, g, n, h, p = cfg.resolved_d_ssm, cfg.ngroups, cfg.d_state, cfg.nheads, cfg.headdim
-    bsz, length, _ = u.shape
-    z0, x0, z, xbc, dt = m._split(F.linear(u, m.in_proj.weight, m.in_proj.bias))
-    xbc, new_conv = conv_chunk(conv, xbc, m.conv1d.weight, m.conv1d.bias)
-    xbc = F.silu(xbc)
-    x = xbc[..., :e].reshape(bsz, length, h, p)
-    b = xbc[..., e : e + g * n].reshape(bsz, length, g, n)
-    c = xbc[..., e + g * n :].reshape(bsz, length, g, n)
-    limit = (cfg.dt_min_clamp, cfg.dt_max_clamp if cfg.dt_max_clamp is not None else float("inf"))
+def _ssd_chunk(x: Tensor, dt: Tensor, a: Tensor, b: Tensor, c: Tensor, h0: Tensor,
+               chunk_size: int) -> tuple[Tensor, Tensor, str]:
     y, final = _kernels().chunk_scan(
-        x, dt, -torch.exp(m.A_log.float()), b, c, TRITON_CHUNK, D=_m2_D(m), z=None, dt_bias=m.dt_bias.float(),
-        initial_states=ssm.float(), dt_softplus=True, dt_limit=limit, return_final_states=True,
+        x, dt, a.float(), b, c, TRITON_CHUNK, D=None, z=None, dt_bias=None, initial_states=h0.float(),
+        dt_softplus=False, return_final_states=True,
     )
-    out = m._finish(y.reshape(bsz, length, e).to(u.dtype), z, z0, x0, NATIVE_OPS)
-    return out, (new_conv, final.to(ssm.dtype)), "fused-ssd"
+    return y.to(x.dtype), final.to(h0.dtype), "fused-ssd"
 
 
-def _m2_step(m: Mamba2Mixer, u: Tensor, states: States) -> tuple[Tensor, States, str]:
-    cfg = m.cfg
-    if cfg.dt_min_clamp > 0.0 or cfg.dt_max_clamp is not None:
-        out, new = m.step(u, states, NATIVE_OPS)
-        return out, new, "torch-step"
-    conv, ssm = states
-    e, g, n, h, p = cfg.resolved_d_ssm, cfg.ngroups, cfg.d_state, cfg.nheads, cfg.headdim
-    z0, x0, z, xbc, dt = m._split(F.linear(u, m.in_proj.weight, m.in_proj.bias))
-    window = torch.cat([conv[:, :, 1:], xbc.unsqueeze(-1)], dim=-1)
-    xbc = F.silu(conv_taps(window, m.conv1d.weight[:, 0, :], m.conv1d.bias))
-    x = xbc[:, :e].reshape(-1, h, p)
-    b = xbc[:, e : e + g * n].reshape(-1, g, n)
-    c = xbc[:, e + g * n :].reshape(-1, g, n)
-    a = (-torch.exp(m.A_log.float()))[:, None, None].expand(h, p, n)
-    D = _m2_D(m)
-    D = D if D.dim() == 2 else D[:, None].expand(h, p)
-    new_ssm = ssm.float().clone()  # the kernel updates in place; the input state is never written
+def _ssd_step(x: Tensor, dt: Tensor, a: Tensor, b: Tensor, c: Tensor, h0: Tensor,
+              chunk_size: int) -> tuple[Tensor, Tensor, str]:
+    h, p, n = h0.shape[1], h0.shape[2], h0.shape[3]
+    new = h0.float().clone()  # the kernel updates in place; the input state is never written
     y = _kernels().state_update(
-        new_ssm, x, dt[:, :, None].expand(-1, h, p), a, b, c, D=D, z=None,
-        dt_bias=m.dt_bias.float()[:, None].expand(h, p), dt_softplus=True,
+        new, x[:, 0], dt[:, 0, :, None].expand(-1, h, p), a.float()[:, None, None].expand(h, p, n),
+        b[:, 0], c[:, 0], D=None, z=None, dt_bias=None, dt_softplus=False,
     )
-    out = m._finish(y.reshape(-1, e).to(u.dtype), z, z0, x0, NATIVE_OPS)
-    return out, (window, new_ssm.to(ssm.dtype)), "step-kernel"
+    return y.unsqueeze(1).to(x.dtype), new.to(h0.dtype), "step-kernel"
 
 
 # --- Mamba-1 -----------------------------------------------------------------------------------
 
 
-def _m1_step(m: Mamba1Mixer, u: Tensor, states: States) -> tuple[Tensor, States, str]:
-    conv, ssm = states
-    cfg = m.cfg
-    c, n, r = cfg.d_inner, cfg.d_state, cfg.resolved_dt_rank
-    xz = F.linear(u, m.in_proj.weight, m.in_proj.bias)
-    x, z = xz[:, :c], xz[:, c:]
-    window = torch.cat([conv[:, :, 1:], x.unsqueeze(-1)], dim=-1)
-    xc = F.silu(conv_taps(window, m.conv1d.weight[:, 0, :], m.conv1d.bias))
-    x_dbl = F.linear(xc, m.x_proj.weight)
-    dt_r, b, cc = x_dbl[:, :r], x_dbl[:, r : r + n], x_dbl[:, r + n :]
-    dt = F.linear(dt_r, m.dt_proj.weight)
-    new_ssm = ssm.float().clone()
-    y = _kernels().state_update(
-        new_ssm, xc, dt, -torch.exp(m.A_log.float()), b, cc, D=m.D.float(), z=z,
-        dt_bias=m.dt_proj.bias.float(), dt_softplus=True,
-    )
-    out = F.linear(y.to(u.dtype), m.out_proj.weight, m.out_proj.bias)
-    return out, (window, new_ssm.to(ssm.dtype)), "step-kernel"
+def _selective_step(dt: Tensor, a: Tensor, x: Tensor, b: Tensor, cc: Tensor, h0: Tensor) -> tuple[Tensor, Tensor, str]:
+    new = h0.float().clone()
+    y = _kernels().state_update(new, x[:, 0], dt[:, 0], a.float(), b[:, 0], cc[:, 0], D=None, z=None,
+                                dt_bias=None, dt_softplus=False)
+    return y.unsqueeze(1).to(x.dtype), new.to(h0.dtype), "step-kernel"
 
 
 # --- Mamba-3 (SISO) ----------------------------------------------------------------------------
 
 
-def _m3_inputs(m: Mamba3Mixer, proj: Tensor):
-    """Kernel inputs from the projection: B/C normalized per group (the kernels add the biases
-    and rotate), decay, dt and the raw trap and angle rates."""
-    cfg = m.cfg
-    g, n = cfg.ngroups, cfg.d_state
-    z, x, bp, cp, dd_dt, dd_a, trap, ang = m._split(proj)
-    a = torch.clamp(-F.softplus(dd_a.float()), max=-cfg.A_floor)
-    dt = F.softplus(dd_dt.float() + m.dt_bias.float())
-    k = rms_normalize(bp.reshape(*bp.shape[:-1], g, n), cfg.mixer_norm_eps) * m.B_norm.weight
-    q = rms_normalize(cp.reshape(*cp.shape[:-1], g, n), cfg.mixer_norm_eps) * m.C_norm.weight
-    return z, x, q, k, a, dt, trap, ang
+def _siso_inputs(m: Mamba3Mixer, ang: Tensor) -> dict[str, Any]:
+    h, s = m.cfg.nheads, m.cfg.n_angles
+    return dict(Q_bias=m.C_bias[:, 0, :].float(), K_bias=m.B_bias[:, 0, :].float(),
+                Angles=ang.unsqueeze(-2).expand(*ang.shape[:-1], h, s).float(), D=m.D.float(), Z=None)
 
 
-def _m3_finish(m: Mamba3Mixer, y: Tensor, z: Tensor, dtype: torch.dtype) -> Tensor:
-    cfg = m.cfg
-    y = y.reshape(*y.shape[:-2], cfg.d_inner).to(dtype)
-    if cfg.is_outproj_norm:
-        y = gated_rms_norm(y, z, m.norm.weight, cfg.mixer_norm_eps, cfg.headdim, True, NATIVE_OPS.silu)
-    return F.linear(y, m.out_proj.weight)
-
-
-def _m3_chunk(m: Mamba3Mixer, u: Tensor, states: States) -> tuple[Tensor, States, str]:
-    if m.mimo:
-        out, new = m.chunk(u, states)
-        return out, new, "torch-ssd"
+def _states_in(states: States) -> tuple[Tensor, ...]:
     angle, ssm, k_prev, v_prev = states
-    cfg = m.cfg
-    h, p, s = cfg.nheads, cfg.headdim, cfg.n_angles
-    bsz, length, _ = u.shape
-    z, x, q, k, a, dt, trap, ang = _m3_inputs(m, F.linear(u, m.in_proj.weight))
+    return angle.float(), ssm.float(), k_prev[:, 0].float(), v_prev.float()
+
+
+def _mamba3_chunk(m: Mamba3Mixer, qn: Tensor, kn: Tensor, v: Tensor, a: Tensor, dt: Tensor, trap: Tensor,
+                  ang: Tensor, states: States) -> tuple[Tensor, States, str]:
+    if m.mimo:
+        y, new = mamba3_chunked(m, qn, kn, v, a, dt, trap, ang, states)
+        return y, new, "torch-ssd"
     y, fa, fs, fk, fv = _kernels().siso_combined(
-        Q=q, K=k, V=x.reshape(bsz, length, h, p), ADT=(a * dt).transpose(1, 2).contiguous(),
+        Q=qn[:, :, 0], K=kn[:, :, 0], V=v, ADT=(a * dt).transpose(1, 2).contiguous(),
         DT=dt.transpose(1, 2).contiguous(), Trap=trap.transpose(1, 2).contiguous(),
-        Q_bias=m.C_bias[:, 0, :].float(), K_bias=m.B_bias[:, 0, :].float(),
-        Angles=ang.unsqueeze(-2).expand(bsz, length, h, s).float(), D=m.D.float(),
-        Z=None if cfg.is_outproj_norm else z.reshape(bsz, length, h, p),
-        Input_States=(angle.float(), ssm.float(), k_prev[:, 0].float(), v_prev.float()),
-        chunk_size=MAMBA3_CHUNK, return_final_states=True,
+        **_siso_inputs(m, ang), Input_States=_states_in(states), chunk_size=MAMBA3_CHUNK,
+        return_final_states=True,
     )
-    out = _m3_finish(m, y, z, u.dtype)
-    st_dtype = ssm.dtype
-    return out, (_wrap(fa.float()).to(st_dtype), fs.to(st_dtype), fk.unsqueeze(1).to(st_dtype),
-                 fv.to(st_dtype)), "fused-siso"
+    dtype = states[1].dtype
+    return y.unsqueeze(2).to(v.dtype), (_wrap(fa.float()).to(dtype), fs.to(dtype), fk.unsqueeze(1).to(dtype),
+                                        fv.to(dtype)), "fused-siso"
 
 
-def _m3_step(m: Mamba3Mixer, u: Tensor, states: States) -> tuple[Tensor, States, str]:
+def _mamba3_step(m: Mamba3Mixer, qn: Tensor, kn: Tensor, v: Tensor, a: Tensor, dt: Tensor, trap: Tensor,
+                 ang: Tensor, states: States) -> tuple[Tensor, States, str]:
     if m.mimo:
-        out, new = m.step(u, states, NATIVE_OPS)
-        return out, new, "torch-step"
-    angle, ssm, k_prev, v_prev = states
-    cfg = m.cfg
-    h, p, s = cfg.nheads, cfg.headdim, cfg.n_angles
-    z, x, q, k, a, dt, trap, ang = _m3_inputs(m, F.linear(u, m.in_proj.weight))
+        y, new = mamba3_steps(m, qn, kn, v, a, dt, trap, ang, states, ops=NATIVE_OPS)
+        return y, new, "torch-step"
     y, (fa, fs, fk, fv) = _kernels().siso_step(
-        q, k, x.reshape(-1, h, p), a * dt, dt, trap, m.C_bias[:, 0, :].float(), m.B_bias[:, 0, :].float(),
-        ang.unsqueeze(-2).expand(-1, h, s).float(), D=m.D.float(),
-        Z=None if cfg.is_outproj_norm else z.reshape(-1, h, p),
-        Input_States=(angle.float(), ssm.float(), k_prev[:, 0].float(), v_prev.float()),
+        qn[:, 0, 0], kn[:, 0, 0], v[:, 0], a[:, 0] * dt[:, 0], dt[:, 0], trap[:, 0],
+        **_siso_inputs(m, ang[:, 0]), Input_States=_states_in(states),
     )
-    out = _m3_finish(m, y, z, u.dtype)
-    st_dtype = ssm.dtype
-    return out, (fa.to(st_dtype), fs.to(st_dtype), fk.unsqueeze(1).to(st_dtype), fv.to(st_dtype)), "step-kernel"
+    dtype = states[1].dtype
+    return y[:, None, None].to(v.dtype), (fa.to(dtype), fs.to(dtype), fk.unsqueeze(1).to(dtype),
+                                          fv.to(dtype)), "step-kernel"
 
 
-# --- dispatch ----------------------------------------------------------------------------------
-
-
-def step(mixer: Mixer, u: Tensor, states: States) -> tuple[Tensor, States, str]:
-    """One token per stream through the kernels. u: (B, D)."""
-    if isinstance(mixer, Mamba2Mixer):
-        return _m2_step(mixer, u, states)
-    if isinstance(mixer, Mamba3Mixer):
-        return _m3_step(mixer, u, states)
-    return _m1_step(mixer, u, states)  # type: ignore[arg-type]
-
-
-def chunk(mixer: Mixer, u: Tensor, states: States) -> tuple[Tensor, States, str]:
-    """L >= 1 tokens per stream (the chunk kernels must never see L = 0). u: (B, L, D)."""
-    assert u.shape[1] > 0
-    if isinstance(mixer, Mamba2Mixer):
-        return _m2_chunk(mixer, u, states)
-    if isinstance(mixer, Mamba3Mixer):
-        return _m3_chunk(mixer, u, states)
-    out, new = mixer.chunk(u, states)
-    return out, new, "torch-scan"
+TRITON = ChunkedBackend(
+    "triton",
+    step=dataclasses.replace(step_primitives(NATIVE_OPS, "step"), name="triton", ssd=_ssd_step,
+                             selective_scan=_selective_step, mamba3_scan=_mamba3_step),
+    chunk=dataclasses.replace(CHUNK_PRIMITIVES, name="triton", ssd=_ssd_chunk,
+                              selective_scan=labelled(selective_scan_chunked, "torch-scan"),
+                              mamba3_scan=_mamba3_chunk),
+)

@@ -11,8 +11,8 @@ EXPECTED = {
         "BACKENDS", "PRESETS", "TOLERANCES", "TRAINED_PRESETS", "ByteTransform", "CheckpointError", "ConfigError",
         "HFTokenizerTransform", "InputTransform", "InvalidInput", "InvalidState", "Model", "ModelConfig",
         "NonFiniteInput", "NonFiniteOutput", "NonIntegerInput", "ScanError", "State", "StepResult",
-        "TokenOutOfRange", "Tolerance", "UnsupportedBackend", "init_model", "init_weights", "load_model", "save_checkpoint", "tolerance",
-        "weights_revision",
+        "TokenOutOfRange", "Tolerance", "UnsupportedBackend", "embed", "forward", "init_model", "init_weights", "load_model", "save_checkpoint", "tolerance",
+        "weights_revision", "zero_states",
     ],
     "state_codec": [
         "RECEIPT_VERSION", "SCHEMA_VERSION", "BadSignature", "CheckpointNotFound", "ChecksumMismatch",

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from scan import PRESETS, ModelConfig, init_model, load_model, weights_revision
-from scan._ops import REFERENCE_OPS
+from scan._backends import CHUNKED, REFERENCE
 from tests.scan._mamba_ssm import import_mamba_ssm, patch_to_references
 
 pytestmark = pytest.mark.crosscheck
@@ -54,17 +54,12 @@ def _our_layer(name: str, **changes):
 
 
 def _our_runs(mixer, zeros, u):
-    states = zeros(u.shape[0])
-    ys = []
-    for t in range(u.shape[1]):
-        y, states = mixer.step(u[:, t], states, REFERENCE_OPS)
-        ys.append(y)
-    ref_y, ref_states = torch.stack(ys, dim=1), states
+    ref_y, ref_states, _ = REFERENCE.mix(mixer, u, zeros(u.shape[0]))
     # chunked: a prefill chunk, then the rest in two uneven chunks
     s = zeros(u.shape[0])
     outs = []
     for lo, hi in ((0, PREFILL), (PREFILL, PREFILL + 5), (PREFILL + 5, u.shape[1])):
-        y, s = mixer.chunk(u[:, lo:hi], s)
+        y, s, _ = CHUNKED.mix(mixer, u[:, lo:hi], s)
         outs.append(y)
     return ref_y, ref_states, torch.cat(outs, dim=1), s
 

@@ -116,10 +116,22 @@ def test_triton_step_never_writes_its_input_state(twins):
     assert state.equal(snapshot)
 
 
-def test_triton_dt_clamp_falls_back_to_the_torch_step(twins):
+def test_triton_kernels_get_the_clamped_dt(twins):
+    """The clamp is the mixer's, before the scan: the step kernel runs, and agrees with the reference."""
     from scan import ModelConfig, PRESETS, init_model
 
     fields, seed = PRESETS["tiny-mamba2"]
-    model = init_model(ModelConfig.create(**fields, dt_max_clamp=0.05), seed, backend="chunked")
+    cfg = ModelConfig.create(**fields, dt_max_clamp=0.002)
+    model = init_model(cfg, seed, backend="chunked")
     model.backend = "triton"
-    assert model.advance(model.initial_state(), [1]).path == "torch-step"
+    truth = init_model(cfg, seed, backend="reference", dtype=torch.float64)
+    tol = tolerance("mamba2", "chunked", "float32")
+    toks = tokens(20, 3)
+    for chunks in ([20], [1] * 20):
+        logits, state = scan_chunks(model, model.initial_state(), toks, chunks)
+        t = truth.advance(truth.initial_state(), toks)
+        assert tol.logits_excess(logits, t.logits) <= 1.0, chunks
+        assert tol.state_excess(state.tensors["layers.1.ssm"], t.state.tensors["layers.1.ssm"]) <= 1.0
+    assert model.advance(model.initial_state(), [1]).path == "step-kernel"
+    unclamped = init_model(ModelConfig.create(**fields), seed, backend="reference", dtype=torch.float64)
+    assert not torch.allclose(unclamped.advance(unclamped.initial_state(), toks).logits, t.logits)

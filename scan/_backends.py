@@ -1,0 +1,130 @@
+"""Backends: sets of primitives that the one forward pass (`scan._forward.forward`) runs with.
+
+A backend decides how a product, an activation, the conv and the scans are computed, and, for
+the reference backend, that a layer advances one token at a time. Everything else (the order
+of the layers, the residual stream, the norms, each mixer's preamble and gating) is written once,
+in the mixers' `forward` and in `scan._forward`.
+
+    reference  one token at a time, batch-invariant primitives (`REFERENCE_OPS`), the state
+               rounded to its dtype after every token: bit-identical under any chunking and
+               batching. Path "recurrent".
+    chunked    1-token calls: the step formulas with PyTorch's native kernels (path "step");
+               longer chunks: GEMMs over the chunk, F.conv1d, the chunked SSD (Mamba-2/3, path
+               "ssd") or the segmented selective scan (Mamba-1, path "scan").
+    triton     the chunked primitives with mamba-ssm's Triton kernels as the scans (`scan._triton`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from scan._mamba1 import selective_scan_chunked, selective_scan_steps
+from scan._mamba2 import ssd_chunked, ssd_steps
+from scan._mamba3 import mamba3_chunked, mamba3_steps
+from scan._mixer import Mixer, States, conv_chunk, conv_steps
+from scan._ops import NATIVE_OPS, REFERENCE_OPS, Ops, Primitives
+
+__all__ = ["CHUNKED", "CHUNK_PRIMITIVES", "REFERENCE", "Backend", "ChunkedBackend", "ReferenceBackend",
+           "labelled", "step_primitives"]
+
+Tensor = torch.Tensor
+#: rounds a layer's states to the state dtype (kept in the compute dtype); None: no rounding
+RoundState = Callable[[States], States] | None
+
+
+def labelled(fn: Callable[..., tuple[Any, Any]], path: str) -> Callable[..., tuple[Any, Any, str]]:
+    """A scan that returns (outputs, state) as a primitive that also names its path."""
+
+    def run(*args: Any) -> tuple[Any, Any, str]:
+        out, state = fn(*args)
+        return out, state, path
+
+    return run
+
+
+def step_primitives(ops: Ops, path: str) -> Primitives:
+    """The token-at-a-time primitives, computing with `ops`: every token the same arithmetic."""
+    return Primitives(
+        name=ops.name, linear=ops.linear, silu=ops.silu, sigmoid=ops.sigmoid, softplus=ops.softplus,
+        conv=conv_steps,
+        selective_scan=labelled(partial(selective_scan_steps, ops=ops), path),
+        ssd=labelled(partial(ssd_steps, ops=ops), path),
+        mamba3_scan=labelled(partial(mamba3_steps, ops=ops), path),
+    )
+
+
+def _linear_chunk(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    # the bias after the product: how the chunk path has always added Mamba-1's dt bias
+    out = F.linear(x, weight)
+    return out if bias is None else out + bias
+
+
+#: the chunked backend's primitives for chunks of more than one token
+CHUNK_PRIMITIVES = Primitives(
+    name="chunked", linear=_linear_chunk, silu=F.silu, sigmoid=torch.sigmoid, softplus=F.softplus,
+    conv=conv_chunk,
+    selective_scan=labelled(selective_scan_chunked, "scan"),
+    ssd=labelled(ssd_chunked, "ssd"),
+    mamba3_scan=labelled(mamba3_chunked, "ssd"),
+)
+
+
+class Backend:
+    """How the layers of a model advance: `mix` one layer over a chunk, `linear` the head."""
+
+    name = "backend"
+    #: chunking and batching cannot change a bit of the results
+    exact = False
+
+    def primitives(self, length: int) -> Primitives:
+        raise NotImplementedError
+
+    def mix(self, mixer: Mixer, u: Tensor, states: States, round_state: RoundState = None
+            ) -> tuple[Tensor, States, str]:
+        """One layer over a chunk: u (B, L, D) -> (B, L, D), its new states, the path taken."""
+        return mixer.forward(u, states, self.primitives(u.shape[1]))
+
+
+class ReferenceBackend(Backend):
+    name = "reference"
+    exact = True
+
+    def __init__(self) -> None:
+        self._prims = step_primitives(REFERENCE_OPS, "recurrent")
+
+    def primitives(self, length: int) -> Primitives:
+        return self._prims
+
+    def mix(self, mixer: Mixer, u: Tensor, states: States, round_state: RoundState = None
+            ) -> tuple[Tensor, States, str]:
+        # token by token through the layer: a narrow state dtype is rounded after every token,
+        # never once per call, so chunking cannot show
+        outs = []
+        for t in range(u.shape[1]):
+            out, states, _ = mixer.forward(u[:, t : t + 1], states, self._prims)
+            if round_state is not None:
+                states = round_state(states)
+            outs.append(out)
+        return torch.cat(outs, dim=1), states, "recurrent"
+
+
+class ChunkedBackend(Backend):
+    """One set of primitives for 1-token calls, another for longer chunks."""
+
+    def __init__(self, name: str = "chunked", step: Primitives | None = None,
+                 chunk: Primitives = CHUNK_PRIMITIVES) -> None:
+        self.name = name
+        self.step = step or step_primitives(NATIVE_OPS, "step")
+        self.chunk = chunk
+
+    def primitives(self, length: int) -> Primitives:
+        return self.step if length == 1 else self.chunk
+
+
+REFERENCE = ReferenceBackend()
+CHUNKED = ChunkedBackend()
