@@ -19,7 +19,8 @@ Environment (all optional):
     MAMBA_STREAM_CODEC_PORT  port of the codec server started with the embedded stack (default 8081)
     MAMBA_STREAM_TEMPORAL_PORT, MAMBA_STREAM_UI_PORT
                              ports of the embedded dev server (default 7233 and 8233)
-    MAMBA_STREAM_BACKEND     scan backend: auto (default), reference or chunked
+    MAMBA_STREAM_BACKEND     scan backend: auto (default: exact on a CPU, triton on CUDA), exact,
+                             reference or chunked (approximate; the fastest Mamba-2/3 prefill)
     MAMBA_STREAM_PRINCIPAL_KEYS
                              principals' Ed25519 public keys, JSON {"alice": "<base64>"} or a file
                              holding it: when set, every request must be signed by its principal

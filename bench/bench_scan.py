@@ -1,6 +1,8 @@
 """Prefill and decode throughput, per architecture and backend, beside Hugging Face transformers.
 
-Same weights on both sides: each HF model (random init, fixed seed) is saved with
+Our backends side by side: exact (the CPU default: bit-exact under any chunking), chunked
+(approximate, within scan.TOLERANCES) and reference (exact, one token at a time), and the path
+each ran. Same weights on both sides: each HF model (random init, fixed seed) is saved with
 `save_pretrained` and loaded through `load_model`. Prefill: one 512-token chunk from the initial
 state, median of 5 runs. Decode: 1-token steps from the state after a 16-token prefill; median
 step time over 64 steps, median of 3 repetitions. Prefill and decode are never averaged together.
@@ -117,6 +119,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--big-steps", type=int, default=16, help="decode steps on the 130M-shaped models (0: skip)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -141,7 +144,7 @@ def main() -> None:
               "rounds interleaved")
         print(f"{'arch':<7} {'implementation':<26} {'prefill tok/s':>14} {'decode tok/s':>13} {'ms/step':>8}")
         for arch in ("mamba1", "mamba2", "mamba3"):
-            impls = {f"ours: {b}": _ours(ours[arch].with_backend(b), prefill_ids) for b in ("reference", "chunked")}
+            impls = {f"ours: {b}": _ours(ours[arch].with_backend(b), prefill_ids) for b in ("reference", "chunked", "exact")}
             if arch in hf_models:
                 impls[f"HF transformers {transformers_version()}"] = _hf(hf_models[arch][0], prefill_ids)
             _measure(impls, args.runs, args.steps, slow={"ours: reference"})
@@ -159,6 +162,49 @@ def main() -> None:
                       f"{hd / best_dec[0]:.2f}x HF ({'ours' if best_dec[0] <= hd else 'HF'} wins)")
             else:
                 print(f"{arch:<7} -> fastest prefill: {best_pre[1]}; fastest decode: {best_dec[1]} (no HF Mamba-3)")
+            ex, ch = rows["ours: exact"], rows["ours: chunked"]
+            print(f"{arch:<7} -> exact vs chunked: prefill {ex[0] / ch[0]:.2f}x, decode {ch[1] / ex[1]:.2f}x")
+    if args.big_steps:
+        big_decode(args.big_steps, ("exact", "chunked"))
+
+
+def read_bandwidth(gib: float = 1.0, runs: int = 5) -> float:
+    """Bytes per second of a threaded read of a large buffer (a sum), the best of `runs`."""
+    buf = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(runs):
+        t = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t)
+    return buf.numel() * 4 / best
+
+
+def big_decode(steps: int, backends: tuple[str, ...]) -> None:
+    """Decode on 130M-shaped models (d_model 768, 24 layers, vocab 50280), against the bandwidth
+    limit: a decode step must read every weight once."""
+    bw = read_bandwidth()
+    print(f"\n130M-shaped models (d_model 768, 24 layers, vocab 50280, random weights), decode 1 token after a "
+          f"16-token prefill, median of {steps} steps; read bandwidth {bw / 1e9:.1f} GB/s (a threaded sum of 1 GiB)")
+    print(f"{'arch':<7} {'backend':<10} {'path':<11} {'decode tok/s':>13} {'ms/step':>8} {'weight MB':>10} "
+          f"{'GB/s':>6} {'of limit':>9}")
+    for arch, extra in (("mamba1", {"d_state": 16}), ("mamba2", {"d_state": 128, "headdim": 64})):
+        cfg = ModelConfig.create(architecture=arch, d_model=768, n_layer=24, vocab_size=50280, **extra)
+        base = init_model(cfg, seed=0)
+        weight_bytes = sum(p.numel() * p.element_size() for p in base.module.parameters())
+        for backend in backends:
+            model = base.with_backend(backend)
+            st = model.advance(model.initial_state(), list(range(16))).state
+            times, path = [], ""
+            for i in range(steps + 2):
+                t = time.perf_counter()
+                r = model.advance(st, [i + 3])
+                times.append(time.perf_counter() - t)
+                st, path = r.state, r.path
+            step = statistics.median(times[2:])
+            rate = weight_bytes / step
+            print(f"{arch:<7} {backend:<10} {path:<11} {1 / step:>13,.1f} {step * 1000:>8.2f} {weight_bytes / 1e6:>10,.0f} "
+                  f"{rate / 1e9:>6.1f} {rate / bw:>8.0%}")
+        del base
 
 
 def transformers_version() -> str:

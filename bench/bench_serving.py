@@ -207,17 +207,26 @@ async def _throughput(levels: list[int], steps: int, gen_tokens: int, tmp: Path)
     return rows
 
 
-def table_b_engine(levels: list[int], gen_tokens: int, tmp: Path) -> list[str]:
-    """The same decode load on the engine alone (no Temporal): what batching buys before the RPCs."""
+def table_b_engine(levels: list[int], gen_tokens: int, tmp: Path,
+                   backends: tuple[str, ...] = ("exact", "chunked")) -> list[str]:
+    """The same decode load on the engine alone (no Temporal): what batching buys before the RPCs,
+    on each backend side by side."""
+    rows = ["### (b, beside it) the engine alone: the same model and decode load, one thread per stream", "",
+            "| backend | streams | decode tokens/s | x single stream | round ms | of which batched step ms | "
+            "streams per step |", "|---|---|---|---|---|---|---|"]
+    for backend in backends:
+        rows += _engine_rows(levels, gen_tokens, tmp, backend)
+    return rows
+
+
+def _engine_rows(levels: list[int], gen_tokens: int, tmp: Path, backend: str) -> list[str]:
     from activities import StreamEngine
     from activities._stream import _sample
 
-    model = load_model(tmp / "bench-mamba2", backend="chunked")
+    model = load_model(tmp / "bench-mamba2", backend=backend)
     engine = StreamEngine(model)
     first = model.advance(model.initial_state(), [1, 2, 3])
-    rows = ["### (b, beside it) the engine alone: the same model and decode load, one thread per stream", "",
-            "| streams | decode tokens/s | x single stream | round ms | of which batched step ms | streams per step |",
-            "|---|---|---|---|---|---|"]
+    rows: list[str] = []
     base = None
     for n in levels:
         sids = [f"e{n}-{i}" for i in range(n)]
@@ -243,7 +252,7 @@ def table_b_engine(levels: list[int], gen_tokens: int, tmp: Path) -> list[str]:
         rate = n * 4 * gen_tokens / wall
         base = base or rate
         step_ms = (engine.stats.step_seconds - step_s0) / steps * 1e3
-        rows.append(f"| {n} | {rate:,.0f} | {rate / base:.1f}x | {wall / steps * 1e3:.2f} | {step_ms:.2f} | "
+        rows.append(f"| {backend} | {n} | {rate:,.0f} | {rate / base:.1f}x | {wall / steps * 1e3:.2f} | {step_ms:.2f} | "
                     f"{(engine.stats.stepped_streams - streams0) / steps:.1f} |")
         for sid in sids:
             engine.release(sid)

@@ -33,7 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=1024, help="tokens scanned after the warm-up")
     ap.add_argument("--presets", default=",".join([*PRESETS, *TRAINED_PRESETS]))
-    ap.add_argument("--backends", default="reference,chunked", help="comma-separated; triton needs CUDA")
+    ap.add_argument("--backends", default="reference,chunked,exact", help="comma-separated; triton needs CUDA")
     ap.add_argument("--dtypes", default="float32,float64")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)

@@ -1,7 +1,7 @@
 """`mamba-stream demo`: the lifecycle end to end on the embedded stack, with each claim proved.
 
 It starts the embedded Temporal dev server (unless TEMPORAL_ADDRESS is set) and a worker process
-on the reference backend serving `recall-mamba2`, a model trained to recall facts across
+on the default backend (`exact` on a CPU) serving `recall-mamba2`, a model trained to recall facts across
 distractors (`quality/`). Then: it opens a stream, feeds facts in the first chunk and distractors
 in several more (an empty one too), checkpoints, asks a question and gets the right answer, and
 checks the stream's state checksum against one local scan of the same tokens; resets and shows
@@ -72,7 +72,7 @@ async def _demo(args: argparse.Namespace) -> int:
         cfg.address = server.address
     queue = f"mamba-stream-demo-{uuid.uuid4().hex[:8]}"
     env = dict(os.environ, TEMPORAL_ADDRESS=cfg.address, MAMBA_STREAM_HOME=str(cfg.home),
-               MAMBA_STREAM_TASK_QUEUE=queue, MAMBA_STREAM_BACKEND="reference", MAMBA_STREAM_MODELS=args.model,
+               MAMBA_STREAM_TASK_QUEUE=queue, MAMBA_STREAM_BACKEND=os.environ.get("MAMBA_STREAM_BACKEND", "auto"), MAMBA_STREAM_MODELS=args.model,
                MAMBA_STREAM_STORE=cfg.store)
     if cfg.keyring:
         env["MAMBA_STREAM_KEYRING"] = cfg.keyring
@@ -90,11 +90,12 @@ async def _demo(args: argparse.Namespace) -> int:
         client = await Client.connect(cfg.address, plugins=[MambaStreamPlugin(keyring=keyring)])
         streams = StreamClient(client, queue)
         store = open_store(cfg.store)
-        model = load_model(args.model, backend="reference")
+        model = load_model(args.model, backend=env["MAMBA_STREAM_BACKEND"])
         enc = model.transform.encode
         alice = "alice"
 
-        print(f"1. open a stream on {args.model} for {alice}", flush=True)
+        print(f"1. open a stream on {args.model} for {alice} (backend {model.backend}, path "
+              f"{model.advance(model.initial_state(), [0]).path})", flush=True)
         sid = await streams.open(alice, args.model)
         print(f"   stream {sid}", flush=True)
 

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     v = sub.add_parser("verify", help="print the chunk-equivalence report of a model")
     v.add_argument("--model", default=None, help="preset name or checkpoint directory (default tiny-mamba2; "
                    "with --markdown, comma-separated, default the release packet's models)")
-    v.add_argument("--backend", default="reference,chunked", help="comma-separated backends")
+    v.add_argument("--backend", default="exact,reference,chunked", help="comma-separated backends")
     v.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     v.add_argument("--tokens", type=int, default=97)
     v.add_argument("--seed", type=int, default=0)

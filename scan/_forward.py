@@ -16,7 +16,6 @@ from scan._backends import CHUNKED, REFERENCE, Backend, RoundState
 from scan._errors import UnsupportedBackend
 from scan._lm import MambaLM
 from scan._mixer import States
-from scan._ops import norm
 
 __all__ = ["LayerStates", "backend_named", "embed", "forward", "zero_states"]
 
@@ -35,12 +34,19 @@ def zero_states(lm: MambaLM, batch: int, like: Tensor) -> LayerStates:
             for blk in lm.backbone.layers]
 
 
-def backend_named(name: str) -> Backend:
-    """The primitives of a backend ("reference", "chunked" or "triton")."""
+def backend_named(name: str, lm: MambaLM | None = None, dtype: torch.dtype | None = None) -> Backend:
+    """The primitives of a backend ("reference", "chunked", "exact" or "triton"); the exact one is
+    probed on the model it runs (`lm`, `dtype`)."""
     if name == "triton":
         from scan._triton import TRITON
 
         return TRITON
+    if name == "exact":
+        from scan._exact import exact_backend
+
+        if lm is None or dtype is None:
+            raise UnsupportedBackend("the exact backend is probed on its model: pass lm and dtype")
+        return exact_backend(lm, dtype)[0]
     backends = {"reference": REFERENCE, "chunked": CHUNKED}
     if name not in backends:
         raise UnsupportedBackend(f"unknown backend {name!r}")
@@ -61,19 +67,20 @@ def forward(lm: MambaLM, hidden: Tensor, layer_states: LayerStates, backend: Bac
         last layer's scan.
     """
     if isinstance(backend, str):
-        backend = backend_named(backend)
+        backend = backend_named(backend, lm, hidden.dtype)
     cfg = lm.cfg
+    prims = backend.primitives(hidden.shape[1])
     residual: Tensor | None = None
     new_states: LayerStates = []
     path = "empty"
     for blk, st in zip(lm.backbone.layers, layer_states):
         residual = hidden if residual is None else hidden + residual
-        normed = norm(residual, blk.norm.weight, blk.norm.bias, cfg.norm_eps, cfg.rms_norm)
+        normed = prims.norm(residual, blk.norm.weight, blk.norm.bias, cfg.norm_eps, cfg.rms_norm)
         hidden, st_new, path = backend.mix(blk.mixer, normed, st, round_state)
         new_states.append(st_new)
     assert residual is not None
     residual = hidden + residual
     nf = lm.backbone.norm_f
-    head = backend.primitives(hidden.shape[1]).linear
-    logits = head(norm(residual, nf.weight, nf.bias, cfg.norm_eps, cfg.rms_norm), lm.lm_head.weight)
+    normed = prims.norm(residual, nf.weight, nf.bias, cfg.norm_eps, cfg.rms_norm)
+    logits = prims.linear(normed, lm.lm_head.weight)
     return logits, new_states, path

@@ -250,7 +250,7 @@ def load_model(
         source: a preset name (`scan.PRESETS`, built from a seed; `scan.TRAINED_PRESETS`, shipped
             weights) or a directory with config.json and
             model.safetensors (memory-mapped) or pytorch_model.bin (loaded with weights_only).
-        backend: "auto", "reference" or "chunked".
+        backend: "auto" (exact on a CPU, triton on CUDA), "exact", "reference", "chunked" or "triton".
         dtype: torch.float32 or torch.float64, for weights and computation.
         device: where the weights and states live.
         state_dtype: the dtype of the state; by default `dtype`. bfloat16 or float16 round the

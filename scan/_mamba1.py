@@ -50,8 +50,8 @@ class Mamba1Mixer(Mixer):
         c = self.cfg.d_inner
         return [("conv", (c, self.cfg.d_conv)), ("ssm", (c, self.cfg.d_state))]
 
-    def _A(self) -> Tensor:
-        return -torch.exp(self.A_log)  # (C, N)
+    def _A(self, be: Primitives) -> Tensor:
+        return -be.exp(self.A_log)  # (C, N)
 
     def forward(self, u: Tensor, states: States, be: Primitives) -> tuple[Tensor, States, str]:
         conv, ssm = states  # (B, C, W), (B, C, N)
@@ -63,7 +63,7 @@ class Mamba1Mixer(Mixer):
         x_dbl = be.linear(xc, self.x_proj.weight)  # (B, L, R + 2N)
         dt_r, b, cc = x_dbl[..., :r], x_dbl[..., r : r + n], x_dbl[..., r + n :]
         dt = be.softplus(be.linear(dt_r, self.dt_proj.weight, self.dt_proj.bias))  # (B, L, C)
-        y, h, path = be.selective_scan(dt, self._A(), xc, b, cc, ssm)
+        y, h, path = be.selective_scan(dt, self._A(be), xc, b, cc, ssm)
         y = (y + self.D * xc) * be.silu(z)
         out = be.linear(y, self.out_proj.weight, self.out_proj.bias)
         return out, (new_conv, h), path

@@ -28,7 +28,7 @@ from torch import nn
 
 from scan._config import ModelConfig
 from scan._mixer import Mixer, States
-from scan._ops import REFERENCE_OPS, Ops, Primitives, chunk_decays, gated_rms_norm
+from scan._ops import REFERENCE_OPS, Ops, Primitives, chunk_decays
 
 __all__ = ["Mamba2Mixer", "ssd_chunked", "ssd_steps"]
 
@@ -36,7 +36,7 @@ Tensor = torch.Tensor
 
 
 class _GatedNorm(nn.Module):
-    """Holds `norm.weight` under mamba-ssm's name; the math lives in `gated_rms_norm`."""
+    """Holds `norm.weight` under mamba-ssm's name; the math is the backend's `gated_norm`."""
 
     def __init__(self, dim: int) -> None:
         super().__init__()
@@ -95,10 +95,8 @@ class Mamba2Mixer(Mixer):
         """Gate / norm, gated-MLP part, out_proj. y: (..., E)."""
         cfg = self.cfg
         if cfg.rmsnorm:
-            y = gated_rms_norm(
-                y, z, self.norm.weight, cfg.mixer_norm_eps, cfg.resolved_d_ssm // cfg.ngroups,
-                cfg.norm_before_gate, ops.silu,
-            )
+            y = ops.gated_norm(y, z, self.norm.weight, cfg.mixer_norm_eps, cfg.resolved_d_ssm // cfg.ngroups,
+                               cfg.norm_before_gate)
         else:
             y = y * ops.silu(z)
         if z0.shape[-1] > 0:
@@ -119,7 +117,7 @@ class Mamba2Mixer(Mixer):
         b = xbc[..., e : e + g * n].reshape(bsz, length, g, n)
         c = xbc[..., e + g * n :].reshape(bsz, length, g, n)
         dt = self._dt(dt_raw, be)
-        y, new_ssm, path = be.ssd(x, dt, -torch.exp(self.A_log), b, c, ssm, cfg.chunk_size)
+        y, new_ssm, path = be.ssd(x, dt, -be.exp(self.A_log), b, c, ssm, cfg.chunk_size)
         y = y + self._D() * x
         out = self._finish(y.reshape(bsz, length, e), z, z0, x0, be)
         return out, (new_conv, new_ssm), path

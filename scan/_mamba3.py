@@ -34,7 +34,7 @@ from torch import nn
 
 from scan._config import ModelConfig
 from scan._mixer import Mixer, States
-from scan._ops import REFERENCE_OPS, Ops, Primitives, chunk_decays, gated_rms_norm, rms_normalize
+from scan._ops import REFERENCE_OPS, Ops, Primitives, chunk_decays
 
 __all__ = ["Mamba3Mixer", "mamba3_chunked", "mamba3_steps"]
 
@@ -101,14 +101,17 @@ class Mamba3Mixer(Mixer):
         dt = ops.softplus(dd_dt + self.dt_bias)
         return a, dt
 
-    def _normalized(self, raw: Tensor, weight: Tensor) -> Tensor:
+    def _normalized(self, raw: Tensor, weight: Tensor, be: Primitives) -> Tensor:
         """(..., R * G * N) projection slice -> (..., R, G, N), RMS-normalized per group, weighted."""
         cfg = self.cfg
         r, g, n = cfg.mimo_rank, cfg.ngroups, cfg.d_state
-        return rms_normalize(raw.reshape(*raw.shape[:-1], r, g, n), cfg.mixer_norm_eps) * weight
+        return be.norm(raw.reshape(*raw.shape[:-1], r, g, n), weight, None, cfg.mixer_norm_eps, True)
 
-    def _heads_rotated(self, t: Tensor, bias: Tensor, theta: Tensor) -> Tensor:
+    def _heads_rotated(self, t: Tensor, bias: Tensor, theta: Tensor,
+                       cos_sin: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """Broadcast (..., R, G, N) to heads, add the per-head bias, rotate by theta (..., H, S).
+
+        `cos_sin`: cos and sin of theta when the caller computed them (default torch's).
 
         Returns:
             (..., R, H, N).
@@ -117,7 +120,8 @@ class Mamba3Mixer(Mixer):
         g, n, h = cfg.ngroups, cfg.d_state, cfg.nheads
         t = t.repeat_interleave(h // g, dim=-2) if g > 1 else t.expand(*t.shape[:-2], h, n)
         t = t + bias.transpose(0, 1)  # (R, H, N)
-        return self._rotate(t, torch.cos(theta).unsqueeze(-3), torch.sin(theta).unsqueeze(-3))
+        cos, sin = cos_sin if cos_sin is not None else (torch.cos(theta), torch.sin(theta))
+        return self._rotate(t, cos.unsqueeze(-3), sin.unsqueeze(-3))
 
     def _rotate(self, t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """SISO rotates adjacent pairs (2i, 2i+1); MIMO pairs i with i + N/2 (its kernel's layout)."""
@@ -148,9 +152,9 @@ class Mamba3Mixer(Mixer):
             zr = zr * self.mimo_z.transpose(0, 1)
         if cfg.is_outproj_norm:
             shape = yr.shape
-            yr = gated_rms_norm(
+            yr = ops.gated_norm(
                 yr.reshape(*shape[:-2], cfg.d_inner), zr.expand_as(yr).reshape(*shape[:-2], cfg.d_inner),
-                self.norm.weight, cfg.mixer_norm_eps, cfg.headdim, True, ops.silu,
+                self.norm.weight, cfg.mixer_norm_eps, cfg.headdim, True,
             ).reshape(shape)
         else:
             yr = yr * ops.silu(zr)
@@ -170,8 +174,8 @@ class Mamba3Mixer(Mixer):
         bsz, length, _ = u.shape
         z, x, bp, cp, dd_dt, dd_a, trap, ang = self._split(be.linear(u, self.in_proj.weight))
         a, dt = self._decay_and_dt(dd_dt, dd_a, be)  # (B, L, H)
-        qn = self._normalized(cp, self.C_norm.weight)  # (B, L, R, G, N)
-        kn = self._normalized(bp, self.B_norm.weight)
+        qn = self._normalized(cp, self.C_norm.weight, be)  # (B, L, R, G, N)
+        kn = self._normalized(bp, self.B_norm.weight, be)
         v = x.reshape(bsz, length, h, p)
         yr, new_states, path = be.mamba3_scan(self, qn, kn, v, a, dt, trap, ang, states)
         y = self._combine(yr, z.reshape(bsz, length, h, p), be)

@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 Tensor = torch.Tensor
 
 #: Backends a caller may name; "auto" resolves to one of the others.
-BACKENDS = ("auto", "reference", "chunked", "triton")
+BACKENDS = ("auto", "reference", "chunked", "exact", "triton")
 
 #: dtypes the engine computes in
 COMPUTE_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
@@ -287,8 +287,12 @@ class Model:
         if backend == "auto":
             if lossy:
                 return "reference"
-            return "triton" if _triton.unavailable_reason(self.device) is None else "chunked"
-        if backend in ("chunked", "triton") and lossy:
+            if _triton.unavailable_reason(self.device) is None:
+                return "triton"
+            backend = "exact" if self.device.type == "cpu" else "chunked"
+        if backend == "exact" and self.device.type != "cpu":
+            raise UnsupportedBackend(f"the exact backend runs on the CPU; the model is on {self.device}")
+        if backend in ("chunked", "exact", "triton") and lossy:
             # chunked scans round the state once per call, not once per token: chunking would show
             raise UnsupportedBackend(f"the {backend} backend keeps state in {self.dtype}; "
                                      f"a {self.state_dtype} state needs the reference backend")
@@ -296,6 +300,8 @@ class Model:
             reason = _triton.unavailable_reason(self.device)
             if reason is not None:
                 raise UnsupportedBackend(reason)
+        if backend == "exact":
+            backend_named("exact", self._lm, self.dtype)  # the probe runs now, at load
         return backend
 
     def _check_state(self, state: Any, index: int) -> None:
@@ -381,7 +387,16 @@ class Model:
 
     def _impl(self) -> Backend:
         """The primitives behind `self.backend`."""
-        return backend_named(self.backend)
+        return backend_named(self.backend, self._lm, self.dtype)
+
+    @property
+    def exact_probe(self) -> Any:
+        """What the exact backend's load-time probe found (`scan._exact.Probe`), or None on another backend."""
+        if self.backend != "exact":
+            return None
+        from scan._exact import exact_backend
+
+        return exact_backend(self._lm, self.dtype)[1]
 
     def _run(self, states: list[State], inputs: list[Tensor], *, embedded: bool) -> list[StepResult]:
         results: list[StepResult | None] = [None] * len(states)

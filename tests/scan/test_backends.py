@@ -20,9 +20,10 @@ def _streams(model, n=5):
     return states, chunks
 
 
+@pytest.mark.parametrize("backend", ["reference", "exact"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_reference_advance_batch_is_bit_exact_per_stream(preset, dtype):
-    model = model_for(preset, "reference", dtype)
+def test_exact_backends_advance_batch_bit_exact_per_stream(preset, dtype, backend):
+    model = model_for(preset, backend, dtype)
     states, chunks = _streams(model)
     batch = model.advance_batch(states, chunks)
     for s, c, got in zip(states, chunks, batch):
@@ -57,7 +58,7 @@ def test_one_bad_stream_fails_the_whole_batch_before_any_work(preset):
     assert all(s.equal(snap) for s, snap in zip(states, snapshots))
 
 
-@pytest.mark.parametrize("backend", ["reference", "chunked"])
+@pytest.mark.parametrize("backend", ["reference", "chunked", "exact"])
 def test_float32_backends_within_declared_tolerance_and_misalignment_is_caught(preset, backend):
     """Against the float64 truth; misaligned states exceed the bound at least 10x (negative control)."""
     truth = model_for(preset, "reference", "float64")
@@ -95,6 +96,8 @@ def test_result_records_backend_and_path():
         ("tiny-mamba2", "chunked", 1, ("chunked", "step")),
         ("tiny-mamba1", "reference", 3, ("reference", "recurrent")),
         ("tiny-mamba1", "reference", 0, ("reference", "empty")),
+        ("tiny-mamba2", "exact", 3, ("exact", "exact")),
+        ("tiny-mamba3", "exact", 1, ("exact", "exact")),
     ]
     for preset, backend, n, expected in cases:
         m = model_for(preset, backend)
@@ -103,7 +106,7 @@ def test_result_records_backend_and_path():
 
 
 def test_auto_backend_and_unknown_backend():
-    assert load_model("tiny-mamba1").backend == "chunked"  # fastest on CPU
+    assert load_model("tiny-mamba1").backend == "exact"  # the default on CPU: exact under any chunking
     with pytest.raises(UnsupportedBackend):
         load_model("tiny-mamba1", backend="cuda-magic")
     with pytest.raises(UnsupportedBackend):
@@ -112,7 +115,7 @@ def test_auto_backend_and_unknown_backend():
     assert m.with_backend("chunked").backend == "chunked" and m.backend == "reference"
 
 
-@pytest.mark.parametrize("backend", ["reference", "chunked"])
+@pytest.mark.parametrize("backend", ["reference", "chunked", "exact"])
 def test_overflow_raises_and_does_not_advance(backend):
     model = load_model("tiny-mamba2", backend=backend)
     broken = copy.deepcopy(model)
@@ -128,8 +131,9 @@ def test_overflow_raises_and_does_not_advance(backend):
 def test_narrow_state_dtype_is_rounded_per_token_so_chunking_stays_exact(preset, state_dtype):
     model = load_model(preset, state_dtype=state_dtype)
     assert model.backend == "reference"  # auto: the chunked backend rounds per call, not per token
-    with pytest.raises(UnsupportedBackend):
-        model.with_backend("chunked")
+    for other in ("chunked", "exact"):
+        with pytest.raises(UnsupportedBackend):
+            model.with_backend(other)
     assert {t.dtype for t in model.schema.tensors} == {str(state_dtype).removeprefix("torch.")}
     toks = tokens(30, 50)
     full = model.advance(model.initial_state(), toks)
@@ -142,7 +146,7 @@ def test_narrow_state_dtype_is_rounded_per_token_so_chunking_stays_exact(preset,
     assert model.schema.fingerprint() != wide.schema.fingerprint()
 
 
-@pytest.mark.parametrize("backend", ["reference", "chunked"])
+@pytest.mark.parametrize("backend", ["reference", "chunked", "exact"])
 @pytest.mark.parametrize("rows", [[2, 0], [1, 2]], ids=["scattered", "span"])
 def test_step_rows_equals_advance_batch_and_touches_only_its_rows(preset, backend, rows):
     model = model_for(preset, backend)
@@ -155,14 +159,14 @@ def test_step_rows_equals_advance_batch_and_touches_only_its_rows(preset, backen
     tol = tolerance(model.config.architecture, backend, "float32")
     for i, (r, res) in enumerate(zip(rows, solo)):
         got_state = {k: v[r] for k, v in buffers.items()}
-        if backend == "reference":  # the same arithmetic, bit for bit
+        if backend in ("reference", "exact"):  # the same arithmetic, bit for bit
             assert torch.equal(logits[i : i + 1], res.logits)
             assert all(torch.equal(got_state[k], res.state.tensors[k]) for k in got_state)
         else:
             assert (tol + tol).logits_excess(logits[i : i + 1], res.logits) <= 1.0
     for r in sorted({0, 1, 2, 3} - set(rows)):  # rows not stepped are untouched
         assert all(torch.equal(buffers[k][r], before[k][r]) for k in buffers)
-    assert path in ("recurrent", "step")
+    assert path in ("recurrent", "step", "exact")
 
 
 def test_step_rows_of_no_rows_is_a_no_op():

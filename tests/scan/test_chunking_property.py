@@ -3,8 +3,8 @@
 Partitions are drawn by hypothesis from pieces that have broken peers: empty chunks, one-token
 chunks, chunks shorter than d_conv - 1, prime sizes, long runs, and a final short chunk. The
 scan starts from a warmed-up state so that the conv carry and the SSM state are non-trivial.
-Reference backend: bit-exact (torch.equal), float32 and float64, 200 examples per
-(architecture, dtype). Chunked backend: within its declared bound of the float64 truth.
+Reference and exact backends: bit-exact (torch.equal), float32 and float64, 200 examples per
+(architecture, dtype, backend). Chunked backend: within its declared bound of the float64 truth.
 """
 
 from __future__ import annotations
@@ -49,19 +49,20 @@ def partitions(draw: st.DrawFn, n: int = N) -> list[int]:
 
 @lru_cache(maxsize=None)
 def _truth(preset: str, backend: str, dtype: str):
-    model = model_for(preset, "reference", dtype)
+    model = model_for(preset, backend, dtype)
     start = model.advance(model.initial_state(), tokens(11, 100)).state  # warmed up
     toks = tokens(N, 101)
     return start, toks, model.advance(start, toks)
 
 
+@pytest.mark.parametrize("backend", ["reference", "exact"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("preset", ARCH_PRESETS)
 @settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow], deadline=None)
 @given(chunks=partitions())
-def test_reference_partitions_are_bit_exact(preset, dtype, chunks):
-    model = model_for(preset, "reference", dtype)
-    start, toks, full = _truth(preset, "reference", dtype)
+def test_exact_backends_partitions_are_bit_exact(preset, dtype, backend, chunks):
+    model = model_for(preset, backend, dtype)
+    start, toks, full = _truth(preset, backend, dtype)
     logits, state = scan_chunks(model, start, toks, chunks)
     assert torch.equal(logits, full.logits), f"logits differ for {chunks}"
     assert state.equal(full.state), f"state differs for {chunks}"

@@ -20,7 +20,7 @@ def test_triton_is_refused_with_its_reason_where_it_cannot_run():
         pytest.skip("CUDA and the kernels are available here")
     with pytest.raises(UnsupportedBackend, match="CUDA|Triton"):
         load_model("tiny-mamba2", backend="triton")
-    assert load_model("tiny-mamba2").backend == "chunked"  # auto falls back, and says so
+    assert load_model("tiny-mamba2").backend == "exact"  # auto falls back to the CPU default
 
 
 PARTITIONS = [[256], [1] * 8 + [248], [2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 16], [255, 1], [100, 0, 156]]

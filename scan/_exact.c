@@ -1,0 +1,585 @@
+/* The exact backend's kernels (scan/_exact.py builds and loads this file).
+ *
+ * One rule makes every result independent of chunking, batching, threads and instruction set:
+ * each output element is computed by the same sequence of IEEE-754 basic operations (+, -, *, /,
+ * sqrt, rint, exact scaling by powers of two), in the same order, whatever else is computed
+ * beside it. So: no fused multiply-add (built with -ffp-contract=off), no reassociation (no
+ * -ffast-math), every reduction sequential in a fixed order, and the transcendental functions
+ * written here from basic operations in double precision instead of taken from libm or a vector
+ * library. Vectorization only ever runs independent elements side by side.
+ *
+ * The torch twins in scan/_exact.py perform the same operations in the same order and give the
+ * same bits; tests/scan/test_exact.py holds the two equal with torch.equal.
+ *
+ * Every kernel exists for float (suffix _f32) and double (_f64): `T` below.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef int64_t i64;
+
+/* --- transcendentals in double, from basic operations ------------------------------------ */
+
+static const double INV_LN2 = 1.44269504088896338700;
+static const double LN2_HI = 6.93147180369123816490e-01; /* k * LN2_HI is exact for |k| < 2^20 */
+static const double LN2_LO = 1.90821492927058770002e-10;
+static const double SQRT_HALF = 0.70710678118654752440;
+static const double TWO_OVER_PI = 6.36619772367581382433e-01;
+static const double PIO2_1 = 1.57079632673412561417e+00;  /* fdlibm's three-part pi/2 */
+static const double PIO2_2 = 6.07710050650619224932e-11;
+static const double PIO2_3 = 2.02226624879595063154e-21;
+
+static const double ROUNDER = 6755399441055744.0; /* 1.5 * 2^52: v + ROUNDER rounds v to an integer */
+
+static inline double bits_to_double(uint64_t b) {
+    double d;
+    memcpy(&d, &b, 8);
+    return d;
+}
+
+static inline uint64_t double_to_bits(double d) {
+    uint64_t b;
+    memcpy(&b, &d, 8);
+    return b;
+}
+
+/* e^x: k = rint(x / ln 2), r = x - k ln 2, a degree-14 Taylor polynomial, times 2^k. Below -708
+ * the result is 0 (flushing what would be subnormal), above 709 it is +inf; NaN stays NaN.
+ * Branch-free, so that loops over it vectorize (each lane the same operations). */
+static inline double xexp(double x) {
+    double xc = x > 709.0 ? 709.0 : x;
+    xc = xc < -708.0 ? -708.0 : xc;
+    double t = xc * INV_LN2 + ROUNDER; /* the integer nearest x / ln 2 (ties to even), in the low bits */
+    double k = t - ROUNDER;
+    double r = (xc - k * LN2_HI) - k * LN2_LO;
+    double p = 1.0 / 87178291200.0;
+    p = p * r + 1.0 / 6227020800.0;
+    p = p * r + 1.0 / 479001600.0;
+    p = p * r + 1.0 / 39916800.0;
+    p = p * r + 1.0 / 3628800.0;
+    p = p * r + 1.0 / 362880.0;
+    p = p * r + 1.0 / 40320.0;
+    p = p * r + 1.0 / 5040.0;
+    p = p * r + 1.0 / 720.0;
+    p = p * r + 1.0 / 120.0;
+    p = p * r + 1.0 / 24.0;
+    p = p * r + 1.0 / 6.0;
+    p = p * r + 0.5;
+    p = p * r + 1.0;
+    p = p * r + 1.0;
+    double scale = bits_to_double((double_to_bits(t) + 1023) << 52); /* 2^k */
+    double out = p * scale;
+    out = x > 709.0 ? INFINITY : out;
+    out = x < -708.0 ? 0.0 : out;
+    return out;
+}
+
+/* e^x - 1, accurate near 0: a series for |x| < 1/2, e^x - 1 elsewhere. */
+static inline double xexpm1(double x) {
+    int small = x > -0.5 && x < 0.5;
+    double xs = small ? x : 0.0;
+    double p = 1.0 / 6402373705728000.0; /* 1/18! */
+    p = p * xs + 1.0 / 355687428096000.0;
+    p = p * xs + 1.0 / 20922789888000.0;
+    p = p * xs + 1.0 / 1307674368000.0;
+    p = p * xs + 1.0 / 87178291200.0;
+    p = p * xs + 1.0 / 6227020800.0;
+    p = p * xs + 1.0 / 479001600.0;
+    p = p * xs + 1.0 / 39916800.0;
+    p = p * xs + 1.0 / 3628800.0;
+    p = p * xs + 1.0 / 362880.0;
+    p = p * xs + 1.0 / 40320.0;
+    p = p * xs + 1.0 / 5040.0;
+    p = p * xs + 1.0 / 720.0;
+    p = p * xs + 1.0 / 120.0;
+    p = p * xs + 1.0 / 24.0;
+    p = p * xs + 1.0 / 6.0;
+    p = p * xs + 0.5;
+    p = p * xs + 1.0;
+    return small ? x * p : xexp(x) - 1.0;
+}
+
+/* log(u) for u >= 1 (finite): u = m 2^e with m in [sqrt(1/2), sqrt(2)), log m = 2 atanh(s). */
+static inline double xlog_ge1(double u) {
+    uint64_t bits = double_to_bits(u);
+    i64 e = (i64)((bits >> 52) & 0x7ff) - 1023;
+    double m = bits_to_double((bits & 0x000fffffffffffffULL) | 0x3ff0000000000000ULL);
+    int big = m > 2.0 * SQRT_HALF;
+    m = big ? m * 0.5 : m;
+    double k = (double)(e + big);
+    double f = m - 1.0;
+    double s = f / (2.0 + f);
+    double z = s * s;
+    double p = 1.0 / 23.0;
+    p = p * z + 1.0 / 21.0;
+    p = p * z + 1.0 / 19.0;
+    p = p * z + 1.0 / 17.0;
+    p = p * z + 1.0 / 15.0;
+    p = p * z + 1.0 / 13.0;
+    p = p * z + 1.0 / 11.0;
+    p = p * z + 1.0 / 9.0;
+    p = p * z + 1.0 / 7.0;
+    p = p * z + 1.0 / 5.0;
+    p = p * z + 1.0 / 3.0;
+    p = p * z + 1.0;
+    return k * LN2_HI + (k * LN2_LO + 2.0 * s * p);
+}
+
+/* log(1 + y) for y > 0 (Goldberg: log(u) * y / (u - 1) with u = 1 + y rounded). */
+static inline double xlog1p_pos(double y) {
+    double u = 1.0 + y;
+    int one = u == 1.0;
+    double us = one ? 2.0 : u;
+    double v = xlog_ge1(us) * (y / (us - 1.0));
+    return one ? y : v;
+}
+
+static inline double xsilu(double x) { return x / (1.0 + xexp(-x)); }
+static inline double xsigmoid(double x) { return 1.0 / (1.0 + xexp(-x)); }
+
+static inline double xsoftplus(double x) {
+    double xs = x > 20.0 ? 0.0 : x;
+    double v = xlog1p_pos(xexp(xs));
+    return x > 20.0 ? x : v;
+}
+
+static inline double xtanh(double x) {
+    double a = x < 0.0 ? -x : x;
+    int big = a > 20.0;
+    double e = xexpm1(2.0 * (big ? 0.0 : a));
+    double t = big ? 1.0 : e / (e + 2.0);
+    return x < 0.0 ? -t : t;
+}
+
+/* 1/sqrt(v) for v > 0: a bit-level first guess, then five Newton steps y = y (1.5 - (v/2 y) y).
+ * (libm's and torch's square roots are not all correctly rounded alike; this is the same anywhere.) */
+static inline double xrsqrt(double v) {
+    double y = bits_to_double(0x5FE6EB50C7B537A9ULL - (double_to_bits(v) >> 1));
+    double h = 0.5 * v;
+    y = y * (1.5 - (h * y) * y);
+    y = y * (1.5 - (h * y) * y);
+    y = y * (1.5 - (h * y) * y);
+    y = y * (1.5 - (h * y) * y);
+    y = y * (1.5 - (h * y) * y);
+    return y;
+}
+
+/* sin and cos: n = rint(x 2/pi), r = x - n pi/2 in three parts, Taylor polynomials on
+ * |r| <= pi/4, the quadrant n mod 4. */
+static inline void xsincos(double x, double *sn, double *cs) {
+    double t = x * TWO_OVER_PI + ROUNDER;
+    double n = t - ROUNDER;
+    double r = ((x - n * PIO2_1) - n * PIO2_2) - n * PIO2_3;
+    double z = r * r;
+    double ps = -1.0 / 121645100408832000.0; /* -1/19! */
+    ps = ps * z + 1.0 / 355687428096000.0;
+    ps = ps * z - 1.0 / 1307674368000.0;
+    ps = ps * z + 1.0 / 6227020800.0;
+    ps = ps * z - 1.0 / 39916800.0;
+    ps = ps * z + 1.0 / 362880.0;
+    ps = ps * z - 1.0 / 5040.0;
+    ps = ps * z + 1.0 / 120.0;
+    ps = ps * z - 1.0 / 6.0;
+    ps = ps * z + 1.0;
+    double s = r * ps;
+    double pc = 1.0 / 6402373705728000.0; /* 1/18! */
+    pc = pc * z - 1.0 / 20922789888000.0;
+    pc = pc * z + 1.0 / 87178291200.0;
+    pc = pc * z - 1.0 / 479001600.0;
+    pc = pc * z + 1.0 / 3628800.0;
+    pc = pc * z - 1.0 / 40320.0;
+    pc = pc * z + 1.0 / 720.0;
+    pc = pc * z - 1.0 / 24.0;
+    pc = pc * z + 0.5;
+    double c = 1.0 - z * pc;
+    uint64_t q = double_to_bits(t) & 3; /* n mod 4 */
+    *sn = q == 0 ? s : q == 1 ? c : q == 2 ? -s : -c;
+    *cs = q == 0 ? c : q == 1 ? -s : q == 2 ? -c : s;
+}
+
+/* --- kernels, for T = float and T = double ------------------------------------------------ */
+
+#define DEFINE_KERNELS(T, SUF)                                                                      \
+                                                                                                    \
+    /* out[m, n] = dot(x[m, :], w[n, :]) [+ bias[n]] in one fixed order: k is split into 16 lanes   \
+     * (lane j takes k = j, j + 16, ...; x and w read as zero past K), each lane summed in order    \
+     * from 0, a multiply then an add, and the lanes added by a fixed tree: (j, j + 8), then         \
+     * (j, j + 4), (j, j + 2), (0, 1). x (M, K), w (N, K): the weight as it is stored. Every output \
+     * takes this order whatever M, the tile it falls in or the thread that computes it; the tiles  \
+     * (4 rows x 4 outputs, or 1 row x 16 outputs for decode) only choose what is loaded together. */\
+    typedef T L##SUF __attribute__((vector_size(16 * sizeof(T))));                                 \
+    static inline L##SUF lload##SUF(const T *p, i64 k, i64 K) {                                     \
+        L##SUF v;                                                                                   \
+        if (k + 16 <= K) {                                                                          \
+            memcpy(&v, p + k, sizeof v);                                                            \
+        } else {                                                                                    \
+            for (int j = 0; j < 16; j++) v[j] = k + j < K ? p[k + j] : (T)0;                        \
+        }                                                                                           \
+        return v;                                                                                   \
+    }                                                                                               \
+    static inline T ltree##SUF(L##SUF v) {                                                          \
+        T s8[8], s4[4], s2[2];                                                                      \
+        for (int j = 0; j < 8; j++) s8[j] = v[j] + v[j + 8];                                        \
+        for (int j = 0; j < 4; j++) s4[j] = s8[j] + s8[j + 4];                                      \
+        for (int j = 0; j < 2; j++) s2[j] = s4[j] + s4[j + 2];                                      \
+        return s2[0] + s2[1];                                                                       \
+    }                                                                                               \
+    void linear##SUF(const T *x, i64 M, i64 K, const T *w, i64 N, const T *bias, T *out, i64 n0,   \
+                     i64 n1) {                                                                      \
+        i64 m = 0;                                                                                  \
+        for (; m + 4 <= M; m += 4) {                                                                \
+            const T *x0 = x + m * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;                      \
+            i64 n = n0;                                                                             \
+            for (; n + 4 <= n1; n += 4) {                                                           \
+                const T *w0 = w + n * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;                  \
+                L##SUF c[4][4];                                                                     \
+                for (int r = 0; r < 4; r++)                                                         \
+                    for (int q = 0; q < 4; q++) c[r][q] = (L##SUF){0};                              \
+                i64 kf = K / 16 * 16;                                                               \
+                for (i64 k = 0; k < K; k += 16) {                                                   \
+                    L##SUF a[4], b[4];                                                              \
+                    if (k < kf) {                                                                   \
+                        memcpy(&a[0], x0 + k, sizeof a[0]);                                         \
+                        memcpy(&a[1], x1 + k, sizeof a[0]);                                         \
+                        memcpy(&a[2], x2 + k, sizeof a[0]);                                         \
+                        memcpy(&a[3], x3 + k, sizeof a[0]);                                         \
+                        memcpy(&b[0], w0 + k, sizeof b[0]);                                         \
+                        memcpy(&b[1], w1 + k, sizeof b[0]);                                         \
+                        memcpy(&b[2], w2 + k, sizeof b[0]);                                         \
+                        memcpy(&b[3], w3 + k, sizeof b[0]);                                         \
+                    } else {                                                                        \
+                        a[0] = lload##SUF(x0, k, K), a[1] = lload##SUF(x1, k, K);                   \
+                        a[2] = lload##SUF(x2, k, K), a[3] = lload##SUF(x3, k, K);                   \
+                        b[0] = lload##SUF(w0, k, K), b[1] = lload##SUF(w1, k, K);                   \
+                        b[2] = lload##SUF(w2, k, K), b[3] = lload##SUF(w3, k, K);                   \
+                    }                                                                               \
+                    for (int r = 0; r < 4; r++)                                                     \
+                        for (int q = 0; q < 4; q++) c[r][q] = c[r][q] + a[r] * b[q];                \
+                }                                                                                   \
+                for (int r = 0; r < 4; r++)                                                         \
+                    for (int q = 0; q < 4; q++) out[(m + r) * N + n + q] = ltree##SUF(c[r][q]);     \
+            }                                                                                       \
+            for (; n < n1; n++) {                                                                   \
+                const T *wn = w + n * K;                                                            \
+                for (int r = 0; r < 4; r++) {                                                       \
+                    const T *xr = x + (m + r) * K;                                                  \
+                    L##SUF c0 = {0};                                                                \
+                    for (i64 k = 0; k < K; k += 16) c0 = c0 + lload##SUF(xr, k, K) * lload##SUF(wn, k, K); \
+                    out[(m + r) * N + n] = ltree##SUF(c0);                                          \
+                }                                                                                   \
+            }                                                                                       \
+        }                                                                                           \
+        for (; m < M; m++) {                                                                        \
+            const T *xr = x + m * K;                                                                \
+            i64 n = n0;                                                                             \
+            i64 kf = K / 16 * 16;                                                                   \
+            for (; n + 16 <= n1; n += 16) {                                                         \
+                L##SUF c[16];                                                                       \
+                for (int q = 0; q < 16; q++) c[q] = (L##SUF){0};                                    \
+                for (i64 k = 0; k < kf; k += 16) {                                                  \
+                    L##SUF a;                                                                       \
+                    memcpy(&a, xr + k, sizeof a);                                                   \
+                    for (int q = 0; q < 16; q++) {                                                  \
+                        L##SUF b;                                                                   \
+                        memcpy(&b, w + (n + q) * K + k, sizeof b);                                  \
+                        c[q] = c[q] + a * b;                                                        \
+                    }                                                                               \
+                }                                                                                   \
+                if (kf < K) {                                                                       \
+                    L##SUF a = lload##SUF(xr, kf, K);                                               \
+                    for (int q = 0; q < 16; q++) c[q] = c[q] + a * lload##SUF(w + (n + q) * K, kf, K);\
+                }                                                                                   \
+                for (int q = 0; q < 16; q++) out[m * N + n + q] = ltree##SUF(c[q]);                 \
+            }                                                                                       \
+            for (; n < n1; n++) {                                                                   \
+                L##SUF c0 = {0};                                                                    \
+                for (i64 k = 0; k < K; k += 16) c0 = c0 + lload##SUF(xr, k, K) * lload##SUF(w + n * K, k, K); \
+                out[m * N + n] = ltree##SUF(c0);                                                    \
+            }                                                                                       \
+        }                                                                                           \
+        if (bias)                                                                                   \
+            for (i64 r = 0; r < M; r++)                                                             \
+                for (i64 n = n0; n < n1; n++) out[r * N + n] = out[r * N + n] + bias[n];            \
+    }                                                                                               \
+                                                                                                    \
+    /* Elementwise: op 0 exp, 1 silu, 2 sigmoid, 3 softplus, 4 tanh, 5 sin, 6 cos, 7 rsqrt (one     \
+     * each, so that each loop vectorizes). */                                                      \
+    static void u_exp##SUF(const T *restrict x, T *restrict out, i64 n) {                           \
+        for (i64 i = 0; i < n; i++) out[i] = (T)xexp((double)x[i]);                                 \
+    }                                                                                               \
+    static void u_silu##SUF(const T *restrict x, T *restrict out, i64 n) {                          \
+        for (i64 i = 0; i < n; i++) out[i] = (T)xsilu((double)x[i]);                                \
+    }                                                                                               \
+    static void u_sigmoid##SUF(const T *restrict x, T *restrict out, i64 n) {                       \
+        for (i64 i = 0; i < n; i++) out[i] = (T)xsigmoid((double)x[i]);                             \
+    }                                                                                               \
+    static void u_softplus##SUF(const T *restrict x, T *restrict out, i64 n) {                      \
+        for (i64 i = 0; i < n; i++) out[i] = (T)xsoftplus((double)x[i]);                            \
+    }                                                                                               \
+    static void u_tanh##SUF(const T *restrict x, T *restrict out, i64 n) {                          \
+        for (i64 i = 0; i < n; i++) out[i] = (T)xtanh((double)x[i]);                                \
+    }                                                                                               \
+    static void u_rsqrt##SUF(const T *restrict x, T *restrict out, i64 n) {                         \
+        for (i64 i = 0; i < n; i++) out[i] = (T)xrsqrt((double)x[i]);                               \
+    }                                                                                               \
+    static void u_sin##SUF(const T *restrict x, T *restrict out, i64 n) {                           \
+        for (i64 i = 0; i < n; i++) {                                                               \
+            double s, c;                                                                            \
+            xsincos((double)x[i], &s, &c);                                                          \
+            out[i] = (T)s;                                                                          \
+        }                                                                                           \
+    }                                                                                               \
+    static void u_cos##SUF(const T *restrict x, T *restrict out, i64 n) {                           \
+        for (i64 i = 0; i < n; i++) {                                                               \
+            double s, c;                                                                            \
+            xsincos((double)x[i], &s, &c);                                                          \
+            out[i] = (T)c;                                                                          \
+        }                                                                                           \
+    }                                                                                               \
+    void unary##SUF(const T *x, T *out, i64 n, int op) {                                            \
+        switch (op) {                                                                               \
+            case 0: u_exp##SUF(x, out, n); break;                                                   \
+            case 1: u_silu##SUF(x, out, n); break;                                                  \
+            case 2: u_sigmoid##SUF(x, out, n); break;                                               \
+            case 3: u_softplus##SUF(x, out, n); break;                                              \
+            case 4: u_tanh##SUF(x, out, n); break;                                                  \
+            case 7: u_rsqrt##SUF(x, out, n); break;                                                 \
+            case 5: u_sin##SUF(x, out, n); break;                                                   \
+            default: u_cos##SUF(x, out, n); break;                                                  \
+        }                                                                                           \
+    }                                                                                               \
+                                                                                                    \
+    /* RMSNorm of rows, then the weight: y = (x * rsqrt(mean(x * x) + eps)) * w, the mean          \
+     * summed in order, rsqrt by Newton. x, y (rows, D); w (D,). */                                                  \
+    void rms_norm##SUF(const T *x, const T *w, T *y, i64 rows, i64 d, double eps) {                 \
+        T e = (T)eps;                                                                               \
+        for (i64 r = 0; r < rows; r++) {                                                            \
+            const T *p = x + r * d;                                                                 \
+            T s = (T)0;                                                                             \
+            for (i64 j = 0; j < d; j++) s = s + p[j] * p[j];                                        \
+            T inv = (T)xrsqrt((double)(s / (T)d + e));                                              \
+            for (i64 j = 0; j < d; j++) y[r * d + j] = (p[j] * inv) * w[j];                         \
+        }                                                                                           \
+    }                                                                                               \
+                                                                                                    \
+    /* mamba-ssm's RMSNormGated per group of `gs` channels: norm(x silu(z)) w, or (norm(x) w)      \
+     * silu(z) when norm_before_gate. x, z, y (rows, D); w (D,). */                                 \
+    void gated_norm##SUF(const T *x, const T *z, const T *w, T *y, i64 rows, i64 d, i64 gs,        \
+                         double eps, int before) {                                                  \
+        T e = (T)eps;                                                                               \
+        for (i64 r = 0; r < rows; r++) {                                                            \
+            const T *xr = x + r * d, *zr = z + r * d;                                               \
+            T *yr = y + r * d;                                                                      \
+            for (i64 j = 0; j < d; j++) yr[j] = before ? xr[j] : xr[j] * (T)xsilu((double)zr[j]);   \
+            for (i64 g0 = 0; g0 < d; g0 += gs) {                                                    \
+                T s = (T)0;                                                                         \
+                for (i64 j = g0; j < g0 + gs; j++) s = s + yr[j] * yr[j];                           \
+                T inv = (T)xrsqrt((double)(s / (T)gs + e));                                         \
+                for (i64 j = g0; j < g0 + gs; j++) yr[j] = (yr[j] * inv) * w[j];                    \
+            }                                                                                       \
+            if (before)                                                                             \
+                for (i64 j = 0; j < d; j++) yr[j] = yr[j] * (T)xsilu((double)zr[j]);                \
+        }                                                                                           \
+    }                                                                                               \
+                                                                                                    \
+    /* The causal depthwise conv over a chunk: out[b,t,c] = ((f[t+1] w[c,0] + f[t+2] w[c,1]) + ...) \
+     * + bias[c], f the state's W inputs then the chunk's. state (B, C, W) oldest first; xs, out    \
+     * (B, L, C); w (C, W); new_state (B, C, W): the last W inputs. */                              \
+    void conv##SUF(const T *state, const T *xs, const T *w, const T *bias, T *out, T *new_state,    \
+                   i64 B, i64 L, i64 C, i64 W) {                                                    \
+        for (i64 b = 0; b < B; b++) {                                                               \
+            for (i64 t = 0; t < L; t++) {                                                           \
+                T *o = out + (b * L + t) * C;                                                       \
+                for (i64 c = 0; c < C; c++) {                                                       \
+                    T acc = (T)0;                                                                   \
+                    for (i64 j = 0; j < W; j++) {                                                   \
+                        i64 i = t + 1 + j; /* position in [state, xs] */                            \
+                        T f = i < W ? state[(b * C + c) * W + i] : xs[(b * L + i - W) * C + c];     \
+                        acc = j == 0 ? f * w[c * W] : acc + f * w[c * W + j];                       \
+                    }                                                                               \
+                    o[c] = bias ? acc + bias[c] : acc;                                              \
+                }                                                                                   \
+            }                                                                                       \
+            for (i64 c = 0; c < C; c++)                                                             \
+                for (i64 j = 0; j < W; j++) {                                                       \
+                    i64 i = L + j; /* the last W positions of [state, xs] */                        \
+                    new_state[(b * C + c) * W + j] =                                                \
+                        i < W ? state[(b * C + c) * W + i] : xs[(b * L + i - W) * C + c];           \
+                }                                                                                   \
+        }                                                                                           \
+    }                                                                                               \
+                                                                                                    \
+    /* out[r] = (((0 + x[r,0]) + x[r,1]) + ...) / D: the mean of each row, summed in order. */      \
+    void mean_rows##SUF(const T *x, T *out, i64 rows, i64 d) {                                      \
+        for (i64 r = 0; r < rows; r++) {                                                            \
+            const T *p = x + r * d;                                                                 \
+            T s = (T)0;                                                                             \
+            for (i64 j = 0; j < d; j++) s = s + p[j];                                               \
+            out[r] = s / (T)d;                                                                      \
+        }                                                                                           \
+    }                                                                                               \
+                                                                                                    \
+    /* Mamba-1, streams [b0, b1): per channel c and token t, h = h e^(dt a) + (dt x) b,             \
+     * y = (((0 + h_0 cc_0) + h_1 cc_1) + ...). dt, x, y (B, L, C); at (N, C) the transposed A;     \
+     * bm, cm (B, L, N); h (B, C, N) in: the state before, out: after (a copy of the caller's).     \
+     * Channels run side by side in blocks of 64 (work units u = b * ceil(C / 64) + block, those   \
+     * in [u0, u1) here), the state held transposed meanwhile. */                                   \
+    void selective_scan##SUF(const T *dt, const T *at, const T *x, const T *bm, const T *cm, T *h,  \
+                             T *y, i64 B, i64 L, i64 C, i64 N, i64 u0, i64 u1) {                    \
+        enum { CB = 64 };                                                                           \
+        T ht[N][CB], d[CB], dx[CB], acc[CB];                                                        \
+        i64 nblk = (C + CB - 1) / CB;                                                               \
+        for (i64 u = u0; u < u1; u++) {                                                             \
+            i64 b = u / nblk, c0 = (u % nblk) * CB;                                                 \
+            {                                                                                       \
+                i64 w = C - c0 < CB ? C - c0 : CB;                                                  \
+                for (i64 n = 0; n < N; n++)                                                         \
+                    for (i64 j = 0; j < w; j++) ht[n][j] = h[(b * C + c0 + j) * N + n];             \
+                for (i64 t = 0; t < L; t++) {                                                       \
+                    const T *dtt = dt + (b * L + t) * C + c0, *xt = x + (b * L + t) * C + c0;       \
+                    const T *bt = bm + (b * L + t) * N, *ct = cm + (b * L + t) * N;                 \
+                    for (i64 j = 0; j < w; j++) {                                                   \
+                        d[j] = dtt[j];                                                              \
+                        dx[j] = dtt[j] * xt[j];                                                     \
+                        acc[j] = (T)0;                                                              \
+                    }                                                                               \
+                    for (i64 n = 0; n < N; n++) {                                                   \
+                        const T *an = at + n * C + c0;                                              \
+                        T bn = bt[n];                                                               \
+                        for (i64 j = 0; j < w; j++) {                                               \
+                            T decay = (T)xexp((double)(d[j] * an[j]));                              \
+                            ht[n][j] = ht[n][j] * decay + dx[j] * bn;                               \
+                        }                                                                           \
+                    }                                                                               \
+                    for (i64 n = 0; n < N; n++) {                                                   \
+                        T cn = ct[n];                                                               \
+                        for (i64 j = 0; j < w; j++) acc[j] = acc[j] + ht[n][j] * cn;                \
+                    }                                                                               \
+                    T *yt = y + (b * L + t) * C + c0;                                               \
+                    for (i64 j = 0; j < w; j++) yt[j] = acc[j];                                     \
+                }                                                                                   \
+                for (i64 n = 0; n < N; n++)                                                         \
+                    for (i64 j = 0; j < w; j++) h[(b * C + c0 + j) * N + n] = ht[n][j];             \
+            }                                                                                       \
+        }                                                                                           \
+    }                                                                                               \
+                                                                                                    \
+    /* Mamba-2 (SSD), units u = b * H + h in [u0, u1): per head h and token t, s = s e^(dt a_h) + (dt x) b^T,      \
+     * y_p = (((0 + s_p0 c_0) + s_p1 c_1) + ...). x, y (B, L, H, P); dt (B, L, H); a (H,);          \
+     * bm, cm (B, L, G, N); s (B, H, P, N) in place. Heads of a group are contiguous. The state of  \
+     * a head is held transposed (N, P) meanwhile, so that its P rows run side by side. */          \
+    void ssd_scan##SUF(const T *x, const T *dt, const T *a, const T *bm, const T *cm, T *s, T *y,   \
+                       i64 B, i64 L, i64 H, i64 P, i64 G, i64 N, i64 u0, i64 u1) {                  \
+        i64 hg = H / G;                                                                             \
+        T st[N][P], dx[P], acc[P];                                                                  \
+        for (i64 u = u0; u < u1; u++) {                                                             \
+            i64 b = u / H, h = u % H;                                                               \
+            {                                                                                       \
+                T *sh = s + (b * H + h) * P * N;                                                    \
+                i64 g = h / hg;                                                                     \
+                for (i64 n = 0; n < N; n++)                                                         \
+                    for (i64 p = 0; p < P; p++) st[n][p] = sh[p * N + n];                           \
+                for (i64 t = 0; t < L; t++) {                                                       \
+                    T d = dt[(b * L + t) * H + h];                                                  \
+                    T decay = (T)xexp((double)(d * a[h]));                                          \
+                    const T *xt = x + ((b * L + t) * H + h) * P;                                    \
+                    const T *bt = bm + ((b * L + t) * G + g) * N;                                   \
+                    const T *ct = cm + ((b * L + t) * G + g) * N;                                   \
+                    for (i64 p = 0; p < P; p++) {                                                   \
+                        dx[p] = d * xt[p];                                                          \
+                        acc[p] = (T)0;                                                              \
+                    }                                                                               \
+                    for (i64 n = 0; n < N; n++) {                                                   \
+                        T bn = bt[n];                                                               \
+                        for (i64 p = 0; p < P; p++) st[n][p] = st[n][p] * decay + dx[p] * bn;       \
+                    }                                                                               \
+                    for (i64 n = 0; n < N; n++) {                                                   \
+                        T cn = ct[n];                                                               \
+                        for (i64 p = 0; p < P; p++) acc[p] = acc[p] + st[n][p] * cn;                \
+                    }                                                                               \
+                    T *yt = y + ((b * L + t) * H + h) * P;                                          \
+                    for (i64 p = 0; p < P; p++) yt[p] = acc[p];                                     \
+                }                                                                                   \
+                for (i64 n = 0; n < N; n++)                                                         \
+                    for (i64 p = 0; p < P; p++) sh[p * N + n] = st[n][p];                           \
+            }                                                                                       \
+        }                                                                                           \
+    }                                                                                               \
+                                                                                                    \
+    /* Mamba-3 angles, streams [b0, b1): theta_t = wrap(theta_{t-1} + inc_t), wrap(v) =             \
+     * v - 2 pi floor(v / 2 pi). inc, theta (B, L, H, S); angle (B, H, S) in: before, out: after. */\
+    void angle_scan##SUF(const T *inc, T *angle, T *theta, i64 B, i64 L, i64 HS, i64 b0, i64 b1) {  \
+        const T two_pi = (T)6.283185307179586;                                                      \
+        for (i64 b = b0; b < b1; b++)                                                               \
+            for (i64 t = 0; t < L; t++)                                                             \
+                for (i64 i = 0; i < HS; i++) {                                                      \
+                    T v = angle[b * HS + i] + inc[(b * L + t) * HS + i];                            \
+                    v = v - two_pi * (T)floor((double)(v / two_pi));                                \
+                    angle[b * HS + i] = v;                                                          \
+                    theta[(b * L + t) * HS + i] = v;                                                \
+                }                                                                                   \
+    }                                                                                               \
+                                                                                                    \
+    /* Mamba-3 trapezoid, units u = b * H + h in [u0, u1): per head h and token t, over the ranks in order        \
+     * upd = sum (beta xr'_r) k'_r^T + (gamma xr_r) k_r^T, s = s alpha + upd, and                    \
+     * y_r,p = (((0 + s_p0 q_r0) + s_p1 q_r1) + ...) + D_h xr_r,p; primes are the previous token's.  \
+     * q, k (B, L, R, H, N); xr (B, L, R, H, P); alpha, beta, gamma (B, L, H); s (B, H, P, N),      \
+     * kp (B, R, H, N), xp (B, R, H, P) in place; y (B, L, R, H, P). */                             \
+    void trapezoid_scan##SUF(const T *q, const T *k, const T *xr, const T *alpha, const T *beta,    \
+                             const T *gamma, const T *D, T *s, T *kp, T *xp, T *y, i64 B, i64 L,    \
+                             i64 R, i64 H, i64 P, i64 N, i64 u0, i64 u1) {                          \
+        T st[N][P], bx[R][P], gx[R][P], acc[P];                                                     \
+        for (i64 u = u0; u < u1; u++) {                                                             \
+            i64 b = u / H, h = u % H;                                                               \
+            {                                                                                       \
+                T *sh = s + (b * H + h) * P * N;                                                    \
+                for (i64 n = 0; n < N; n++)                                                         \
+                    for (i64 p = 0; p < P; p++) st[n][p] = sh[p * N + n];                           \
+                for (i64 t = 0; t < L; t++) {                                                       \
+                    i64 bt = (b * L + t) * H + h;                                                   \
+                    T al = alpha[bt], be = beta[bt], ga = gamma[bt];                                \
+                    for (i64 r = 0; r < R; r++) {                                                   \
+                        const T *xpr = xp + ((b * R + r) * H + h) * P;                              \
+                        const T *xrr = xr + (((b * L + t) * R + r) * H + h) * P;                    \
+                        for (i64 p = 0; p < P; p++) {                                               \
+                            bx[r][p] = be * xpr[p];                                                 \
+                            gx[r][p] = ga * xrr[p];                                                 \
+                        }                                                                           \
+                    }                                                                               \
+                    for (i64 n = 0; n < N; n++) {                                                   \
+                        for (i64 r = 0; r < R; r++) {                                               \
+                            T kpn = kp[((b * R + r) * H + h) * N + n];                              \
+                            T kn = k[(((b * L + t) * R + r) * H + h) * N + n];                      \
+                            if (r == 0) {                                                           \
+                                for (i64 p = 0; p < P; p++) acc[p] = bx[0][p] * kpn + gx[0][p] * kn;\
+                            } else {                                                                \
+                                for (i64 p = 0; p < P; p++)                                         \
+                                    acc[p] = acc[p] + (bx[r][p] * kpn + gx[r][p] * kn);             \
+                            }                                                                       \
+                        }                                                                           \
+                        for (i64 p = 0; p < P; p++) st[n][p] = st[n][p] * al + acc[p];              \
+                    }                                                                               \
+                    for (i64 r = 0; r < R; r++) {                                                   \
+                        const T *qr = q + (((b * L + t) * R + r) * H + h) * N;                      \
+                        const T *xrr = xr + (((b * L + t) * R + r) * H + h) * P;                    \
+                        T *yr = y + (((b * L + t) * R + r) * H + h) * P;                            \
+                        for (i64 p = 0; p < P; p++) acc[p] = (T)0;                                  \
+                        for (i64 n = 0; n < N; n++) {                                               \
+                            T qn = qr[n];                                                           \
+                            for (i64 p = 0; p < P; p++) acc[p] = acc[p] + st[n][p] * qn;            \
+                        }                                                                           \
+                        for (i64 p = 0; p < P; p++) yr[p] = acc[p] + D[h] * xrr[p];                 \
+                        memcpy(kp + ((b * R + r) * H + h) * N, k + (((b * L + t) * R + r) * H + h) * N, \
+                               (size_t)N * sizeof(T));                                              \
+                        memcpy(xp + ((b * R + r) * H + h) * P, xrr, (size_t)P * sizeof(T));         \
+                    }                                                                               \
+                }                                                                                   \
+                for (i64 n = 0; n < N; n++)                                                         \
+                    for (i64 p = 0; p < P; p++) sh[p * N + n] = st[n][p];                           \
+            }                                                                                       \
+        }                                                                                           \
+    }
+
+DEFINE_KERNELS(float, _f32)
+DEFINE_KERNELS(double, _f64)

@@ -1,0 +1,772 @@
+"""The exact backend: the same bits under every chunking, batching, thread count and CPU.
+
+Every output element is computed by one fixed sequence of IEEE-754 basic operations (+, -, *,
+/, sqrt, rint, exact scaling by powers of two) whatever else is computed beside it:
+
+    products     out[m, n] = x[m] . w[n] + bias[n]: k split into 16 lanes, each summed in order (a
+                 multiply then an add, never fused), the lanes added by a fixed tree; the same for
+                 one row or a thousand.
+    reductions   sequential, in index order (the means of the norms, the scans' contractions).
+    exp, log1p, tanh, sin, cos
+                 computed in double from basic operations (a Taylor polynomial after an exact
+                 range reduction), then rounded to the compute dtype: no libm, no vector library,
+                 so no vector-or-scalar split and no dependence on the instruction set.
+    scans        in time order, one token after the other, the same code for a prefill and a
+                 decode step.
+
+Since none of these operations depends on the instruction set, the results are the same on
+AVX-512, AVX2 and scalar builds: a checksum means the same tokens on any x86-64 worker.
+
+Two implementations with the same signatures compute this arithmetic: C kernels (`_exact.c`,
+compiled at first use by the system C compiler or the `ziglang` wheel, vectorized across
+independent elements only) and their pure-PyTorch twins. They give the same bits
+(tests/scan/test_exact.py); where the kernels cannot be built, or the probe run at load finds a
+kernel that disagrees with its twin or depends on its batch, the backend runs the twins and says
+so (path "exact-twin"): slower, with the same results.
+
+Dimension letters as in the mixer modules.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import hashlib
+import logging
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import weakref
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from scan._backends import Backend, labelled
+from scan._mamba3 import Mamba3Mixer
+from scan._mixer import States
+from scan._ops import Primitives
+
+__all__ = ["ARITHMETIC", "Probe", "TWIN_OPS", "TWIN_PRIMITIVES", "build_kernels", "exact_backend", "exact_primitives",
+           "probe"]
+
+log = logging.getLogger(__name__)
+
+Tensor = torch.Tensor
+
+#: names the arithmetic (recorded in receipts): same name, same bits
+ARITHMETIC = "exact-v1"
+
+_SOURCE = Path(__file__).with_name("_exact.c")
+# No fused multiply-add, no reassociation: vectorization may only run independent elements side
+# by side, which changes no bit. (-fno-fast-math first: it resets the options after it.)
+_FLAGS = ["-O3", "-fno-fast-math", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared",
+          "-std=gnu11"]
+
+
+def _march() -> str:
+    """The instruction set the kernels are built for ($MAMBA_STREAM_EXACT_MARCH, default native):
+    it changes their speed, never their results."""
+    return os.environ.get("MAMBA_STREAM_EXACT_MARCH", "native")
+_UNARY = {"exp": 0, "silu": 1, "sigmoid": 2, "softplus": 3, "tanh": 4, "sin": 5, "cos": 6, "rsqrt": 7}
+#: below this many multiply-adds a product runs on the calling thread alone
+_PARALLEL_WORK = 1 << 20
+
+# --- the arithmetic in torch: the twins ---------------------------------------------------------
+
+_INV_LN2 = 1.44269504088896338700
+_LN2_HI = 6.93147180369123816490e-01
+_LN2_LO = 1.90821492927058770002e-10
+_SQRT_HALF = 0.70710678118654752440
+_TWO_OVER_PI = 6.36619772367581382433e-01
+_PIO2 = (1.57079632673412561417e00, 6.07710050650619224932e-11, 2.02226624879595063154e-21)
+_EXP_POLY = [1.0 / math.factorial(k) for k in range(15)]  # low order first
+_EXPM1_POLY = [1.0 / math.factorial(k + 1) for k in range(18)]
+_LOG_POLY = [1.0 / (2 * k + 1) for k in range(12)]
+_SIN_POLY = [(-1.0) ** k / math.factorial(2 * k + 1) for k in range(10)]
+_COS_POLY = [(-1.0) ** k / math.factorial(2 * k + 2) for k in range(9)]
+
+
+def _horner(x: Tensor, coeffs: list[float]) -> Tensor:
+    """coeffs[0] + coeffs[1] x + ..., highest power first, one rounding per operation (as the C)."""
+    acc = torch.full_like(x, coeffs[-1])
+    for c in reversed(coeffs[:-1]):
+        acc = acc * x + c
+    return acc
+
+
+_ROUNDER = 6755399441055744.0  # 1.5 * 2**52: v + _ROUNDER rounds v to an integer (ties to even)
+
+
+def _exp64(x: Tensor) -> Tensor:
+    xc = torch.where(x > 709.0, torch.full_like(x, 709.0), x)
+    xc = torch.where(xc < -708.0, torch.full_like(x, -708.0), xc)
+    t = xc * _INV_LN2 + _ROUNDER
+    k = t - _ROUNDER
+    r = (xc - k * _LN2_HI) - k * _LN2_LO
+    scale = ((t.view(torch.int64) + 1023) << 52).view(torch.float64)
+    out = _horner(r, _EXP_POLY) * scale
+    out = torch.where(x > 709.0, torch.full_like(out, math.inf), out)
+    return torch.where(x < -708.0, torch.zeros_like(out), out)
+
+
+def _expm1_64(x: Tensor) -> Tensor:
+    small = (x > -0.5) & (x < 0.5)
+    series = x * _horner(torch.where(small, x, torch.zeros_like(x)), _EXPM1_POLY)
+    return torch.where(small, series, _exp64(x) - 1.0)
+
+
+def _log_ge1_64(u: Tensor) -> Tensor:
+    bits = u.view(torch.int64)
+    e = ((bits >> 52) & 0x7FF) - 1023
+    m = ((bits & 0x000FFFFFFFFFFFFF) | 0x3FF0000000000000).view(torch.float64)
+    big = m > 2.0 * _SQRT_HALF
+    m = torch.where(big, m * 0.5, m)
+    k = (e + big.to(torch.int64)).to(torch.float64)
+    f = m - 1.0
+    s = f / (2.0 + f)
+    return k * _LN2_HI + (k * _LN2_LO + 2.0 * s * _horner(s * s, _LOG_POLY))
+
+
+def _log1p_pos64(y: Tensor) -> Tensor:
+    u = 1.0 + y
+    one = u == 1.0
+    safe = torch.where(one, torch.full_like(u, 2.0), u)
+    return torch.where(one, y, _log_ge1_64(safe) * (y / (safe - 1.0)))
+
+
+def _sincos64(x: Tensor) -> tuple[Tensor, Tensor]:
+    t = x * _TWO_OVER_PI + _ROUNDER
+    n = t - _ROUNDER
+    r = ((x - n * _PIO2[0]) - n * _PIO2[1]) - n * _PIO2[2]
+    z = r * r
+    s = r * _horner(z, _SIN_POLY)
+    c = 1.0 - z * _horner(z, _COS_POLY)
+    q = t.view(torch.int64) & 3
+    sn = torch.where(q == 0, s, torch.where(q == 1, c, torch.where(q == 2, -s, -c)))
+    cs = torch.where(q == 0, c, torch.where(q == 1, -s, torch.where(q == 2, -c, s)))
+    return sn, cs
+
+
+def _tanh64(x: Tensor) -> Tensor:
+    a = x.abs()
+    e = _expm1_64(2.0 * torch.where(a > 20.0, torch.zeros_like(a), a))
+    t = torch.where(a > 20.0, torch.ones_like(a), e / (e + 2.0))
+    return torch.where(x < 0.0, -t, t)
+
+
+def _rsqrt64(v: Tensor) -> Tensor:
+    y = (0x5FE6EB50C7B537A9 - (v.view(torch.int64) >> 1)).view(torch.float64)
+    h = 0.5 * v
+    for _ in range(5):
+        y = y * (1.5 - (h * y) * y)
+    return y
+
+
+def _unary64(x: Tensor, op: str) -> Tensor:
+    if op == "rsqrt":
+        return _rsqrt64(x)
+    if op == "exp":
+        return _exp64(x)
+    if op == "silu":
+        return x / (1.0 + _exp64(-x))
+    if op == "sigmoid":
+        return 1.0 / (1.0 + _exp64(-x))
+    if op == "softplus":
+        small = torch.where(x > 20.0, torch.zeros_like(x), x)
+        return torch.where(x > 20.0, x, _log1p_pos64(_exp64(small)))
+    if op == "tanh":
+        return _tanh64(x)
+    sn, cs = _sincos64(x)
+    return sn if op == "sin" else cs
+
+
+def unary_twin(x: Tensor, op: str) -> Tensor:
+    """`op` of every element, computed in double from basic operations, rounded to x's dtype."""
+    return _unary64(x.double(), op).to(x.dtype)
+
+
+def linear_twin(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x (..., K) @ weight (N, K)^T in the kernel's order: 16 lanes (lane j sums k = j, j + 16, ...
+    in order from 0; zeros past K), then the lanes by the fixed tree (j, j + 8), (j, j + 4),
+    (j, j + 2), (0, 1); then + bias."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    pad = (-k) % 16
+    rows = torch.nn.functional.pad(x.reshape(-1, k), (0, pad)).reshape(-1, 1, (k + pad) // 16, 16)
+    w = torch.nn.functional.pad(weight, (0, pad)).reshape(1, weight.shape[0], (k + pad) // 16, 16)
+    lanes = torch.zeros((rows.shape[0], weight.shape[0], 16), dtype=x.dtype)
+    for b in range((k + pad) // 16):
+        lanes = lanes + rows[:, :, b] * w[:, :, b]
+    s8 = lanes[..., :8] + lanes[..., 8:]
+    s4 = s8[..., :4] + s8[..., 4:]
+    s2 = s4[..., :2] + s4[..., 2:]
+    acc = s2[..., 0] + s2[..., 1]
+    if bias is not None:
+        acc = acc + bias
+    return acc.reshape(*lead, weight.shape[0])
+
+
+def mean_twin(x: Tensor) -> Tensor:
+    """Mean over the last dimension (kept), summed in order from 0."""
+    acc = torch.zeros_like(x[..., :1])
+    for j in range(x.shape[-1]):
+        acc = acc + x[..., j : j + 1]
+    return acc / x.shape[-1]
+
+
+def _seq_contract(h: Tensor, c: Tensor) -> Tensor:
+    """(((0 + h_0 c_0) + h_1 c_1) + ...) over the last dimension."""
+    acc = torch.zeros_like((h[..., 0] * c[..., 0]))
+    for n in range(h.shape[-1]):
+        acc = acc + h[..., n] * c[..., n]
+    return acc
+
+
+def selective_scan_twin(dt: Tensor, at: Tensor, x: Tensor, b: Tensor, cc: Tensor, h0: Tensor) -> tuple[Tensor, Tensor]:
+    """The kernel `selective_scan`: dt, x (B, L, C); at (N, C); b, cc (B, L, N); h0 (B, C, N)."""
+    a = at.t()
+    h, ys = h0, []
+    for t in range(dt.shape[1]):
+        decay = unary_twin(dt[:, t].unsqueeze(-1) * a, "exp")
+        h = h * decay + (dt[:, t] * x[:, t]).unsqueeze(-1) * b[:, t].unsqueeze(1)
+        ys.append(_seq_contract(h, cc[:, t].unsqueeze(1)))
+    return torch.stack(ys, dim=1), h
+
+
+def ssd_twin(x: Tensor, dt: Tensor, a: Tensor, b: Tensor, c: Tensor, h0: Tensor) -> tuple[Tensor, Tensor]:
+    """The kernel `ssd_scan`: x (B, L, H, P); dt (B, L, H); a (H,); b, c (B, L, G, N); h0 (B, H, P, N)."""
+    bsz, length, h, p = x.shape
+    g = b.shape[2]
+    hg = h // g
+    s, ys = h0, []
+    for t in range(length):
+        d = dt[:, t]
+        decay = unary_twin(d * a, "exp")  # (B, H)
+        dx = d.unsqueeze(-1) * x[:, t]  # (B, H, P)
+        bt = b[:, t].repeat_interleave(hg, dim=1)  # (B, H, N)
+        s = s * decay[:, :, None, None] + dx.unsqueeze(-1) * bt.unsqueeze(2)
+        ys.append(_seq_contract(s, c[:, t].repeat_interleave(hg, dim=1).unsqueeze(2)))
+    return torch.stack(ys, dim=1), s
+
+
+def angle_twin(inc: Tensor, angle: Tensor) -> tuple[Tensor, Tensor]:
+    """The kernel `angle_scan`: inc (B, L, H, S); angle (B, H, S). Returns theta (B, L, H, S), last angle."""
+    two_pi = torch.tensor(6.283185307179586, dtype=inc.dtype)
+    out = []
+    for t in range(inc.shape[1]):
+        v = angle + inc[:, t]
+        angle = v - two_pi * torch.floor(v / two_pi)
+        out.append(angle)
+    return torch.stack(out, dim=1), angle
+
+
+def trapezoid_twin(q: Tensor, k: Tensor, xr: Tensor, alpha: Tensor, beta: Tensor, gamma: Tensor, d: Tensor,
+                   s0: Tensor, kp: Tensor, xp: Tensor) -> tuple[Tensor, Tensor]:
+    """The kernel `trapezoid_scan`: q, k (B, L, R, H, N); xr (B, L, R, H, P); alpha, beta, gamma
+    (B, L, H); d (H,); s0 (B, H, P, N); kp (B, R, H, N), xp (B, R, H, P) the previous token's."""
+    s, ys = s0, []
+    for t in range(q.shape[1]):
+        bx = beta[:, t, None, :, None] * xp  # (B, R, H, P)
+        gx = gamma[:, t, None, :, None] * xr[:, t]
+        terms = bx.unsqueeze(-1) * kp.unsqueeze(-2) + gx.unsqueeze(-1) * k[:, t].unsqueeze(-2)  # (B, R, H, P, N)
+        upd = terms[:, 0]
+        for r in range(1, terms.shape[1]):
+            upd = upd + terms[:, r]
+        s = s * alpha[:, t, :, None, None] + upd
+        ys.append(_seq_contract(s.unsqueeze(1), q[:, t].unsqueeze(-2)) + d[:, None] * xr[:, t])
+        kp, xp = k[:, t], xr[:, t]
+    return torch.stack(ys, dim=1), s
+
+
+# --- the kernels --------------------------------------------------------------------------------
+
+
+def _cache_dir() -> Path:
+    """$MAMBA_STREAM_CACHE, else $XDG_CACHE_HOME/mamba-stream, else ~/.cache/mamba-stream."""
+    if os.environ.get("MAMBA_STREAM_CACHE"):
+        return Path(os.environ["MAMBA_STREAM_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mamba-stream"
+
+
+def _compilers() -> list[list[str]]:
+    found: list[list[str]] = []
+    if os.environ.get("MAMBA_STREAM_CC"):
+        found.append(os.environ["MAMBA_STREAM_CC"].split())
+    for name in ("cc", "gcc", "clang"):
+        path = shutil.which(name)
+        if path:
+            found.append([path])
+    try:
+        import ziglang  # noqa: F401 - a C compiler shipped as a wheel
+
+        found.append([sys.executable, "-m", "ziglang", "cc"])
+    except ImportError:
+        pass
+    return found
+
+
+def _cpu_signature() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return f"{platform.machine()}|{hashlib.sha256(flags.encode()).hexdigest()[:16]}"
+
+
+@functools.cache
+def build_kernels() -> tuple[Any, str]:
+    """(the loaded kernel library or None, what built it / why there is none). Built once per
+    source, compiler and CPU, cached under $MAMBA_STREAM_CACHE (default ~/.cache/mamba-stream)."""
+    if os.environ.get("MAMBA_STREAM_EXACT_KERNELS", "1") == "0":
+        return None, "kernels disabled (MAMBA_STREAM_EXACT_KERNELS=0)"
+    source = _SOURCE.read_bytes()
+    errors = []
+    flags = [f"-march={_march()}", *_FLAGS]
+    for cc in _compilers():
+        key = hashlib.sha256(source + " ".join([*cc, *flags]).encode() + _cpu_signature().encode()).hexdigest()[:20]
+        target = _cache_dir() / f"exact-{key}.so"
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
+            os.close(fd)
+            try:
+                proc = subprocess.run([*cc, *flags, "-o", tmp, str(_SOURCE), "-lm"], capture_output=True,
+                                      text=True, timeout=300)
+                if proc.returncode != 0:
+                    errors.append(f"{' '.join(cc)}: {proc.stderr.strip()[:300]}")
+                    Path(tmp).unlink(missing_ok=True)
+                    continue
+                os.replace(tmp, target)
+            except (OSError, subprocess.SubprocessError) as exc:
+                errors.append(f"{' '.join(cc)}: {exc}")
+                Path(tmp).unlink(missing_ok=True)
+                continue
+        try:
+            lib = ctypes.CDLL(str(target))
+        except OSError as exc:
+            errors.append(f"{target}: {exc}")
+            continue
+        _declare(lib)
+        return lib, f"{Path(cc[-1]).name} -O3 -march={_march()} -ffp-contract=off ({target.name})"
+    reason = "; ".join(errors) if errors else "no C compiler (cc, gcc, clang or the ziglang wheel) was found"
+    return None, reason
+
+
+def _declare(lib: Any) -> None:
+    p, i, d = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+    sigs = {
+        "linear": [p, i, i, p, i, p, p, i, i],
+        "unary": [p, p, i, ctypes.c_int],
+        "mean_rows": [p, p, i, i],
+        "rms_norm": [p, p, p, i, i, d],
+        "gated_norm": [p, p, p, p, i, i, i, d, ctypes.c_int],
+        "conv": [p, p, p, p, p, p, i, i, i, i],
+        "selective_scan": [p, p, p, p, p, p, p, i, i, i, i, i, i],
+        "ssd_scan": [p, p, p, p, p, p, p, i, i, i, i, i, i, i, i],
+        "angle_scan": [p, p, p, i, i, i, i, i],
+        "trapezoid_scan": [p, p, p, p, p, p, p, p, p, p, p, i, i, i, i, i, i, i, i],
+    }
+    for name, args in sigs.items():
+        for suf in ("_f32", "_f64"):
+            fn = getattr(lib, name + suf)
+            fn.argtypes = args
+            fn.restype = None
+
+
+_SUFFIX = {torch.float32: "_f32", torch.float64: "_f64"}
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+_THREADS = max(1, min(torch.get_num_threads(), os.cpu_count() or 1))
+
+
+def _parallel(fn: Callable[[int, int], None], units: int, work: int) -> None:
+    """fn(u0, u1) over [0, units), split across threads when the work is worth it. Each unit is
+    computed whole by one thread: the split never changes a result."""
+    t = min(_THREADS, units)
+    if t <= 1 or work < _PARALLEL_WORK:
+        fn(0, units)
+        return
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=_THREADS, thread_name_prefix="exact")
+    bounds = [units * j // t for j in range(t + 1)]
+    futures = [_pool.submit(fn, bounds[j], bounds[j + 1]) for j in range(1, t)]
+    fn(bounds[0], bounds[1])
+    for f in futures:
+        f.result()
+
+
+class _Kernels:
+    """The C kernels behind the signatures of the twins (thin: decode is bound by call overhead)."""
+
+    def __init__(self, lib: Any) -> None:
+        self.fn = {(name, dt): getattr(lib, name + suf) for name in (
+            "linear", "unary", "mean_rows", "rms_norm", "gated_norm", "conv", "selective_scan", "ssd_scan",
+            "angle_scan", "trapezoid_scan") for dt, suf in _SUFFIX.items()}
+
+    @staticmethod
+    def _cached(weight: Tensor, what: str, make: Callable[[], Tensor]) -> Tensor:
+        """A tensor derived from a weight, kept on it while the weight is unchanged."""
+        key = "_exact_" + what
+        hit = getattr(weight, key, None)
+        if hit is not None and hit[0] == weight._version:
+            return hit[1]
+        value = make()
+        setattr(weight, key, (weight._version, value))
+        return value
+
+    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        k, n = x.shape[-1], weight.shape[0]
+        if not x.is_contiguous():
+            x = x.contiguous()
+        m = x.numel() // k if k else 0
+        out = x.new_empty((*x.shape[:-1], n))
+        if m:
+            w = weight if weight.is_contiguous() else self._cached(weight, "contiguous", weight.contiguous)
+            fn, xp, wp, op = self.fn["linear", x.dtype], x.data_ptr(), w.data_ptr(), out.data_ptr()
+            bp = None if bias is None else bias.data_ptr()
+            if m * k * n < _PARALLEL_WORK:
+                fn(xp, m, k, wp, n, bp, op, 0, n)
+            else:  # units of 16 outputs: a multiple of every tile; each thread reads its own weight rows
+                _parallel(lambda u0, u1: fn(xp, m, k, wp, n, bp, op, u0 * 16, min(n, u1 * 16)), (n + 15) // 16,
+                          m * k * n)
+        return out
+
+    def unary(self, x: Tensor, op: str) -> Tensor:
+        if not x.is_contiguous():
+            x = x.contiguous()
+        out = torch.empty_like(x)
+        self.fn["unary", x.dtype](x.data_ptr(), out.data_ptr(), x.numel(), _UNARY[op])
+        return out
+
+    def exp(self, x: Tensor) -> Tensor:
+        if isinstance(x, torch.nn.Parameter):  # A_log: the same every call
+            return self._cached(x, "exp", lambda: self.unary(x.detach(), "exp"))
+        return self.unary(x, "exp")
+
+    def mean(self, x: Tensor) -> Tensor:
+        if not x.is_contiguous():
+            x = x.contiguous()
+        d = x.shape[-1]
+        out = x.new_empty((*x.shape[:-1], 1))
+        self.fn["mean_rows", x.dtype](x.data_ptr(), out.data_ptr(), x.numel() // d if d else 0, d)
+        return out
+
+    def norm(self, x: Tensor, weight: Tensor, bias: Tensor | None, eps: float, rms: bool) -> Tensor:
+        if not rms or bias is not None:
+            return _exact_norm(x, weight, bias, eps, rms, self.mean, lambda t: self.unary(t, "rsqrt"))
+        if not x.is_contiguous():
+            x = x.contiguous()
+        d = x.shape[-1]
+        out = torch.empty_like(x)
+        w = weight.contiguous()
+        self.fn["rms_norm", x.dtype](x.data_ptr(), w.data_ptr(), out.data_ptr(), x.numel() // d if d else 0, d, eps)
+        return out
+
+    def gated_norm(self, x: Tensor, z: Tensor, weight: Tensor, eps: float, group_size: int,
+                   norm_before_gate: bool) -> Tensor:
+        x, z = x.contiguous(), z.contiguous()
+        d = x.shape[-1]
+        if d % group_size:
+            raise ValueError(f"group size {group_size} does not divide {d}")
+        out = torch.empty_like(x)
+        self.fn["gated_norm", x.dtype](x.data_ptr(), z.data_ptr(), weight.contiguous().data_ptr(), out.data_ptr(),
+                                      x.numel() // d if d else 0, d, group_size, eps, int(norm_before_gate))
+        return out
+
+    def conv(self, conv_state: Tensor, xs: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:
+        bsz, length, c = xs.shape
+        w = weight.shape[-1]
+        st, xs = conv_state.contiguous(), xs.contiguous()
+        taps = self._cached(weight, "taps", lambda: weight.detach()[:, 0, :].contiguous())
+        out = torch.empty_like(xs)
+        new = torch.empty_like(st)
+        self.fn["conv", xs.dtype](st.data_ptr(), xs.data_ptr(), taps.data_ptr(),
+                                  None if bias is None else bias.data_ptr(), out.data_ptr(), new.data_ptr(),
+                                  bsz, length, c, w)
+        return out, new
+
+    def selective_scan(self, dt: Tensor, at: Tensor, x: Tensor, b: Tensor, cc: Tensor, h0: Tensor) -> tuple[Tensor, Tensor]:
+        bsz, length, c = dt.shape
+        n = at.shape[0]
+        dt, at, x, b, cc = (t.contiguous() for t in (dt, at, x, b, cc))
+        h = h0.contiguous().clone()
+        y = torch.empty_like(dt)
+        fn = self.fn["selective_scan", dt.dtype]
+        nblk = (c + 63) // 64
+        _parallel(lambda u0, u1: fn(dt.data_ptr(), at.data_ptr(), x.data_ptr(), b.data_ptr(), cc.data_ptr(),
+                                    h.data_ptr(), y.data_ptr(), bsz, length, c, n, u0, u1),
+                  bsz * nblk, bsz * length * c * n * 8)
+        return y, h
+
+    def ssd(self, x: Tensor, dt: Tensor, a: Tensor, b: Tensor, c: Tensor, h0: Tensor) -> tuple[Tensor, Tensor]:
+        bsz, length, h, p = x.shape
+        g, n = b.shape[2], b.shape[3]
+        x, dt, a, b, c = (t.contiguous() for t in (x, dt, a, b, c))
+        s = h0.contiguous().clone()
+        y = torch.empty_like(x)
+        fn = self.fn["ssd_scan", x.dtype]
+        _parallel(lambda u0, u1: fn(x.data_ptr(), dt.data_ptr(), a.data_ptr(), b.data_ptr(), c.data_ptr(),
+                                    s.data_ptr(), y.data_ptr(), bsz, length, h, p, g, n, u0, u1),
+                  bsz * h, bsz * length * h * p * n * 4)
+        return y, s
+
+    def angle(self, inc: Tensor, angle: Tensor) -> tuple[Tensor, Tensor]:
+        bsz, length = inc.shape[:2]
+        inc = inc.contiguous()
+        ang = angle.contiguous().clone()
+        theta = torch.empty_like(inc)
+        hs = ang[0].numel() if bsz else 0
+        self.fn["angle_scan", inc.dtype](inc.data_ptr(), ang.data_ptr(), theta.data_ptr(), bsz, length, hs, 0, bsz)
+        return theta, ang
+
+    def trapezoid(self, q: Tensor, k: Tensor, xr: Tensor, alpha: Tensor, beta: Tensor, gamma: Tensor, d: Tensor,
+                  s0: Tensor, kp: Tensor, xp: Tensor) -> tuple[Tensor, Tensor]:
+        bsz, length, r, h, n = q.shape
+        p = xr.shape[-1]
+        q, k, xr, alpha, beta, gamma, d = (t.contiguous() for t in (q, k, xr, alpha, beta, gamma, d))
+        s = s0.contiguous().clone()
+        kp, xp = kp.contiguous().clone(), xp.contiguous().clone()
+        y = torch.empty_like(xr)
+        fn = self.fn["trapezoid_scan", q.dtype]
+        _parallel(lambda u0, u1: fn(q.data_ptr(), k.data_ptr(), xr.data_ptr(), alpha.data_ptr(), beta.data_ptr(),
+                                    gamma.data_ptr(), d.data_ptr(), s.data_ptr(), kp.data_ptr(), xp.data_ptr(),
+                                    y.data_ptr(), bsz, length, r, h, p, n, u0, u1),
+                  bsz * h, bsz * length * r * h * p * n * 4)
+        return y, s
+
+
+def _exact_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float, rms: bool,
+                mean: Callable[[Tensor], Tensor], rsqrt: Callable[[Tensor], Tensor]) -> Tensor:
+    """RMSNorm, x rsqrt(mean(x x) + eps) w, or LayerNorm, with the exact mean and rsqrt."""
+    if not rms:
+        x = x - mean(x)
+    out = (x * rsqrt(mean(x * x) + eps)) * weight
+    return out if bias is None else out + bias
+
+
+def norm_twin(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float, rms: bool) -> Tensor:
+    """The kernel `rms_norm` (and the LayerNorm composed of the exact mean and rsqrt)."""
+    return _exact_norm(x, weight, bias, eps, rms, mean_twin, lambda t: unary_twin(t, "rsqrt"))
+
+
+def gated_norm_twin(x: Tensor, z: Tensor, weight: Tensor, eps: float, group_size: int,
+                    norm_before_gate: bool) -> Tensor:
+    """The kernel `gated_norm`: mamba-ssm's RMSNormGated with the exact silu, mean and rsqrt."""
+    silu = unary_twin(z, "silu")
+    if not norm_before_gate:
+        x = x * silu
+    shape = x.shape
+    groups = x.reshape(*shape[:-1], shape[-1] // group_size, group_size)
+    inv = unary_twin(mean_twin(groups * groups) + eps, "rsqrt")
+    out = (groups * inv).reshape(shape) * weight
+    return out * silu if norm_before_gate else out
+
+
+class _Twins:
+    """The twins, in the kernels' call shape."""
+
+    linear = staticmethod(linear_twin)
+    unary = staticmethod(unary_twin)
+    exp = staticmethod(lambda x: unary_twin(x, "exp"))
+    mean = staticmethod(mean_twin)
+    norm = staticmethod(norm_twin)
+    gated_norm = staticmethod(gated_norm_twin)
+    selective_scan = staticmethod(selective_scan_twin)
+    ssd = staticmethod(ssd_twin)
+    angle = staticmethod(angle_twin)
+    trapezoid = staticmethod(trapezoid_twin)
+
+    @staticmethod
+    def conv(conv_state: Tensor, xs: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:
+        return conv_twin(conv_state, xs, weight, bias)
+
+
+TWIN_OPS = _Twins()
+KERNEL_OPS: _Kernels | None = None  # set by `_kernel_ops()` once built
+
+
+def _kernel_ops() -> _Kernels | None:
+    global KERNEL_OPS
+    if KERNEL_OPS is None:
+        lib, how = build_kernels()
+        if lib is None:
+            log.warning("exact backend: %s; running the pure-PyTorch twins (same results, slower)", how)
+            return None
+        KERNEL_OPS = _Kernels(lib)
+    return KERNEL_OPS
+
+
+# --- the primitives ------------------------------------------------------------------------------
+
+
+def conv_twin(conv_state: Tensor, xs: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The kernel `conv`: the causal conv over a chunk, each output's taps summed in order
+    (`conv_steps`' arithmetic, all tokens side by side). conv_state (B, C, W); xs (B, L, C);
+    weight (C, 1, W)."""
+    w = weight.shape[-1]
+    length = xs.shape[1]
+    full = torch.cat([conv_state, xs.transpose(1, 2)], dim=-1)  # (B, C, W + L)
+    taps = weight[:, 0, :]
+    acc = full[:, :, 1 : 1 + length] * taps[:, 0:1]
+    for j in range(1, w):
+        acc = acc + full[:, :, 1 + j : 1 + j + length] * taps[:, j : j + 1]
+    if bias is not None:
+        acc = acc + bias[:, None]
+    return acc.transpose(1, 2), full[:, :, -w:].contiguous()
+
+
+def exact_primitives(ops: Any, path: str) -> Primitives:
+    """The exact arithmetic, computed by `ops` (the kernels or the twins)."""
+
+    def silu(x: Tensor) -> Tensor:
+        return ops.unary(x, "silu")
+
+    def sigmoid(x: Tensor) -> Tensor:
+        return ops.unary(x, "sigmoid")
+
+    def softplus(x: Tensor) -> Tensor:
+        return ops.unary(x, "softplus")
+
+    def selective_scan(dt: Tensor, a: Tensor, x: Tensor, b: Tensor, cc: Tensor, h0: Tensor) -> tuple[Tensor, Tensor]:
+        return ops.selective_scan(dt, a.t().contiguous(), x, b, cc, h0)
+
+    def ssd(x: Tensor, dt: Tensor, a: Tensor, b: Tensor, c: Tensor, h0: Tensor, chunk_size: int = 0
+            ) -> tuple[Tensor, Tensor]:
+        return ops.ssd(x, dt, a, b, c, h0)
+
+    def mamba3(m: Mamba3Mixer, qn: Tensor, kn: Tensor, v: Tensor, a: Tensor, dt: Tensor, trap: Tensor,
+               ang: Tensor, states: States) -> tuple[Tensor, States]:
+        angle, ssm, k_prev, v_prev = states
+        lam = ops.unary(trap, "sigmoid")
+        inc = ops.unary(ang, "tanh").unsqueeze(-2) * math.pi * dt.unsqueeze(-1)  # (B, L, H, S)
+        theta, angle_end = ops.angle(inc, angle)
+        sin, cos = ops.unary(theta, "sin"), ops.unary(theta, "cos")
+        q = m._heads_rotated(qn, m.C_bias, theta, (cos, sin))  # (B, L, R, H, N)
+        k = m._heads_rotated(kn, m.B_bias, theta, (cos, sin))
+        alpha = ops.unary(a * dt, "exp")
+        beta = alpha * dt * (1.0 - lam)
+        gamma = lam * dt
+        xr = m._xr(v)
+        y, s = ops.trapezoid(q, k, xr, alpha, beta, gamma, m.D, ssm, k_prev, m._xr(v_prev))
+        return y, (angle_end, s, k[:, -1].contiguous(), v[:, -1].contiguous())
+
+    return Primitives(
+        name=path, linear=ops.linear, silu=silu, sigmoid=sigmoid, softplus=softplus,
+        exp=ops.exp, mean=ops.mean, norm=ops.norm, gated_norm=ops.gated_norm, conv=ops.conv,
+        selective_scan=labelled(selective_scan, path), ssd=labelled(ssd, path),
+        mamba3_scan=labelled(mamba3, path),
+    )
+
+
+TWIN_PRIMITIVES = exact_primitives(TWIN_OPS, "exact-twin")
+
+
+# --- the probe ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
+    """What the load-time check found: whether the kernels reproduce the twins on this model."""
+
+    kernels: bool
+    reason: str
+    seconds: float
+
+    @property
+    def path(self) -> str:
+        return "exact" if self.kernels else "exact-twin"
+
+
+def probe(lm: torch.nn.Module, dtype: torch.dtype) -> Probe:
+    """Run the model's own layers, shapes, dtype and threads through the kernels and the twins.
+
+    Two streams of three tokens, from random states: the kernels must give the twins' bits, one
+    stream alone must give its bits in the pair, and the three tokens one at a time must give
+    the chunk's. Any difference means the kernels cannot be trusted here (a compiler that fused
+    or reordered, a build for another machine): the backend then runs the twins.
+    """
+    import time
+
+    from scan._forward import forward
+
+    t0 = time.perf_counter()
+    ops = _kernel_ops()
+    if ops is None:
+        return Probe(False, build_kernels()[1], time.perf_counter() - t0)
+    kernels = exact_primitives(ops, "exact")
+    g = torch.Generator().manual_seed(0)
+    states = [tuple((torch.randn((2, *shape), generator=g) * 0.5).to(dtype) for _, shape in blk.mixer.state_shapes())
+              for blk in lm.backbone.layers]
+    hidden = (torch.randn((2, 3, lm.cfg.d_model), generator=g)).to(dtype)
+    try:
+        with torch.inference_mode():
+            k_logits, k_states, _ = forward(lm, hidden, states, _Fixed(kernels))
+            t_logits, t_states, _ = forward(lm, hidden, states, _Fixed(TWIN_PRIMITIVES))
+            solo, solo_states, _ = forward(lm, hidden[:1], [tuple(t[:1] for t in st) for st in states], _Fixed(kernels))
+            steps, st1 = [], [tuple(t[:1] for t in st) for st in states]
+            for i in range(3):
+                lg, st1, _ = forward(lm, hidden[:1, i : i + 1], st1, _Fixed(kernels))
+                steps.append(lg)
+    except Exception as exc:  # noqa: BLE001 - a kernel that fails is a kernel we do not use
+        return Probe(False, f"the kernels failed on this model: {type(exc).__name__}: {exc}", time.perf_counter() - t0)
+    checks = {
+        "kernels equal their twins": torch.equal(k_logits, t_logits) and _states_equal(k_states, t_states),
+        "a stream alone equals it in a batch": torch.equal(solo, k_logits[:1])
+        and _states_equal(solo_states, [tuple(t[:1] for t in st) for st in k_states]),
+        "token by token equals the chunk": torch.equal(torch.cat(steps, dim=1), solo) and _states_equal(st1, solo_states),
+    }
+    failed = [name for name, ok in checks.items() if not ok]
+    seconds = time.perf_counter() - t0
+    if failed:
+        return Probe(False, "the probe found " + "; ".join(f"not: {f}" for f in failed), seconds)
+    return Probe(True, f"kernels verified on this model ({build_kernels()[1]})", seconds)
+
+
+def _states_equal(a: list[States], b: list[States]) -> bool:
+    return all(torch.equal(x, y) for la, lb in zip(a, b) for x, y in zip(la, lb))
+
+
+class _Fixed(Backend):
+    """One set of primitives for every length (the exact arithmetic does not depend on it)."""
+
+    exact = True
+
+    def __init__(self, prims: Primitives) -> None:
+        self.name = prims.name
+        self._prims = prims
+
+    def primitives(self, length: int) -> Primitives:
+        return self._prims
+
+
+_PROBED: weakref.WeakKeyDictionary[torch.nn.Module, dict[torch.dtype, tuple[Backend, Probe]]] = (
+    weakref.WeakKeyDictionary())
+
+
+def exact_backend(lm: torch.nn.Module, dtype: torch.dtype) -> tuple[Backend, Probe]:
+    """The exact backend for this model: the kernels if the probe verified them, else the twins.
+    Probed once per model and dtype (the result is kept on the module)."""
+    cache = _PROBED.setdefault(lm, {})
+    if dtype in cache:
+        return cache[dtype]
+    found = probe(lm, dtype)
+    if not found.kernels:
+        log.warning("exact backend: %s; running the pure-PyTorch twins (same results, slower)", found.reason)
+    else:
+        log.info("exact backend: %s in %.0f ms", found.reason, found.seconds * 1000)
+    prims = exact_primitives(_kernel_ops(), "exact") if found.kernels else TWIN_PRIMITIVES
+    backend = _Fixed(prims)
+    backend.name = "exact"
+    cache[dtype] = (backend, found)
+    return backend, found

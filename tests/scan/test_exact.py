@@ -1,0 +1,250 @@
+"""The exact backend: its kernels give their twins' bits, and nothing the caller cannot see changes
+a bit (the chunking, the batch, prefill against decode, the threads, the instruction set the
+kernels were built for, whether the kernels were built at all)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from scan import load_model
+from scan import _exact as E
+from scan._forward import embed, forward
+from tests.scan._helpers import ARCH_PRESETS, model_for, scan_chunks, tokens
+
+ROOT = Path(__file__).resolve().parents[2]
+DTYPES = [torch.float32, torch.float64]
+
+pytestmark = pytest.mark.skipif(E._kernel_ops() is None, reason=f"no exact kernels here: {E.build_kernels()[1]}")
+
+
+def _r(g: torch.Generator, *shape: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+
+def _both(name: str, *args):  # noqa: ANN202
+    return getattr(E._kernel_ops(), name)(*args), getattr(E.TWIN_OPS, name)(*args)
+
+
+def _equal(a, b) -> bool:  # noqa: ANN001
+    if isinstance(a, tuple):
+        return all(_equal(x, y) for x, y in zip(a, b))
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+# --- kernels against twins ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_elementwise_kernel_gives_its_twins_bits(dtype):
+    g = torch.Generator().manual_seed(1)
+    x = torch.cat([_r(g, 5000, dtype=dtype, scale=6.0), _r(g, 1000, dtype=dtype, scale=200.0),
+                   torch.tensor([0.0, -0.0, 1e-30, -1e-30, 20.0, 20.000001, 709.5, -708.5, -800.0, 800.0,
+                                 float("inf"), float("-inf"), float("nan")], dtype=dtype)])
+    for op in E._UNARY:
+        v = x.abs() + 1e-6 if op == "rsqrt" else x
+        k, t = E._kernel_ops().unary(v, op), E.unary_twin(v, op)
+        assert torch.equal(k.nan_to_num(7.0), t.nan_to_num(7.0)) and bool((k.isnan() == t.isnan()).all()), op
+    # and they are the functions they name, to a few units in the last place
+    finite = x[torch.isfinite(x) & (x.abs() < 80)].double()
+    ulp = 6e-8 if dtype == torch.float32 else 2e-15
+    reference = {"exp": torch.exp, "sigmoid": torch.sigmoid, "tanh": torch.tanh, "sin": torch.sin, "cos": torch.cos,
+                 "silu": torch.nn.functional.silu, "softplus": torch.nn.functional.softplus}
+    for op, fn in reference.items():
+        got = E._kernel_ops().unary(finite.to(dtype), op).double()
+        want = fn(finite.to(dtype).double())
+        assert float(((got - want).abs() / want.abs().clamp_min(1e-30)).max()) <= 8 * ulp, op
+    v = finite.abs() + 1e-3
+    assert float((E._kernel_ops().unary(v.to(dtype), "rsqrt").double() * v.sqrt() - 1).abs().max()) <= 4 * ulp
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_products_norms_and_conv_give_their_twins_bits(dtype):
+    g = torch.Generator().manual_seed(2)
+    for m, k, n in [(1, 7, 5), (2, 64, 130), (3, 37, 64), (5, 40, 129), (9, 256, 200), (33, 16, 1000)]:
+        x, w, b = _r(g, m, k, dtype=dtype), _r(g, n, k, dtype=dtype), _r(g, n, dtype=dtype)
+        assert _equal(*_both("linear", x, w, b)) and _equal(*_both("linear", x, w, None)), (m, k, n)
+        big = E._kernel_ops().linear(x, w, b)
+        for i in range(m):  # one row alone is the same row in a batch
+            assert torch.equal(E._kernel_ops().linear(x[i : i + 1], w, b)[0], big[i])
+    x, z, w = _r(g, 3, 5, 48, dtype=dtype), _r(g, 3, 5, 48, dtype=dtype), _r(g, 48, dtype=dtype)
+    assert _equal(*_both("mean", x))
+    for rms, bias in ((True, None), (False, _r(g, 48, dtype=dtype))):
+        assert _equal(*_both("norm", x, w, bias, 1e-5, rms))
+    for before in (False, True):
+        assert _equal(*_both("gated_norm", x, z, w, 1e-5, 16, before))
+    state, xs, cw, cb = _r(g, 2, 7, 4, dtype=dtype), _r(g, 2, 5, 7, dtype=dtype), _r(g, 7, 1, 4, dtype=dtype), \
+        _r(g, 7, dtype=dtype)
+    assert _equal(*_both("conv", state, xs, cw, cb)) and _equal(*_both("conv", state, xs, cw, None))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_scans_give_their_twins_bits(dtype):
+    g = torch.Generator().manual_seed(3)
+    dt = torch.rand(2, 6, 70, generator=g, dtype=torch.float64).to(dtype) * 0.1
+    args = (dt, -torch.rand(16, 70, generator=g, dtype=torch.float64).to(dtype), _r(g, 2, 6, 70, dtype=dtype),
+            _r(g, 2, 6, 16, dtype=dtype), _r(g, 2, 6, 16, dtype=dtype), _r(g, 2, 70, 16, dtype=dtype))
+    assert _equal(*_both("selective_scan", *args))
+    args = (_r(g, 2, 6, 4, 8, dtype=dtype), torch.rand(2, 6, 4, generator=g, dtype=torch.float64).to(dtype) * 0.1,
+            -torch.rand(4, generator=g, dtype=torch.float64).to(dtype), _r(g, 2, 6, 2, 16, dtype=dtype),
+            _r(g, 2, 6, 2, 16, dtype=dtype), _r(g, 2, 4, 8, 16, dtype=dtype))
+    assert _equal(*_both("ssd", *args))
+    assert _equal(*_both("angle", _r(g, 2, 6, 4, 3, dtype=dtype, scale=3.0), _r(g, 2, 4, 3, dtype=dtype)))
+    for r in (1, 2):
+        args = (_r(g, 2, 6, r, 4, 16, dtype=dtype), _r(g, 2, 6, r, 4, 16, dtype=dtype), _r(g, 2, 6, r, 4, 8, dtype=dtype),
+                torch.rand(2, 6, 4, generator=g, dtype=torch.float64).to(dtype), _r(g, 2, 6, 4, dtype=dtype),
+                _r(g, 2, 6, 4, dtype=dtype), _r(g, 4, dtype=dtype), _r(g, 2, 4, 8, 16, dtype=dtype),
+                _r(g, 2, r, 4, 16, dtype=dtype), _r(g, 2, r, 4, 8, dtype=dtype))
+        assert _equal(*_both("trapezoid", *args))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("preset", ARCH_PRESETS)
+def test_a_whole_model_on_the_kernels_gives_the_twins_bits(preset, dtype):
+    model = load_model(preset, backend="exact", dtype=dtype)
+    lm = model.module
+    states = model._stack([model.initial_state(), model.advance(model.initial_state(), tokens(5, 1)).state])
+    with torch.inference_mode():
+        hidden = embed(lm, torch.tensor([tokens(21, 2), tokens(21, 3)]))
+        a = forward(lm, hidden, states, E._Fixed(E.exact_primitives(E._kernel_ops(), "exact")))
+        b = forward(lm, hidden, states, E._Fixed(E.TWIN_PRIMITIVES))
+    assert torch.equal(a[0], b[0]) and E._states_equal(a[1], b[1])
+    assert (a[2], b[2]) == ("exact", "exact-twin")
+
+
+# --- nothing the caller cannot see changes a bit --------------------------------------------------
+
+
+@st.composite
+def _schedules(draw: st.DrawFn) -> list[tuple[int, list[int]]]:
+    """Co-scheduled streams: (warm-up length, next chunk length) each."""
+    n = draw(st.integers(1, 6))
+    return [(draw(st.integers(0, 20)), draw(st.integers(0, 9))) for _ in range(n)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("preset", ARCH_PRESETS)
+@settings(max_examples=25, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(schedule=_schedules())
+def test_any_co_scheduled_batch_gives_each_stream_its_solo_bits(preset, dtype, schedule):
+    model = model_for(preset, "exact", dtype)
+    states = [model.advance(model.initial_state(), tokens(w, 10 + i)).state for i, (w, _) in enumerate(schedule)]
+    chunks = [tokens(c, 50 + i) for i, (_, c) in enumerate(schedule)]
+    for s, c, got in zip(states, chunks, model.advance_batch(states, chunks)):
+        solo = model.advance(s, c)
+        assert torch.equal(got.logits, solo.logits) and got.state.equal(solo.state)
+    # the slot table's decode step over the same streams, one token each, any subset of rows
+    buffers = {name: torch.stack([s.tensors[name] for s in states]) for name in states[0].tensors}
+    rows = list(range(0, len(states), 2))
+    logits, path = model.step_rows(buffers, torch.tensor(rows), torch.tensor([7] * len(rows)))
+    for i, r in enumerate(rows):
+        solo = model.advance(states[r], [7])
+        assert torch.equal(logits[i], solo.logits[0]) and path == "exact"
+        assert all(torch.equal(buffers[k][r], solo.state.tensors[k]) for k in buffers)
+
+
+@pytest.mark.parametrize("preset", ARCH_PRESETS)
+def test_decode_token_by_token_equals_the_prefill_of_the_same_tokens(preset):
+    model = model_for(preset, "exact", "float32")
+    start = model.advance(model.initial_state(), tokens(9, 4)).state
+    toks = tokens(40, 5)
+    chunk = model.advance(start, toks)
+    logits, state = scan_chunks(model, start, toks, [1] * 40)
+    assert torch.equal(logits, chunk.logits) and state.equal(chunk.state)
+
+
+_CHECKSUMS = """
+import hashlib, json, sys, torch
+from scan import load_model
+from tests.scan._helpers import tokens
+out = {}
+for name in sys.argv[1].split(","):
+    m = load_model(name, backend="exact")
+    r = m.advance(m.advance(m.initial_state(), tokens(30, 1)).state, tokens(17, 2))
+    h = hashlib.sha256(r.logits.numpy().tobytes())
+    for t in r.state.tensors.values():
+        h.update(t.contiguous().numpy().tobytes())
+    out[name] = [h.hexdigest(), r.path]
+print(json.dumps(out))
+"""
+
+
+def _checksums(env: dict[str, str], presets: list[str]) -> dict[str, list[str]]:
+    proc = subprocess.run([sys.executable, "-c", _CHECKSUMS, ",".join(presets)], env={**os.environ, **env},
+                          capture_output=True, text=True, cwd=ROOT, timeout=600, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_the_same_bits_for_every_instruction_set_thread_count_and_without_kernels(tmp_path):
+    """Kernels built for plain x86-64 (SSE2), for AVX2 and for this machine, on one or two threads,
+    and the twins alone, under torch's scalar build: one checksum per preset."""
+    presets = ["tiny-mamba1", "tiny-mamba2", "tiny-mamba3", "tiny-mamba3-mimo"]
+    cache = str(tmp_path / "cache")
+    runs = {
+        "native, 2 threads": {"MAMBA_STREAM_CACHE": cache, "OMP_NUM_THREADS": "2"},
+        "native, 1 thread": {"MAMBA_STREAM_CACHE": cache, "OMP_NUM_THREADS": "1"},
+        "x86-64": {"MAMBA_STREAM_CACHE": cache, "MAMBA_STREAM_EXACT_MARCH": "x86-64"},
+        "x86-64-v3": {"MAMBA_STREAM_CACHE": cache, "MAMBA_STREAM_EXACT_MARCH": "x86-64-v3",
+                      "ATEN_CPU_CAPABILITY": "avx2"},
+        "twins, torch default": {"MAMBA_STREAM_EXACT_KERNELS": "0", "ATEN_CPU_CAPABILITY": "default"},
+    }
+    got = {label: _checksums(env, presets) for label, env in runs.items()}
+    first = got["native, 2 threads"]
+    for label, sums in got.items():
+        assert {k: v[0] for k, v in sums.items()} == {k: v[0] for k, v in first.items()}, label
+    assert {v[1] for v in got["twins, torch default"].values()} == {"exact-twin"}
+    assert {v[1] for v in first.values()} == {"exact"}
+    assert len({v[0] for v in first.values()}) == len(presets)  # and the presets do differ
+
+
+# --- the probe ------------------------------------------------------------------------------------
+
+
+def test_the_probe_verifies_the_kernels_on_the_model_it_loads():
+    model = load_model("tiny-mamba2", backend="exact")
+    found = model.exact_probe
+    assert found.kernels and found.path == "exact" and "verified" in found.reason
+    assert model.advance(model.initial_state(), [1, 2]).path == "exact"
+
+
+def test_a_product_that_depends_on_its_batch_is_caught_and_the_twins_run(monkeypatch):
+    ops = E._kernel_ops()
+    honest = type(ops).linear
+
+    def batch_dependent(self, x, weight, bias=None):  # noqa: ANN001, ANN202 - a BLAS that changes kernels with M
+        out = honest(self, x, weight, bias)
+        rows = out.numel() // out.shape[-1]
+        return torch.nextafter(out, out + 1) if rows > 1 else out
+
+    monkeypatch.setattr(type(ops), "linear", batch_dependent)
+    model = load_model("tiny-mamba1", backend="exact")  # a fresh module: probed anew
+    found = model.exact_probe
+    assert not found.kernels and found.path == "exact-twin"
+    assert "not: kernels equal their twins" in found.reason and "not: token by token equals the chunk" in found.reason
+    r = model.advance(model.initial_state(), tokens(6, 1))
+    assert r.path == "exact-twin"
+    honest_model = model_for("tiny-mamba1", "exact", "float32")
+    want = honest_model.advance(honest_model.initial_state(), tokens(6, 1))
+    assert torch.equal(r.logits, want.logits) and r.state.equal(want.state)  # the twins: the same bits
+
+
+def test_without_a_compiler_the_twins_run_and_say_why(tmp_path):
+    env = {"MAMBA_STREAM_CACHE": str(tmp_path), "PATH": str(tmp_path), "MAMBA_STREAM_CC": ""}
+    code = ("import sys; sys.modules['ziglang'] = None\n"
+            "from scan import load_model\n"
+            "m = load_model('tiny-mamba2', backend='exact')\n"
+            "print(m.exact_probe.kernels, m.advance(m.initial_state(), [1]).path, '|', m.exact_probe.reason)")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                         cwd=ROOT, timeout=300, check=True)
+    line = out.stdout.strip().splitlines()[-1]
+    assert line.startswith("False exact-twin |") and "no C compiler" in line
