@@ -91,7 +91,7 @@ def load_keyring(cfg: WorkerConfig):
     """The keyring: JSON in MAMBA_STREAM_KEYRING, a file it names, or the home's (made on first use)."""
     from state_codec.keyring import find_keyring
 
-    return find_keyring(cfg.keyring or "", cfg.home, create=True)
+    return find_keyring(cfg.keyring, cfg.home, create=True)
 
 
 def temporal_binary() -> str:

@@ -94,8 +94,9 @@ async def _demo(args: argparse.Namespace) -> int:
         enc = model.transform.encode
         alice = "alice"
 
-        print(f"1. open a stream on {args.model} for {alice} (backend {model.backend}, path "
-              f"{model.advance(model.initial_state(), [0]).path})", flush=True)
+        probe = model.exact_probe
+        print(f"1. open a stream on {args.model} for {alice} (backend {model.backend}"
+              f"{f', path {probe.path}' if probe else ''})", flush=True)
         sid = await streams.open(alice, args.model)
         print(f"   stream {sid}", flush=True)
 

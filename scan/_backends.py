@@ -27,9 +27,9 @@ from scan._mamba1 import selective_scan_chunked, selective_scan_steps
 from scan._mamba2 import ssd_chunked, ssd_steps
 from scan._mamba3 import mamba3_chunked, mamba3_steps
 from scan._mixer import Mixer, States, conv_chunk, conv_steps
-from scan._ops import NATIVE_OPS, REFERENCE_OPS, Ops, Primitives, gated_rms_norm, mean_last, norm
+from scan._ops import NATIVE_OPS, REFERENCE_OPS, Ops, Primitives, gated_rms_norm, norm
 
-__all__ = ["CHUNKED", "CHUNK_PRIMITIVES", "REFERENCE", "Backend", "ChunkedBackend", "ReferenceBackend",
+__all__ = ["CHUNKED", "CHUNK_PRIMITIVES", "REFERENCE", "Backend", "ChunkedBackend", "FixedBackend", "ReferenceBackend",
            "labelled", "step_primitives"]
 
 Tensor = torch.Tensor
@@ -51,16 +51,11 @@ def step_primitives(ops: Ops, path: str) -> Primitives:
     """The token-at-a-time primitives, computing with `ops`: every token the same arithmetic."""
     return Primitives(
         name=ops.name, linear=ops.linear, silu=ops.silu, sigmoid=ops.sigmoid, softplus=ops.softplus,
-        exp=torch.exp, mean=mean_last, norm=norm, gated_norm=partial(_gated_norm, silu=ops.silu), conv=conv_steps,
+        exp=torch.exp, norm=norm, gated_norm=partial(gated_rms_norm, silu=ops.silu), conv=conv_steps,
         selective_scan=labelled(partial(selective_scan_steps, ops=ops), path),
         ssd=labelled(partial(ssd_steps, ops=ops), path),
         mamba3_scan=labelled(partial(mamba3_steps, ops=ops), path),
     )
-
-
-def _gated_norm(x: Tensor, z: Tensor, weight: Tensor, eps: float, group_size: int, norm_before_gate: bool, *,
-                silu: Callable[[Tensor], Tensor]) -> Tensor:
-    return gated_rms_norm(x, z, weight, eps, group_size, norm_before_gate, silu)
 
 
 def _linear_chunk(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -72,7 +67,7 @@ def _linear_chunk(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
 #: the chunked backend's primitives for chunks of more than one token
 CHUNK_PRIMITIVES = Primitives(
     name="chunked", linear=_linear_chunk, silu=F.silu, sigmoid=torch.sigmoid, softplus=F.softplus,
-    exp=torch.exp, mean=mean_last, norm=norm, gated_norm=partial(_gated_norm, silu=F.silu), conv=conv_chunk,
+    exp=torch.exp, norm=norm, gated_norm=partial(gated_rms_norm, silu=F.silu), conv=conv_chunk,
     selective_scan=labelled(selective_scan_chunked, "scan"),
     ssd=labelled(ssd_chunked, "ssd"),
     mamba3_scan=labelled(mamba3_chunked, "ssd"),
@@ -80,11 +75,10 @@ CHUNK_PRIMITIVES = Primitives(
 
 
 class Backend:
-    """How the layers of a model advance: `mix` one layer over a chunk, `linear` the head."""
+    """How the layers of a model advance: the primitives for a chunk length, and `mix`, one layer
+    over a chunk."""
 
     name = "backend"
-    #: chunking and batching cannot change a bit of the results
-    exact = False
 
     def primitives(self, length: int) -> Primitives:
         raise NotImplementedError
@@ -95,15 +89,20 @@ class Backend:
         return mixer.forward(u, states, self.primitives(u.shape[1]))
 
 
-class ReferenceBackend(Backend):
-    name = "reference"
-    exact = True
+class FixedBackend(Backend):
+    """One set of primitives for every chunk length."""
 
-    def __init__(self) -> None:
-        self._prims = step_primitives(REFERENCE_OPS, "recurrent")
+    def __init__(self, prims: Primitives, name: str | None = None) -> None:
+        self.name = name or prims.name
+        self._prims = prims
 
     def primitives(self, length: int) -> Primitives:
         return self._prims
+
+
+class ReferenceBackend(FixedBackend):
+    def __init__(self) -> None:
+        super().__init__(step_primitives(REFERENCE_OPS, "recurrent"), "reference")
 
     def mix(self, mixer: Mixer, u: Tensor, states: States, round_state: RoundState = None
             ) -> tuple[Tensor, States, str]:

@@ -198,6 +198,24 @@ static inline void xsincos(double x, double *sn, double *cs) {
     *cs = q == 0 ? c : q == 1 ? -s : q == 2 ? -c : s;
 }
 
+static inline double xsin(double x) {
+    double s, c;
+    xsincos(x, &s, &c);
+    return s;
+}
+
+static inline double xcos(double x) {
+    double s, c;
+    xsincos(x, &s, &c);
+    return c;
+}
+
+/* out[i] = f(x[i]) for one of the functions above, computed in double, rounded to T. */
+#define UNARY_LOOP(T, SUF, NAME)                                                                    \
+    static void u_##NAME##SUF(const T *restrict x, T *restrict out, i64 n) {                        \
+        for (i64 i = 0; i < n; i++) out[i] = (T)x##NAME((double)x[i]);                              \
+    }
+
 /* --- kernels, for T = float and T = double ------------------------------------------------ */
 
 #define DEFINE_KERNELS(T, SUF)                                                                      \
@@ -303,40 +321,16 @@ static inline void xsincos(double x, double *sn, double *cs) {
                 for (i64 n = n0; n < n1; n++) out[r * N + n] = out[r * N + n] + bias[n];            \
     }                                                                                               \
                                                                                                     \
-    /* Elementwise: op 0 exp, 1 silu, 2 sigmoid, 3 softplus, 4 tanh, 5 sin, 6 cos, 7 rsqrt (one     \
-     * each, so that each loop vectorizes). */                                                      \
-    static void u_exp##SUF(const T *restrict x, T *restrict out, i64 n) {                           \
-        for (i64 i = 0; i < n; i++) out[i] = (T)xexp((double)x[i]);                                 \
-    }                                                                                               \
-    static void u_silu##SUF(const T *restrict x, T *restrict out, i64 n) {                          \
-        for (i64 i = 0; i < n; i++) out[i] = (T)xsilu((double)x[i]);                                \
-    }                                                                                               \
-    static void u_sigmoid##SUF(const T *restrict x, T *restrict out, i64 n) {                       \
-        for (i64 i = 0; i < n; i++) out[i] = (T)xsigmoid((double)x[i]);                             \
-    }                                                                                               \
-    static void u_softplus##SUF(const T *restrict x, T *restrict out, i64 n) {                      \
-        for (i64 i = 0; i < n; i++) out[i] = (T)xsoftplus((double)x[i]);                            \
-    }                                                                                               \
-    static void u_tanh##SUF(const T *restrict x, T *restrict out, i64 n) {                          \
-        for (i64 i = 0; i < n; i++) out[i] = (T)xtanh((double)x[i]);                                \
-    }                                                                                               \
-    static void u_rsqrt##SUF(const T *restrict x, T *restrict out, i64 n) {                         \
-        for (i64 i = 0; i < n; i++) out[i] = (T)xrsqrt((double)x[i]);                               \
-    }                                                                                               \
-    static void u_sin##SUF(const T *restrict x, T *restrict out, i64 n) {                           \
-        for (i64 i = 0; i < n; i++) {                                                               \
-            double s, c;                                                                            \
-            xsincos((double)x[i], &s, &c);                                                          \
-            out[i] = (T)s;                                                                          \
-        }                                                                                           \
-    }                                                                                               \
-    static void u_cos##SUF(const T *restrict x, T *restrict out, i64 n) {                           \
-        for (i64 i = 0; i < n; i++) {                                                               \
-            double s, c;                                                                            \
-            xsincos((double)x[i], &s, &c);                                                          \
-            out[i] = (T)c;                                                                          \
-        }                                                                                           \
-    }                                                                                               \
+    /* Elementwise: op 0 exp, 1 silu, 2 sigmoid, 3 softplus, 4 tanh, 5 sin, 6 cos, 7 rsqrt (a loop  \
+     * each, so that each vectorizes). */                                                           \
+    UNARY_LOOP(T, SUF, exp)                                                                         \
+    UNARY_LOOP(T, SUF, silu)                                                                        \
+    UNARY_LOOP(T, SUF, sigmoid)                                                                     \
+    UNARY_LOOP(T, SUF, softplus)                                                                    \
+    UNARY_LOOP(T, SUF, tanh)                                                                        \
+    UNARY_LOOP(T, SUF, sin)                                                                         \
+    UNARY_LOOP(T, SUF, cos)                                                                         \
+    UNARY_LOOP(T, SUF, rsqrt)                                                                       \
     void unary##SUF(const T *x, T *out, i64 n, int op) {                                            \
         switch (op) {                                                                               \
             case 0: u_exp##SUF(x, out, n); break;                                                   \
@@ -344,44 +338,39 @@ static inline void xsincos(double x, double *sn, double *cs) {
             case 2: u_sigmoid##SUF(x, out, n); break;                                               \
             case 3: u_softplus##SUF(x, out, n); break;                                              \
             case 4: u_tanh##SUF(x, out, n); break;                                                  \
-            case 7: u_rsqrt##SUF(x, out, n); break;                                                 \
             case 5: u_sin##SUF(x, out, n); break;                                                   \
-            default: u_cos##SUF(x, out, n); break;                                                  \
+            case 6: u_cos##SUF(x, out, n); break;                                                   \
+            default: u_rsqrt##SUF(x, out, n); break;                                                \
         }                                                                                           \
     }                                                                                               \
                                                                                                     \
-    /* RMSNorm of rows, then the weight: y = (x * rsqrt(mean(x * x) + eps)) * w, the mean          \
-     * summed in order, rsqrt by Newton. x, y (rows, D); w (D,). */                                                  \
+    /* y = (x * rsqrt(mean(x * x) + e)) * w over n values, the mean summed in order (y may be x). */\
+    static inline void rms_group##SUF(const T *x, const T *w, T *y, i64 n, T e) {                   \
+        T s = (T)0;                                                                                 \
+        for (i64 j = 0; j < n; j++) s = s + x[j] * x[j];                                            \
+        T inv = (T)xrsqrt((double)(s / (T)n + e));                                                  \
+        for (i64 j = 0; j < n; j++) y[j] = (x[j] * inv) * w[j];                                     \
+    }                                                                                               \
+                                                                                                    \
+    /* RMSNorm of rows, then the weight. x, y (rows, D); w (D,). */                                 \
     void rms_norm##SUF(const T *x, const T *w, T *y, i64 rows, i64 d, double eps) {                 \
-        T e = (T)eps;                                                                               \
-        for (i64 r = 0; r < rows; r++) {                                                            \
-            const T *p = x + r * d;                                                                 \
-            T s = (T)0;                                                                             \
-            for (i64 j = 0; j < d; j++) s = s + p[j] * p[j];                                        \
-            T inv = (T)xrsqrt((double)(s / (T)d + e));                                              \
-            for (i64 j = 0; j < d; j++) y[r * d + j] = (p[j] * inv) * w[j];                         \
-        }                                                                                           \
+        for (i64 r = 0; r < rows; r++) rms_group##SUF(x + r * d, w, y + r * d, d, (T)eps);          \
     }                                                                                               \
                                                                                                     \
-    /* mamba-ssm's RMSNormGated per group of `gs` channels: norm(x silu(z)) w, or (norm(x) w)      \
+    /* mamba-ssm's RMSNormGated per group of `gs` channels: norm(x silu(z)) w, or (norm(x) w)       \
      * silu(z) when norm_before_gate. x, z, y (rows, D); w (D,). */                                 \
-    void gated_norm##SUF(const T *x, const T *z, const T *w, T *y, i64 rows, i64 d, i64 gs,        \
+    void gated_norm##SUF(const T *x, const T *z, const T *w, T *y, i64 rows, i64 d, i64 gs,         \
                          double eps, int before) {                                                  \
-        T e = (T)eps;                                                                               \
         for (i64 r = 0; r < rows; r++) {                                                            \
             const T *xr = x + r * d, *zr = z + r * d;                                               \
             T *yr = y + r * d;                                                                      \
             for (i64 j = 0; j < d; j++) yr[j] = before ? xr[j] : xr[j] * (T)xsilu((double)zr[j]);   \
-            for (i64 g0 = 0; g0 < d; g0 += gs) {                                                    \
-                T s = (T)0;                                                                         \
-                for (i64 j = g0; j < g0 + gs; j++) s = s + yr[j] * yr[j];                           \
-                T inv = (T)xrsqrt((double)(s / (T)gs + e));                                         \
-                for (i64 j = g0; j < g0 + gs; j++) yr[j] = (yr[j] * inv) * w[j];                    \
-            }                                                                                       \
+            for (i64 g0 = 0; g0 < d; g0 += gs) rms_group##SUF(yr + g0, w + g0, yr + g0, gs, (T)eps);\
             if (before)                                                                             \
                 for (i64 j = 0; j < d; j++) yr[j] = yr[j] * (T)xsilu((double)zr[j]);                \
         }                                                                                           \
     }                                                                                               \
+                                                                                                    \
                                                                                                     \
     /* The causal depthwise conv over a chunk: out[b,t,c] = ((f[t+1] w[c,0] + f[t+2] w[c,1]) + ...) \
      * + bias[c], f the state's W inputs then the chunk's. state (B, C, W) oldest first; xs, out    \

@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -50,20 +51,16 @@ from typing import Any
 
 import torch
 
-from scan._backends import Backend, labelled
+from scan._backends import Backend, FixedBackend, labelled
 from scan._mamba3 import Mamba3Mixer
 from scan._mixer import States
 from scan._ops import Primitives
 
-__all__ = ["ARITHMETIC", "Probe", "TWIN_OPS", "TWIN_PRIMITIVES", "build_kernels", "exact_backend", "exact_primitives",
-           "probe"]
+__all__ = ["Probe", "TWIN_OPS", "TWIN_PRIMITIVES", "build_kernels", "exact_backend", "exact_primitives", "probe"]
 
 log = logging.getLogger(__name__)
 
 Tensor = torch.Tensor
-
-#: names the arithmetic (recorded in receipts): same name, same bits
-ARITHMETIC = "exact-v1"
 
 _SOURCE = Path(__file__).with_name("_exact.c")
 # No fused multiply-add, no reassociation: vectorization may only run independent elements side
@@ -76,6 +73,8 @@ def _march() -> str:
     """The instruction set the kernels are built for ($MAMBA_STREAM_EXACT_MARCH, default native):
     it changes their speed, never their results."""
     return os.environ.get("MAMBA_STREAM_EXACT_MARCH", "native")
+
+
 _UNARY = {"exp": 0, "silu": 1, "sigmoid": 2, "softplus": 3, "tanh": 4, "sin": 5, "cos": 6, "rsqrt": 7}
 #: below this many multiply-adds a product runs on the calling thread alone
 _PARALLEL_WORK = 1 << 20
@@ -361,28 +360,30 @@ def build_kernels() -> tuple[Any, str]:
     return None, reason
 
 
+_P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+#: every kernel of _exact.c and its arguments (each exists as name_f32 and name_f64)
+_SIGNATURES = {
+    "linear": [_P, _I, _I, _P, _I, _P, _P, _I, _I],
+    "unary": [_P, _P, _I, ctypes.c_int],
+    "mean_rows": [_P, _P, _I, _I],
+    "rms_norm": [_P, _P, _P, _I, _I, _D],
+    "gated_norm": [_P, _P, _P, _P, _I, _I, _I, _D, ctypes.c_int],
+    "conv": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I],
+    "selective_scan": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I],
+    "ssd_scan": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I],
+    "angle_scan": [_P, _P, _P, _I, _I, _I, _I, _I],
+    "trapezoid_scan": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I],
+}
+_SUFFIX = {torch.float32: "_f32", torch.float64: "_f64"}
+
+
 def _declare(lib: Any) -> None:
-    p, i, d = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
-    sigs = {
-        "linear": [p, i, i, p, i, p, p, i, i],
-        "unary": [p, p, i, ctypes.c_int],
-        "mean_rows": [p, p, i, i],
-        "rms_norm": [p, p, p, i, i, d],
-        "gated_norm": [p, p, p, p, i, i, i, d, ctypes.c_int],
-        "conv": [p, p, p, p, p, p, i, i, i, i],
-        "selective_scan": [p, p, p, p, p, p, p, i, i, i, i, i, i],
-        "ssd_scan": [p, p, p, p, p, p, p, i, i, i, i, i, i, i, i],
-        "angle_scan": [p, p, p, i, i, i, i, i],
-        "trapezoid_scan": [p, p, p, p, p, p, p, p, p, p, p, i, i, i, i, i, i, i, i],
-    }
-    for name, args in sigs.items():
-        for suf in ("_f32", "_f64"):
+    for name, args in _SIGNATURES.items():
+        for suf in _SUFFIX.values():
             fn = getattr(lib, name + suf)
             fn.argtypes = args
             fn.restype = None
 
-
-_SUFFIX = {torch.float32: "_f32", torch.float64: "_f64"}
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 _THREADS = max(1, min(torch.get_num_threads(), os.cpu_count() or 1))
@@ -410,9 +411,7 @@ class _Kernels:
     """The C kernels behind the signatures of the twins (thin: decode is bound by call overhead)."""
 
     def __init__(self, lib: Any) -> None:
-        self.fn = {(name, dt): getattr(lib, name + suf) for name in (
-            "linear", "unary", "mean_rows", "rms_norm", "gated_norm", "conv", "selective_scan", "ssd_scan",
-            "angle_scan", "trapezoid_scan") for dt, suf in _SUFFIX.items()}
+        self.fn = {(name, dt): getattr(lib, name + suf) for name in _SIGNATURES for dt, suf in _SUFFIX.items()}
 
     @staticmethod
     def _cached(weight: Tensor, what: str, make: Callable[[], Tensor]) -> Tensor:
@@ -573,43 +572,6 @@ def gated_norm_twin(x: Tensor, z: Tensor, weight: Tensor, eps: float, group_size
     return out * silu if norm_before_gate else out
 
 
-class _Twins:
-    """The twins, in the kernels' call shape."""
-
-    linear = staticmethod(linear_twin)
-    unary = staticmethod(unary_twin)
-    exp = staticmethod(lambda x: unary_twin(x, "exp"))
-    mean = staticmethod(mean_twin)
-    norm = staticmethod(norm_twin)
-    gated_norm = staticmethod(gated_norm_twin)
-    selective_scan = staticmethod(selective_scan_twin)
-    ssd = staticmethod(ssd_twin)
-    angle = staticmethod(angle_twin)
-    trapezoid = staticmethod(trapezoid_twin)
-
-    @staticmethod
-    def conv(conv_state: Tensor, xs: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:
-        return conv_twin(conv_state, xs, weight, bias)
-
-
-TWIN_OPS = _Twins()
-KERNEL_OPS: _Kernels | None = None  # set by `_kernel_ops()` once built
-
-
-def _kernel_ops() -> _Kernels | None:
-    global KERNEL_OPS
-    if KERNEL_OPS is None:
-        lib, how = build_kernels()
-        if lib is None:
-            log.warning("exact backend: %s; running the pure-PyTorch twins (same results, slower)", how)
-            return None
-        KERNEL_OPS = _Kernels(lib)
-    return KERNEL_OPS
-
-
-# --- the primitives ------------------------------------------------------------------------------
-
-
 def conv_twin(conv_state: Tensor, xs: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:
     """The kernel `conv`: the causal conv over a chunk, each output's taps summed in order
     (`conv_steps`' arithmetic, all tokens side by side). conv_state (B, C, W); xs (B, L, C);
@@ -624,6 +586,35 @@ def conv_twin(conv_state: Tensor, xs: Tensor, weight: Tensor, bias: Tensor | Non
     if bias is not None:
         acc = acc + bias[:, None]
     return acc.transpose(1, 2), full[:, :, -w:].contiguous()
+
+
+class _Twins:
+    """The twins, in the kernels' call shape."""
+
+    linear = staticmethod(linear_twin)
+    unary = staticmethod(unary_twin)
+    exp = staticmethod(lambda x: unary_twin(x, "exp"))
+    mean = staticmethod(mean_twin)
+    norm = staticmethod(norm_twin)
+    gated_norm = staticmethod(gated_norm_twin)
+    selective_scan = staticmethod(selective_scan_twin)
+    ssd = staticmethod(ssd_twin)
+    angle = staticmethod(angle_twin)
+    trapezoid = staticmethod(trapezoid_twin)
+    conv = staticmethod(conv_twin)
+
+
+TWIN_OPS = _Twins()
+
+
+@functools.cache
+def _kernel_ops() -> _Kernels | None:
+    """The kernels, once built (None where they cannot be: `build_kernels` says why)."""
+    lib = build_kernels()[0]
+    return None if lib is None else _Kernels(lib)
+
+
+# --- the primitives ------------------------------------------------------------------------------
 
 
 def exact_primitives(ops: Any, path: str) -> Primitives:
@@ -651,9 +642,9 @@ def exact_primitives(ops: Any, path: str) -> Primitives:
         lam = ops.unary(trap, "sigmoid")
         inc = ops.unary(ang, "tanh").unsqueeze(-2) * math.pi * dt.unsqueeze(-1)  # (B, L, H, S)
         theta, angle_end = ops.angle(inc, angle)
-        sin, cos = ops.unary(theta, "sin"), ops.unary(theta, "cos")
-        q = m._heads_rotated(qn, m.C_bias, theta, (cos, sin))  # (B, L, R, H, N)
-        k = m._heads_rotated(kn, m.B_bias, theta, (cos, sin))
+        cos, sin = ops.unary(theta, "cos"), ops.unary(theta, "sin")
+        q = m._heads_rotated(qn, m.C_bias, cos, sin)  # (B, L, R, H, N)
+        k = m._heads_rotated(kn, m.B_bias, cos, sin)
         alpha = ops.unary(a * dt, "exp")
         beta = alpha * dt * (1.0 - lam)
         gamma = lam * dt
@@ -663,13 +654,19 @@ def exact_primitives(ops: Any, path: str) -> Primitives:
 
     return Primitives(
         name=path, linear=ops.linear, silu=silu, sigmoid=sigmoid, softplus=softplus,
-        exp=ops.exp, mean=ops.mean, norm=ops.norm, gated_norm=ops.gated_norm, conv=ops.conv,
+        exp=ops.exp, norm=ops.norm, gated_norm=ops.gated_norm, conv=ops.conv,
         selective_scan=labelled(selective_scan, path), ssd=labelled(ssd, path),
         mamba3_scan=labelled(mamba3, path),
     )
 
 
 TWIN_PRIMITIVES = exact_primitives(TWIN_OPS, "exact-twin")
+
+
+@functools.cache
+def _kernel_primitives() -> Primitives | None:
+    ops = _kernel_ops()
+    return None if ops is None else exact_primitives(ops, "exact")
 
 
 # --- the probe ------------------------------------------------------------------------------------
@@ -696,34 +693,32 @@ def probe(lm: torch.nn.Module, dtype: torch.dtype) -> Probe:
     the chunk's. Any difference means the kernels cannot be trusted here (a compiler that fused
     or reordered, a build for another machine): the backend then runs the twins.
     """
-    import time
-
     from scan._forward import forward
 
     t0 = time.perf_counter()
-    ops = _kernel_ops()
-    if ops is None:
+    prims = _kernel_primitives()
+    if prims is None:
         return Probe(False, build_kernels()[1], time.perf_counter() - t0)
-    kernels = exact_primitives(ops, "exact")
+    kernels, twins = FixedBackend(prims), FixedBackend(TWIN_PRIMITIVES)
     g = torch.Generator().manual_seed(0)
     states = [tuple((torch.randn((2, *shape), generator=g) * 0.5).to(dtype) for _, shape in blk.mixer.state_shapes())
               for blk in lm.backbone.layers]
     hidden = (torch.randn((2, 3, lm.cfg.d_model), generator=g)).to(dtype)
     try:
         with torch.inference_mode():
-            k_logits, k_states, _ = forward(lm, hidden, states, _Fixed(kernels))
-            t_logits, t_states, _ = forward(lm, hidden, states, _Fixed(TWIN_PRIMITIVES))
-            solo, solo_states, _ = forward(lm, hidden[:1], [tuple(t[:1] for t in st) for st in states], _Fixed(kernels))
-            steps, st1 = [], [tuple(t[:1] for t in st) for st in states]
+            k_logits, k_states, _ = forward(lm, hidden, states, kernels)
+            t_logits, t_states, _ = forward(lm, hidden, states, twins)
+            solo, solo_states, _ = forward(lm, hidden[:1], _first(states), kernels)
+            steps, st1 = [], _first(states)
             for i in range(3):
-                lg, st1, _ = forward(lm, hidden[:1, i : i + 1], st1, _Fixed(kernels))
+                lg, st1, _ = forward(lm, hidden[:1, i : i + 1], st1, kernels)
                 steps.append(lg)
     except Exception as exc:  # noqa: BLE001 - a kernel that fails is a kernel we do not use
         return Probe(False, f"the kernels failed on this model: {type(exc).__name__}: {exc}", time.perf_counter() - t0)
     checks = {
         "kernels equal their twins": torch.equal(k_logits, t_logits) and _states_equal(k_states, t_states),
         "a stream alone equals it in a batch": torch.equal(solo, k_logits[:1])
-        and _states_equal(solo_states, [tuple(t[:1] for t in st) for st in k_states]),
+        and _states_equal(solo_states, _first(k_states)),
         "token by token equals the chunk": torch.equal(torch.cat(steps, dim=1), solo) and _states_equal(st1, solo_states),
     }
     failed = [name for name, ok in checks.items() if not ok]
@@ -737,17 +732,9 @@ def _states_equal(a: list[States], b: list[States]) -> bool:
     return all(torch.equal(x, y) for la, lb in zip(a, b) for x, y in zip(la, lb))
 
 
-class _Fixed(Backend):
-    """One set of primitives for every length (the exact arithmetic does not depend on it)."""
-
-    exact = True
-
-    def __init__(self, prims: Primitives) -> None:
-        self.name = prims.name
-        self._prims = prims
-
-    def primitives(self, length: int) -> Primitives:
-        return self._prims
+def _first(states: list[States]) -> list[States]:
+    """The first stream's states."""
+    return [tuple(t[:1] for t in st) for st in states]
 
 
 _PROBED: weakref.WeakKeyDictionary[torch.nn.Module, dict[torch.dtype, tuple[Backend, Probe]]] = (
@@ -756,7 +743,7 @@ _PROBED: weakref.WeakKeyDictionary[torch.nn.Module, dict[torch.dtype, tuple[Back
 
 def exact_backend(lm: torch.nn.Module, dtype: torch.dtype) -> tuple[Backend, Probe]:
     """The exact backend for this model: the kernels if the probe verified them, else the twins.
-    Probed once per model and dtype (the result is kept on the module)."""
+    Probed once per model and dtype."""
     cache = _PROBED.setdefault(lm, {})
     if dtype in cache:
         return cache[dtype]
@@ -765,8 +752,6 @@ def exact_backend(lm: torch.nn.Module, dtype: torch.dtype) -> tuple[Backend, Pro
         log.warning("exact backend: %s; running the pure-PyTorch twins (same results, slower)", found.reason)
     else:
         log.info("exact backend: %s in %.0f ms", found.reason, found.seconds * 1000)
-    prims = exact_primitives(_kernel_ops(), "exact") if found.kernels else TWIN_PRIMITIVES
-    backend = _Fixed(prims)
-    backend.name = "exact"
+    backend = FixedBackend(_kernel_primitives() if found.kernels else TWIN_PRIMITIVES, "exact")
     cache[dtype] = (backend, found)
     return backend, found

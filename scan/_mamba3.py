@@ -107,11 +107,9 @@ class Mamba3Mixer(Mixer):
         r, g, n = cfg.mimo_rank, cfg.ngroups, cfg.d_state
         return be.norm(raw.reshape(*raw.shape[:-1], r, g, n), weight, None, cfg.mixer_norm_eps, True)
 
-    def _heads_rotated(self, t: Tensor, bias: Tensor, theta: Tensor,
-                       cos_sin: tuple[Tensor, Tensor] | None = None) -> Tensor:
-        """Broadcast (..., R, G, N) to heads, add the per-head bias, rotate by theta (..., H, S).
-
-        `cos_sin`: cos and sin of theta when the caller computed them (default torch's).
+    def _heads_rotated(self, t: Tensor, bias: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Broadcast (..., R, G, N) to heads, add the per-head bias, rotate by the angles whose cos
+        and sin are given (..., H, S).
 
         Returns:
             (..., R, H, N).
@@ -120,7 +118,6 @@ class Mamba3Mixer(Mixer):
         g, n, h = cfg.ngroups, cfg.d_state, cfg.nheads
         t = t.repeat_interleave(h // g, dim=-2) if g > 1 else t.expand(*t.shape[:-2], h, n)
         t = t + bias.transpose(0, 1)  # (R, H, N)
-        cos, sin = cos_sin if cos_sin is not None else (torch.cos(theta), torch.sin(theta))
         return self._rotate(t, cos.unsqueeze(-3), sin.unsqueeze(-3))
 
     def _rotate(self, t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -205,8 +202,9 @@ def mamba3_steps(m: Mamba3Mixer, qn: Tensor, kn: Tensor, v: Tensor, a: Tensor, d
     ys = []
     for t in range(v.shape[1]):
         angle = _wrap(angle + inc[:, t])
-        q = m._heads_rotated(qn[:, t], m.C_bias, angle)  # (B, R, H, N)
-        k = m._heads_rotated(kn[:, t], m.B_bias, angle)
+        cos, sin = torch.cos(angle), torch.sin(angle)
+        q = m._heads_rotated(qn[:, t], m.C_bias, cos, sin)  # (B, R, H, N)
+        k = m._heads_rotated(kn[:, t], m.B_bias, cos, sin)
         alpha = torch.exp(a[:, t] * dt[:, t])
         beta = alpha * dt[:, t] * (1.0 - lam[:, t])
         gamma = lam[:, t] * dt[:, t]
@@ -231,8 +229,9 @@ def mamba3_chunked(m: Mamba3Mixer, qn: Tensor, kn: Tensor, v: Tensor, a: Tensor,
     inc = torch.tanh(ang).unsqueeze(-2) * math.pi * dt.unsqueeze(-1)  # (B, L, H, S)
     # Summed in float64 so that long chunks lose no angle precision before wrapping.
     theta = _wrap(angle.unsqueeze(1).double() + torch.cumsum(inc.double(), dim=1)).to(v.dtype)
-    q = m._heads_rotated(qn, m.C_bias, theta)  # (B, L, R, H, N)
-    k = m._heads_rotated(kn, m.B_bias, theta)
+    # cos and sin once for q and once for k: sharing them would reorder the training gradient's sums
+    q = m._heads_rotated(qn, m.C_bias, torch.cos(theta), torch.sin(theta))  # (B, L, R, H, N)
+    k = m._heads_rotated(kn, m.B_bias, torch.cos(theta), torch.sin(theta))
     xr = m._xr(v)  # (B, L, R, H, P)
     gamma = lam * dt
     delta = (1.0 - lam) * dt  # beta = alpha * delta

@@ -8,14 +8,17 @@ backend is a set of primitives (`scan._backends`):
                (`scan._ops.REFERENCE_OPS`). Chunking cannot change its arithmetic, so every
                partition of a token sequence gives bit-identical logits and state; batching
                streams gives bit-identical results too.
+    exact      the CPU default: C kernels with one fixed IEEE operation order per output, or their
+               torch twins (`scan._exact`); bit-identical under any chunking, batching, thread
+               count and instruction set.
     chunked    parallel over the chunk: GEMMs over all L tokens, the chunked SSD form for
                Mamba-2/3 and the selective scan for Mamba-1 (projections over all L, the
                recurrence token by token); single tokens take the step formulas with PyTorch's
                native kernels. Within `scan.TOLERANCES` of the truth.
     triton     CUDA only: the chunked primitives with mamba-ssm's Triton kernels as the scans
                (`scan._triton`).
-    auto       the fastest backend available on the model's device: triton on CUDA when its
-               kernels import, chunked otherwise (reference for a narrow state dtype).
+    auto       triton on CUDA when its kernels import, exact on the CPU, chunked otherwise
+               (reference for a narrow state dtype).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["NATIVE_OPS", "REFERENCE_OPS", "Ops", "Primitives", "chunk_decays", "mean_last"]
+__all__ = ["NATIVE_OPS", "REFERENCE_OPS", "Ops", "Primitives", "chunk_decays"]
 
 Tensor = torch.Tensor
 
@@ -109,7 +109,6 @@ class Primitives:
 
         linear(x (..., K), weight (N, K), bias (N,) | None) -> (..., N)
         silu, sigmoid, softplus, exp: elementwise
-        mean(x (..., D)) -> (..., 1): the mean over the last dimension
         norm(x, weight, bias, eps, rms): RMSNorm (rms) or LayerNorm over the last dimension
         gated_norm(x, z, weight, eps, group_size, norm_before_gate): mamba-ssm's RMSNormGated
         conv(conv_state (B, C, W), xs (B, L, C), weight (C, 1, W), bias) -> out (B, L, C), state
@@ -127,7 +126,6 @@ class Primitives:
     sigmoid: Callable[[Tensor], Tensor]
     softplus: Callable[[Tensor], Tensor]
     exp: Callable[[Tensor], Tensor]
-    mean: Callable[[Tensor], Tensor]
     norm: Callable[..., Tensor]
     gated_norm: Callable[..., Tensor]
     conv: Callable[..., tuple[Tensor, Tensor]]
@@ -161,24 +159,19 @@ def conv_taps(window: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return acc
 
 
-def mean_last(x: Tensor) -> Tensor:
-    """The mean over the last dimension, kept: PyTorch's reduction."""
-    return x.mean(dim=-1, keepdim=True)
-
-
-def rms_normalize(x: Tensor, eps: float, mean: Callable[[Tensor], Tensor] = mean_last) -> Tensor:
+def rms_normalize(x: Tensor, eps: float) -> Tensor:
     """x / sqrt(mean(x^2) + eps) over the last dimension."""
-    return x * (1.0 / torch.sqrt(mean(x * x) + eps))
+    return x * (1.0 / torch.sqrt((x * x).mean(dim=-1, keepdim=True) + eps))
 
 
-def norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float, rms: bool,
-         mean: Callable[[Tensor], Tensor] = mean_last) -> Tensor:
+def norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float, rms: bool) -> Tensor:
     """RMSNorm (rms=True) or LayerNorm over the last dimension, with affine weight (and bias)."""
     if rms:
-        out = rms_normalize(x, eps, mean) * weight
+        out = rms_normalize(x, eps) * weight
     else:
-        xc = x - mean(x)
-        out = xc * (1.0 / torch.sqrt(mean(xc * xc) + eps)) * weight
+        mean = x.mean(dim=-1, keepdim=True)
+        xc = x - mean
+        out = xc * (1.0 / torch.sqrt((xc * xc).mean(dim=-1, keepdim=True) + eps)) * weight
     if bias is not None:
         out = out + bias
     return out
@@ -192,7 +185,6 @@ def gated_rms_norm(
     group_size: int,
     norm_before_gate: bool,
     silu: Callable[[Tensor], Tensor],
-    mean: Callable[[Tensor], Tensor] = mean_last,
 ) -> Tensor:
     """mamba-ssm's RMSNormGated: norm(x) * silu(z), or norm(x * silu(z)), per group.
 
@@ -204,7 +196,7 @@ def gated_rms_norm(
         x = x * silu(z)
     shape = x.shape
     groups = x.reshape(*shape[:-1], shape[-1] // group_size, group_size)
-    out = rms_normalize(groups, eps, mean).reshape(shape) * weight
+    out = rms_normalize(groups, eps).reshape(shape) * weight
     if z is not None and norm_before_gate:
         out = out * silu(z)
     return out

@@ -35,7 +35,6 @@ import sys
 import threading
 from collections.abc import Mapping
 from importlib import metadata
-from pathlib import Path
 from typing import Any
 
 import msgpack

@@ -176,10 +176,10 @@ def find_keyring(spec: str | None = None, home: str | Path | None = None, *, cre
         KeyringNotFound: neither `spec` nor the home's keyring exists, and not `create`.
         KeyringError: what was found is malformed or readable by others.
     """
-    spec = spec if spec is not None else (os.environ.get("MAMBA_STREAM_KEYRING") or None)
+    spec = spec or os.environ.get("MAMBA_STREAM_KEYRING")
     if spec:
         return Keyring.from_spec(spec)
-    path = Path(home).expanduser().resolve() / KEYRING_FILE if home is not None else default_home() / KEYRING_FILE
+    path = (Path(home).expanduser().resolve() if home is not None else default_home()) / KEYRING_FILE
     if path.exists():
         return Keyring.from_file(path)
     if create:

@@ -42,4 +42,4 @@ class ClientConfig:
 
     def load_keyring(self) -> Keyring:
         """The workers' keyring, found, never made (`KeyringNotFound` names where it looked)."""
-        return find_keyring(self.keyring or "", self.home, create=False)
+        return find_keyring(self.keyring, self.home, create=False)

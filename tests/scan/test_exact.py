@@ -4,7 +4,7 @@ kernels were built for, whether the kernels were built at all)."""
 
 from __future__ import annotations
 
-import hashlib
+import functools
 import json
 import os
 import subprocess
@@ -115,8 +115,8 @@ def test_a_whole_model_on_the_kernels_gives_the_twins_bits(preset, dtype):
     states = model._stack([model.initial_state(), model.advance(model.initial_state(), tokens(5, 1)).state])
     with torch.inference_mode():
         hidden = embed(lm, torch.tensor([tokens(21, 2), tokens(21, 3)]))
-        a = forward(lm, hidden, states, E._Fixed(E.exact_primitives(E._kernel_ops(), "exact")))
-        b = forward(lm, hidden, states, E._Fixed(E.TWIN_PRIMITIVES))
+        a = forward(lm, hidden, states, E.FixedBackend(E.exact_primitives(E._kernel_ops(), "exact")))
+        b = forward(lm, hidden, states, E.FixedBackend(E.TWIN_PRIMITIVES))
     assert torch.equal(a[0], b[0]) and E._states_equal(a[1], b[1])
     assert (a[2], b[2]) == ("exact", "exact-twin")
 
@@ -227,6 +227,8 @@ def test_a_product_that_depends_on_its_batch_is_caught_and_the_twins_run(monkeyp
         return torch.nextafter(out, out + 1) if rows > 1 else out
 
     monkeypatch.setattr(type(ops), "linear", batch_dependent)
+    # primitives built around the patched product (the module's own stay as they were)
+    monkeypatch.setattr(E, "_kernel_primitives", functools.cache(E._kernel_primitives.__wrapped__))
     model = load_model("tiny-mamba1", backend="exact")  # a fresh module: probed anew
     found = model.exact_probe
     assert not found.kernels and found.path == "exact-twin"
