@@ -136,12 +136,22 @@ class EmbeddedTemporal:
         logf = open(self.home / "temporal.log", "ab")  # noqa: SIM115 - lives as long as the server
         self.proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.time() + timeout
-        while not _port_open("127.0.0.1", self.port):
+        # the port opens before the frontend serves ("Frontend is not healthy yet"): wait for both
+        while not (_port_open("127.0.0.1", self.port) and self._serving()):
             if self.proc.poll() is not None or time.time() > deadline:
                 raise RuntimeError(f"the embedded Temporal server did not start; see {self.home / 'temporal.log'}")
             time.sleep(0.05)
         log.info("embedded Temporal server on %s, UI http://127.0.0.1:%d", self.address, self.ui_port)
         return self
+
+    def _serving(self) -> bool:
+        """The frontend's health check answers SERVING."""
+        try:
+            out = subprocess.run([temporal_binary(), "operator", "cluster", "health", "--address", self.address],
+                                 capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return False
+        return out.returncode == 0 and "SERVING" in out.stdout.split()  # not NOT_SERVING
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
