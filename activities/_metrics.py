@@ -81,6 +81,15 @@ class StreamMetrics:
         self.tokens = m.create_counter("mamba_stream_tokens", "tokens advanced, by kind (prefill, decode)")
         self.drift = m.create_histogram_float(
             "mamba_stream_drift_logits_abs", "max |logits - float64 reference| of a sampled chunk (reference check)")
+        self.models_loaded = m.create_counter(
+            "mamba_stream_models_loaded", "models this worker serves, by backend, path and arithmetic (path "
+            "exact-twin: the exact kernels were not verified here and their twins run: the same bits, slower)")
+        self.arithmetic_changes = m.create_counter(
+            "mamba_stream_arithmetic_changes",
+            "chunks that continued a state computed under another arithmetic (other bits), by model and backend")
+        self.exact_mismatches = m.create_counter(
+            "mamba_stream_exact_mismatches",
+            "sampled chunks on an exact backend whose re-run in another partition gave other bits (should stay 0)")
         self._committed_at: OrderedDict[str, float] = OrderedDict()
 
     # --- helpers the activities call ------------------------------------------------------------

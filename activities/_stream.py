@@ -36,7 +36,15 @@ from activities._metrics import StreamMetrics
 from activities._registry import ModelRegistry, UnknownModel
 from activities._store import StateStore, StoreError, check_name
 from scan import InvalidInput, Model, ScanError, State
-from state_codec import BadSignature, CheckpointNotFound, Receipt, RequestRejected, StateRejected, validate_resume
+from state_codec import (
+    BadSignature,
+    CheckpointNotFound,
+    Receipt,
+    RequestRejected,
+    StateRejected,
+    continue_arithmetic,
+    validate_resume,
+)
 from state_codec.codec import Keyring, default_state_key, open_bytes, open_checkpoint, seal, seal_bytes, unseal
 from state_codec.signing import PrincipalKeys
 from workflows._models import (
@@ -145,8 +153,10 @@ class StreamActivities:
             verified before it touches any state. None: requests are not signed.
         metrics: the meters to report to (`StreamMetrics` on the worker runtime's meter); None:
             counted nowhere.
-        drift_check_every: every Nth advanced chunk is also run by the reference backend from
-            the same input state, and max |logits difference| goes to the drift histogram; 0: off.
+        drift_check_every: every Nth advanced chunk is run again from the same input state: on an
+            exact backend in another partition, which must give the same bits (else counted as an
+            exact mismatch), elsewhere on the reference backend; max |logits difference| goes to
+            the drift histogram; 0: off.
     """
 
     def __init__(self, *, models: ModelRegistry, store: StateStore, keyring: Keyring,
@@ -167,6 +177,7 @@ class StreamActivities:
         self.engines: dict[str, StreamEngine] = {}
         self._engines_lock = threading.Lock()
         self.loads_from_store = 0  # states that were not hot here: migrations and evictions
+        self._counted: set[tuple[str, str, str]] = set()  # (model, revision, backend) counted as loaded
 
     def engine(self, model: Model) -> StreamEngine:
         with self._engines_lock:
@@ -202,7 +213,16 @@ class StreamActivities:
         self.principal_keys.verify(kind, stream_id, claims, request.signature if request is not None else None)
 
     def _model(self, model_id: str) -> Model:
-        return self.models.get(model_id)
+        model = self.models.get(model_id)
+        seen = (model_id, model.revision, model.backend)
+        if seen not in self._counted:
+            with self._engines_lock:
+                if seen not in self._counted:
+                    self._counted.add(seen)
+                    a = model.arithmetic()
+                    self.metrics.models_loaded.add(1, {"model": model_id, "backend": model.backend,
+                                                       "path": a.path, "arithmetic": a.id})
+        return model
 
     def _info(self, model: Model) -> ModelInfo:
         ident = model.identity()
@@ -272,16 +292,18 @@ class StreamActivities:
         self.metrics.used(receipt.state_key, model.model_id)
 
     def _commit(self, model: Model, stream_id: str, principal: str, state: State, *, chunk_seq: int,
-                epoch: int, key: str, backend: str, last: torch.Tensor | None = None,
-                in_slot: bool = False) -> Receipt:
+                epoch: int, key: str, backend: str, before: Receipt | None, path: str | None = None,
+                last: torch.Tensor | None = None, in_slot: bool = False) -> Receipt:
         """Seal and store put-if-absent; if an earlier attempt committed this key, adopt its bytes.
 
-        The stream's slot then holds exactly the committed state (`in_slot`: the engine already
-        wrote `state` there).
+        `before`: the receipt whose state this one continues (None: a state of its own, the
+        initial one); `path`: the path that computed it. The stream's slot then holds exactly
+        the committed state (`in_slot`: the engine already wrote `state` there).
         """
         adopted = False
+        arithmetic = continue_arithmetic(before, model.arithmetic(path))
         receipt, blob = seal(model, state, stream_id=stream_id, principal=principal, chunk_seq=chunk_seq,
-                             epoch=epoch, keyring=self.keyring, state_key=key, backend=backend)
+                             epoch=epoch, keyring=self.keyring, state_key=key, backend=backend, arithmetic=arithmetic)
         wrote = self.store.put_if_absent(key=key, data=blob, stream_id=stream_id, principal=principal)
         if wrote:
             self.metrics.committed(key, len(blob), model.model_id)
@@ -289,12 +311,22 @@ class StreamActivities:
             existing = self.store.get(key=key, principal=principal)
             if existing is not None:
                 tensors, checksum = open_checkpoint(existing, receipt, self.keyring)
-                receipt = receipt.model_copy(update={"checksum": checksum})
+                if checksum != receipt.checksum and state.position > 0:
+                    # another attempt's arithmetic made these bits: ours only computes from here on
+                    log.warning("stream %s chunk %d: adopted an earlier attempt's state with other bits",
+                                stream_id, chunk_seq)
+                    arithmetic = {**arithmetic, "arithmetic_since": state.position,
+                                  "arithmetic_changes": (before.arithmetic_changes if before else 0) + 1}
+                receipt = receipt.model_copy(update={"checksum": checksum, **arithmetic})
                 state = State(state.position, tensors, model.schema.fingerprint())
                 adopted = True
             elif self.store.put_if_absent(key=key, data=blob, stream_id=stream_id, principal=principal):
                 # deleted between the two calls: ours is as good
                 self.metrics.committed(key, len(blob), model.model_id)
+        if before is not None and before.epoch == epoch and receipt.arithmetic_changes > before.arithmetic_changes:
+            self.metrics.arithmetic_changes.add(1, {"model": model.model_id, "backend": model.backend})
+            log.info("stream %s continues at position %d under another arithmetic: %s", stream_id,
+                     receipt.arithmetic_since, receipt.arithmetic.id if receipt.arithmetic else None)
         if in_slot and not adopted:
             self.engine(model).commit(stream_id, key)
         else:
@@ -302,12 +334,13 @@ class StreamActivities:
         return receipt
 
     def _complete(self, model: Model, stream_id: str, principal: str, before: Receipt, chunk_seq: int, key: str,
-                  state: State, backend: str, last: torch.Tensor | None,
+                  state: State, path: str, last: torch.Tensor | None,
                   make_result: Callable[[Receipt], Any], drop_keys: list[str]) -> Any:
         """The commit edges of a chunk: checkpoint, then result record, then bookkeeping."""
         self._edge("computed", stream_id, chunk_seq)
         receipt = self._commit(model, stream_id, principal, state, chunk_seq=chunk_seq, epoch=before.epoch,
-                               key=key, backend=backend, last=last, in_slot=True)
+                               key=key, backend=f"{model.backend}:{path}", before=before, path=path, last=last,
+                               in_slot=True)
         result = make_result(receipt)
         self._edge("written", stream_id, chunk_seq)
         self._write_record(receipt, result.model_dump(mode="json"), last)
@@ -320,13 +353,39 @@ class StreamActivities:
         blob = self.store.get(key=receipt.state_key, principal=principal)
         return None if blob is None else unseal(blob, receipt, self.keyring, model=model, principal=principal)
 
-    def _drift_sample(self, model: Model, state: State, tokens: list[int], logits: torch.Tensor) -> None:
-        """Run the chunk again on the reference backend; record how far the served logits are."""
+    def _drift_sample(self, model: Model, state: State, tokens: list[int], logits: torch.Tensor,
+                      served: State) -> None:
+        """Run the chunk again from the same input state; record how far the served results are.
+
+        Where the arithmetic is exact, the chunk runs again on the same backend in another
+        partition (its first token alone, then two uneven pieces) and must give the same bits,
+        logits and state; any difference is counted as an exact mismatch. Elsewhere the reference
+        backend runs it and max |logits difference| goes to the drift histogram.
+        """
         if not tokens:
+            return
+        labels = {"model": model.model_id, "backend": model.backend}
+        if model.arithmetic().exact:
+            cut = 1 + (len(tokens) - 1) // 3
+            rows, st = [], state
+            for piece in (tokens[:1], tokens[1:cut], tokens[cut:]):
+                if piece:
+                    step = model.advance(st, piece)
+                    rows.append(step.logits)
+                    st = step.state
+            again = torch.cat(rows)
+            same = torch.equal(again, logits) and all(torch.equal(st.tensors[k], served.tensors[k])
+                                                       for k in served.tensors)
+            diff = float((again.to(torch.float64) - logits.to(torch.float64)).abs().max())
+            self.metrics.drift.record(diff, labels)
+            if not same:
+                self.metrics.exact_mismatches.add(1, labels)
+                log.error("exact backend: %s gave other bits for a chunk of %d tokens in another partition "
+                          "(max |logits difference| %.3e)", model.model_id, len(tokens), diff)
             return
         ref = model.with_backend("reference").advance(state, tokens).logits
         diff = float((logits.to(torch.float64) - ref.to(torch.float64)).abs().max())
-        self.metrics.drift.record(diff, {"model": model.model_id, "backend": model.backend})
+        self.metrics.drift.record(diff, labels)
         log.debug("drift sample %s: max |logits - reference| %.3e over %d tokens", model.model_id, diff, len(tokens))
 
     def _drop(self, keys: list[str]) -> None:
@@ -358,7 +417,7 @@ class StreamActivities:
             origin = req.resume.checksum if req.resume else "initial"
             key = default_state_key(req.stream_id, 0, 0, hashlib.sha256(f"open|{origin}".encode()).hexdigest())
             receipt = self._commit(model, req.stream_id, req.principal, state, chunk_seq=0, epoch=0, key=key,
-                                   backend=f"{model.backend}:open", last=last)
+                                   backend=f"{model.backend}:open", before=req.resume, last=last)
             if last is not None:
                 self._write_record(receipt, {"kind": "open"}, last)
             self._gauge()
@@ -404,7 +463,7 @@ class StreamActivities:
             self.metrics.time_to_first_output.record(time.perf_counter() - t0, labels)
             self.metrics.tokens.add(len(tokens), {"model": model.model_id, "kind": "prefill"})
             if reference is not None:
-                self._drift_sample(model, reference, tokens, logits)
+                self._drift_sample(model, reference, tokens, logits, state)
             backend = f"{model.backend}:{out.path}"
 
             def result(receipt: Receipt) -> AdvanceResult:
@@ -414,7 +473,7 @@ class StreamActivities:
                     output_digest=_digest(logits), backend=backend)
 
             done = self._complete(model, req.stream_id, req.principal, req.receipt, ask.chunk_seq, key, state,
-                                  backend, last, result, req.drop_keys)
+                                  out.path, last, result, req.drop_keys)
             self._gauge()
             return AdvanceChunkResult(result=done, worker_queue=self.worker_queue)
 
@@ -484,7 +543,7 @@ class StreamActivities:
                     backend=backend)
 
             done = self._complete(model, req.stream_id, req.principal, req.receipt, ask.chunk_seq, key, state,
-                                  backend, logits, result, req.drop_keys)
+                                  out.path, logits, result, req.drop_keys)
             self.metrics.tokens.add(len(tokens), {"model": model.model_id, "kind": "decode"})
             self._gauge()
             return GenerateChunkResult(result=done, worker_queue=self.worker_queue)
@@ -506,7 +565,7 @@ class StreamActivities:
                                     hashlib.sha256(b"reset|initial").hexdigest())
             receipt = self._commit(model, req.stream_id, req.principal, model.initial_state(),
                                    chunk_seq=req.receipt.chunk_seq, epoch=req.epoch, key=key,
-                                   backend=f"{model.backend}:reset")
+                                   backend=f"{model.backend}:reset", before=None)
             self.metrics.resets.add(1, {"model": model.model_id})
             self._gauge()
             return StateResult(receipt=receipt, worker_queue=self.worker_queue)

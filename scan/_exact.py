@@ -56,11 +56,16 @@ from scan._mamba3 import Mamba3Mixer
 from scan._mixer import States
 from scan._ops import Primitives
 
-__all__ = ["Probe", "TWIN_OPS", "TWIN_PRIMITIVES", "build_kernels", "exact_backend", "exact_primitives", "probe"]
+__all__ = ["ARITHMETIC", "Probe", "TWIN_OPS", "TWIN_PRIMITIVES", "build_kernels", "exact_backend", "exact_primitives", "probe"]
 
 log = logging.getLogger(__name__)
 
 Tensor = torch.Tensor
+
+#: The version of the arithmetic below, recorded in every receipt (`state_codec.Arithmetic`).
+#: Anything that changes a bit of any result (an operation's order, a polynomial, a constant)
+#: is a new version; tests/scan/test_exact.py pins the bits of this one.
+ARITHMETIC = "exact-1"
 
 _SOURCE = Path(__file__).with_name("_exact.c")
 # No fused multiply-add, no reassociation: vectorization may only run independent elements side

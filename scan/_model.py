@@ -23,8 +23,10 @@ backend is a set of primitives (`scan._backends`):
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -44,7 +46,7 @@ from scan._backends import Backend, RoundState
 from scan._forward import LayerStates, backend_named, embed, forward
 from scan._lm import MambaLM
 from scan._state import State, StepResult
-from state_codec import Discretization, ModelIdentity, StateSchema, TensorSpec
+from state_codec import Arithmetic, Discretization, ModelIdentity, StateSchema, TensorSpec
 
 __all__ = ["BACKENDS", "Model", "build_schema"]
 
@@ -171,6 +173,23 @@ class Model:
             input_transform_revision=getattr(t, "revision", ""),
             state_schema=self.schema,
         )
+
+    def arithmetic(self, path: str | None = None) -> Arithmetic:
+        """What decides the bits of this model's results (`state_codec.Arithmetic`).
+
+        `path`: the path that ran (a `StepResult.path`); by default the one this backend runs,
+        for the exact backend the one its load-time probe chose.
+        """
+        if self.backend == "exact":
+            from scan._exact import ARITHMETIC
+
+            scheme, path = ARITHMETIC, path or self.exact_probe.path
+        else:
+            scheme, path = "torch", path or self.backend
+        build = _torch_build()
+        return Arithmetic(scheme=scheme, backend=self.backend, path=path, dtype=COMPUTE_DTYPES[self.dtype],
+                          torch=build["torch"], blas=build["blas"], cpu_capability=build["cpu_capability"],
+                          threads=torch.get_num_threads(), device=self.device.type)
 
     def step_rows(self, buffers: Mapping[str, Tensor], rows: Tensor, tokens: Tensor) -> tuple[Tensor, str]:
         """Advance the states at `rows` of per-name buffers (K, *shape) by one token each, in place.
@@ -460,6 +479,18 @@ class Model:
             new = State(s.position + len(x), self._unstack(layer_states, b), self._fingerprint)
             out.append(StepResult(lg, new, self.backend, path))
         return out
+
+
+@functools.cache
+def _torch_build() -> dict[str, str]:
+    """The torch build's version, BLAS and the instruction set its kernels dispatch to."""
+    config = torch.__config__.show()
+    found = re.search(r"BLAS_INFO=([^,\s]+)", config)
+    blas = found.group(1) if found else "unknown"
+    version = re.search(r"Math Kernel Library Version (\S+)", config)
+    if blas == "mkl" and version:
+        blas = f"mkl-{version.group(1)}"
+    return {"torch": torch.__version__, "blas": blas[:80], "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
 def _is_int(v: Any) -> bool:

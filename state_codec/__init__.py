@@ -27,12 +27,21 @@ from state_codec._errors import (
     UnknownKeyId,
     UnsupportedEnvelopeVersion,
 )
-from state_codec._receipt import RECEIPT_VERSION, ModelIdentity, Receipt, schema_diff, validate_resume
+from state_codec._receipt import (
+    RECEIPT_VERSION,
+    Arithmetic,
+    ModelIdentity,
+    Receipt,
+    continue_arithmetic,
+    schema_diff,
+    validate_resume,
+)
 from state_codec._schema import SCHEMA_VERSION, Discretization, StateSchema, TensorSpec
 
 __all__ = [
     "RECEIPT_VERSION",
     "SCHEMA_VERSION",
+    "Arithmetic",
     "BadSignature",
     "CheckpointNotFound",
     "ChecksumMismatch",
@@ -58,6 +67,7 @@ __all__ = [
     "UnknownSigner",
     "UnsignedRequest",
     "UnsupportedEnvelopeVersion",
+    "continue_arithmetic",
     "schema_diff",
     "validate_resume",
 ]

@@ -9,7 +9,7 @@ import re
 from functools import cached_property
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from state_codec._errors import (
     ChunkSequenceMismatch,
@@ -25,7 +25,8 @@ from state_codec._errors import (
 )
 from state_codec._schema import StateSchema
 
-__all__ = ["RECEIPT_VERSION", "ModelIdentity", "Receipt", "schema_diff", "validate_resume"]
+__all__ = ["RECEIPT_VERSION", "Arithmetic", "ModelIdentity", "Receipt", "continue_arithmetic", "schema_diff",
+           "validate_resume"]
 
 RECEIPT_VERSION = 1
 
@@ -52,6 +53,51 @@ class ModelIdentity(_Frozen):
     @property
     def state_dtype(self) -> str:
         return self.state_schema.tensors[0].dtype
+
+
+class Arithmetic(_Frozen):
+    """What decided a state's bits, beside the model revision and the tokens.
+
+    `id` is the part that decides them. The exact arithmetic (`scheme` "exact-<version>") is one
+    fixed sequence of IEEE basic operations: its kernels and their twins give the same bits on
+    any x86-64 CPU, thread count, BLAS and torch build, so its id is the scheme and the compute
+    dtype only. Every other backend computes with torch's kernels (`scheme` "torch"), whose bits
+    follow the torch build, the BLAS, the instruction set and the thread count: all in its id.
+    The remaining fields say where a state was computed; they do not change its bits.
+    """
+
+    scheme: str = Field(min_length=1, max_length=40)
+    backend: str = Field(max_length=40)
+    path: str = Field(max_length=40, description="the kernels that ran (exact: kernels or their twins)")
+    dtype: str = Field(max_length=20, description="compute dtype (the state's is the receipt's `dtype`)")
+    torch: str = Field(max_length=40)
+    blas: str = Field(max_length=80)
+    cpu_capability: str = Field(max_length=40)
+    threads: int = Field(ge=1)
+    device: str = Field(max_length=40)
+    id: str = Field(default="", max_length=300, description="derived: what the bits depend on")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derive_id(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            want = cls.id_of(data)
+            if data.get("id", "") not in ("", want):
+                raise ValueError(f"arithmetic id {data.get('id')!r} does not follow from its fields ({want!r})")
+            data = {**data, "id": want}
+        return data
+
+    @staticmethod
+    def id_of(fields: dict[str, Any]) -> str:
+        if fields.get("scheme", "").startswith("exact-"):
+            return f"{fields['scheme']}/{fields.get('dtype')}"
+        keys = ("backend", "torch", "blas", "cpu_capability", "threads", "device", "dtype")
+        return "torch/" + "/".join(str(fields.get(k)) for k in keys)
+
+    @property
+    def exact(self) -> bool:
+        """Whether the bits are the same whatever the chunking, batching and machine."""
+        return self.scheme.startswith("exact-")
 
 
 class Receipt(_Frozen):
@@ -81,6 +127,18 @@ class Receipt(_Frozen):
     state_key: str = Field(min_length=1, max_length=300)
     checksum: str = Field(pattern=_SHA.pattern, description="sha256 of the plaintext state")
     backend: str = Field(description="backend and path that produced the state")
+    arithmetic: Arithmetic | None = Field(
+        default=None, description="what decided the state's bits (None: recorded before receipts carried it)")
+    arithmetic_since: int = Field(
+        default=0, ge=0, description="the state's bits from this position on were computed under `arithmetic.id`")
+    arithmetic_changes: int = Field(
+        default=0, ge=0, description="times this epoch's state moved to another arithmetic")
+
+    @model_validator(mode="after")
+    def _since_within(self) -> Receipt:
+        if self.arithmetic_since > self.position:
+            raise ValueError(f"arithmetic_since {self.arithmetic_since} is past the position {self.position}")
+        return self
 
     def bound(self) -> dict[str, Any]:
         """The fields a checkpoint blob is cryptographically bound to."""
@@ -93,6 +151,21 @@ class Receipt(_Frozen):
             "chunk_seq": self.chunk_seq,
             "epoch": self.epoch,
         }
+
+
+def continue_arithmetic(before: Receipt | None, arithmetic: Arithmetic) -> dict[str, Any]:
+    """The arithmetic fields of a receipt whose state continues `before`'s under `arithmetic`.
+
+    The initial state is the same under every arithmetic, so a change at position 0 is none. A
+    `before` that recorded no arithmetic counts as another one: its bits cannot be vouched for.
+    """
+    if before is None or before.position == 0:
+        return {"arithmetic": arithmetic, "arithmetic_since": 0, "arithmetic_changes": 0}
+    if before.arithmetic is not None and before.arithmetic.id == arithmetic.id:
+        return {"arithmetic": arithmetic, "arithmetic_since": before.arithmetic_since,
+                "arithmetic_changes": before.arithmetic_changes}
+    return {"arithmetic": arithmetic, "arithmetic_since": before.position,
+            "arithmetic_changes": before.arithmetic_changes + 1}
 
 
 def schema_diff(expected: StateSchema, actual: StateSchema) -> tuple[str, Any, Any] | None:

@@ -484,11 +484,13 @@ def seal(
     keyring: Keyring,
     state_key: str | None = None,
     backend: str | None = None,
+    arithmetic: Mapping[str, Any] | None = None,
 ) -> tuple[Receipt, bytearray]:
     """Receipt and encrypted blob for `state` of `model` (a `scan.Model` and `scan.State`).
 
     The state is validated against the model's schema first. `backend` records what produced
-    the state (defaults to the model's backend).
+    the state (defaults to the model's backend); `arithmetic`, the receipt's arithmetic fields
+    (`continue_arithmetic`; none by default).
     """
     model.validate_state(state)
     identity: ModelIdentity = model.identity()
@@ -507,7 +509,7 @@ def seal(
         architecture=schema.architecture, dtype=identity.state_dtype, n_layer=schema.n_layer,
         d_state=schema.d_state, state_bytes=schema.state_bytes, position=state.position, chunk_seq=chunk_seq,
         epoch=epoch, state_key=state_key or default_state_key(stream_id, epoch, chunk_seq, checksum),
-        checksum=checksum, backend=backend or getattr(model, "backend", "unknown"),
+        checksum=checksum, backend=backend or getattr(model, "backend", "unknown"), **(arithmetic or {}),
     )
     return receipt, blob
 

@@ -135,6 +135,9 @@ class StreamStats(_Model):
     continued_as_new: int = 0
     version_moves: int = Field(default=0, description="continue-as-new onto a new worker deployment version")
     last_backend: str = ""
+    arithmetic: str = Field(default="", description="the current state's arithmetic id (what decided its bits)")
+    arithmetic_changes: int = Field(default=0, description="chunks that continued the state under another "
+                                    "arithmetic (a move to a worker whose bits differ)")
     cancelled: bool = False
 
 

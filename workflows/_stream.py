@@ -64,6 +64,14 @@ def _reject(message: str, reason: str, **details: Any) -> ApplicationError:
     return ApplicationError(message, *([details] if details else []), type=reason, non_retryable=True)
 
 
+def _arithmetic(before: Receipt | None, receipt: Receipt, stats: StreamStats) -> dict[str, Any]:
+    """The stats' arithmetic fields after `receipt` (which continues `before`) is committed."""
+    moved = (before is not None and before.epoch == receipt.epoch
+             and receipt.arithmetic_changes > before.arithmetic_changes)
+    return {"arithmetic": receipt.arithmetic.id if receipt.arithmetic else "",
+            "arithmetic_changes": stats.arithmetic_changes + (1 if moved else 0)}
+
+
 # Pinned by the versioned worker's default behavior (worker.deployment_config), not here: a
 # behavior on the definition is refused by unversioned workers.
 @workflow.defn(name="MambaStream")
@@ -135,7 +143,8 @@ class MambaStreamWorkflow:
         self._bind(res.worker_queue)
         self._kept = [res.receipt.state_key]
         self._stats = self._stats.model_copy(update={"position": res.receipt.position,
-                                                     "last_backend": res.receipt.backend})
+                                                     "last_backend": res.receipt.backend,
+                                                     **_arithmetic(None, res.receipt, self._stats)})
 
     @staticmethod
     def _version_changed() -> bool:
@@ -303,7 +312,7 @@ class MambaStreamWorkflow:
             self._kept.append(out.receipt.state_key)
             self._stats = self._stats.model_copy(update={
                 "position": 0, "epoch": out.receipt.epoch, "resets": self._stats.resets + 1,
-                "last_backend": out.receipt.backend})
+                "last_backend": out.receipt.backend, **_arithmetic(None, out.receipt, self._stats)})
 
     @workflow.update
     async def ready(self) -> Receipt:
@@ -366,13 +375,13 @@ class MambaStreamWorkflow:
     def _commit(self, receipt: Receipt, worker_queue: str | None, *, tokens: int = 0, generated: int = 0) -> None:
         dropped = set(self._to_drop())  # the activity deleted these after committing
         self._kept = [k for k in self._kept if k not in dropped] + [receipt.state_key]
-        self._receipt = receipt
+        before, self._receipt = self._receipt, receipt
         self._bind(worker_queue)
         s = self._stats
         self._stats = s.model_copy(update={
             "position": receipt.position, "chunk_seq": receipt.chunk_seq, "chunks": s.chunks + 1,
             "tokens": s.tokens + tokens, "generated_tokens": s.generated_tokens + generated,
-            "last_backend": receipt.backend})
+            "last_backend": receipt.backend, **_arithmetic(before, receipt, s)})
 
     def _remember(self, rec: RecentResult) -> None:
         self._recent[rec.update_id] = rec

@@ -173,7 +173,7 @@ for name in sys.argv[1].split(","):
     h = hashlib.sha256(r.logits.numpy().tobytes())
     for t in r.state.tensors.values():
         h.update(t.contiguous().numpy().tobytes())
-    out[name] = [h.hexdigest(), r.path]
+    out[name] = [h.hexdigest(), r.path, m.arithmetic(r.path).id]
 print(json.dumps(out))
 """
 
@@ -205,6 +205,24 @@ def test_the_same_bits_for_every_instruction_set_thread_count_and_without_kernel
     assert {v[1] for v in got["twins, torch default"].values()} == {"exact-twin"}
     assert {v[1] for v in first.values()} == {"exact"}
     assert len({v[0] for v in first.values()}) == len(presets)  # and the presets do differ
+    # the receipt's arithmetic says so: one id everywhere
+    assert {v[2] for sums in got.values() for v in sums.values()} == {E.ARITHMETIC + "/float32"}
+    assert {k: v[0] for k, v in first.items()} == PINNED  # and they are this version's bits
+
+
+#: The bits of arithmetic `exact-1` (the `_CHECKSUMS` run), on whatever CPU this runs. A change
+#: of any of them is a new arithmetic: bump `scan._exact.ARITHMETIC`, then these.
+PINNED = {
+    "tiny-mamba1": "d19c7d10294ac3235319c4821186f49b0e2bfddfc715a552463f63870dce09ed",
+    "tiny-mamba2": "09f1f989186456a65a888209770d43b720d6059a90dbc135f6064a004b79a74f",
+    "tiny-mamba3": "4066780d1324baf2404e5882328bced56ca5ba1ae0617f193f4f20838e59a836",
+    "tiny-mamba3-mimo": "de54304970cbfa0be1c72472be1371119c7e919e602ac96007f9d1b6c9b32450",
+}
+
+
+def test_this_version_of_the_exact_arithmetic_gives_its_pinned_bits():
+    assert E.ARITHMETIC == "exact-1"
+    assert {k: v[0] for k, v in _checksums({}, list(PINNED)).items()} == PINNED
 
 
 # --- the probe ------------------------------------------------------------------------------------

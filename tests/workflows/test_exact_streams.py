@@ -3,13 +3,23 @@ steps included, end with the same checksum, through Temporal, and it equals one 
 
 from __future__ import annotations
 
+import concurrent.futures
 import random
 
 import pytest
+import torch
+from temporalio.client import Client
+from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
+from temporalio.worker import Worker
 
+from activities import ModelRegistry, StreamActivities, StreamMetrics, open_store
+from plugin import MambaStreamPlugin
 from scan import load_model
-from state_codec.codec import plaintext_checksum
-from tests.workflows.conftest import make_stack
+from state_codec.codec import Keyring, plaintext_checksum
+from tests.scan._helpers import tokens
+from tests.workflows.conftest import FAST, make_stack
+from tests.workflows.test_metrics import Meter, free_port
+from workflows import StreamOptions
 from tests.workflows.test_stream_workflow import chunking, digest, feed
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -39,3 +49,93 @@ async def test_the_default_backend_gives_one_checksum_for_every_chunking(tempora
         one = local.advance(local.initial_state(), prompt + gen0 + tail)
         assert plaintext_checksum(one.state.tensors) == rec0.checksum
         assert digest(one.logits[-len(tail):]) == out0
+
+
+async def _serving(stack, acts, runtime):
+    """A worker for the shared queue only (no affinity), wired by the plugin; stopped on exit."""
+    client = await Client.connect(stack.address, runtime=runtime,
+                                  plugins=[MambaStreamPlugin(keyring=stack.keyring, activities=acts)])
+    return Worker(client, task_queue=stack.queue, activity_executor=concurrent.futures.ThreadPoolExecutor(4))
+
+
+async def test_a_stream_that_moves_to_other_arithmetic_continues_and_the_change_is_recorded(temporal_env, tmp_path):
+    """Exact, then a chunked worker, then exact again: the stream goes on, each receipt says what
+    decided its bits and since when, the stats and the metric count the two changes, and the
+    exact worker's drift samples re-run each chunk in another partition with no mismatch."""
+    port = free_port()
+    runtime = Runtime(telemetry=TelemetryConfig(metrics=PrometheusConfig(bind_address=f"127.0.0.1:{port}")))
+    stack = await make_stack(temporal_env, tmp_path, start_worker=False)
+    async with stack.exits:
+        opts = StreamOptions(**{**FAST.model_dump(), "affinity": False})
+        meter = Meter(port)
+        exact = stack.new_activities(backend="exact", metrics=StreamMetrics(runtime.metric_meter),
+                                     drift_check_every=1)
+        chunked = stack.new_activities(backend="chunked", metrics=StreamMetrics(runtime.metric_meter))
+        toks = tokens(40, 5)
+        async with await _serving(stack, exact, runtime):
+            sid = await stack.streams.open("alice", "tiny-mamba3", options=opts)
+            await stack.streams.advance(sid, "alice", tokens=toks[:20])
+            r1 = await stack.streams.advance(sid, "alice", tokens=toks[20:27])
+        a1 = r1.receipt.arithmetic
+        assert a1 is not None and a1.id == "exact-1/float32" and a1.path == "exact"
+        assert (r1.receipt.arithmetic_since, r1.receipt.arithmetic_changes) == (0, 0)
+        assert meter.delta("mamba_stream_drift_logits_abs_count") == 2  # both chunks run again, split...
+        assert meter.delta("mamba_stream_drift_logits_abs_sum") == 0.0  # ...bit for bit
+        assert meter.delta("mamba_stream_exact_mismatches") == 0
+        assert meter.delta("mamba_stream_models_loaded", backend="exact", path="exact",
+                           arithmetic="exact-1/float32") == 1
+        assert meter.delta("mamba_stream_arithmetic_changes") == 0
+
+        async with await _serving(stack, chunked, runtime):
+            r2 = await stack.streams.advance(sid, "alice", tokens=toks[27:33])
+            stats = await stack.streams.stats(sid)  # a query needs a worker
+        a2 = r2.receipt.arithmetic
+        assert a2 is not None and not a2.exact and a2.backend == "chunked" and a2.id != a1.id
+        assert (r2.receipt.position, r2.receipt.arithmetic_since, r2.receipt.arithmetic_changes) == (33, 27, 1)
+        assert stats.arithmetic == a2.id and stats.arithmetic_changes == 1 and stats.chunks == 3
+
+        async with await _serving(stack, exact, runtime):
+            r3 = await stack.streams.advance(sid, "alice", tokens=toks[33:])
+            stats = await stack.streams.stats(sid)
+        assert r3.receipt.arithmetic.id == a1.id
+        assert (r3.receipt.arithmetic_since, r3.receipt.arithmetic_changes) == (33, 2)
+        assert stats.arithmetic == a1.id and stats.arithmetic_changes == 2
+        assert meter.delta("mamba_stream_arithmetic_changes") == 2
+        assert meter.delta("mamba_stream_arithmetic_changes", backend="chunked") == 1
+        # the stream went on from the chunked worker's state, exact from position 33 on
+        ex, ch = load_model("tiny-mamba3"), load_model("tiny-mamba3", backend="chunked")
+        at27 = ex.advance(ex.initial_state(), toks[:27]).state
+        assert plaintext_checksum(at27.tensors) == r1.receipt.checksum
+        at33 = ch.advance(ch.restore_state(27, at27.tensors), toks[27:33]).state
+        assert plaintext_checksum(at33.tensors) == r2.receipt.checksum
+        end = ex.advance(ex.restore_state(33, at33.tensors), toks[33:]).state
+        assert plaintext_checksum(end.tensors) == r3.receipt.checksum
+        straight = ex.advance(at27, toks[27:]).state  # which is not where exact alone would be
+        assert plaintext_checksum(straight.tensors) != r3.receipt.checksum
+
+
+async def test_an_exact_drift_sample_that_finds_other_bits_counts_a_mismatch(tmp_path):
+    port = free_port()
+    runtime = Runtime(telemetry=TelemetryConfig(metrics=PrometheusConfig(bind_address=f"127.0.0.1:{port}")))
+    acts = StreamActivities(models=ModelRegistry(["tiny-mamba2"], backend="exact"),
+                            store=open_store(f"file://{tmp_path}/s"), keyring=Keyring.generate(),
+                            metrics=StreamMetrics(runtime.metric_meter), drift_check_every=1)
+    try:
+        meter = Meter(port)
+        model = acts.models.get("tiny-mamba2")
+        start = model.advance(model.initial_state(), tokens(9, 1)).state
+        toks = tokens(12, 2)
+        served = model.advance(start, toks)
+        acts._drift_sample(model, start, toks, served.logits, served.state)
+        assert meter.delta("mamba_stream_exact_mismatches") == 0
+        off = served.logits.clone()
+        off[7, 3] = torch.nextafter(off[7, 3], off[7, 3] + 1)  # one logit one ulp away
+        acts._drift_sample(model, start, toks, off, served.state)
+        assert meter.delta("mamba_stream_exact_mismatches") == 1
+        bad = {k: v.clone() for k, v in served.state.tensors.items()}
+        first = next(iter(bad))
+        bad[first].view(-1)[0] = torch.nextafter(bad[first].view(-1)[0], bad[first].view(-1)[0] + 1)
+        acts._drift_sample(model, start, toks, served.logits, model.restore_state(served.state.position, bad))
+        assert meter.delta("mamba_stream_exact_mismatches") == 2  # a state one ulp away, too
+    finally:
+        acts.close()
