@@ -12,6 +12,9 @@ in the mixers' `forward` and in `scan._forward`.
                longer chunks: GEMMs over the chunk, F.conv1d, the chunked SSD (Mamba-2/3, path
                "ssd") or the segmented selective scan (Mamba-1, path "scan").
     triton     the chunked primitives with mamba-ssm's Triton kernels as the scans (`scan._triton`).
+    exact      one set of primitives for every chunk length (`scan._exact`); with a narrow state
+               dtype, a layer advances one token at a time and rounds the state after each, as the
+               reference does.
 """
 
 from __future__ import annotations
@@ -99,6 +102,25 @@ class FixedBackend(Backend):
     def primitives(self, length: int) -> Primitives:
         return self._prims
 
+    def mix(self, mixer: Mixer, u: Tensor, states: States, round_state: RoundState = None
+            ) -> tuple[Tensor, States, str]:
+        if round_state is None:
+            return mixer.forward(u, states, self._prims)
+        return _token_by_token(mixer, u, states, self._prims, round_state)
+
+
+def _token_by_token(mixer: Mixer, u: Tensor, states: States, prims: Primitives, round_state: RoundState
+                    ) -> tuple[Tensor, States, str]:
+    """One layer, one token after the other: a narrow state dtype is rounded after every token,
+    never once per call, so chunking cannot show."""
+    outs, path = [], prims.name
+    for t in range(u.shape[1]):
+        out, states, path = mixer.forward(u[:, t : t + 1], states, prims)
+        if round_state is not None:
+            states = round_state(states)
+        outs.append(out)
+    return (torch.cat(outs, dim=1) if outs else u[:, :0]), states, path
+
 
 class ReferenceBackend(FixedBackend):
     def __init__(self) -> None:
@@ -106,15 +128,9 @@ class ReferenceBackend(FixedBackend):
 
     def mix(self, mixer: Mixer, u: Tensor, states: States, round_state: RoundState = None
             ) -> tuple[Tensor, States, str]:
-        # token by token through the layer: a narrow state dtype is rounded after every token,
-        # never once per call, so chunking cannot show
-        outs = []
-        for t in range(u.shape[1]):
-            out, states, _ = mixer.forward(u[:, t : t + 1], states, self._prims)
-            if round_state is not None:
-                states = round_state(states)
-            outs.append(out)
-        return torch.cat(outs, dim=1), states, "recurrent"
+        # token by token whatever the state dtype: the recurrent form is the reference
+        out, states, _ = _token_by_token(mixer, u, states, self._prims, round_state)
+        return out, states, "recurrent"
 
 
 class ChunkedBackend(Backend):

@@ -218,6 +218,39 @@ static inline double xcos(double x) {
 
 /* --- kernels, for T = float and T = double ------------------------------------------------ */
 
+/* Register tiles of the products, by the vector registers of the machine built for (16 lanes of
+ * float are 1 AVX-512, 2 AVX or 4 SSE registers; of double, twice that). Speed only: every tile
+ * computes each output in the same order. TILE_Q: room for the widest of the tiles. */
+#if defined(__AVX512F__)
+#define VBYTES 64
+#define TILE_M_f32 4
+#define TILE_N_f32 4
+#define TILE_N1_f32 16
+#define TILE_M_f64 2
+#define TILE_N_f64 4
+#define TILE_N1_f64 8
+#elif defined(__AVX__)
+#define VBYTES 32
+#define TILE_M_f32 2
+#define TILE_N_f32 3
+#define TILE_N1_f32 6
+#define TILE_M_f64 1
+#define TILE_N_f64 3
+#define TILE_N1_f64 3
+#else
+#define VBYTES 16
+#define TILE_M_f32 1
+#define TILE_N_f32 3
+#define TILE_N1_f32 3
+#define TILE_M_f64 1
+#define TILE_N_f64 1
+#define TILE_N1_f64 1
+#endif
+#define TILE_Q_f32 (TILE_N1_f32 > TILE_N_f32 ? TILE_N1_f32 : TILE_N_f32)
+#define TILE_Q_f64 (TILE_N1_f64 > TILE_N_f64 ? TILE_N1_f64 : TILE_N_f64)
+/* outputs per cache block: their weight rows stay in L2 while every row of x passes */
+#define BLOCK_N 96
+
 #define DEFINE_KERNELS(T, SUF)                                                                      \
                                                                                                     \
     /* out[m, n] = dot(x[m, :], w[n, :]) [+ bias[n]] in one fixed order: k is split into 16 lanes   \
@@ -225,8 +258,12 @@ static inline double xcos(double x) {
      * from 0, a multiply then an add, and the lanes added by a fixed tree: (j, j + 8), then         \
      * (j, j + 4), (j, j + 2), (0, 1). x (M, K), w (N, K): the weight as it is stored. Every output \
      * takes this order whatever M, the tile it falls in or the thread that computes it; the tiles  \
-     * (4 rows x 4 outputs, or 1 row x 16 outputs for decode) only choose what is loaded together. */\
+     * (TILE_M rows x TILE_N outputs, 1 row x TILE_N1 outputs for decode, in blocks of BLOCK_N      \
+     * outputs that stay in cache) and the vectors that hold the 16 lanes (NV native vectors of    \
+     * W lanes) only choose what is loaded together, for the registers this machine has. */        \
     typedef T L##SUF __attribute__((vector_size(16 * sizeof(T))));                                 \
+    typedef T V##SUF __attribute__((vector_size(VBYTES)));                                          \
+    enum { NV##SUF = 16 * sizeof(T) / VBYTES, W##SUF = VBYTES / sizeof(T) };                       \
     static inline L##SUF lload##SUF(const T *p, i64 k, i64 K) {                                     \
         L##SUF v;                                                                                   \
         if (k + 16 <= K) {                                                                          \
@@ -236,84 +273,75 @@ static inline double xcos(double x) {
         }                                                                                           \
         return v;                                                                                   \
     }                                                                                               \
-    static inline T ltree##SUF(L##SUF v) {                                                          \
-        T s8[8], s4[4], s2[2];                                                                      \
-        for (int j = 0; j < 8; j++) s8[j] = v[j] + v[j + 8];                                        \
-        for (int j = 0; j < 4; j++) s4[j] = s8[j] + s8[j + 4];                                      \
-        for (int j = 0; j < 2; j++) s2[j] = s4[j] + s4[j + 2];                                      \
-        return s2[0] + s2[1];                                                                       \
+    /* the lane tree on NV native vectors: whole vectors while the span is a multiple of W, then   \
+     * lanes; the same additions as on 16 lanes at once */                                          \
+    static inline __attribute__((always_inline)) T ltree##SUF(const V##SUF *c) {                    \
+        V##SUF v[NV##SUF];                                                                          \
+        int nv = NV##SUF;                                                                           \
+        for (int i = 0; i < nv; i++) v[i] = c[i];                                                   \
+        while (nv > 1) {                                                                            \
+            nv /= 2;                                                                                \
+            for (int i = 0; i < nv; i++) v[i] = v[i] + v[i + nv];                                   \
+        }                                                                                           \
+        T s[W##SUF];                                                                                \
+        memcpy(s, &v[0], sizeof s);                                                                 \
+        for (int span = W##SUF / 2; span >= 1; span /= 2)                                           \
+            for (int j = 0; j < span; j++) s[j] = s[j] + s[j + span];                               \
+        return s[0];                                                                                \
+    }                                                                                               \
+    /* outputs [m, m + R) x [n, n + Q) */                                                           \
+    static inline __attribute__((always_inline)) void tile##SUF(const T *x, i64 K, const T *w, T *out, \
+                                                                i64 N, i64 m, i64 n, const int R, const int Q) { \
+        V##SUF c[TILE_M##SUF][TILE_Q##SUF][NV##SUF];                                                \
+        for (int r = 0; r < R; r++)                                                                 \
+            for (int q = 0; q < Q; q++)                                                             \
+                for (int v = 0; v < NV##SUF; v++) c[r][q][v] = (V##SUF){0};                         \
+        i64 kf = K / 16 * 16;                                                                       \
+        for (i64 k = 0; k < kf; k += 16)                                                            \
+            for (int v = 0; v < NV##SUF; v++) {                                                     \
+                V##SUF a[TILE_M##SUF];                                                              \
+                for (int r = 0; r < R; r++) memcpy(&a[r], x + (m + r) * K + k + v * W##SUF, VBYTES); \
+                for (int q = 0; q < Q; q++) {                                                       \
+                    V##SUF b;                                                                       \
+                    memcpy(&b, w + (n + q) * K + k + v * W##SUF, VBYTES);                           \
+                    for (int r = 0; r < R; r++) c[r][q][v] = c[r][q][v] + a[r] * b;                 \
+                }                                                                                   \
+            }                                                                                       \
+        for (int r = 0; r < R; r++)                                                                 \
+            for (int q = 0; q < Q; q++) {                                                           \
+                if (kf < K) {                                                                       \
+                    L##SUF t = lload##SUF(x + (m + r) * K, kf, K) * lload##SUF(w + (n + q) * K, kf, K); \
+                    V##SUF tv[NV##SUF];                                                             \
+                    memcpy(tv, &t, sizeof t);                                                       \
+                    for (int v = 0; v < NV##SUF; v++) c[r][q][v] = c[r][q][v] + tv[v];              \
+                }                                                                                   \
+                out[(m + r) * N + n + q] = ltree##SUF(c[r][q]);                                     \
+            }                                                                                       \
+    }                                                                                               \
+    static void tile_mn##SUF(const T *x, i64 K, const T *w, T *out, i64 N, i64 m, i64 n) {          \
+        tile##SUF(x, K, w, out, N, m, n, TILE_M##SUF, TILE_N##SUF);                                 \
+    }                                                                                               \
+    static void tile_1n##SUF(const T *x, i64 K, const T *w, T *out, i64 N, i64 m, i64 n) {          \
+        tile##SUF(x, K, w, out, N, m, n, 1, TILE_N1##SUF);                                          \
+    }                                                                                               \
+    static void tile_11##SUF(const T *x, i64 K, const T *w, T *out, i64 N, i64 m, i64 n) {          \
+        tile##SUF(x, K, w, out, N, m, n, 1, 1);                                                     \
     }                                                                                               \
     void linear##SUF(const T *x, i64 M, i64 K, const T *w, i64 N, const T *bias, T *out, i64 n0,   \
                      i64 n1) {                                                                      \
-        i64 m = 0;                                                                                  \
-        for (; m + 4 <= M; m += 4) {                                                                \
-            const T *x0 = x + m * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;                      \
-            i64 n = n0;                                                                             \
-            for (; n + 4 <= n1; n += 4) {                                                           \
-                const T *w0 = w + n * K, *w1 = w0 + K, *w2 = w1 + K, *w3 = w2 + K;                  \
-                L##SUF c[4][4];                                                                     \
-                for (int r = 0; r < 4; r++)                                                         \
-                    for (int q = 0; q < 4; q++) c[r][q] = (L##SUF){0};                              \
-                i64 kf = K / 16 * 16;                                                               \
-                for (i64 k = 0; k < K; k += 16) {                                                   \
-                    L##SUF a[4], b[4];                                                              \
-                    if (k < kf) {                                                                   \
-                        memcpy(&a[0], x0 + k, sizeof a[0]);                                         \
-                        memcpy(&a[1], x1 + k, sizeof a[0]);                                         \
-                        memcpy(&a[2], x2 + k, sizeof a[0]);                                         \
-                        memcpy(&a[3], x3 + k, sizeof a[0]);                                         \
-                        memcpy(&b[0], w0 + k, sizeof b[0]);                                         \
-                        memcpy(&b[1], w1 + k, sizeof b[0]);                                         \
-                        memcpy(&b[2], w2 + k, sizeof b[0]);                                         \
-                        memcpy(&b[3], w3 + k, sizeof b[0]);                                         \
-                    } else {                                                                        \
-                        a[0] = lload##SUF(x0, k, K), a[1] = lload##SUF(x1, k, K);                   \
-                        a[2] = lload##SUF(x2, k, K), a[3] = lload##SUF(x3, k, K);                   \
-                        b[0] = lload##SUF(w0, k, K), b[1] = lload##SUF(w1, k, K);                   \
-                        b[2] = lload##SUF(w2, k, K), b[3] = lload##SUF(w3, k, K);                   \
-                    }                                                                               \
-                    for (int r = 0; r < 4; r++)                                                     \
-                        for (int q = 0; q < 4; q++) c[r][q] = c[r][q] + a[r] * b[q];                \
-                }                                                                                   \
-                for (int r = 0; r < 4; r++)                                                         \
-                    for (int q = 0; q < 4; q++) out[(m + r) * N + n + q] = ltree##SUF(c[r][q]);     \
+        for (i64 b0 = n0; b0 < n1; b0 += BLOCK_N) {                                                 \
+            i64 b1 = b0 + BLOCK_N < n1 ? b0 + BLOCK_N : n1;                                         \
+            i64 m = 0;                                                                              \
+            for (; m + TILE_M##SUF <= M; m += TILE_M##SUF) {                                        \
+                i64 n = b0;                                                                         \
+                for (; n + TILE_N##SUF <= b1; n += TILE_N##SUF) tile_mn##SUF(x, K, w, out, N, m, n); \
+                for (; n < b1; n++)                                                                 \
+                    for (int r = 0; r < TILE_M##SUF; r++) tile_11##SUF(x, K, w, out, N, m + r, n);  \
             }                                                                                       \
-            for (; n < n1; n++) {                                                                   \
-                const T *wn = w + n * K;                                                            \
-                for (int r = 0; r < 4; r++) {                                                       \
-                    const T *xr = x + (m + r) * K;                                                  \
-                    L##SUF c0 = {0};                                                                \
-                    for (i64 k = 0; k < K; k += 16) c0 = c0 + lload##SUF(xr, k, K) * lload##SUF(wn, k, K); \
-                    out[(m + r) * N + n] = ltree##SUF(c0);                                          \
-                }                                                                                   \
-            }                                                                                       \
-        }                                                                                           \
-        for (; m < M; m++) {                                                                        \
-            const T *xr = x + m * K;                                                                \
-            i64 n = n0;                                                                             \
-            i64 kf = K / 16 * 16;                                                                   \
-            for (; n + 16 <= n1; n += 16) {                                                         \
-                L##SUF c[16];                                                                       \
-                for (int q = 0; q < 16; q++) c[q] = (L##SUF){0};                                    \
-                for (i64 k = 0; k < kf; k += 16) {                                                  \
-                    L##SUF a;                                                                       \
-                    memcpy(&a, xr + k, sizeof a);                                                   \
-                    for (int q = 0; q < 16; q++) {                                                  \
-                        L##SUF b;                                                                   \
-                        memcpy(&b, w + (n + q) * K + k, sizeof b);                                  \
-                        c[q] = c[q] + a * b;                                                        \
-                    }                                                                               \
-                }                                                                                   \
-                if (kf < K) {                                                                       \
-                    L##SUF a = lload##SUF(xr, kf, K);                                               \
-                    for (int q = 0; q < 16; q++) c[q] = c[q] + a * lload##SUF(w + (n + q) * K, kf, K);\
-                }                                                                                   \
-                for (int q = 0; q < 16; q++) out[m * N + n + q] = ltree##SUF(c[q]);                 \
-            }                                                                                       \
-            for (; n < n1; n++) {                                                                   \
-                L##SUF c0 = {0};                                                                    \
-                for (i64 k = 0; k < K; k += 16) c0 = c0 + lload##SUF(xr, k, K) * lload##SUF(w + n * K, k, K); \
-                out[m * N + n] = ltree##SUF(c0);                                                    \
+            for (; m < M; m++) {                                                                    \
+                i64 n = b0;                                                                         \
+                for (; n + TILE_N1##SUF <= b1; n += TILE_N1##SUF) tile_1n##SUF(x, K, w, out, N, m, n); \
+                for (; n < b1; n++) tile_11##SUF(x, K, w, out, N, m, n);                            \
             }                                                                                       \
         }                                                                                           \
         if (bias)                                                                                   \

@@ -441,7 +441,7 @@ class _Kernels:
             bp = None if bias is None else bias.data_ptr()
             if m * k * n < _PARALLEL_WORK:
                 fn(xp, m, k, wp, n, bp, op, 0, n)
-            else:  # units of 16 outputs: a multiple of every tile; each thread reads its own weight rows
+            else:  # units of 16 outputs; each thread reads its own weight rows
                 _parallel(lambda u0, u1: fn(xp, m, k, wp, n, bp, op, u0 * 16, min(n, u1 * 16)), (n + 15) // 16,
                           m * k * n)
         return out

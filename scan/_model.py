@@ -17,8 +17,8 @@ backend is a set of primitives (`scan._backends`):
                native kernels. Within `scan.TOLERANCES` of the truth.
     triton     CUDA only: the chunked primitives with mamba-ssm's Triton kernels as the scans
                (`scan._triton`).
-    auto       triton on CUDA when its kernels import, exact on the CPU, chunked otherwise
-               (reference for a narrow state dtype).
+    auto       exact on the CPU (a narrow state dtype included); on CUDA triton when its
+               kernels import, else chunked (reference for a narrow state dtype).
 """
 
 from __future__ import annotations
@@ -117,8 +117,9 @@ class Model:
         transform: the default input transform (text <-> token ids), or None.
         dtype: the dtype of weights and computation (float32 or float64).
         state_dtype: the dtype states are kept in; by default `dtype`. A narrower one (bfloat16,
-            float16) rounds the state after every token, on the reference backend only, so that
-            chunking stays invisible; the rounding is part of the schema.
+            float16) rounds the state after every token, on the exact and reference backends only
+            (each layer then advances one token at a time), so that chunking stays invisible; the
+            rounding is part of the schema.
     """
 
     def __init__(
@@ -307,17 +308,18 @@ class Model:
 
         lossy = self.state_dtype != self.dtype
         if backend == "auto":
-            if lossy:
+            if self.device.type == "cpu":
+                backend = "exact"
+            elif lossy:
                 return "reference"
-            if _triton.unavailable_reason(self.device) is None:
-                return "triton"
-            backend = "exact" if self.device.type == "cpu" else "chunked"
+            else:
+                backend = "triton" if _triton.unavailable_reason(self.device) is None else "chunked"
         if backend == "exact" and self.device.type != "cpu":
             raise UnsupportedBackend(f"the exact backend runs on the CPU; the model is on {self.device}")
-        if backend in ("chunked", "exact", "triton") and lossy:
+        if backend in ("chunked", "triton") and lossy:
             # chunked scans round the state once per call, not once per token: chunking would show
             raise UnsupportedBackend(f"the {backend} backend keeps state in {self.dtype}; "
-                                     f"a {self.state_dtype} state needs the reference backend")
+                                     f"a {self.state_dtype} state needs the exact or reference backend")
         if backend == "triton":
             reason = _triton.unavailable_reason(self.device)
             if reason is not None:

@@ -127,11 +127,12 @@ def test_overflow_raises_and_does_not_advance(backend):
     assert state.equal(model.initial_state())
 
 
+@pytest.mark.parametrize("backend", ["exact", "reference"])
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float16])
-def test_narrow_state_dtype_is_rounded_per_token_so_chunking_stays_exact(preset, state_dtype):
-    model = load_model(preset, state_dtype=state_dtype)
-    assert model.backend == "reference"  # auto: the chunked backend rounds per call, not per token
-    for other in ("chunked", "exact"):
+def test_narrow_state_dtype_is_rounded_per_token_so_chunking_stays_exact(preset, state_dtype, backend):
+    model = load_model(preset, state_dtype=state_dtype, backend=backend)
+    assert load_model(preset, state_dtype=state_dtype).backend == "exact"  # auto, on the CPU
+    for other in ("chunked", "triton"):  # they round the state once per call, not once per token
         with pytest.raises(UnsupportedBackend):
             model.with_backend(other)
     assert {t.dtype for t in model.schema.tensors} == {str(state_dtype).removeprefix("torch.")}
@@ -140,8 +141,12 @@ def test_narrow_state_dtype_is_rounded_per_token_so_chunking_stays_exact(preset,
     logits, state = scan_chunks(model, model.initial_state(), toks, [1, 0, 4, 2, 23])
     assert torch.equal(logits, full.logits) and state.equal(full.state)
     assert all(t.dtype == state_dtype for t in state.tensors.values())
+    batch = model.advance_batch([model.initial_state(), full.state], [toks[:7], toks[:3]])
+    solo = model.advance(full.state, toks[:3])
+    assert torch.equal(batch[1].logits, solo.logits) and batch[1].state.equal(solo.state)
+    assert torch.equal(batch[0].logits, full.logits[:7])
     # the rounding is real: the float32-state model gives other logits
-    wide = model_for(preset)
+    wide = model_for(preset, backend)
     assert not torch.equal(wide.advance(wide.initial_state(), toks).logits, full.logits)
     assert model.schema.fingerprint() != wide.schema.fingerprint()
 

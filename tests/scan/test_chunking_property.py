@@ -4,7 +4,7 @@ Partitions are drawn by hypothesis from pieces that have broken peers: empty chu
 chunks, chunks shorter than d_conv - 1, prime sizes, long runs, and a final short chunk. The
 scan starts from a warmed-up state so that the conv carry and the SSM state are non-trivial.
 Reference and exact backends: bit-exact (torch.equal), float32 and float64, 200 examples per
-(architecture, dtype, backend). Chunked backend: within its declared bound of the float64 truth.
+(architecture, dtype, backend); the exact backend also with bfloat16 and float16 states. Chunked backend: within its declared bound of the float64 truth.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scan import tolerance
+from scan import load_model, tolerance
 from tests.scan._helpers import ARCH_PRESETS, model_for, scan_chunks, tokens
 
 N = 37  # prime, longer than a chunked-backend block (16), short enough for 1600 examples
@@ -67,6 +67,26 @@ def test_exact_backends_partitions_are_bit_exact(preset, dtype, backend, chunks)
     assert torch.equal(logits, full.logits), f"logits differ for {chunks}"
     assert state.equal(full.state), f"state differs for {chunks}"
     assert state.position == start.position + N
+
+
+@lru_cache(maxsize=None)
+def _narrow(preset: str, state_dtype: str):
+    model = load_model(preset, backend="exact", state_dtype=getattr(torch, state_dtype))
+    start = model.advance(model.initial_state(), tokens(11, 100)).state
+    toks = tokens(N, 101)
+    return model, start, toks, model.advance(start, toks)
+
+
+@pytest.mark.parametrize("state_dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("preset", ARCH_PRESETS)
+@settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(chunks=partitions())
+def test_the_exact_backend_with_a_narrow_state_is_bit_exact_under_partitions(preset, state_dtype, chunks):
+    model, start, toks, full = _narrow(preset, state_dtype)
+    logits, state = scan_chunks(model, start, toks, chunks)
+    assert torch.equal(logits, full.logits), f"logits differ for {chunks}"
+    assert state.equal(full.state), f"state differs for {chunks}"
+    assert all(str(t.dtype) == f"torch.{state_dtype}" for t in state.tensors.values())
 
 
 @lru_cache(maxsize=None)
