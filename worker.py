@@ -28,8 +28,10 @@ Environment (all optional):
     MAMBA_STREAM_METRICS     the Prometheus endpoint, host:port (default 127.0.0.1:9464; "off"):
                              Temporal's runtime metrics and ours (docs/metrics.md)
     MAMBA_STREAM_DRIFT_CHECK_EVERY
-                             every Nth advanced chunk is re-run on the reference backend and its
-                             logits difference recorded (default 0: off)
+                             every Nth advanced chunk is run again: on the exact backend in another
+                             partition, which must give the same bits (a difference is counted as
+                             an exact mismatch), elsewhere on the reference backend; its logits
+                             difference is recorded (default 0: off)
     MAMBA_STREAM_BUILD_ID    this worker's build id: with it set, the worker runs as version
                              <MAMBA_STREAM_DEPLOYMENT>:<build id> of a Temporal worker deployment
                              (default deployment name mamba-stream) and streams are pinned to the

@@ -439,11 +439,11 @@ static inline double xcos(double x) {
                                                                                                     \
     /* Mamba-1, streams [b0, b1): per channel c and token t, h = h e^(dt a) + (dt x) b,             \
      * y = (((0 + h_0 cc_0) + h_1 cc_1) + ...). dt, x, y (B, L, C); at (N, C) the transposed A;     \
-     * bm, cm (B, L, N); h (B, C, N) in: the state before, out: after (a copy of the caller's).     \
+     * bm, cm (B, L, N); h0 (B, C, N) the state before, h (B, C, N) out: after.                     \
      * Channels run side by side in blocks of 64 (work units u = b * ceil(C / 64) + block, those   \
      * in [u0, u1) here), the state held transposed meanwhile. */                                   \
-    void selective_scan##SUF(const T *dt, const T *at, const T *x, const T *bm, const T *cm, T *h,  \
-                             T *y, i64 B, i64 L, i64 C, i64 N, i64 u0, i64 u1) {                    \
+    void selective_scan##SUF(const T *dt, const T *at, const T *x, const T *bm, const T *cm,        \
+                             const T *h0, T *h, T *y, i64 B, i64 L, i64 C, i64 N, i64 u0, i64 u1) { \
         enum { CB = 64 };                                                                           \
         T ht[N][CB], d[CB], dx[CB], acc[CB];                                                        \
         i64 nblk = (C + CB - 1) / CB;                                                               \
@@ -452,7 +452,7 @@ static inline double xcos(double x) {
             {                                                                                       \
                 i64 w = C - c0 < CB ? C - c0 : CB;                                                  \
                 for (i64 n = 0; n < N; n++)                                                         \
-                    for (i64 j = 0; j < w; j++) ht[n][j] = h[(b * C + c0 + j) * N + n];             \
+                    for (i64 j = 0; j < w; j++) ht[n][j] = h0[(b * C + c0 + j) * N + n];            \
                 for (i64 t = 0; t < L; t++) {                                                       \
                     const T *dtt = dt + (b * L + t) * C + c0, *xt = x + (b * L + t) * C + c0;       \
                     const T *bt = bm + (b * L + t) * N, *ct = cm + (b * L + t) * N;                 \
@@ -484,19 +484,51 @@ static inline double xcos(double x) {
                                                                                                     \
     /* Mamba-2 (SSD), units u = b * H + h in [u0, u1): per head h and token t, s = s e^(dt a_h) + (dt x) b^T,      \
      * y_p = (((0 + s_p0 c_0) + s_p1 c_1) + ...). x, y (B, L, H, P); dt (B, L, H); a (H,);          \
-     * bm, cm (B, L, G, N); s (B, H, P, N) in place. Heads of a group are contiguous. The state of  \
-     * a head is held transposed (N, P) meanwhile, so that its P rows run side by side. */          \
-    void ssd_scan##SUF(const T *x, const T *dt, const T *a, const T *bm, const T *cm, T *s, T *y,   \
-                       i64 B, i64 L, i64 H, i64 P, i64 G, i64 N, i64 u0, i64 u1) {                  \
+     * bm, cm (B, L, G, N); s0 (B, H, P, N) the state before, s after. Heads of a group are         \
+     * contiguous. The state of a head is held transposed (N, P) meanwhile, so that its P rows run  \
+     * side by side. */                                                                            \
+    void ssd_scan##SUF(const T *x, const T *dt, const T *a, const T *bm, const T *cm, const T *s0,  \
+                       T *s, T *y, i64 B, i64 L, i64 H, i64 P, i64 G, i64 N, i64 u0, i64 u1) {      \
         i64 hg = H / G;                                                                             \
         T st[N][P], dx[P], acc[P];                                                                  \
         for (i64 u = u0; u < u1; u++) {                                                             \
             i64 b = u / H, h = u % H;                                                               \
             {                                                                                       \
                 T *sh = s + (b * H + h) * P * N;                                                    \
+                const T *si = s0 + (b * H + h) * P * N;                                             \
                 i64 g = h / hg;                                                                     \
-                for (i64 n = 0; n < N; n++)                                                         \
-                    for (i64 p = 0; p < P; p++) st[n][p] = sh[p * N + n];                           \
+                if (L <= 2) { /* decode: the state in its own layout, no transposes; rows of 8      \
+                               * side by side so that their sums overlap (the same operations) */   \
+                    for (i64 t = 0; t < L; t++) {                                                   \
+                        const T *src = t ? sh : si;                                                 \
+                        T d = dt[(b * L + t) * H + h];                                              \
+                        T decay = (T)xexp((double)(d * a[h]));                                      \
+                        const T *xt = x + ((b * L + t) * H + h) * P;                                \
+                        const T *bt = bm + ((b * L + t) * G + g) * N;                               \
+                        const T *ct = cm + ((b * L + t) * G + g) * N;                               \
+                        T *yt = y + ((b * L + t) * H + h) * P;                                      \
+                        i64 p = 0;                                                                  \
+                        for (; p + 8 <= P; p += 8) {                                                \
+                            T dxr[8], ac[8];                                                        \
+                            for (int j = 0; j < 8; j++) dxr[j] = d * xt[p + j], ac[j] = (T)0;       \
+                            for (int j = 0; j < 8; j++)                                             \
+                                for (i64 n = 0; n < N; n++)                                         \
+                                    sh[(p + j) * N + n] = src[(p + j) * N + n] * decay + dxr[j] * bt[n]; \
+                            for (i64 n = 0; n < N; n++)                                             \
+                                for (int j = 0; j < 8; j++) ac[j] = ac[j] + sh[(p + j) * N + n] * ct[n]; \
+                            for (int j = 0; j < 8; j++) yt[p + j] = ac[j];                          \
+                        }                                                                           \
+                        for (; p < P; p++) {                                                        \
+                            T dxp = d * xt[p], ac = (T)0;                                           \
+                            for (i64 n = 0; n < N; n++) sh[p * N + n] = src[p * N + n] * decay + dxp * bt[n]; \
+                            for (i64 n = 0; n < N; n++) ac = ac + sh[p * N + n] * ct[n];            \
+                            yt[p] = ac;                                                             \
+                        }                                                                           \
+                    }                                                                               \
+                    continue;                                                                       \
+                }                                                                                   \
+                for (i64 p = 0; p < P; p++) /* the state's own order: read it in sequence */        \
+                    for (i64 n = 0; n < N; n++) st[n][p] = si[p * N + n];                           \
                 for (i64 t = 0; t < L; t++) {                                                       \
                     T d = dt[(b * L + t) * H + h];                                                  \
                     T decay = (T)xexp((double)(d * a[h]));                                          \
@@ -518,8 +550,8 @@ static inline double xcos(double x) {
                     T *yt = y + ((b * L + t) * H + h) * P;                                          \
                     for (i64 p = 0; p < P; p++) yt[p] = acc[p];                                     \
                 }                                                                                   \
-                for (i64 n = 0; n < N; n++)                                                         \
-                    for (i64 p = 0; p < P; p++) sh[p * N + n] = st[n][p];                           \
+                for (i64 p = 0; p < P; p++)                                                         \
+                    for (i64 n = 0; n < N; n++) sh[p * N + n] = st[n][p];                           \
             }                                                                                       \
         }                                                                                           \
     }                                                                                               \
@@ -541,18 +573,20 @@ static inline double xcos(double x) {
     /* Mamba-3 trapezoid, units u = b * H + h in [u0, u1): per head h and token t, over the ranks in order        \
      * upd = sum (beta xr'_r) k'_r^T + (gamma xr_r) k_r^T, s = s alpha + upd, and                    \
      * y_r,p = (((0 + s_p0 q_r0) + s_p1 q_r1) + ...) + D_h xr_r,p; primes are the previous token's.  \
-     * q, k (B, L, R, H, N); xr (B, L, R, H, P); alpha, beta, gamma (B, L, H); s (B, H, P, N),      \
-     * kp (B, R, H, N), xp (B, R, H, P) in place; y (B, L, R, H, P). */                             \
+     * q, k (B, L, R, H, N); xr (B, L, R, H, P); alpha, beta, gamma (B, L, H); s0 (B, H, P, N) the  \
+     * state before, s after; kp (B, R, H, N), xp (B, R, H, P) in place; y (B, L, R, H, P). */     \
     void trapezoid_scan##SUF(const T *q, const T *k, const T *xr, const T *alpha, const T *beta,    \
-                             const T *gamma, const T *D, T *s, T *kp, T *xp, T *y, i64 B, i64 L,    \
+                             const T *gamma, const T *D, const T *s0, T *s, T *kp, T *xp, T *y,     \
+                             i64 B, i64 L,                                                          \
                              i64 R, i64 H, i64 P, i64 N, i64 u0, i64 u1) {                          \
         T st[N][P], bx[R][P], gx[R][P], acc[P];                                                     \
         for (i64 u = u0; u < u1; u++) {                                                             \
             i64 b = u / H, h = u % H;                                                               \
             {                                                                                       \
                 T *sh = s + (b * H + h) * P * N;                                                    \
-                for (i64 n = 0; n < N; n++)                                                         \
-                    for (i64 p = 0; p < P; p++) st[n][p] = sh[p * N + n];                           \
+                const T *si = s0 + (b * H + h) * P * N;                                             \
+                for (i64 p = 0; p < P; p++) /* the state's own order: read it in sequence */        \
+                    for (i64 n = 0; n < N; n++) st[n][p] = si[p * N + n];                           \
                 for (i64 t = 0; t < L; t++) {                                                       \
                     i64 bt = (b * L + t) * H + h;                                                   \
                     T al = alpha[bt], be = beta[bt], ga = gamma[bt];                                \
@@ -592,8 +626,8 @@ static inline double xcos(double x) {
                         memcpy(xp + ((b * R + r) * H + h) * P, xrr, (size_t)P * sizeof(T));         \
                     }                                                                               \
                 }                                                                                   \
-                for (i64 n = 0; n < N; n++)                                                         \
-                    for (i64 p = 0; p < P; p++) sh[p * N + n] = st[n][p];                           \
+                for (i64 p = 0; p < P; p++)                                                         \
+                    for (i64 n = 0; n < N; n++) sh[p * N + n] = st[n][p];                           \
             }                                                                                       \
         }                                                                                           \
     }

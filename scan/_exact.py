@@ -374,10 +374,10 @@ _SIGNATURES = {
     "rms_norm": [_P, _P, _P, _I, _I, _D],
     "gated_norm": [_P, _P, _P, _P, _I, _I, _I, _D, ctypes.c_int],
     "conv": [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I],
-    "selective_scan": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I],
-    "ssd_scan": [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I],
+    "selective_scan": [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I],
+    "ssd_scan": [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I],
     "angle_scan": [_P, _P, _P, _I, _I, _I, _I, _I],
-    "trapezoid_scan": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I],
+    "trapezoid_scan": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I],
 }
 _SUFFIX = {torch.float32: "_f32", torch.float64: "_f64"}
 
@@ -503,25 +503,25 @@ class _Kernels:
     def selective_scan(self, dt: Tensor, at: Tensor, x: Tensor, b: Tensor, cc: Tensor, h0: Tensor) -> tuple[Tensor, Tensor]:
         bsz, length, c = dt.shape
         n = at.shape[0]
-        dt, at, x, b, cc = (t.contiguous() for t in (dt, at, x, b, cc))
-        h = h0.contiguous().clone()
+        dt, at, x, b, cc, h0 = (t.contiguous() for t in (dt, at, x, b, cc, h0))
+        h = torch.empty_like(h0)  # the kernel reads h0 and writes h: the caller's state stays as it was
         y = torch.empty_like(dt)
         fn = self.fn["selective_scan", dt.dtype]
         nblk = (c + 63) // 64
         _parallel(lambda u0, u1: fn(dt.data_ptr(), at.data_ptr(), x.data_ptr(), b.data_ptr(), cc.data_ptr(),
-                                    h.data_ptr(), y.data_ptr(), bsz, length, c, n, u0, u1),
+                                    h0.data_ptr(), h.data_ptr(), y.data_ptr(), bsz, length, c, n, u0, u1),
                   bsz * nblk, bsz * length * c * n * 8)
         return y, h
 
     def ssd(self, x: Tensor, dt: Tensor, a: Tensor, b: Tensor, c: Tensor, h0: Tensor) -> tuple[Tensor, Tensor]:
         bsz, length, h, p = x.shape
         g, n = b.shape[2], b.shape[3]
-        x, dt, a, b, c = (t.contiguous() for t in (x, dt, a, b, c))
-        s = h0.contiguous().clone()
+        x, dt, a, b, c, h0 = (t.contiguous() for t in (x, dt, a, b, c, h0))
+        s = torch.empty_like(h0)
         y = torch.empty_like(x)
         fn = self.fn["ssd_scan", x.dtype]
         _parallel(lambda u0, u1: fn(x.data_ptr(), dt.data_ptr(), a.data_ptr(), b.data_ptr(), c.data_ptr(),
-                                    s.data_ptr(), y.data_ptr(), bsz, length, h, p, g, n, u0, u1),
+                                    h0.data_ptr(), s.data_ptr(), y.data_ptr(), bsz, length, h, p, g, n, u0, u1),
                   bsz * h, bsz * length * h * p * n * 4)
         return y, s
 
@@ -538,14 +538,14 @@ class _Kernels:
                   s0: Tensor, kp: Tensor, xp: Tensor) -> tuple[Tensor, Tensor]:
         bsz, length, r, h, n = q.shape
         p = xr.shape[-1]
-        q, k, xr, alpha, beta, gamma, d = (t.contiguous() for t in (q, k, xr, alpha, beta, gamma, d))
-        s = s0.contiguous().clone()
+        q, k, xr, alpha, beta, gamma, d, s0 = (t.contiguous() for t in (q, k, xr, alpha, beta, gamma, d, s0))
+        s = torch.empty_like(s0)
         kp, xp = kp.contiguous().clone(), xp.contiguous().clone()
         y = torch.empty_like(xr)
         fn = self.fn["trapezoid_scan", q.dtype]
         _parallel(lambda u0, u1: fn(q.data_ptr(), k.data_ptr(), xr.data_ptr(), alpha.data_ptr(), beta.data_ptr(),
-                                    gamma.data_ptr(), d.data_ptr(), s.data_ptr(), kp.data_ptr(), xp.data_ptr(),
-                                    y.data_ptr(), bsz, length, r, h, p, n, u0, u1),
+                                    gamma.data_ptr(), d.data_ptr(), s0.data_ptr(), s.data_ptr(), kp.data_ptr(),
+                                    xp.data_ptr(), y.data_ptr(), bsz, length, r, h, p, n, u0, u1),
                   bsz * h, bsz * length * r * h * p * n * 4)
         return y, s
 

@@ -87,22 +87,24 @@ def test_products_norms_and_conv_give_their_twins_bits(dtype):
     assert _equal(*_both("conv", state, xs, cw, cb)) and _equal(*_both("conv", state, xs, cw, None))
 
 
+@pytest.mark.parametrize("length", [1, 2, 6])  # the kernels take another loop for decode (<= 2 tokens)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_the_scans_give_their_twins_bits(dtype):
-    g = torch.Generator().manual_seed(3)
-    dt = torch.rand(2, 6, 70, generator=g, dtype=torch.float64).to(dtype) * 0.1
-    args = (dt, -torch.rand(16, 70, generator=g, dtype=torch.float64).to(dtype), _r(g, 2, 6, 70, dtype=dtype),
-            _r(g, 2, 6, 16, dtype=dtype), _r(g, 2, 6, 16, dtype=dtype), _r(g, 2, 70, 16, dtype=dtype))
+def test_the_scans_give_their_twins_bits(dtype, length):
+    g, L = torch.Generator().manual_seed(3), length
+    dt = torch.rand(2, L, 70, generator=g, dtype=torch.float64).to(dtype) * 0.1
+    args = (dt, -torch.rand(16, 70, generator=g, dtype=torch.float64).to(dtype), _r(g, 2, L, 70, dtype=dtype),
+            _r(g, 2, L, 16, dtype=dtype), _r(g, 2, L, 16, dtype=dtype), _r(g, 2, 70, 16, dtype=dtype))
     assert _equal(*_both("selective_scan", *args))
-    args = (_r(g, 2, 6, 4, 8, dtype=dtype), torch.rand(2, 6, 4, generator=g, dtype=torch.float64).to(dtype) * 0.1,
-            -torch.rand(4, generator=g, dtype=torch.float64).to(dtype), _r(g, 2, 6, 2, 16, dtype=dtype),
-            _r(g, 2, 6, 2, 16, dtype=dtype), _r(g, 2, 4, 8, 16, dtype=dtype))
-    assert _equal(*_both("ssd", *args))
-    assert _equal(*_both("angle", _r(g, 2, 6, 4, 3, dtype=dtype, scale=3.0), _r(g, 2, 4, 3, dtype=dtype)))
+    for p in (8, 11):  # whole rows of 8 and a remainder
+        args = (_r(g, 2, L, 4, p, dtype=dtype), torch.rand(2, L, 4, generator=g, dtype=torch.float64).to(dtype) * 0.1,
+                -torch.rand(4, generator=g, dtype=torch.float64).to(dtype), _r(g, 2, L, 2, 16, dtype=dtype),
+                _r(g, 2, L, 2, 16, dtype=dtype), _r(g, 2, 4, p, 16, dtype=dtype))
+        assert _equal(*_both("ssd", *args))
+    assert _equal(*_both("angle", _r(g, 2, L, 4, 3, dtype=dtype, scale=3.0), _r(g, 2, 4, 3, dtype=dtype)))
     for r in (1, 2):
-        args = (_r(g, 2, 6, r, 4, 16, dtype=dtype), _r(g, 2, 6, r, 4, 16, dtype=dtype), _r(g, 2, 6, r, 4, 8, dtype=dtype),
-                torch.rand(2, 6, 4, generator=g, dtype=torch.float64).to(dtype), _r(g, 2, 6, 4, dtype=dtype),
-                _r(g, 2, 6, 4, dtype=dtype), _r(g, 4, dtype=dtype), _r(g, 2, 4, 8, 16, dtype=dtype),
+        args = (_r(g, 2, L, r, 4, 16, dtype=dtype), _r(g, 2, L, r, 4, 16, dtype=dtype), _r(g, 2, L, r, 4, 8, dtype=dtype),
+                torch.rand(2, L, 4, generator=g, dtype=torch.float64).to(dtype), _r(g, 2, L, 4, dtype=dtype),
+                _r(g, 2, L, 4, dtype=dtype), _r(g, 4, dtype=dtype), _r(g, 2, 4, 8, 16, dtype=dtype),
                 _r(g, 2, r, 4, 16, dtype=dtype), _r(g, 2, r, 4, 8, dtype=dtype))
         assert _equal(*_both("trapezoid", *args))
 
