@@ -4,6 +4,7 @@ steps included, end with the same checksum, through Temporal, and it equals one 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import random
 
 import pytest
@@ -137,5 +138,39 @@ async def test_an_exact_drift_sample_that_finds_other_bits_counts_a_mismatch(tmp
         bad[first].view(-1)[0] = torch.nextafter(bad[first].view(-1)[0], bad[first].view(-1)[0] + 1)
         acts._drift_sample(model, start, toks, served.logits, model.restore_state(served.state.position, bad))
         assert meter.delta("mamba_stream_exact_mismatches") == 2  # a state one ulp away, too
+    finally:
+        acts.close()
+
+
+async def test_a_model_whose_kernels_fail_the_probe_says_so_in_its_path_arithmetic_and_metric(tmp_path, monkeypatch):
+    """A product that depends on its batch (as tests/scan/test_exact.py forces it): the probe at load
+    catches it, the twins run, and the worker's metric and the receipt's arithmetic say so."""
+    from scan import _exact as E
+
+    ops = E._kernel_ops()
+    honest = type(ops).linear
+
+    def batch_dependent(self, x, weight, bias=None):  # noqa: ANN001, ANN202
+        out = honest(self, x, weight, bias)
+        return torch.nextafter(out, out + 1) if out.numel() // out.shape[-1] > 1 else out
+
+    monkeypatch.setattr(type(ops), "linear", batch_dependent)
+    monkeypatch.setattr(E, "_kernel_primitives", functools.cache(E._kernel_primitives.__wrapped__))
+    port = free_port()
+    runtime = Runtime(telemetry=TelemetryConfig(metrics=PrometheusConfig(bind_address=f"127.0.0.1:{port}")))
+    acts = StreamActivities(models=ModelRegistry(["tiny-mamba1"], backend="exact"),
+                            store=open_store(f"file://{tmp_path}/s"), keyring=Keyring.generate(),
+                            metrics=StreamMetrics(runtime.metric_meter))
+    try:
+        meter = Meter(port)
+        model = acts._model("tiny-mamba1")
+        assert model.exact_probe.path == "exact-twin"
+        assert meter.delta("mamba_stream_models_loaded", backend="exact", path="exact-twin",
+                           arithmetic="exact-1/float32") == 1
+        step = model.advance(model.initial_state(), tokens(5, 3))
+        a = model.arithmetic(step.path)
+        assert step.path == "exact-twin" and a.path == "exact-twin" and a.id == "exact-1/float32"  # same bits
+        acts._model("tiny-mamba1")
+        assert meter.delta("mamba_stream_models_loaded") == 1  # counted once per model
     finally:
         acts.close()
