@@ -42,6 +42,7 @@ from state_codec import (
     Receipt,
     RequestRejected,
     StateRejected,
+    arithmetic_moved,
     continue_arithmetic,
     validate_resume,
 )
@@ -323,7 +324,7 @@ class StreamActivities:
             elif self.store.put_if_absent(key=key, data=blob, stream_id=stream_id, principal=principal):
                 # deleted between the two calls: ours is as good
                 self.metrics.committed(key, len(blob), model.model_id)
-        if before is not None and before.epoch == epoch and receipt.arithmetic_changes > before.arithmetic_changes:
+        if arithmetic_moved(before, receipt):
             self.metrics.arithmetic_changes.add(1, {"model": model.model_id, "backend": model.backend})
             log.info("stream %s continues at position %d under another arithmetic: %s", stream_id,
                      receipt.arithmetic_since, receipt.arithmetic.id if receipt.arithmetic else None)

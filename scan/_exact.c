@@ -44,6 +44,37 @@ static inline uint64_t double_to_bits(double d) {
     return b;
 }
 
+/* Horner's rule, p = c[0], then p = p x + c[i] for i = 1 .. n - 1: a multiply then an add, in order
+ * (a term written "- c" is "+ (-c)", the same operation). Coefficients from the highest power down:
+ * the Taylor series of exp (1/14! .. 1), of expm1 / x (1/18! .. 1), of atanh(s) / s in z = s^2 (1/23 ..
+ * 1), of sin r / r (-1/19! .. 1) and of (1 - cos r) / r^2 (1/18! .. 1/2), in z = r^2. */
+static const double EXP_POLY[] = {
+    1.0 / 87178291200.0, 1.0 / 6227020800.0, 1.0 / 479001600.0, 1.0 / 39916800.0, 1.0 / 3628800.0,
+    1.0 / 362880.0, 1.0 / 40320.0, 1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0,
+    0.5, 1.0, 1.0};
+static const double EXPM1_POLY[] = {
+    1.0 / 6402373705728000.0, 1.0 / 355687428096000.0, 1.0 / 20922789888000.0,
+    1.0 / 1307674368000.0, 1.0 / 87178291200.0, 1.0 / 6227020800.0, 1.0 / 479001600.0,
+    1.0 / 39916800.0, 1.0 / 3628800.0, 1.0 / 362880.0, 1.0 / 40320.0, 1.0 / 5040.0, 1.0 / 720.0,
+    1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0};
+static const double LOG_POLY[] = {
+    1.0 / 23.0, 1.0 / 21.0, 1.0 / 19.0, 1.0 / 17.0, 1.0 / 15.0, 1.0 / 13.0, 1.0 / 11.0, 1.0 / 9.0,
+    1.0 / 7.0, 1.0 / 5.0, 1.0 / 3.0, 1.0};
+static const double SIN_POLY[] = {
+    -1.0 / 121645100408832000.0, 1.0 / 355687428096000.0, -1.0 / 1307674368000.0,
+    1.0 / 6227020800.0, -1.0 / 39916800.0, 1.0 / 362880.0, -1.0 / 5040.0, 1.0 / 120.0, -1.0 / 6.0,
+    1.0};
+static const double COS_POLY[] = {
+    1.0 / 6402373705728000.0, -1.0 / 20922789888000.0, 1.0 / 87178291200.0, -1.0 / 479001600.0,
+    1.0 / 3628800.0, -1.0 / 40320.0, 1.0 / 720.0, -1.0 / 24.0, 0.5};
+
+static inline double horner(const double *c, int n, double x) {
+    double p = c[0];
+    for (int i = 1; i < n; i++) p = p * x + c[i];
+    return p;
+}
+#define HORNER(c, x) horner(c, (int)(sizeof c / sizeof c[0]), x)
+
 /* e^x: k = rint(x / ln 2), r = x - k ln 2, a degree-14 Taylor polynomial, times 2^k. Below -708
  * the result is 0 (flushing what would be subnormal), above 709 it is +inf; NaN stays NaN.
  * Branch-free, so that loops over it vectorize (each lane the same operations). */
@@ -53,21 +84,7 @@ static inline double xexp(double x) {
     double t = xc * INV_LN2 + ROUNDER; /* the integer nearest x / ln 2 (ties to even), in the low bits */
     double k = t - ROUNDER;
     double r = (xc - k * LN2_HI) - k * LN2_LO;
-    double p = 1.0 / 87178291200.0;
-    p = p * r + 1.0 / 6227020800.0;
-    p = p * r + 1.0 / 479001600.0;
-    p = p * r + 1.0 / 39916800.0;
-    p = p * r + 1.0 / 3628800.0;
-    p = p * r + 1.0 / 362880.0;
-    p = p * r + 1.0 / 40320.0;
-    p = p * r + 1.0 / 5040.0;
-    p = p * r + 1.0 / 720.0;
-    p = p * r + 1.0 / 120.0;
-    p = p * r + 1.0 / 24.0;
-    p = p * r + 1.0 / 6.0;
-    p = p * r + 0.5;
-    p = p * r + 1.0;
-    p = p * r + 1.0;
+    double p = HORNER(EXP_POLY, r);
     double scale = bits_to_double((double_to_bits(t) + 1023) << 52); /* 2^k */
     double out = p * scale;
     out = x > 709.0 ? INFINITY : out;
@@ -79,24 +96,7 @@ static inline double xexp(double x) {
 static inline double xexpm1(double x) {
     int small = x > -0.5 && x < 0.5;
     double xs = small ? x : 0.0;
-    double p = 1.0 / 6402373705728000.0; /* 1/18! */
-    p = p * xs + 1.0 / 355687428096000.0;
-    p = p * xs + 1.0 / 20922789888000.0;
-    p = p * xs + 1.0 / 1307674368000.0;
-    p = p * xs + 1.0 / 87178291200.0;
-    p = p * xs + 1.0 / 6227020800.0;
-    p = p * xs + 1.0 / 479001600.0;
-    p = p * xs + 1.0 / 39916800.0;
-    p = p * xs + 1.0 / 3628800.0;
-    p = p * xs + 1.0 / 362880.0;
-    p = p * xs + 1.0 / 40320.0;
-    p = p * xs + 1.0 / 5040.0;
-    p = p * xs + 1.0 / 720.0;
-    p = p * xs + 1.0 / 120.0;
-    p = p * xs + 1.0 / 24.0;
-    p = p * xs + 1.0 / 6.0;
-    p = p * xs + 0.5;
-    p = p * xs + 1.0;
+    double p = HORNER(EXPM1_POLY, xs);
     return small ? x * p : xexp(x) - 1.0;
 }
 
@@ -111,18 +111,7 @@ static inline double xlog_ge1(double u) {
     double f = m - 1.0;
     double s = f / (2.0 + f);
     double z = s * s;
-    double p = 1.0 / 23.0;
-    p = p * z + 1.0 / 21.0;
-    p = p * z + 1.0 / 19.0;
-    p = p * z + 1.0 / 17.0;
-    p = p * z + 1.0 / 15.0;
-    p = p * z + 1.0 / 13.0;
-    p = p * z + 1.0 / 11.0;
-    p = p * z + 1.0 / 9.0;
-    p = p * z + 1.0 / 7.0;
-    p = p * z + 1.0 / 5.0;
-    p = p * z + 1.0 / 3.0;
-    p = p * z + 1.0;
+    double p = HORNER(LOG_POLY, z);
     return k * LN2_HI + (k * LN2_LO + 2.0 * s * p);
 }
 
@@ -172,26 +161,9 @@ static inline void xsincos(double x, double *sn, double *cs) {
     double n = t - ROUNDER;
     double r = ((x - n * PIO2_1) - n * PIO2_2) - n * PIO2_3;
     double z = r * r;
-    double ps = -1.0 / 121645100408832000.0; /* -1/19! */
-    ps = ps * z + 1.0 / 355687428096000.0;
-    ps = ps * z - 1.0 / 1307674368000.0;
-    ps = ps * z + 1.0 / 6227020800.0;
-    ps = ps * z - 1.0 / 39916800.0;
-    ps = ps * z + 1.0 / 362880.0;
-    ps = ps * z - 1.0 / 5040.0;
-    ps = ps * z + 1.0 / 120.0;
-    ps = ps * z - 1.0 / 6.0;
-    ps = ps * z + 1.0;
+    double ps = HORNER(SIN_POLY, z);
     double s = r * ps;
-    double pc = 1.0 / 6402373705728000.0; /* 1/18! */
-    pc = pc * z - 1.0 / 20922789888000.0;
-    pc = pc * z + 1.0 / 87178291200.0;
-    pc = pc * z - 1.0 / 479001600.0;
-    pc = pc * z + 1.0 / 3628800.0;
-    pc = pc * z - 1.0 / 40320.0;
-    pc = pc * z + 1.0 / 720.0;
-    pc = pc * z - 1.0 / 24.0;
-    pc = pc * z + 0.5;
+    double pc = HORNER(COS_POLY, z);
     double c = 1.0 - z * pc;
     uint64_t q = double_to_bits(t) & 3; /* n mod 4 */
     *sn = q == 0 ? s : q == 1 ? c : q == 2 ? -s : -c;

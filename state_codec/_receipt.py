@@ -25,8 +25,8 @@ from state_codec._errors import (
 )
 from state_codec._schema import StateSchema
 
-__all__ = ["RECEIPT_VERSION", "Arithmetic", "ModelIdentity", "Receipt", "continue_arithmetic", "schema_diff",
-           "validate_resume"]
+__all__ = ["RECEIPT_VERSION", "Arithmetic", "ModelIdentity", "Receipt", "arithmetic_moved", "continue_arithmetic",
+           "schema_diff", "validate_resume"]
 
 RECEIPT_VERSION = 1
 
@@ -166,6 +166,12 @@ def continue_arithmetic(before: Receipt | None, arithmetic: Arithmetic) -> dict[
                 "arithmetic_changes": before.arithmetic_changes}
     return {"arithmetic": arithmetic, "arithmetic_since": before.position,
             "arithmetic_changes": before.arithmetic_changes + 1}
+
+
+def arithmetic_moved(before: Receipt | None, after: Receipt) -> bool:
+    """Whether `after`, committed on top of `before`, moved the stream to another arithmetic."""
+    return (before is not None and before.epoch == after.epoch
+            and after.arithmetic_changes > before.arithmetic_changes)
 
 
 def schema_diff(expected: StateSchema, actual: StateSchema) -> tuple[str, Any, Any] | None:

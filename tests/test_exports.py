@@ -20,7 +20,7 @@ EXPECTED = {
         "ModelIdentity", "ModelRevisionMismatch", "PositionMismatch", "PrincipalMismatch", "Receipt",
         "RequestRejected", "SchemaMismatch", "StateRejected", "StateSchema", "StreamMismatch", "TensorSpec",
         "TruncatedBlob", "UnknownKeyId", "UnknownSigner", "UnsignedRequest", "UnsupportedEnvelopeVersion",
-        "continue_arithmetic", "schema_diff", "validate_resume",
+        "arithmetic_moved", "continue_arithmetic", "schema_diff", "validate_resume",
     ],
     "state_codec.keyring": ["KEYRING_FILE", "Keyring", "KeyringError", "KeyringNotFound", "default_home",
                             "find_keyring"],

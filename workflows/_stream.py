@@ -21,7 +21,7 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from state_codec import Receipt
+    from state_codec import Receipt, arithmetic_moved
     from workflows._models import (
         ACTIVITY_ADVANCE,
         ACTIVITY_CHECKPOINT,
@@ -66,10 +66,8 @@ def _reject(message: str, reason: str, **details: Any) -> ApplicationError:
 
 def _arithmetic(before: Receipt | None, receipt: Receipt, stats: StreamStats) -> dict[str, Any]:
     """The stats' arithmetic fields after `receipt` (which continues `before`) is committed."""
-    moved = (before is not None and before.epoch == receipt.epoch
-             and receipt.arithmetic_changes > before.arithmetic_changes)
     return {"arithmetic": receipt.arithmetic.id if receipt.arithmetic else "",
-            "arithmetic_changes": stats.arithmetic_changes + (1 if moved else 0)}
+            "arithmetic_changes": stats.arithmetic_changes + int(arithmetic_moved(before, receipt))}
 
 
 # Pinned by the versioned worker's default behavior (worker.deployment_config), not here: a

@@ -7,7 +7,7 @@ import torch
 from pydantic import ValidationError
 
 from scan import load_model
-from state_codec import Arithmetic, Receipt, continue_arithmetic
+from state_codec import Arithmetic, Receipt, arithmetic_moved, continue_arithmetic
 from state_codec.codec import Keyring, seal
 
 RING = Keyring.generate()
@@ -80,6 +80,9 @@ def test_the_same_arithmetic_carries_a_change_counts_and_moves_since(receipts):
     assert (moved.arithmetic.id, moved.arithmetic_since, moved.arithmetic_changes) == (b.id, 3, 1)
     back = make(s2, 2, moved, a)
     assert (back.arithmetic_since, back.arithmetic_changes) == (5, 2)
+    assert arithmetic_moved(r1, moved) and arithmetic_moved(moved, back)
+    assert not arithmetic_moved(r0, r1) and not arithmetic_moved(r1, r1b) and not arithmetic_moved(None, moved)
+    assert not arithmetic_moved(moved.model_copy(update={"epoch": 1}), back)  # a reset is a new epoch
     # at position 0 every arithmetic has the same state: no change
     assert make(s1, 1, make(model.initial_state(), 0, None, b), a).arithmetic_changes == 0
     # a receipt from before arithmetic was recorded cannot vouch for its bits
