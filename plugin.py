@@ -38,7 +38,7 @@ __all__ = ["MambaStreamPlugin", "data_converter"]
 log = logging.getLogger(__name__)
 
 #: modules the workflow sandbox imports once, from outside: the request/receipt models
-PASSTHROUGH = ("pydantic", "state_codec", "workflows._models")
+PASSTHROUGH = ("pydantic", "state_codec", "workflows._models", "workflows._failures")
 
 
 class _Codecs(PayloadCodec):

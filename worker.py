@@ -226,6 +226,7 @@ async def run_worker(cfg: WorkerConfig, stop: asyncio.Event, *, ready: asyncio.E
         acts.metrics = metrics
     client = await Client.connect(cfg.address or "127.0.0.1:7233", runtime=runtime,
                                   plugins=[MambaStreamPlugin(keyring=keyring, activities=acts)])
+    await _claim_store(client, acts, close=activities is None)
     if runtime is not None:
         log.info("metrics on http://%s/metrics", cfg.metrics)
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="activity")
@@ -244,6 +245,24 @@ async def run_worker(cfg: WorkerConfig, stop: asyncio.Event, *, ready: asyncio.E
         if sweeper is not None:
             sweeper.cancel()
     pool.shutdown(wait=False, cancel_futures=True)  # the plugin closed the activities with the workers
+
+
+async def _claim_store(client, acts, *, close: bool) -> None:
+    """Claim the store for this worker's cluster and namespace, before serving anything.
+
+    A worker on another cluster's store would write streams that cluster's sweep finds "not
+    found", and its own sweep would find that cluster's live streams "not found": it must not start.
+    """
+    from activities._store import StoreOwnedElsewhere
+    from activities._sweep import claim_store
+
+    try:
+        await claim_store(client, acts.store)
+    except StoreOwnedElsewhere as exc:
+        log.error("refusing to start: %s", exc)
+        if close:
+            acts.close()
+        raise
 
 
 async def _sweep_forever(cfg: WorkerConfig, client, acts) -> None:

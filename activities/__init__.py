@@ -8,11 +8,14 @@ batching), state stores, and the example agent's activity (`agent_feed_stream`).
 
 from activities._alloc import tune_allocator
 from activities._file_store import FileStateStore
+from activities._memory_store import MemoryStateStore
 from activities._store import (
     InvalidStoreKey,
     StateStore,
     StoreCorrupt,
     StoreError,
+    StoreOwnedElsewhere,
+    StoreOwner,
     StoreUnavailable,
     StoreUsage,
     open_store,
@@ -21,12 +24,15 @@ from activities._store import (
 __all__ = [
     "FileStateStore",
     "InvalidStoreKey",
+    "MemoryStateStore",
     "ModelRegistry",
     "PostgresStateStore",
     "SlotTable",
     "StateStore",
     "StoreCorrupt",
     "StoreError",
+    "StoreOwnedElsewhere",
+    "StoreOwner",
     "StoreUnavailable",
     "StoreUsage",
     "StreamActivities",
@@ -34,6 +40,7 @@ __all__ = [
     "StreamMetrics",
     "SweepReport",
     "agent_feed_stream",
+    "claim_store",
     "open_store",
     "sweep_orphans",
     "tune_allocator",
@@ -48,6 +55,7 @@ def __getattr__(name: str):
         return PostgresStateStore
     homes = {"StreamActivities": "_stream", "ModelRegistry": "_registry", "StreamEngine": "_engine",
              "SlotTable": "_slots", "StreamMetrics": "_metrics", "SweepReport": "_sweep", "sweep_orphans": "_sweep",
+             "claim_store": "_sweep",
              "agent_feed_stream": "_agent"}
     if name in homes:
         import importlib

@@ -6,10 +6,14 @@ Layout under the root:
                             xx = first two hex digits of sha256(key), to keep directories small
     streams/<stream>/<key>  empty markers, written before the object, for list/delete by stream
     tmp/                    objects being written
+    meta/<kind>/<name>      metadata records (the owner, the sweep's first sightings), not blobs
 
 A write goes to tmp/ with mode 0600, is fsynced, then hard-linked to its final name: `link`
 fails if the name exists, which makes put-if-absent atomic across threads and processes, and a
 writer killed at any point leaves at most a file in tmp/, never a partial object.
+
+Cleanup after a failure (the tmp file, a descriptor) never raises over the failure itself: on a
+read-only or broken file system the cleanup fails too, and its error would hide the real one.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import os
 import struct
 import time
@@ -35,6 +40,8 @@ from activities._store import (
 
 __all__ = ["FileStateStore"]
 
+log = logging.getLogger(__name__)
+
 _MAGIC = b"MSSB\x01"
 _CHUNK = 8 << 20
 
@@ -45,12 +52,37 @@ def _os_error(exc: OSError, what: str) -> StoreError:
     return StoreUnavailable(f"{what}: {exc}")  # ENOSPC, EIO, EMFILE...: may pass
 
 
+def _quiet_unlink(path: Path) -> None:
+    """Best-effort removal during cleanup: a failure is logged, never raised over the real error."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        log.debug("cleanup: cannot remove %s: %s", path, exc)
+
+
+def _quiet_close(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError as exc:
+        log.debug("cleanup: cannot close descriptor %d: %s", fd, exc)
+
+
+def _fsync_dir(path: Path) -> None:
+    dfd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    except BaseException:
+        _quiet_close(dfd)
+        raise
+    os.close(dfd)
+
+
 class FileStateStore(StateStore):
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root).resolve()
         self.url = f"file://{self.root}"
         try:
-            for sub in ("objects", "streams", "tmp"):
+            for sub in ("objects", "streams", "tmp", "meta"):
                 (self.root / sub).mkdir(parents=True, exist_ok=True, mode=0o700)
             os.chmod(self.root, 0o700)
         except OSError as exc:
@@ -65,6 +97,9 @@ class FileStateStore(StateStore):
     def _marker(self, stream_id: str, key: str) -> Path:
         return self.root / "streams" / stream_id / key
 
+    def _meta(self, kind: str, name: str) -> Path:
+        return self.root / "meta" / check_name("metadata kind", kind) / check_name("metadata name", name)
+
     # --- writing ----------------------------------------------------------------------------
 
     def _write_chunk(self, fd: int, chunk: memoryview) -> None:
@@ -72,6 +107,30 @@ class FileStateStore(StateStore):
         while len(chunk):
             n = os.write(fd, chunk)
             chunk = chunk[n:]
+
+    def _commit(self, tmp: Path, final: Path, chunks: list[memoryview]) -> bool:
+        """Write `chunks` to `tmp`, fsync it, link it to `final`; False if `final` exists.
+
+        The caller removes `tmp` afterwards, whatever happened. A descriptor is closed quietly
+        only when the write already failed; after a good write, a failed close is the error.
+        """
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            for chunk in chunks:
+                for i in range(0, len(chunk), _CHUNK):
+                    self._write_chunk(fd, chunk[i : i + _CHUNK])
+            os.fsync(fd)
+        except BaseException:
+            _quiet_close(fd)
+            raise
+        os.close(fd)
+        final.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            os.link(tmp, final)  # the commit point
+        except FileExistsError:
+            return False
+        _fsync_dir(final.parent)
+        return True
 
     def put_if_absent(self, *, key: str, data: Blob, stream_id: str, principal: str) -> bool:
         check_name("key", key)
@@ -87,29 +146,12 @@ class FileStateStore(StateStore):
             marker = self._marker(stream_id, key)
             marker.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             marker.touch(mode=0o600, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            try:
-                self._write_chunk(fd, memoryview(_MAGIC + struct.pack("<I", len(header)) + header))
-                for i in range(0, len(view), _CHUNK):
-                    self._write_chunk(fd, view[i : i + _CHUNK])
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            final.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            try:
-                os.link(tmp, final)  # the commit point
-            except FileExistsError:
-                return False
-            dfd = os.open(final.parent, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
-            return True
+            head = memoryview(_MAGIC + struct.pack("<I", len(header)) + header)
+            return self._commit(tmp, final, [head, view])
         except OSError as exc:
             raise _os_error(exc, f"cannot write {key}") from exc
         finally:
-            tmp.unlink(missing_ok=True)
+            _quiet_unlink(tmp)
 
     # --- reading ----------------------------------------------------------------------------
 
@@ -153,7 +195,10 @@ class FileStateStore(StateStore):
         except OSError as exc:
             raise _os_error(exc, f"cannot delete {key}") from exc
         if found is not None:
-            self._marker(found["stream_id"], key).unlink(missing_ok=True)
+            try:
+                self._marker(found["stream_id"], key).unlink(missing_ok=True)
+            except OSError as exc:  # the object is gone, which is what was asked; the index lags
+                log.warning("deleted %s but not its stream marker: %s", key, exc)
         return True
 
     def _read_header(self, key: str) -> dict | None:
@@ -212,7 +257,58 @@ class FileStateStore(StateStore):
         """Remove leftovers of writers that died before committing; returns how many."""
         cutoff, n = time.time() - older_than_s, 0
         for f in (self.root / "tmp").iterdir():
-            if f.stat().st_mtime < cutoff:
-                f.unlink(missing_ok=True)
-                n += 1
+            try:  # a live writer may remove its own file between the listing and here
+                if f.stat().st_mtime < cutoff:
+                    f.unlink()
+                    n += 1
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                raise _os_error(exc, f"cannot sweep {f}") from exc
         return n
+
+    # --- metadata ---------------------------------------------------------------------------
+
+    def get_meta(self, *, kind: str, name: str) -> bytes | None:
+        """See base class."""
+        path = self._meta(kind, name)
+        try:
+            return path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise _os_error(exc, f"cannot read metadata {kind}/{name}") from exc
+
+    def put_meta_if_absent(self, *, kind: str, name: str, data: bytes) -> bool:
+        """See base class. Committed like a blob: tmp file, fsync, link (atomic first-writer-wins)."""
+        final = self._meta(kind, name)
+        if final.exists():
+            return False
+        tmp = self.root / "tmp" / f"meta.{kind}.{uuid.uuid4().hex}.part"
+        try:
+            return self._commit(tmp, final, [memoryview(bytes(data))])
+        except OSError as exc:
+            raise _os_error(exc, f"cannot write metadata {kind}/{name}") from exc
+        finally:
+            _quiet_unlink(tmp)
+
+    def delete_meta(self, *, kind: str, name: str) -> bool:
+        """See base class."""
+        path = self._meta(kind, name)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise _os_error(exc, f"cannot delete metadata {kind}/{name}") from exc
+        return True
+
+    def list_meta(self, *, kind: str) -> list[str]:
+        """See base class."""
+        d = self.root / "meta" / check_name("metadata kind", kind)
+        try:
+            return sorted(os.listdir(d))
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise _os_error(exc, f"cannot list metadata {kind}") from exc

@@ -1,12 +1,21 @@
 """The PostgreSQL state store: blobs as bytea, stream and principal in their own columns.
 
 Every worker of a deployment shares it. Put-if-absent is `INSERT ... ON CONFLICT DO NOTHING`;
-reads filter on the principal in SQL, so another tenant's row is never even fetched.
+reads filter on the principal in SQL, so another tenant's row is never even fetched. Metadata
+(the owner record, the sweep's first sightings) lives in a second table, `<table>_meta`.
+
+Errors are mapped by SQLSTATE, not by psycopg's exception class: PostgreSQL briefly read-only
+(25006, a failover in progress), a serialization failure or deadlock, a cancelled statement or
+a shutting-down server may pass, and an activity retry should see `StoreUnavailable`; a syntax
+error, a missing privilege or bad data will not, and becomes a non-retryable `StoreError`. A
+connection that saw a transient error is closed, never pooled: it may be broken, or attached to
+a server that has just become a read-only standby.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import queue
 import re
 import threading
@@ -27,7 +36,70 @@ from activities._store import (
 
 __all__ = ["PostgresStateStore"]
 
+log = logging.getLogger(__name__)
+
 _IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+_MAX_IDENT = 63  # PostgreSQL truncates longer names silently
+
+# SQLSTATEs after which the same statement may succeed: whole classes, then single codes.
+_TRANSIENT_CLASSES = frozenset({
+    "08",  # connection exception
+    "53",  # insufficient resources: disk full, out of memory, too many connections
+})
+_TRANSIENT_STATES = frozenset({
+    "25006",  # read-only SQL transaction: a primary demoted, a standby promoted, a read-only pause
+    "40001",  # serialization failure
+    "40P01",  # deadlock detected
+    "55P03",  # lock not available
+    "57014",  # query canceled (statement timeout)
+    "57P01", "57P02", "57P03",  # admin shutdown, crash shutdown, cannot connect now
+    "57P05",  # idle session timeout: the connection was closed, a new one will do
+    "58030",  # I/O error on the server, as EIO is transient in the file store
+})
+
+
+def _aux_table(table: str, suffix: str) -> str:
+    """`<table><suffix>`, shortened with a digest when it would pass PostgreSQL's name limit."""
+    name = table + suffix
+    if len(name) <= _MAX_IDENT:
+        return name
+    digest = hashlib.sha256(table.encode()).hexdigest()[:8]
+    return f"{table[: _MAX_IDENT - len(suffix) - 9]}_{digest}{suffix}"
+
+
+def is_transient(exc: BaseException, conn: Any = None) -> bool:
+    """Whether a psycopg error may pass if the operation is tried again (on a new connection).
+
+    Args:
+        exc: the psycopg error.
+        conn: the connection it was raised on (None: raised while connecting).
+    """
+    import psycopg
+
+    state = getattr(exc, "sqlstate", None)
+    if state:
+        return state[:2] in _TRANSIENT_CLASSES or state in _TRANSIENT_STATES
+    # no SQLSTATE: the client raised it, not the server: a refused, timed-out or lost connection
+    if conn is None or conn.closed or conn.broken:
+        return True
+    return isinstance(exc, psycopg.OperationalError)
+
+
+def store_error(exc: BaseException, conn: Any = None) -> StoreError:
+    """The store error for a psycopg error: `StoreUnavailable` if transient, else a `StoreError`
+    naming the SQLSTATE."""
+    state = getattr(exc, "sqlstate", None) or "no SQLSTATE"
+    if is_transient(exc, conn):
+        return StoreUnavailable(f"PostgreSQL unavailable ({state}, {type(exc).__name__}): {exc}")
+    return StoreError(f"PostgreSQL error {state} ({type(exc).__name__}): {exc}")
+
+
+def _discard(conn: Any) -> None:
+    """Close a connection that will not be pooled again; a failure to close is only logged."""
+    try:
+        conn.close()
+    except Exception as exc:  # noqa: BLE001 - cleanup never hides the error being raised
+        log.debug("cleanup: closing a PostgreSQL connection failed: %s", exc)
 
 
 class PostgresStateStore(StateStore):
@@ -50,18 +122,45 @@ class PostgresStateStore(StateStore):
         self._idle: queue.LifoQueue[Any] = queue.LifoQueue()
         self._slots = threading.BoundedSemaphore(pool_size)
         self._closed = False
+        self.meta_table = _aux_table(self.table, "_meta")
+        self._create_tables()
+
+    def _create_tables(self) -> None:
+        """Create the tables unless they exist.
+
+        Existing tables are only looked up, never re-created: a `CREATE ... IF NOT EXISTS` is
+        refused outright by a read-only server (and needs CREATE on the schema), so a store on
+        one could not even be opened to read checkpoints. Two workers creating the tables at
+        once may collide (23505 / 42P07); the loser finds them made.
+        """
+        psycopg = self._psycopg
         with self._conn() as conn:
-            conn.execute(
+            have = conn.execute("SELECT to_regclass(%s) IS NOT NULL, to_regclass(%s) IS NOT NULL",
+                                (self.table, self.meta_table)).fetchone()
+            if all(have):
+                return
+            for ddl in (
                 f"CREATE TABLE IF NOT EXISTS {self.table} ("
                 " key text PRIMARY KEY, stream_id text NOT NULL, principal text NOT NULL,"
                 " data bytea NOT NULL, sha256 bytea NOT NULL, size bigint NOT NULL,"
-                " created_at timestamptz NOT NULL DEFAULT now())"
-            )
-            conn.execute(f"CREATE INDEX IF NOT EXISTS {self.table}_stream ON {self.table} (stream_id)")
+                " created_at timestamptz NOT NULL DEFAULT now())",
+                f"CREATE INDEX IF NOT EXISTS {self.table}_stream ON {self.table} (stream_id)",
+                f"CREATE TABLE IF NOT EXISTS {self.meta_table} ("
+                " kind text NOT NULL, name text NOT NULL, data bytea NOT NULL,"
+                " created_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (kind, name))",
+            ):
+                try:
+                    conn.execute(ddl)
+                except (psycopg.errors.UniqueViolation, psycopg.errors.DuplicateTable):
+                    log.debug("created concurrently by another process: %s", ddl.split("(")[0])
 
     @contextmanager
     def _conn(self) -> Iterator[Any]:
-        """A pooled autocommit connection; psycopg errors become store errors."""
+        """A pooled autocommit connection; psycopg errors become store errors (by SQLSTATE).
+
+        Only a healthy, idle connection goes back to the pool: one that saw a transient error,
+        broke, or was left inside a transaction is closed.
+        """
         psycopg = self._psycopg
         if self._closed:
             raise StoreError("store is closed")
@@ -73,18 +172,19 @@ class PostgresStateStore(StateStore):
             except queue.Empty:
                 conn = psycopg.connect(self._conninfo, autocommit=True)
             yield conn
-        except psycopg.OperationalError as exc:
-            if conn is not None:
-                conn.close()
-                conn = None
-            raise StoreUnavailable(f"PostgreSQL unavailable: {exc}") from exc
         except psycopg.Error as exc:
-            if conn is not None and conn.closed:
+            err = store_error(exc, conn)
+            if conn is not None and err.retryable:
+                _discard(conn)
                 conn = None
-            raise StoreError(f"PostgreSQL error: {exc}") from exc
+            raise err from exc
         finally:
-            if conn is not None and not conn.closed:
-                self._idle.put(conn)
+            if conn is not None:
+                idle = psycopg.pq.TransactionStatus.IDLE
+                if conn.closed or conn.broken or conn.info.transaction_status != idle:
+                    _discard(conn)
+                else:
+                    self._idle.put(conn)
             self._slots.release()
 
     def put_if_absent(self, *, key: str, data: Blob, stream_id: str, principal: str) -> bool:
@@ -143,15 +243,52 @@ class PostgresStateStore(StateStore):
             ).fetchone()
         return StoreUsage(objects=int(objects), bytes=int(size), streams=int(streams))
 
+    # --- metadata ---------------------------------------------------------------------------
+
+    def get_meta(self, *, kind: str, name: str) -> bytes | None:
+        """See base class."""
+        check_name("metadata kind", kind)
+        check_name("metadata name", name)
+        with self._conn() as conn:
+            row = conn.execute(f"SELECT data FROM {self.meta_table} WHERE kind = %s AND name = %s",
+                               (kind, name), binary=True).fetchone()
+        return None if row is None else bytes(row[0])
+
+    def put_meta_if_absent(self, *, kind: str, name: str, data: bytes) -> bool:
+        """See base class."""
+        check_name("metadata kind", kind)
+        check_name("metadata name", name)
+        with self._conn() as conn:
+            return conn.execute(
+                f"INSERT INTO {self.meta_table} (kind, name, data) VALUES (%s, %s, %b)"
+                " ON CONFLICT (kind, name) DO NOTHING", (kind, name, bytes(data))).rowcount == 1
+
+    def delete_meta(self, *, kind: str, name: str) -> bool:
+        """See base class."""
+        check_name("metadata kind", kind)
+        check_name("metadata name", name)
+        with self._conn() as conn:
+            return conn.execute(f"DELETE FROM {self.meta_table} WHERE kind = %s AND name = %s",
+                                (kind, name)).rowcount == 1
+
+    def list_meta(self, *, kind: str) -> list[str]:
+        """See base class."""
+        check_name("metadata kind", kind)
+        with self._conn() as conn:
+            rows = conn.execute(f"SELECT name FROM {self.meta_table} WHERE kind = %s ORDER BY name",
+                                (kind,)).fetchall()
+        return [r[0] for r in rows]
+
     def drop(self) -> None:
-        """Drop the table (tests and teardown)."""
+        """Drop the tables (tests and teardown)."""
         with self._conn() as conn:
             conn.execute(f"DROP TABLE IF EXISTS {self.table}")
+            conn.execute(f"DROP TABLE IF EXISTS {self.meta_table}")
 
     def close(self) -> None:
         self._closed = True
         while True:
             try:
-                self._idle.get_nowait().close()
+                _discard(self._idle.get_nowait())
             except queue.Empty:
                 break

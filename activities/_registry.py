@@ -18,6 +18,12 @@ log = logging.getLogger(__name__)
 class UnknownModel(KeyError):
     """This worker does not serve the requested model id."""
 
+    reason = "UnknownModel"
+    retryable = False
+
+    def __str__(self) -> str:  # KeyError's would quote the message
+        return str(self.args[0]) if self.args else self.reason
+
 
 class ModelRegistry:
     """Models by id: preset names, or `id=/path/to/checkpoint` entries, loaded on first use."""

@@ -4,13 +4,18 @@ One interface, two backends chosen by URL: `file:///var/lib/mamba-stream` (one m
 `postgresql://user@host/db` (shared by every worker). Writes are put-if-absent: a retried
 activity that recomputes the same state key finds the first write and keeps it. Reads are
 filtered by principal: a blob is never handed to another tenant, not even as ciphertext.
+
+Beside the blobs a store keeps a little metadata (`get_meta`, `put_meta_if_absent`, ...): which
+Temporal cluster and namespace own it, and when the orphan sweep first saw a stream's workflow
+missing. Metadata is never a stream, a checkpoint or part of `usage()`.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Union
 
 __all__ = [
@@ -18,6 +23,8 @@ __all__ = [
     "StateStore",
     "StoreCorrupt",
     "StoreError",
+    "StoreOwnedElsewhere",
+    "StoreOwner",
     "StoreUnavailable",
     "StoreUsage",
     "open_store",
@@ -48,6 +55,17 @@ class StoreCorrupt(StoreError):
     reason = "StoreCorrupt"
 
 
+class StoreOwnedElsewhere(StoreError):
+    """The store belongs to another Temporal cluster or namespace.
+
+    That cluster's workflows own the streams in it: swept from here every one of them looks
+    forgotten, and a worker serving here would write streams that cluster's sweep cannot see.
+    Retrying cannot help; the store or the address is misconfigured.
+    """
+
+    reason = "StoreOwnedElsewhere"
+
+
 class InvalidStoreKey(StoreError, ValueError):
     """A key or stream id outside [A-Za-z0-9._-], or empty, or too long."""
 
@@ -58,6 +76,37 @@ def check_name(kind: str, value: str) -> str:
     if not isinstance(value, str) or not _NAME.match(value) or value in (".", ".."):
         raise InvalidStoreKey(f"{kind} {value!r} must match {_NAME.pattern}")
     return value
+
+
+@dataclass(frozen=True)
+class StoreOwner:
+    """The Temporal cluster and namespace whose workflows own a store's streams.
+
+    Two owners are the same when cluster id and namespace match; `cluster_name` is for people.
+    """
+
+    cluster_id: str
+    namespace: str
+    cluster_name: str = ""
+
+    def same(self, other: StoreOwner) -> bool:
+        return (self.cluster_id, self.namespace) == (other.cluster_id, other.namespace)
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> StoreOwner:
+        try:
+            obj = json.loads(data)
+            return cls(cluster_id=str(obj["cluster_id"]), namespace=str(obj["namespace"]),
+                       cluster_name=str(obj.get("cluster_name", "")))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise StoreCorrupt(f"unreadable owner record ({exc})") from None
+
+    def __str__(self) -> str:
+        name = f" ({self.cluster_name})" if self.cluster_name else ""
+        return f"cluster {self.cluster_id}{name}, namespace {self.namespace}"
 
 
 @dataclass(frozen=True)
@@ -99,6 +148,25 @@ class StateStore(ABC):
     @abstractmethod
     def usage(self) -> StoreUsage:
         """Objects, bytes and streams held."""
+
+    # Metadata: small records in namespaces (`kind`), apart from the blobs. Not abstract, so a
+    # store written before them still loads; the sweep refuses to delete from such a store.
+
+    def get_meta(self, *, kind: str, name: str) -> bytes | None:
+        """The metadata record `kind`/`name`, or None."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no metadata")
+
+    def put_meta_if_absent(self, *, kind: str, name: str, data: bytes) -> bool:
+        """Write a metadata record unless it exists (first writer wins). True if this call wrote it."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no metadata")
+
+    def delete_meta(self, *, kind: str, name: str) -> bool:
+        """Remove a metadata record. True if it existed."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no metadata")
+
+    def list_meta(self, *, kind: str) -> list[str]:
+        """Names of the metadata records of `kind`, sorted."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no metadata")
 
     def close(self) -> None:
         """Release connections or handles."""

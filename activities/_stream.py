@@ -4,12 +4,14 @@ Every activity verifies the receipt it is given against the serving model and th
 principal. The model's `StreamEngine` advances the state: from its slot when the slot holds that
 committed state (by state key, never by shape), otherwise after loading it from the store. It
 batches the single-token steps of concurrent streams. The activity then commits the new
-checkpoint put-if-absent under a key derived from (input state key, chunk digest, chunk
-sequence), and a small sealed record of the result under `<state key>.out`. A retry finds that
-record and returns it: a chunk is never advanced twice, whatever was lost.
+checkpoint by the commit protocol (`activities._commit.ChunkCommit`: derived keys, seal,
+put-if-absent, adoption of an earlier attempt's write, result records, drops, and the commit
+edges the crash tests use, `_edge`): a chunk is never advanced twice, whatever was lost.
 
-Order of the commit edges, each a seam for the crash tests (`_edge`):
-    admitted -> (kernel) -> computed -> (write) -> written -> (record) -> recorded
+Failures cross Temporal typed by reason (`workflows.application_error`): permanent ones
+non-retryable, transient ones (a store outage) retried by the activity's retry policy. An
+exception nobody foresaw is retried `UNTYPED_ATTEMPTS` times, then fails the chunk as
+`InternalError`: a bug never retries forever behind the stream's lock.
 """
 
 from __future__ import annotations
@@ -19,41 +21,41 @@ import itertools
 import json
 import logging
 import math
+import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import msgpack
 import torch
 from temporalio import activity
-from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ApplicationError, CancelledError
 
-import threading
-import time
-
+from activities._commit import ChunkCommit, Committed, chunk_key
 from activities._engine import StreamEngine
 from activities._metrics import StreamMetrics
 from activities._registry import ModelRegistry, UnknownModel
 from activities._store import StateStore, StoreError, check_name
-from scan import InvalidInput, Model, ScanError, State
+from scan import Model, NonFiniteOutput, ScanError, State
 from state_codec import (
     BadSignature,
-    CheckpointNotFound,
+    EpochMismatch,
+    InputTransformMismatch,
     Receipt,
     RequestRejected,
     StateRejected,
-    arithmetic_moved,
-    continue_arithmetic,
     validate_resume,
 )
-from state_codec.codec import Keyring, default_state_key, open_bytes, open_checkpoint, seal, seal_bytes, unseal
+from state_codec.codec import Keyring, default_state_key, unseal
 from state_codec.signing import PrincipalKeys
+from workflows import ChunkTooLarge, EmptyContext, InternalError, InvalidRequest, ResultExpired, application_error
 from workflows._models import (
     ACTIVITY_ADVANCE,
     ACTIVITY_CHECKPOINT,
     ACTIVITY_DISPOSE,
     ACTIVITY_GENERATE,
     ACTIVITY_OPEN,
+    ACTIVITY_RECALL,
     ACTIVITY_RESET,
     AdvanceChunkRequest,
     AdvanceChunkResult,
@@ -67,6 +69,8 @@ from workflows._models import (
     ModelInfo,
     OpenStreamRequest,
     OpenStreamResult,
+    RecallResultRequest,
+    RecallResultResult,
     ResetStreamRequest,
     StateResult,
     TokenLogprob,
@@ -79,21 +83,10 @@ log = logging.getLogger(__name__)
 #: tokens per engine call inside one chunk: between calls the activity heartbeats, so a
 #: cancellation reaches a long prefill (the split is invisible: chunking never changes results)
 PIECE_TOKENS = 512
+#: attempts of an activity that fails with an exception nobody foresaw, before it fails typed
+UNTYPED_ATTEMPTS = 3
 
-
-def _app_error(exc: BaseException) -> ApplicationError:
-    if isinstance(exc, StateRejected):
-        return ApplicationError(str(exc), exc.details(), type=exc.reason, non_retryable=True)
-    if isinstance(exc, InvalidInput):
-        return ApplicationError(str(exc), {"position": exc.position, "value": repr(exc.value)[:200]},
-                                type=type(exc).__name__, non_retryable=True)
-    if isinstance(exc, ScanError):
-        return ApplicationError(str(exc), type=type(exc).__name__, non_retryable=True)
-    if isinstance(exc, StoreError):
-        return ApplicationError(str(exc), type=exc.reason, non_retryable=not exc.retryable)
-    if isinstance(exc, UnknownModel):
-        return ApplicationError(str(exc.args[0]), type="UnknownModel", non_retryable=True)
-    raise TypeError(exc)
+_TYPED = (StateRejected, ScanError, StoreError, UnknownModel)
 
 
 @contextmanager
@@ -101,17 +94,32 @@ def _typed_errors(metrics: StreamMetrics | None = None, model_id: str = "") -> I
     """Our exceptions become ApplicationErrors typed by reason; permanent ones non-retryable.
 
     Refusals are counted on the way out: a signature's as a refused request, a receipt's or a
-    checkpoint's as a refused resume.
+    checkpoint's as a refused resume. Any other exception is retried (re-raised) until the
+    activity's `UNTYPED_ATTEMPTS`-th attempt, which fails it as a non-retryable `InternalError`
+    naming the original.
     """
     try:
         yield
-    except (StateRejected, ScanError, StoreError, UnknownModel) as exc:
-        if metrics is not None and isinstance(exc, StateRejected):
-            if isinstance(exc, RequestRejected):
-                metrics.requests_rejected.add(1, {"reason": exc.reason})
-            else:
-                metrics.refused(exc.reason, model_id)
-        raise _app_error(exc) from exc
+    except ApplicationError:
+        raise
+    except CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every exception leaves typed, or is retried a bounded number of times
+        if isinstance(exc, _TYPED) or hasattr(exc, "reason") and hasattr(exc, "retryable"):
+            if metrics is not None and isinstance(exc, StateRejected):
+                if isinstance(exc, RequestRejected):
+                    metrics.requests_rejected.add(1, {"reason": exc.reason})
+                else:
+                    metrics.refused(exc.reason, model_id)
+            raise application_error(exc) from exc
+        attempt = activity.info().attempt if activity.in_activity() else UNTYPED_ATTEMPTS
+        if attempt < UNTYPED_ATTEMPTS:
+            log.warning("untyped failure on attempt %d of %d: %r", attempt, UNTYPED_ATTEMPTS, exc)
+            raise
+        log.error("untyped failure on attempt %d, failing the chunk: %r", attempt, exc, exc_info=exc)
+        raise application_error(InternalError(
+            f"{type(exc).__name__}: {exc} (after {attempt} attempts)", exception=type(exc).__name__,
+            attempts=attempt)) from exc
 
 
 def _beat(*details: Any) -> None:
@@ -130,12 +138,6 @@ def _top_k(last: torch.Tensor | None, k: int) -> list[TokenLogprob]:
     logp = torch.log_softmax(last.double(), dim=-1)
     vals, idx = torch.topk(logp, min(k, logp.numel()))
     return [TokenLogprob(token=int(i), logprob=float(v)) for v, i in zip(vals, idx)]
-
-
-def _derived_key(stream_id: str, receipt: Receipt, chunk_seq: int, chunk_digest: str) -> str:
-    """Deterministic in the input state and the chunk: every attempt of a chunk derives it."""
-    h = hashlib.sha256(f"{receipt.state_key}|{chunk_digest}".encode()).hexdigest()[:32]
-    return f"{stream_id}.e{receipt.epoch}.c{chunk_seq}.{h}"
 
 
 class StreamActivities:
@@ -179,6 +181,9 @@ class StreamActivities:
         self._engines_lock = threading.Lock()
         self.loads_from_store = 0  # states that were not hot here: migrations and evictions
         self._counted: set[tuple[str, str, str]] = set()  # (model, revision, backend) counted as loaded
+        # the edge callback late-bound, so that a subclass's `_edge` (the crash tests') is the one called
+        self.commits = ChunkCommit(store, keyring, self.metrics,
+                                   edge=lambda name, sid, seq: self._edge(name, sid, seq))
 
     def engine(self, model: Model) -> StreamEngine:
         with self._engines_lock:
@@ -196,7 +201,7 @@ class StreamActivities:
 
     def activities(self) -> list[Callable[..., Any]]:
         return [self.open_stream, self.advance_chunk, self.generate_tokens, self.reset_stream,
-                self.checkpoint_stream, self.dispose_stream]
+                self.checkpoint_stream, self.dispose_stream, self.recall_result]
 
     def _edge(self, name: str, stream_id: str, chunk_seq: int) -> None:
         """A commit edge (see the module docstring). Does nothing; tests kill a worker here."""
@@ -251,103 +256,45 @@ class StreamActivities:
     def _gauge(self) -> None:
         self.metrics.active_states.set(sum(len(e.hot_stream_ids()) for e in self._engine_list()))
 
-    def _record_key(self, state_key: str) -> str:
-        return f"{state_key}.out"
-
-    def _write_record(self, receipt: Receipt, result: dict[str, Any], last_logits: torch.Tensor | None) -> None:
-        key = self._record_key(receipt.state_key)
-        payload = msgpack.packb({
-            "result": json.dumps(result),
-            "logits": b"" if last_logits is None else last_logits.to(torch.float32).contiguous().numpy().tobytes(),
-            "committed_at": self.metrics.committed_at(receipt.state_key) or time.time(),
-        })
-        blob = seal_bytes(payload, binding=f"{receipt.principal}|{key}", keyring=self.keyring)
-        self.store.put_if_absent(key=key, data=blob, stream_id=receipt.stream_id, principal=receipt.principal)
-
-    def _read_record(self, state_key: str, stream_id: str, principal: str) -> tuple[dict, torch.Tensor | None] | None:
-        key = self._record_key(state_key)
-        blob = self.store.get(key=key, principal=principal)
-        if blob is None:
-            return None
-        data = msgpack.unpackb(open_bytes(blob, binding=f"{principal}|{key}", keyring=self.keyring), raw=False)
-        logits = torch.frombuffer(bytearray(data["logits"]), dtype=torch.float32) if data["logits"] else None
-        if data.get("committed_at") is not None:
-            self.metrics.note_commit(state_key, float(data["committed_at"]))
-        return json.loads(data["result"]), logits
-
-    def _fetch(self, model: Model, receipt: Receipt, principal: str) -> tuple[State, torch.Tensor | None]:
-        """A committed state (and its next-token logits) from the store, fully checked."""
-        blob = self.store.get(key=receipt.state_key, principal=principal)
-        if blob is None:
-            raise CheckpointNotFound(f"no checkpoint {receipt.state_key} for this principal in {self.store.url}",
-                                     field="state_key", expected=receipt.state_key, actual=None)
-        state = unseal(blob, receipt, self.keyring, model=model, principal=principal)
-        record = self._read_record(receipt.state_key, receipt.stream_id, principal)
+    def _fetch(self, model: Model, receipt: Receipt, principal: str, *, current: bool = True
+               ) -> tuple[State, torch.Tensor | None]:
+        """A committed state (and its next-token logits) from the store, fully checked. `current`:
+        the stream's own current receipt (a missing checkpoint may mean a rewind past the window)."""
+        fetch = self.commits.fetch_current if current else self.commits.fetch
+        state, logits, size = fetch(model, receipt, principal)
         self.loads_from_store += 1
         self.metrics.migrations.add(1, {"model": model.model_id})
-        self.metrics.migration_bytes.add(len(blob), {"model": model.model_id})
-        return state, record[1] if record else None
+        self.metrics.migration_bytes.add(size, {"model": model.model_id})
+        return state, logits
 
     def _check(self, model: Model, receipt: Receipt, principal: str, stream_id: str) -> None:
         validate_resume(receipt, model.identity(), principal, stream_id=stream_id)
         self.metrics.used(receipt.state_key, model.model_id)
 
     def _commit(self, model: Model, stream_id: str, principal: str, state: State, *, chunk_seq: int,
-                epoch: int, key: str, backend: str, before: Receipt | None, path: str | None = None,
-                last: torch.Tensor | None = None, in_slot: bool = False) -> Receipt:
-        """Seal and store put-if-absent; if an earlier attempt committed this key, adopt its bytes.
-
-        `before`: the receipt whose state this one continues (None: a state of its own, the
-        initial one); `path`: the path that computed it. The stream's slot then holds exactly
-        the committed state (`in_slot`: the engine already wrote `state` there).
-        """
-        adopted = False
-        arithmetic = continue_arithmetic(before, model.arithmetic(path))
-        receipt, blob = seal(model, state, stream_id=stream_id, principal=principal, chunk_seq=chunk_seq,
-                             epoch=epoch, keyring=self.keyring, state_key=key, backend=backend, arithmetic=arithmetic)
-        wrote = self.store.put_if_absent(key=key, data=blob, stream_id=stream_id, principal=principal)
-        if wrote:
-            self.metrics.committed(key, len(blob), model.model_id)
-        else:
-            existing = self.store.get(key=key, principal=principal)
-            if existing is not None:
-                tensors, checksum = open_checkpoint(existing, receipt, self.keyring)
-                if checksum != receipt.checksum and state.position > 0:
-                    # another attempt's arithmetic made these bits: ours only computes from here on
-                    log.warning("stream %s chunk %d: adopted an earlier attempt's state with other bits",
-                                stream_id, chunk_seq)
-                    arithmetic = {**arithmetic, "arithmetic_since": state.position,
-                                  "arithmetic_changes": (before.arithmetic_changes if before else 0) + 1}
-                receipt = receipt.model_copy(update={"checksum": checksum, **arithmetic})
-                state = State(state.position, tensors, model.schema.fingerprint())
-                adopted = True
-            elif self.store.put_if_absent(key=key, data=blob, stream_id=stream_id, principal=principal):
-                # deleted between the two calls: ours is as good
-                self.metrics.committed(key, len(blob), model.model_id)
-        if arithmetic_moved(before, receipt):
-            self.metrics.arithmetic_changes.add(1, {"model": model.model_id, "backend": model.backend})
-            log.info("stream %s continues at position %d under another arithmetic: %s", stream_id,
-                     receipt.arithmetic_since, receipt.arithmetic.id if receipt.arithmetic else None)
-        if in_slot and not adopted:
-            self.engine(model).commit(stream_id, key)
-        else:
-            self.engine(model).put(stream_id, state, epoch=epoch, state_key=key, logits=last)
-        return receipt
+                epoch: int, key: str, backend: str, before: Receipt | None, last: torch.Tensor | None = None
+                ) -> Receipt:
+        """A state of its own (open, reset) committed, and put in the stream's slot."""
+        done = self.commits.commit(model, state, stream_id=stream_id, principal=principal, chunk_seq=chunk_seq,
+                                   epoch=epoch, key=key, backend=backend, before=before)
+        self.engine(model).put(stream_id, done.state, epoch=epoch, state_key=key, logits=last)
+        return done.receipt
 
     def _complete(self, model: Model, stream_id: str, principal: str, before: Receipt, chunk_seq: int, key: str,
                   state: State, path: str, last: torch.Tensor | None,
                   make_result: Callable[[Receipt], Any], drop_keys: list[str]) -> Any:
-        """The commit edges of a chunk: checkpoint, then result record, then bookkeeping."""
-        self._edge("computed", stream_id, chunk_seq)
-        receipt = self._commit(model, stream_id, principal, state, chunk_seq=chunk_seq, epoch=before.epoch,
-                               key=key, backend=f"{model.backend}:{path}", before=before, path=path, last=last,
-                               in_slot=True)
-        result = make_result(receipt)
-        self._edge("written", stream_id, chunk_seq)
-        self._write_record(receipt, result.model_dump(mode="json"), last)
-        self._edge("recorded", stream_id, chunk_seq)
-        self._drop(drop_keys)
-        return result
+        """A computed chunk through the commit protocol; the slot then holds exactly the committed state."""
+        engine = self.engine(model)
+
+        def slot(done: Committed) -> None:
+            if done.adopted:  # the engine wrote ours; the store holds an earlier attempt's
+                engine.put(stream_id, done.state, epoch=before.epoch, state_key=key, logits=last)
+            else:
+                engine.commit(stream_id, key)
+
+        return self.commits.complete(model, state, stream_id=stream_id, principal=principal, before=before,
+                                     chunk_seq=chunk_seq, key=key, path=path, last=last, make_result=make_result,
+                                     drop_keys=drop_keys, on_committed=slot)
 
     def _reference_input(self, model: Model, receipt: Receipt, principal: str) -> State | None:
         """The chunk's input state, read from the store for the reference check (None if gone)."""
@@ -389,11 +336,6 @@ class StreamActivities:
         self.metrics.drift.record(diff, labels)
         log.debug("drift sample %s: max |logits - reference| %.3e over %d tokens", model.model_id, diff, len(tokens))
 
-    def _drop(self, keys: list[str]) -> None:
-        for k in keys:
-            self.store.delete(key=k)
-            self.store.delete(key=self._record_key(k))
-
     # --- activities ---------------------------------------------------------------------------
 
     @activity.defn(name=ACTIVITY_OPEN)
@@ -405,22 +347,22 @@ class StreamActivities:
             model = self._model(req.model_id)
             info = self._info(model)
             if req.input_transform not in (None, info.input_transform):
-                raise ApplicationError(
+                raise InputTransformMismatch(
                     f"model {req.model_id} reads {info.input_transform!r}, not {req.input_transform!r}",
-                    type="InputTransformMismatch", non_retryable=True)
+                    field="input_transform", expected=info.input_transform, actual=req.input_transform)
             last = None
             if req.resume is None:
                 state = model.initial_state()
             else:
                 # another stream's checkpoint: everything but the stream id must match
                 validate_resume(req.resume, model.identity(), req.principal)
-                state, last = self._fetch(model, req.resume, req.principal)
+                state, last = self._fetch(model, req.resume, req.principal, current=False)
             origin = req.resume.checksum if req.resume else "initial"
             key = default_state_key(req.stream_id, 0, 0, hashlib.sha256(f"open|{origin}".encode()).hexdigest())
             receipt = self._commit(model, req.stream_id, req.principal, state, chunk_seq=0, epoch=0, key=key,
                                    backend=f"{model.backend}:open", before=req.resume, last=last)
             if last is not None:
-                self._write_record(receipt, {"kind": "open"}, last)
+                self.commits.write_record(receipt, {"kind": "open"}, last)
             self._gauge()
             return OpenStreamResult(receipt=receipt, info=info, worker_queue=self.worker_queue)
 
@@ -435,23 +377,23 @@ class StreamActivities:
             ask = req.request
             if ask.text is not None:
                 if model.transform is None:
-                    raise ApplicationError("this model has no input transform; send tokens",
-                                           type="InvalidInput", non_retryable=True)
+                    raise InvalidRequest("this model has no input transform; send tokens")
                 tokens = model.transform.encode(ask.text)
             else:
                 tokens = list(ask.tokens or [])
             if len(tokens) > req.max_chunk_tokens:
-                raise ApplicationError(f"{len(tokens)} tokens exceed the chunk limit {req.max_chunk_tokens}",
-                                       type="ChunkTooLarge", non_retryable=True)
+                raise ChunkTooLarge(f"{len(tokens)} tokens exceed the chunk limit {req.max_chunk_tokens}",
+                                    limit=req.max_chunk_tokens, actual=len(tokens))
             model.check_tokens(tokens)  # typed InvalidInput before any work
             digest = hashlib.sha256(f"advance|{ask.top_k}|".encode() + torch.tensor(tokens, dtype=torch.int64)
                                     .numpy().tobytes()).hexdigest()
-            key = _derived_key(req.stream_id, req.receipt, ask.chunk_seq, digest)
-            prior = self._read_record(key, req.stream_id, req.principal)
+            key = chunk_key(req.stream_id, req.receipt, ask.chunk_seq, digest)
+            prior = self.commits.prior(key, req.principal)
             if prior is not None:  # an earlier attempt finished: its result, not a second advance
                 self.metrics.duplicate_chunks.add(1, {"model": model.model_id})
-                self._drop(req.drop_keys)  # that attempt may have died before its bookkeeping
-                return AdvanceChunkResult(result=AdvanceResult.model_validate(prior[0]), worker_queue=self.worker_queue)
+                self.commits.drop(req.drop_keys)  # that attempt may have died before its bookkeeping
+                return AdvanceChunkResult(result=AdvanceResult.model_validate(prior.result),
+                                          worker_queue=self.worker_queue)
             self._edge("admitted", req.stream_id, ask.chunk_seq)
             nth = next(self._advanced)
             reference = (self._reference_input(model, req.receipt, req.principal)
@@ -492,12 +434,12 @@ class StreamActivities:
             digest = hashlib.sha256(
                 json.dumps(ask.model_dump(mode="json", exclude={"principal"}) | {"seed": seed}, sort_keys=True).encode()
             ).hexdigest()
-            key = _derived_key(req.stream_id, req.receipt, ask.chunk_seq, digest)
-            prior = self._read_record(key, req.stream_id, req.principal)
+            key = chunk_key(req.stream_id, req.receipt, ask.chunk_seq, digest)
+            prior = self.commits.prior(key, req.principal)
             if prior is not None:
                 self.metrics.duplicate_chunks.add(1, {"model": model.model_id})
-                self._drop(req.drop_keys)
-                return GenerateChunkResult(result=GenerateResult.model_validate(prior[0]),
+                self.commits.drop(req.drop_keys)
+                return GenerateChunkResult(result=GenerateResult.model_validate(prior.result),
                                            worker_queue=self.worker_queue)
             self._edge("admitted", req.stream_id, ask.chunk_seq)
             gen = torch.Generator().manual_seed(seed)
@@ -529,7 +471,7 @@ class StreamActivities:
                     epoch=req.receipt.epoch, load=lambda: self._fetch(model, req.receipt, req.principal),
                     on_wait=_beat)
             except ValueError as exc:
-                raise ApplicationError(str(exc), type="EmptyContext", non_retryable=True) from None
+                raise EmptyContext(str(exc)) from None
             tokens, state, logits, rows = out.tokens, out.state, out.last_logits, [out.logits]
             if ask.stop and transform is not None and finish == "length" and \
                     any(s_ and s_ in transform.decode(tokens) for s_ in ask.stop):
@@ -555,13 +497,13 @@ class StreamActivities:
         with _typed_errors(self.metrics, req.receipt.model_id):
             self._verify("reset", req.stream_id, req.principal, req.request)
             if req.request is not None and req.request.epoch not in (None, req.epoch):
-                raise ApplicationError(f"the reset was signed for epoch {req.request.epoch}, not {req.epoch}",
-                                       type="EpochMismatch", non_retryable=True)
+                raise EpochMismatch(f"the reset was signed for epoch {req.request.epoch}, not {req.epoch}",
+                                    field="epoch", expected=req.epoch, actual=req.request.epoch)
             model = self._model(req.receipt.model_id)
             self._check(model, req.receipt, req.principal, req.stream_id)
             if req.epoch <= req.receipt.epoch:
-                raise ApplicationError(f"epoch {req.epoch} does not follow {req.receipt.epoch}",
-                                       type="EpochMismatch", non_retryable=True)
+                raise EpochMismatch(f"epoch {req.epoch} does not follow {req.receipt.epoch}",
+                                    field="epoch", expected=req.receipt.epoch + 1, actual=req.epoch)
             key = default_state_key(req.stream_id, req.epoch, req.receipt.chunk_seq,
                                     hashlib.sha256(b"reset|initial").hexdigest())
             receipt = self._commit(model, req.stream_id, req.principal, model.initial_state(),
@@ -578,12 +520,20 @@ class StreamActivities:
             self._verify("checkpoint", req.stream_id, req.principal, req.request)
             model = self._model(req.receipt.model_id)
             self._check(model, req.receipt, req.principal, req.stream_id)
-            blob = self.store.get(key=req.receipt.state_key, principal=req.principal)
-            if blob is None:
-                raise CheckpointNotFound(f"checkpoint {req.receipt.state_key} is missing from the store",
-                                         field="state_key", expected=req.receipt.state_key, actual=None)
-            unseal(blob, req.receipt, self.keyring, model=model, principal=req.principal)
+            self.commits.fetch_current(model, req.receipt, req.principal)
             return StateResult(receipt=req.receipt, worker_queue=self.worker_queue)
+
+    @activity.defn(name=ACTIVITY_RECALL)
+    def recall_result(self, req: RecallResultRequest) -> RecallResultResult:
+        """A committed chunk's recorded result (a repeated update id whose full result was not
+        carried across continue-as-new)."""
+        with _typed_errors(self.metrics):
+            prior = self.commits.prior(req.state_key, req.principal)
+            if prior is None:
+                raise ResultExpired(f"chunk result {req.state_key} is no longer kept (its checkpoint left the window)",
+                                    state_key=req.state_key)
+            model = AdvanceResult if req.kind == "advance" else GenerateResult
+            return RecallResultResult(**{req.kind: model.model_validate(prior.result)})
 
     @activity.defn(name=ACTIVITY_DISPOSE)
     def dispose_stream(self, req: DisposeStreamRequest) -> DisposeStreamResult:
@@ -606,5 +556,5 @@ def _sample(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Gen
         return int(idx[choice])
     probs = torch.softmax(x, dim=-1)
     if not math.isfinite(float(probs.sum())):
-        raise ApplicationError("non-finite sampling distribution", type="NonFiniteOutput", non_retryable=True)
+        raise NonFiniteOutput("non-finite sampling distribution")
     return int(torch.multinomial(probs, 1, generator=gen))

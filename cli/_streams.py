@@ -52,7 +52,8 @@ async def _open(args: argparse.Namespace) -> int:
 async def _feed(args: argparse.Namespace) -> int:
     streams = await _streams(args)
     res = await streams.advance(args.stream, args.principal, text=args.text,
-                                tokens=_tokens(args.tokens) if args.tokens is not None else None, chunk_seq=args.seq)
+                                tokens=_tokens(args.tokens) if args.tokens is not None else None, chunk_seq=args.seq,
+                                attempt=args.attempt)
     top = ", ".join(f"{t.token}:{t.logprob:.2f}" for t in res.top_k)
     _emit(args, res, f"chunk {res.chunk_seq}: {res.n_tokens} tokens, position {res.position}"
                      f"{' (duplicate: first result returned)' if res.duplicate else ''}\n"
@@ -63,7 +64,8 @@ async def _feed(args: argparse.Namespace) -> int:
 async def _generate(args: argparse.Namespace) -> int:
     streams = await _streams(args)
     res = await streams.generate(args.stream, args.principal, args.n, temperature=args.temperature,
-                                 top_k=args.top_k, seed=args.seed, stop=args.stop or (), chunk_seq=args.seq)
+                                 top_k=args.top_k, seed=args.seed, stop=args.stop or (), chunk_seq=args.seq,
+                                 attempt=args.attempt)
     _emit(args, res, f"chunk {res.chunk_seq}: generated {len(res.tokens)} tokens ({res.finish_reason}), "
                      f"position {res.position}\n  tokens {res.tokens}\n  text {res.text!r}")
     return 0
@@ -79,6 +81,15 @@ async def _receipt(args: argparse.Namespace) -> int:
     else:
         print(json.dumps(rec.model_dump(mode="json"), indent=2) if rec else "no receipt yet")
         print(f"stats: {stats.model_dump()}")
+    return 0
+
+
+async def _rewind(args: argparse.Namespace) -> int:
+    streams = await _streams(args)
+    run_id = await streams.rewind(args.stream, args.to_seq, reason=args.reason)
+    stats = await streams.stats(args.stream)
+    _emit(args, {"stream_id": args.stream, "run_id": run_id, "chunk_seq": stats.chunk_seq, "position": stats.position},
+          f"{args.stream} rewound to chunk {stats.chunk_seq} (position {stats.position}), run {run_id}")
     return 0
 
 
@@ -105,15 +116,28 @@ async def _resume(args: argparse.Namespace) -> int:
 
 
 async def _sweep(args: argparse.Namespace) -> int:
-    from activities import open_store, sweep_orphans
+    import time
+
+    from activities import StoreOwnedElsewhere, open_store, sweep_orphans
     from worker import WorkerConfig
 
     streams = await _streams(args)
     cfg = WorkerConfig()
     with open_store(cfg.store) as store:
-        rep = await sweep_orphans(streams.client, store, grace_s=args.grace, dry_run=args.dry_run)
+        try:
+            rep = await sweep_orphans(streams.client, store, grace_s=args.grace, dry_run=args.dry_run,
+                                      claim=args.claim)
+        except StoreOwnedElsewhere as exc:
+            print(f"refused: {exc.reason}: {exc}\nnothing was deleted", file=sys.stderr)
+            return 3
+    if rep.refused is not None:
+        print(f"refused: {rep.refused}\nnothing was deleted (--claim records this server as the owner)",
+              file=sys.stderr)
+        return 3
     for sid, why in rep.orphans.items():
         print(f"{sid}: {why}")
+    for sid, since in rep.missing.items():
+        print(f"{sid}: workflow not found for {time.time() - since:.0f} s (kept until --grace has passed)")
     verb = "found" if args.dry_run else f"deleted ({rep.blobs_deleted} blobs)"
     print(f"{len(rep.orphans)} of {rep.checked} streams in {cfg.store} orphaned: {verb}")
     return 0
@@ -146,9 +170,11 @@ def _run(fn):
         try:
             return asyncio.run(fn(args))
         except Exception as exc:  # noqa: BLE001 - the CLI reports, with the typed reason
-            cause = getattr(exc, "cause", None)
-            reason = getattr(cause, "type", None) or type(exc).__name__
-            message = getattr(cause, "message", None) or str(exc)
+            # an ApplicationError raised here (a payload refused on this side) is typed itself; a
+            # failed update or workflow carries its typed cause
+            typed = exc if getattr(exc, "type", None) else getattr(exc, "cause", None)
+            reason = getattr(typed, "type", None) or type(exc).__name__
+            message = getattr(typed, "message", None) or str(exc)
             print(f"error: {reason}: {message}", file=sys.stderr)
             return 2
     return call
@@ -173,7 +199,9 @@ def add_stream_commands(sub: argparse._SubParsersAction) -> None:
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--text")
     g.add_argument("--tokens", help="comma-separated ids")
-    p.add_argument("--seq", type=int, default=None, help="chunk sequence (default: the next); also the update id")
+    p.add_argument("--seq", type=int, default=None, help="chunk sequence (default: the next); part of the update id")
+    p.add_argument("--attempt", type=int, default=0, help="send a chunk again whose update failed for a reason "
+                   "that was not its own (a store fault, a rewind past the window): 1, 2, ...")
     p.set_defaults(func=_run(_feed), hard_exit=True)
 
     p = common(sub.add_parser("generate", help="sample tokens (seeded) that advance the stream"))
@@ -185,11 +213,18 @@ def add_stream_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--stop", action="append")
     p.add_argument("--seq", type=int, default=None)
+    p.add_argument("--attempt", type=int, default=0, help="as for feed")
     p.set_defaults(func=_run(_generate), hard_exit=True)
 
     p = common(sub.add_parser("receipt", help="the stream's current receipt and counters"))
     p.add_argument("stream")
     p.set_defaults(func=_run(_receipt), hard_exit=True)
+
+    p = common(sub.add_parser("rewind", help="undo the chunks after --to-seq (a Temporal reset of the stream's run)"))
+    p.add_argument("stream")
+    p.add_argument("--to-seq", type=int, required=True, help="the last chunk to keep (0: back to the opened state)")
+    p.add_argument("--reason", default="", help="recorded with the reset")
+    p.set_defaults(func=_run(_rewind), hard_exit=True)
 
     p = common(sub.add_parser("checkpoint", help="a portable receipt of the stream's state"))
     p.add_argument("stream")
@@ -202,9 +237,14 @@ def add_stream_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint", required=True, help="receipt JSON file (from `checkpoint --out`)")
     p.set_defaults(func=_run(_resume), hard_exit=True)
 
-    p = common(sub.add_parser("sweep", help="find and delete states whose stream's workflow is gone"))
+    p = common(sub.add_parser("sweep", help="find and delete states whose stream's workflow is gone",
+                              description="Find and delete states whose stream's workflow is gone. Refuses, "
+                                          "deleting nothing and exiting 3, when the store belongs to another "
+                                          "Temporal cluster or namespace, or has no owner record yet."))
     p.add_argument("--grace", type=float, default=3600.0, help="seconds since the workflow closed (default 3600)")
     p.add_argument("--dry-run", action="store_true", help="list the orphans, delete nothing")
+    p.add_argument("--claim", action="store_true",
+                   help="record this server's cluster and namespace as the owner of a store that has none")
     p.set_defaults(func=_run(_sweep), hard_exit=True)
 
     p = sub.add_parser("codec-server", help="serve /encode and /decode for the Temporal UI and CLI")

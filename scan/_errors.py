@@ -6,7 +6,7 @@ because `advance` never writes to its input state.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 __all__ = [
     "CheckpointError",
@@ -23,7 +23,18 @@ __all__ = [
 
 
 class ScanError(Exception):
-    """Base class of every error raised by `scan`."""
+    """Base class of every error raised by `scan`. `reason` (the class name) is the failure's
+    type across Temporal (workflows' catalogue); none is worth a retry."""
+
+    reason: ClassVar[str] = "ScanError"
+    retryable: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.reason = cls.__name__
+
+    def details(self) -> dict[str, Any]:
+        return {}
 
 
 class InvalidInput(ScanError, ValueError):
@@ -33,6 +44,9 @@ class InvalidInput(ScanError, ValueError):
         super().__init__(message)
         self.position = position
         self.value = value
+
+    def details(self) -> dict[str, Any]:
+        return {"position": self.position, "value": repr(self.value)[:200]}
 
 
 class NonIntegerInput(InvalidInput):

@@ -23,8 +23,9 @@ from typing import Any
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from pydantic import ValidationError
 from temporalio.api.common.v1 import Payload
-from temporalio.contrib.pydantic import PydanticPayloadConverter
+from temporalio.contrib.pydantic import PydanticJSONPlainPayloadConverter, PydanticPayloadConverter
 from temporalio.converter import EncodingPayloadConverter, PayloadCodec
 from temporalio.exceptions import ApplicationError
 
@@ -109,9 +110,28 @@ class SealedPayloadConverter(EncodingPayloadConverter):
         raise ApplicationError(payload.data.decode(errors="replace"), type=reason, non_retryable=True)
 
 
+class _TypedJSONPayloadConverter(PydanticJSONPlainPayloadConverter):
+    """Pydantic JSON, where a payload that does not validate is refused typed: a non-retryable
+    `InvalidRequest` naming the fields, not an untyped, retryable ValidationError."""
+
+    def from_payload(self, payload: Payload, type_hint: type | None = None) -> Any:
+        try:
+            return super().from_payload(payload, type_hint)
+        except ValidationError as exc:
+            from workflows._failures import InvalidRequest, application_error
+
+            errors = [{"loc": ".".join(str(p) for p in e["loc"]), "msg": e["msg"]} for e in exc.errors()[:8]]
+            name = getattr(type_hint, "__name__", "value")
+            first = "; ".join(f"{e['loc'] or name}: {e['msg']}" for e in errors[:3])
+            raise application_error(InvalidRequest(f"invalid {name}: {first}", errors=errors)) from None
+
+
 class StreamPayloadConverter(PydanticPayloadConverter):
-    """Pydantic payloads, and the typed refusal of payloads the codec could not open."""
+    """Pydantic payloads (refused typed when they do not validate), and the typed refusal of
+    payloads the codec could not open."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._set_converters(*self.converters.values(), SealedPayloadConverter())
+        converters = [_TypedJSONPayloadConverter() if isinstance(c, PydanticJSONPlainPayloadConverter) else c
+                      for c in self.converters.values()]
+        self._set_converters(*converters, SealedPayloadConverter())

@@ -4,11 +4,31 @@
     cfg = ClientConfig()                               # address, task queue, keyring from the environment
     streams = StreamClient(client, cfg.task_queue)     # client built with MambaStreamPlugin
     sid = await streams.open("alice", "tiny-mamba2")
-    result = await streams.advance(sid, "alice", text="hello")   # update id derived from chunk_seq
+    result = await streams.advance(sid, "alice", text="hello")   # update id: chunk_seq, epoch, content
 """
 
 from workflows._agent import AgentWorkflow
 from workflows._client import StreamClient, new_stream_id, update_id
+from workflows._failures import (
+    NOT_THE_CHUNKS_FAULT,
+    ActivityFailed,
+    ChunkTooLarge,
+    ConflictingChunk,
+    EmptyContext,
+    InternalError,
+    InvalidRequest,
+    OpenFailed,
+    ResultExpired,
+    RewindPastWindow,
+    RewindUnavailable,
+    StreamCancelled,
+    StreamFailure,
+    StreamOpening,
+    TokenOutOfRange,
+    UpdateIdMismatch,
+    application_error,
+    catalogue,
+)
 from workflows._config import DEFAULT_TASK_QUEUE, ClientConfig
 from workflows._models import (
     AdvanceRequest,
@@ -25,11 +45,15 @@ from workflows._models import (
     StreamOptions,
     StreamStats,
     TokenLogprob,
+    chunk_digest,
+    parse_update_id,
 )
 from workflows._stream import MambaStreamWorkflow
 
 __all__ = [
     "DEFAULT_TASK_QUEUE",
+    "NOT_THE_CHUNKS_FAULT",
+    "ActivityFailed",
     "AdvanceRequest",
     "AdvanceResult",
     "AgentInput",
@@ -37,17 +61,35 @@ __all__ = [
     "AgentWorkflow",
     "CheckpointRequest",
     "CheckpointResult",
+    "ChunkTooLarge",
     "ClientConfig",
+    "ConflictingChunk",
+    "EmptyContext",
     "GenerateRequest",
     "GenerateResult",
+    "InternalError",
+    "InvalidRequest",
     "MambaStreamWorkflow",
     "ModelInfo",
+    "OpenFailed",
     "OpenStreamInput",
     "ResetRequest",
+    "ResultExpired",
+    "RewindPastWindow",
+    "RewindUnavailable",
+    "StreamCancelled",
     "StreamClient",
+    "StreamFailure",
+    "StreamOpening",
     "StreamOptions",
     "StreamStats",
     "TokenLogprob",
+    "TokenOutOfRange",
+    "UpdateIdMismatch",
+    "application_error",
+    "catalogue",
+    "chunk_digest",
     "new_stream_id",
+    "parse_update_id",
     "update_id",
 ]

@@ -4,17 +4,24 @@ from __future__ import annotations
 
 import hashlib
 import uuid
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle, WorkflowUpdateFailedError
+from temporalio.api.common.v1 import WorkflowExecution
+from temporalio.api.enums.v1 import EventType, ResetReapplyExcludeType
+from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
 from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
 from state_codec import Receipt
 from workflows._config import DEFAULT_TASK_QUEUE
+from workflows._failures import RewindUnavailable
 from workflows._models import (
+    ACTIVITY_OPEN,
     AdvanceRequest,
+    chunk_digest,
     AdvanceResult,
     CheckpointRequest,
     CheckpointResult,
@@ -38,15 +45,21 @@ def new_stream_id() -> str:
     return "ms-" + uuid.uuid4().hex
 
 
-def update_id(chunk_seq: int, signature: str | None = None) -> str:
-    """The idempotency key of a chunk: re-sending the same chunk_seq returns the first result.
+def update_id(kind: str, request: AdvanceRequest | GenerateRequest, *, epoch: int, attempt: int = 0) -> str:
+    """The idempotency key of a chunk: `<kind>-<chunk_seq>-e<epoch>-<digest>[-a<attempt>]`.
 
-    A signed chunk's id also names its signature (deterministic: the same request signs to the
-    same bytes), so a forged request refused under `seq-N` cannot take the id of the real one.
+    Re-sending the same chunk (same sequence, epoch and content) returns the first result; other
+    content under the same sequence is another id, which the stream refuses as `ConflictingChunk`
+    instead of answering it with the first writer's result. A signed chunk's id also names its
+    signature, so a forged request refused under one id cannot take the id of the real one. The
+    epoch (the stream's reset count) and `attempt` let a chunk whose update failed for a reason
+    that was not its own (`workflows.NOT_THE_CHUNKS_FAULT`: a store fault, a rewind past the
+    window) be sent again once the cause is gone: a failed update id keeps its failure.
     """
-    if signature is None:
-        return f"seq-{chunk_seq}"
-    return f"seq-{chunk_seq}-{hashlib.sha256(signature.encode()).hexdigest()[:16]}"
+    uid = f"{kind}-{request.chunk_seq}-e{epoch}-{chunk_digest(kind, request)[:16]}"
+    if request.signature is not None:
+        uid += "-s" + hashlib.sha256(request.signature.encode()).hexdigest()[:16]
+    return uid + (f"-a{attempt}" if attempt else "")
 
 
 class StreamClient:
@@ -62,6 +75,7 @@ class StreamClient:
         self.client = client
         self.task_queue = task_queue
         self.signer = signer
+        self._epochs: dict[str, int] = {}  # stream -> the epoch this client last saw it in
 
     def sign(self, kind: str, stream_id: str, request):  # noqa: ANN001, ANN201 - any signed request model
         """`request` with its signature, when this client signs (unchanged otherwise)."""
@@ -104,26 +118,56 @@ class StreamClient:
         return sid
 
     async def next_seq(self, stream_id: str) -> int:
-        return (await self.stats(stream_id)).chunk_seq + 1
+        return (await self._position(stream_id))[0] + 1
+
+    async def _position(self, stream_id: str) -> tuple[int, int]:
+        """(committed chunk_seq, epoch), from the stream."""
+        st = await self.stats(stream_id)
+        self._epochs[stream_id] = st.epoch
+        return st.chunk_seq, st.epoch
+
+    async def _chunk(self, kind: str, stream_id: str, make: Callable[[int], Any], update: Any,
+                     chunk_seq: int | None, attempt: int) -> Any:
+        """Send a chunk under its update id; once more with a fresh epoch if the stream was reset
+        since this client last saw it (the stream refuses a stale epoch, nothing is stored)."""
+        if chunk_seq is None:
+            seq, epoch = await self._position(stream_id)
+            seq += 1
+        else:
+            seq = chunk_seq
+            epoch = self._epochs.get(stream_id)
+            if epoch is None:
+                epoch = (await self._position(stream_id))[1]
+        req = self.sign(kind, stream_id, make(seq))
+        for tries in (0, 1):
+            try:
+                out = await self.handle(stream_id).execute_update(
+                    update, req, id=update_id(kind, req, epoch=epoch, attempt=attempt))
+            except WorkflowUpdateFailedError as err:
+                cause = err.cause
+                if tries == 0 and isinstance(cause, ApplicationError) and cause.type == "EpochMismatch":
+                    epoch = (await self._position(stream_id))[1]
+                    continue
+                raise
+            self._epochs[stream_id] = out.receipt.epoch
+            return out
+        raise AssertionError("unreachable")
 
     async def advance(self, stream_id: str, principal: str, *, tokens: Sequence[int] | None = None,
-                      text: str | None = None, chunk_seq: int | None = None, top_k: int = 5) -> AdvanceResult:
-        seq = chunk_seq if chunk_seq is not None else await self.next_seq(stream_id)
-        req = self.sign("advance", stream_id, AdvanceRequest(
+                      text: str | None = None, chunk_seq: int | None = None, top_k: int = 5,
+                      attempt: int = 0) -> AdvanceResult:
+        """Feed a chunk. `attempt`: send a chunk again whose update failed for a reason that was
+        not its own (`NOT_THE_CHUNKS_FAULT`); the same attempt returns the same outcome."""
+        return await self._chunk("advance", stream_id, lambda seq: AdvanceRequest(
             principal=principal, chunk_seq=seq, tokens=list(tokens) if tokens is not None else None, text=text,
-            top_k=top_k))
-        return await self.handle(stream_id).execute_update(MambaStreamWorkflow.advance, req,
-                                                           id=update_id(seq, req.signature))
+            top_k=top_k), MambaStreamWorkflow.advance, chunk_seq, attempt)
 
     async def generate(self, stream_id: str, principal: str, max_tokens: int, *, temperature: float = 1.0,
                        top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (),
-                       chunk_seq: int | None = None) -> GenerateResult:
-        seq = chunk_seq if chunk_seq is not None else await self.next_seq(stream_id)
-        req = self.sign("generate", stream_id, GenerateRequest(
+                       chunk_seq: int | None = None, attempt: int = 0) -> GenerateResult:
+        return await self._chunk("generate", stream_id, lambda seq: GenerateRequest(
             principal=principal, chunk_seq=seq, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-            seed=seed, stop=list(stop)))
-        return await self.handle(stream_id).execute_update(MambaStreamWorkflow.generate, req,
-                                                           id=update_id(seq, req.signature))
+            seed=seed, stop=list(stop)), MambaStreamWorkflow.generate, chunk_seq, attempt)
 
     async def reset(self, stream_id: str, principal: str, *, epoch: int | None = None) -> None:
         """Signal a reset. A signing client names the epoch it begins (the current one + 1 unless
@@ -132,6 +176,75 @@ class StreamClient:
             epoch = (await self.stats(stream_id)).epoch + 1
         req = self.sign("reset", stream_id, ResetRequest(principal=principal, epoch=epoch))
         await self.handle(stream_id).signal(MambaStreamWorkflow.reset, req)
+        self._epochs.pop(stream_id, None)  # the next chunk asks the stream for its epoch
+
+    async def rewind(self, stream_id: str, to_seq: int, *, reason: str = "") -> str:
+        """Rewind the stream to just after chunk `to_seq` (0: just after it opened): a Temporal
+        reset of its current run to the first workflow task after that chunk committed, with the
+        later chunks and signals not reapplied. The next chunk continues from chunk `to_seq`'s
+        checkpoint, with the same outputs and checksum as a fresh stream fed the same tokens.
+        Returns the new run's id.
+
+        Raises:
+            RewindUnavailable: chunk `to_seq` is not in the current run (never committed, or
+                before a continue-as-new), or no clean point follows it.
+        A chunk further back than the stream's window of kept checkpoints (`checkpoints_kept`)
+        rewinds, but its next chunk then fails `RewindPastWindow`: send a reset.
+        """
+        run_id, point = await self.rewind_point(stream_id, to_seq)
+        if point is None:
+            return run_id  # chunk `to_seq` is the last thing that happened: already there
+        resp = await self.client.workflow_service.reset_workflow_execution(ResetWorkflowExecutionRequest(
+            namespace=self.client.namespace, workflow_execution=WorkflowExecution(workflow_id=stream_id, run_id=run_id),
+            reason=reason or f"mamba-stream rewind to chunk {to_seq}", workflow_task_finish_event_id=point,
+            request_id=uuid.uuid4().hex,
+            reset_reapply_exclude_types=[ResetReapplyExcludeType.RESET_REAPPLY_EXCLUDE_TYPE_SIGNAL,
+                                         ResetReapplyExcludeType.RESET_REAPPLY_EXCLUDE_TYPE_UPDATE]))
+        self._epochs.pop(stream_id, None)
+        return resp.run_id
+
+    async def rewind_point(self, stream_id: str, to_seq: int) -> tuple[str, int | None]:
+        """(current run id, the id of the first WorkflowTaskCompleted event after chunk `to_seq`
+        committed; None when nothing followed it): where `rewind` resets to, for an operator who
+        runs `temporal workflow reset --event-id` by hand."""
+        desc = await self.handle(stream_id).describe()
+        run_id = desc.run_id
+        events = [e async for e in self.client.get_workflow_handle(stream_id, run_id=run_id).fetch_history_events()]
+        decode = self.client.data_converter.decode
+        committed: int | None = None  # the event after which chunk `to_seq` is committed
+        open_scheduled: set[int] = set()
+        point: int | None = None
+        for e in events:
+            if committed is None:
+                if to_seq == 0:
+                    if e.HasField("activity_task_scheduled_event_attributes") and \
+                            e.activity_task_scheduled_event_attributes.activity_type.name == ACTIVITY_OPEN:
+                        open_scheduled.add(e.event_id)
+                    elif e.HasField("activity_task_completed_event_attributes") and \
+                            e.activity_task_completed_event_attributes.scheduled_event_id in open_scheduled:
+                        committed = e.event_id
+                elif e.HasField("workflow_execution_update_completed_event_attributes"):
+                    outcome = e.workflow_execution_update_completed_event_attributes.outcome
+                    if outcome.HasField("success") and outcome.success.payloads:
+                        [value] = await decode(outcome.success.payloads)
+                        if isinstance(value, dict) and value.get("chunk_seq") == to_seq and "backend" in value \
+                                and not value.get("duplicate"):
+                            committed = e.event_id
+                continue
+            if e.HasField("workflow_execution_update_accepted_event_attributes"):
+                args = e.workflow_execution_update_accepted_event_attributes.accepted_request.input.args
+                if args.payloads:
+                    [value] = await decode(args.payloads)
+                    if isinstance(value, dict) and isinstance(value.get("chunk_seq"), int) and value["chunk_seq"] > to_seq:
+                        raise RewindUnavailable(f"chunk {value['chunk_seq']} was admitted before chunk {to_seq} "
+                                                f"had a workflow task of its own", chunk_seq=to_seq)
+            if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED:
+                point = e.event_id
+                break
+        if committed is None:
+            raise RewindUnavailable(f"chunk {to_seq} is not committed in the stream's current run {run_id} (never "
+                                    f"committed, or before a continue-as-new)", chunk_seq=to_seq)
+        return run_id, point
 
     async def checkpoint(self, stream_id: str, principal: str) -> CheckpointResult:
         req = self.sign("checkpoint", stream_id, CheckpointRequest(principal=principal))

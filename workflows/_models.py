@@ -6,7 +6,9 @@ optional, so histories written by an older version still decode.
 
 from __future__ import annotations
 
-from typing import Literal
+import hashlib
+import json
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -19,6 +21,7 @@ __all__ = [
     "ACTIVITY_DISPOSE",
     "ACTIVITY_GENERATE",
     "ACTIVITY_OPEN",
+    "ACTIVITY_RECALL",
     "ACTIVITY_RESET",
     "AdvanceChunkRequest",
     "AdvanceChunkResult",
@@ -40,6 +43,8 @@ __all__ = [
     "OpenStreamInput",
     "OpenStreamRequest",
     "OpenStreamResult",
+    "RecallResultRequest",
+    "RecallResultResult",
     "RecentResult",
     "ResetRequest",
     "ResetStreamRequest",
@@ -48,6 +53,8 @@ __all__ = [
     "StreamOptions",
     "StreamStats",
     "TokenLogprob",
+    "chunk_digest",
+    "parse_update_id",
 ]
 
 ACTIVITY_OPEN = "open_stream"
@@ -56,17 +63,31 @@ ACTIVITY_GENERATE = "generate_tokens"
 ACTIVITY_RESET = "reset_stream"
 ACTIVITY_CHECKPOINT = "checkpoint_stream"
 ACTIVITY_DISPOSE = "dispose_stream"
+ACTIVITY_RECALL = "recall_result"
 
 
 class _Model(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+class _Strict(_Model):
+    """A request from a caller: no coercion ("7" is not 7, true is not 1), no NaN or infinity,
+    every number bounded. A request that does not validate is refused before it reaches history."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
+
+
+#: the largest chunk sequence, epoch or count a request may name (far beyond any real stream)
+MAX_INDEX = 2**53
+#: token ids fit int32 in every vocabulary we serve
+_Token = Annotated[int, Field(ge=0, lt=2**31)]
+
+
 _SIGNATURE = Field(default=None, description="Ed25519 signature of the request by its principal "
                    "(state_codec.signing); required by workers configured with principals' keys")
 
 
-class _Signed(_Model):
+class _Signed(_Strict):
     """A request a client may sign: its claims are its fields but the signature."""
 
     signature: str | None = _SIGNATURE
@@ -87,19 +108,27 @@ def open_claims(principal: str, model_id: str, input_transform: str | None, resu
     return claims
 
 
-class StreamOptions(_Model):
+class StreamOptions(_Strict):
     """Per-stream knobs, fixed at open time."""
 
     affinity: bool = Field(default=True, description="send activities to the worker holding the hot state")
-    checkpoints_kept: int = Field(default=2, ge=1, description="recent checkpoints kept in the store")
-    max_chunk_tokens: int = Field(default=65536, ge=1)
-    max_text_bytes: int = Field(default=262144, ge=1)
-    max_generate_tokens: int = Field(default=4096, ge=1)
-    recent_results: int = Field(default=256, ge=1, description="results kept to deduplicate across continue-as-new")
-    activity_timeout_s: float = Field(default=600.0, gt=0)
-    heartbeat_timeout_s: float = Field(default=30.0, gt=0)
-    schedule_to_start_s: float = Field(default=10.0, gt=0, description="wait for the affine worker, then rebind")
-    retry_max_attempts: int = Field(default=0, ge=0, description="0: retry transient failures until they pass")
+    checkpoints_kept: int = Field(default=4, ge=1, le=4096, description="recent checkpoints kept in the store: "
+                                  "the rewind window (a Temporal reset up to this many chunks back resumes from "
+                                  "a kept checkpoint); each costs one state (ModelInfo.state_bytes) in the store")
+    max_chunk_tokens: int = Field(default=65536, ge=1, le=2**24)
+    max_text_bytes: int = Field(default=262144, ge=1, le=2**26)
+    max_generate_tokens: int = Field(default=4096, ge=1, le=2**20)
+    recent_results: int = Field(default=256, ge=1, le=65536,
+                                description="results kept to deduplicate across continue-as-new")
+    carry_bytes: int = Field(default=262144, ge=4096, le=1 << 24,
+                             description="bytes of recent results carried across continue-as-new in full (JSON); "
+                             "older ones cross as their digests and are answered from the store's records; "
+                             "keep it well under the server's limit.blobSize.error (2 MiB by default)")
+    activity_timeout_s: float = Field(default=600.0, gt=0, le=86400.0)
+    heartbeat_timeout_s: float = Field(default=30.0, gt=0, le=86400.0)
+    schedule_to_start_s: float = Field(default=10.0, gt=0, le=86400.0,
+                                       description="wait for the affine worker, then rebind")
+    retry_max_attempts: int = Field(default=0, ge=0, le=10000, description="0: retry transient failures until they pass")
 
 
 class ModelInfo(_Model):
@@ -150,8 +179,8 @@ class AdvanceRequest(_Signed):
     """Feed a chunk: token ids or text (encoded by the stream's input transform), not both."""
 
     principal: str
-    chunk_seq: int = Field(description="must be exactly the stream's last chunk_seq + 1")
-    tokens: list[int] | None = None
+    chunk_seq: int = Field(ge=1, le=MAX_INDEX, description="must be exactly the stream's last chunk_seq + 1")
+    tokens: list[_Token] | None = None
     text: str | None = None
     top_k: int = Field(default=5, ge=0, le=100)
 
@@ -178,12 +207,14 @@ class GenerateRequest(_Signed):
     """Sample up to max_tokens; seeded, so a retry or replay samples the same tokens."""
 
     principal: str
-    chunk_seq: int
-    max_tokens: int = Field(ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, description="0: greedy")
-    top_k: int = Field(default=0, ge=0, description="0: no top-k filter")
-    seed: int | None = Field(default=None, description="None: derived from the stream and chunk_seq")
-    stop: list[str] = Field(default_factory=list, description="stop after any of these texts")
+    chunk_seq: int = Field(ge=1, le=MAX_INDEX)
+    max_tokens: int = Field(ge=1, le=2**20)
+    temperature: float = Field(default=1.0, ge=0.0, le=1000.0, description="0: greedy")
+    top_k: int = Field(default=0, ge=0, le=2**31, description="0: no top-k filter")
+    seed: int | None = Field(default=None, ge=0, lt=2**63,
+                             description="None: derived from the stream and chunk_seq; else in [0, 2**63)")
+    stop: list[Annotated[str, Field(max_length=1024)]] = Field(default_factory=list, max_length=64,
+                                                                description="stop after any of these texts")
 
 
 class GenerateResult(_Model):
@@ -203,7 +234,7 @@ class ResetRequest(_Signed):
     """Payload of the `reset` signal: `{"principal": "..."}`."""
 
     principal: str
-    epoch: int | None = Field(default=None, ge=1, description="the epoch this reset begins; when given, a "
+    epoch: int | None = Field(default=None, ge=1, le=MAX_INDEX, description="the epoch this reset begins; when given, a "
                               "reset arriving for any other epoch is refused (a signed reset gives it, so "
                               "replaying its signal resets nothing)")
 
@@ -223,6 +254,10 @@ class RecentResult(_Model):
     update_id: str
     advance: AdvanceResult | None = None
     generate: GenerateResult | None = None
+    digest: str | None = Field(default=None, description="the request's `chunk_digest` (None: recorded before it existed)")
+    kind: Literal["advance", "generate"] | None = Field(default=None, description="set on a digest-only entry")
+    chunk_seq: int | None = Field(default=None, description="set on a digest-only entry")
+    state_key: str | None = Field(default=None, description="set on a digest-only entry: where its result is recorded")
 
 
 class StreamCarry(_Model):
@@ -237,7 +272,7 @@ class StreamCarry(_Model):
     worker_queue: str | None = None
 
 
-class OpenStreamInput(_Model):
+class OpenStreamInput(_Strict):
     """Start input of MambaStreamWorkflow."""
 
     principal: str
@@ -322,6 +357,20 @@ class CheckpointStreamRequest(_Model):
     request: CheckpointRequest | None = Field(default=None, description="the update's payload, for its signature")
 
 
+class RecallResultRequest(_Model):
+    """The recorded result of a committed chunk, for a repeated update id carried as a digest."""
+
+    stream_id: str
+    principal: str
+    state_key: str
+    kind: Literal["advance", "generate"]
+
+
+class RecallResultResult(_Model):
+    advance: AdvanceResult | None = None
+    generate: GenerateResult | None = None
+
+
 class DisposeStreamRequest(_Model):
     stream_id: str
 
@@ -355,3 +404,21 @@ class AgentFeedRequest(_Model):
 class AgentResult(_Model):
     stream_id: str
     turns: list[AdvanceResult]
+
+
+def chunk_digest(kind: str, request: AdvanceRequest | GenerateRequest) -> str:
+    """What a chunk asks for, hashed: its kind and signed fields (not the signature). Two requests
+    with the same digest are the same chunk; the update id names it (`workflows.update_id`)."""
+    body = json.dumps({"kind": kind, **request.claims()}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(body.encode()).hexdigest()[:32]
+
+
+def parse_update_id(uid: str) -> tuple[str, int, int, str] | None:
+    """(kind, chunk_seq, epoch, digest prefix) of an id made by `update_id`; None for any other id."""
+    parts = uid.split("-")
+    if len(parts) < 4 or parts[0] not in ("advance", "generate") or not parts[2].startswith("e"):
+        return None
+    try:
+        return parts[0], int(parts[1]), int(parts[2][1:]), parts[3]
+    except ValueError:
+        return None

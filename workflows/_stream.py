@@ -2,9 +2,15 @@
 
 Updates (`advance`, `generate`, `checkpoint`) and the `reset` signal run one at a time, in
 arrival order, behind one lock. A validator rejects a wrong principal, a wrong chunk sequence,
-bad or oversized input and a cancelled stream before anything reaches history. The update id is
-the idempotency key: the server answers a repeated id within a run, and the workflow keeps recent
-results across continue-as-new to answer it after that too.
+bad or oversized input, a chunk that conflicts with one already committed or in flight, and a
+cancelled stream before anything reaches history. The update id (`workflows.update_id`: kind,
+chunk sequence, epoch, content digest, attempt) is the idempotency key: the server answers a
+repeated id within a run, and the workflow keeps recent results across continue-as-new to answer
+it after that too, and to answer the same chunk sent under another attempt. Failures are typed by
+the catalogue's classes (`workflows._failures`).
+
+Cancellation always completes: the handlers' activities are cancelled, then the stream's blobs
+and hot states are disposed of.
 
 Sandbox-safe: the standard library, temporalio, pydantic and the record half of state_codec.
 """
@@ -18,16 +24,29 @@ from typing import Any, TypeVar
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError, CancelledError
 
 with workflow.unsafe.imports_passed_through():
-    from state_codec import Receipt, arithmetic_moved
+    from state_codec import ChunkSequenceMismatch, EpochMismatch, PrincipalMismatch, Receipt, arithmetic_moved
+    from workflows._failures import (
+        ActivityFailed,
+        ChunkTooLarge,
+        ConflictingChunk,
+        EmptyContext,
+        OpenFailed,
+        StreamCancelled,
+        StreamOpening,
+        TokenOutOfRange,
+        UpdateIdMismatch,
+        application_error,
+    )
     from workflows._models import (
         ACTIVITY_ADVANCE,
         ACTIVITY_CHECKPOINT,
         ACTIVITY_DISPOSE,
         ACTIVITY_GENERATE,
         ACTIVITY_OPEN,
+        ACTIVITY_RECALL,
         ACTIVITY_RESET,
         AdvanceChunkRequest,
         AdvanceChunkResult,
@@ -46,22 +65,21 @@ with workflow.unsafe.imports_passed_through():
         OpenStreamInput,
         OpenStreamRequest,
         OpenStreamResult,
+        RecallResultRequest,
+        RecallResultResult,
         RecentResult,
         ResetRequest,
         ResetStreamRequest,
         StateResult,
         StreamCarry,
         StreamStats,
+        chunk_digest,
+        parse_update_id,
     )
 
 __all__ = ["MambaStreamWorkflow"]
 
 T = TypeVar("T")
-
-
-def _reject(message: str, reason: str, **details: Any) -> ApplicationError:
-    """A permanent, typed refusal; `details` (field values) travel with it to the caller."""
-    return ApplicationError(message, *([details] if details else []), type=reason, non_retryable=True)
 
 
 def _arithmetic(before: Receipt | None, receipt: Receipt, stats: StreamStats) -> dict[str, Any]:
@@ -86,10 +104,12 @@ class MambaStreamWorkflow:
         self._stats = carry.stats if carry else StreamStats(
             stream_id=workflow.info().workflow_id, principal=inp.principal, model_id=inp.model_id)
         self._recent: dict[str, RecentResult] = {r.update_id: r for r in (carry.recent if carry else [])}
+        self._by_seq: dict[int, RecentResult] = {_seq(r): r for r in self._recent.values()}
         self._kept: list[str] = list(carry.kept) if carry else []
         self._pinned: list[str] = list(carry.pinned) if carry else []
         self._worker_queue: str | None = carry.worker_queue if carry else None
-        self._in_flight: set[int] = set()  # chunk_seqs whose handlers have started, not finished
+        self._in_flight: dict[int, str] = {}  # chunk_seq -> digest, of handlers started, not finished
+        self._tasks: set[asyncio.Task] = set()  # handlers running activities: cancelled with the stream
         self._open_error: ApplicationError | None = None
 
     # --- lifecycle -------------------------------------------------------------------------------
@@ -126,6 +146,8 @@ class MambaStreamWorkflow:
             # then the stream's blobs and hot states are destroyed and the run ends cancelled.
             self._cancelled = True
             self._stats = self._stats.model_copy(update={"cancelled": True})
+            for task in list(self._tasks):  # a handler stuck in a retrying activity must not hold up the end
+                task.cancel()
             await workflow.wait_condition(workflow.all_handlers_finished)
             await self._call(ACTIVITY_DISPOSE, DisposeStreamRequest(stream_id=self._stream_id), DisposeStreamResult)
             raise
@@ -149,9 +171,26 @@ class MambaStreamWorkflow:
         return workflow.info().is_target_worker_deployment_version_changed()
 
     def _carry(self) -> StreamCarry:
+        """What crosses continue-as-new, bounded by bytes: the newest results in full while they fit
+        `carry_bytes`, older ones (up to `recent_results` in all) as digests, answered from the
+        store's records, while those fit another `carry_bytes`: at most twice `carry_bytes` of
+        results whatever the chunks' sizes."""
         assert self._receipt is not None and self._info is not None
-        recent = list(self._recent.values())[-self._opts.recent_results :]
-        return StreamCarry(receipt=self._receipt, info=self._info, stats=self._stats, recent=recent,
+        full, digests = self._opts.carry_bytes, self._opts.carry_bytes
+        kept: list[RecentResult] = []
+        for rec in reversed(list(self._recent.values())[-self._opts.recent_results :]):
+            if rec.advance is not None or rec.generate is not None:
+                size = len(rec.model_dump_json())
+                if size <= full:
+                    full -= size
+                    kept.append(rec)
+                    continue
+                rec = _digest_only(rec)
+            digests -= len(rec.model_dump_json())
+            if digests < 0:
+                break
+            kept.append(rec)
+        return StreamCarry(receipt=self._receipt, info=self._info, stats=self._stats, recent=kept[::-1],
                            kept=self._kept, pinned=self._pinned, worker_queue=self._worker_queue)
 
     @property
@@ -179,7 +218,7 @@ class MambaStreamWorkflow:
                         schedule_to_start_timeout=timedelta(seconds=o.schedule_to_start_s),
                         retry_policy=RetryPolicy(maximum_attempts=1), **common)
                 except ActivityError as err:
-                    if _permanent(err):
+                    if _permanent(err) or self._cancelled:
                         raise
                     # the worker holding the hot state is gone or failing: any worker resumes
                     # from the store
@@ -195,25 +234,69 @@ class MambaStreamWorkflow:
                 **common)
         except ActivityError as err:
             cause = err.cause
+            if self._cancelled and isinstance(cause, CancelledError):
+                raise application_error(StreamCancelled("the stream was cancelled while the activity ran")) from err
             if isinstance(cause, ApplicationError):
-                raise _reject(cause.message, cause.type or "ActivityFailed") from err
+                details = list(cause.details) if cause.details else []
+                raise ApplicationError(cause.message, *details, type=cause.type or ActivityFailed.reason,
+                                       non_retryable=True) from err
             raise
+
+    async def _cancellable(self, work: Any) -> Any:
+        """Await a handler's activity; the stream's cancellation cancels it (`run`)."""
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+        try:
+            return await work
+        finally:
+            if task is not None:
+                self._tasks.discard(task)
 
     # --- admission (validators: no side effects) --------------------------------------------------
 
-    def _admit(self, principal: str, chunk_seq: int) -> None:
+    def _admit(self, kind: str, req: AdvanceRequest | GenerateRequest) -> None:
+        """Refuse what cannot be this stream's next chunk, or the same chunk again (a duplicate passes:
+        its handler answers it with the first result)."""
         if self._cancelled:
-            raise _reject("the stream is cancelled", "StreamCancelled")
+            raise application_error(StreamCancelled("the stream is cancelled"))
         if self._receipt is None:
             # Refused, not failed: a refused update is not stored, so the same id can come again.
-            raise ApplicationError("the stream is still opening; try again", type="StreamOpening")
-        if principal != self._inp.principal:
-            raise _reject(f"principal {principal!r} does not own this stream", "PrincipalMismatch",
-                          expected=self._inp.principal, actual=principal)
-        expected = max(self._stats.chunk_seq, *self._in_flight) + 1 if self._in_flight else self._stats.chunk_seq + 1
-        if chunk_seq != expected:
-            raise _reject(f"chunk_seq {chunk_seq} is not the next one ({expected})", "ChunkSequenceMismatch",
-                          expected=expected, actual=chunk_seq)
+            raise application_error(StreamOpening("the stream is still opening; try again"))
+        if req.principal != self._inp.principal:
+            raise application_error(PrincipalMismatch(f"principal {req.principal!r} does not own this stream",
+                                            field="principal", expected=self._inp.principal, actual=req.principal))
+        seq, digest = req.chunk_seq, chunk_digest(kind, req)
+        info = workflow.current_update_info()
+        named = parse_update_id(info.id) if info is not None else None
+        if named is not None:
+            if (named[0], named[1]) != (kind, seq) or not digest.startswith(named[3]):
+                raise application_error(UpdateIdMismatch(f"update id {info.id!r} does not name this {kind} of chunk {seq}",
+                                               update_id=info.id))
+            if named[2] != self._receipt.epoch:
+                # refused, not stored: the client asks for the epoch and sends the chunk again
+                raise application_error(EpochMismatch(f"update id {info.id!r} is for epoch {named[2]}; the stream is at "
+                                            f"epoch {self._receipt.epoch}", field="epoch",
+                                            expected=self._receipt.epoch, actual=named[2]))
+        other = self._in_flight.get(seq)
+        if other is None and seq <= self._stats.chunk_seq:
+            known = self._by_seq.get(seq)
+            other = known.digest if known is not None else None
+            if other is None:
+                raise application_error(ChunkSequenceMismatch(f"chunk_seq {seq} is already committed", field="chunk_seq",
+                                                    expected=self._next_seq(), actual=seq))
+        if other is not None:
+            if other != digest:
+                raise application_error(ConflictingChunk(f"chunk {seq} is already {'in flight' if seq in self._in_flight else 'committed'} "
+                                               f"with other content", chunk_seq=seq))
+            return  # the same chunk again: its handler answers it
+        expected = self._next_seq()
+        if seq != expected:
+            raise application_error(ChunkSequenceMismatch(f"chunk_seq {seq} is not the next one ({expected})",
+                                                field="chunk_seq", expected=expected, actual=seq))
+
+    def _next_seq(self) -> int:
+        return max(self._stats.chunk_seq, *self._in_flight) + 1 if self._in_flight else self._stats.chunk_seq + 1
 
     def _known(self) -> RecentResult | None:
         info = workflow.current_update_info()
@@ -230,18 +313,18 @@ class MambaStreamWorkflow:
     def _validate_advance(self, req: AdvanceRequest) -> None:
         if self._known() is not None:
             return
-        self._admit(req.principal, req.chunk_seq)
+        self._admit("advance", req)
         o = self._opts
         if req.tokens is not None:
             if len(req.tokens) > o.max_chunk_tokens:
-                raise _reject(f"{len(req.tokens)} tokens exceed the chunk limit {o.max_chunk_tokens}",
-                              "ChunkTooLarge")
+                raise application_error(ChunkTooLarge(f"{len(req.tokens)} tokens exceed the chunk limit {o.max_chunk_tokens}",
+                                            limit=o.max_chunk_tokens, actual=len(req.tokens)))
             vocab = self._info.vocab_size if self._info else None
             bad = [t for t in req.tokens if t < 0 or (vocab is not None and t >= vocab)]
             if bad:
-                raise _reject(f"token {bad[0]} is outside [0, {vocab})", "TokenOutOfRange", value=bad[0])
+                raise application_error(TokenOutOfRange(f"token {bad[0]} is outside [0, {vocab})", value=bad[0]))
         elif req.text is not None and len(req.text.encode("utf-8")) > o.max_text_bytes:
-            raise _reject(f"text exceeds {o.max_text_bytes} bytes", "ChunkTooLarge")
+            raise application_error(ChunkTooLarge(f"text exceeds {o.max_text_bytes} bytes", limit=o.max_text_bytes))
 
     @workflow.update
     async def generate(self, req: GenerateRequest) -> GenerateResult:
@@ -254,11 +337,12 @@ class MambaStreamWorkflow:
     def _validate_generate(self, req: GenerateRequest) -> None:
         if self._known() is not None:
             return
-        self._admit(req.principal, req.chunk_seq)
+        self._admit("generate", req)
         if req.max_tokens > self._opts.max_generate_tokens:
-            raise _reject(f"max_tokens {req.max_tokens} exceeds {self._opts.max_generate_tokens}", "ChunkTooLarge")
-        if self._receipt is not None and self._receipt.position == 0:
-            raise _reject("nothing to continue from: feed a prompt before generating", "EmptyContext")
+            raise application_error(ChunkTooLarge(f"max_tokens {req.max_tokens} exceeds {self._opts.max_generate_tokens}",
+                                        limit=self._opts.max_generate_tokens, actual=req.max_tokens))
+        if self._receipt is not None and self._receipt.position == 0 and req.chunk_seq not in self._by_seq:
+            raise application_error(EmptyContext("nothing to continue from: feed a prompt before generating"))
 
     @workflow.update
     async def checkpoint(self, req: CheckpointRequest) -> CheckpointResult:
@@ -266,9 +350,13 @@ class MambaStreamWorkflow:
         async with self._lock:
             await workflow.wait_condition(lambda: self._receipt is not None)
             if self._cancelled:
-                raise _reject("the stream is cancelled", "StreamCancelled")
-            out = await self._call(ACTIVITY_CHECKPOINT, CheckpointStreamRequest(
-                stream_id=self._stream_id, principal=req.principal, receipt=self._receipt, request=req), StateResult)
+                raise application_error(StreamCancelled("the stream is cancelled"))
+            try:
+                out = await self._cancellable(self._call(ACTIVITY_CHECKPOINT, CheckpointStreamRequest(
+                    stream_id=self._stream_id, principal=req.principal, receipt=self._receipt, request=req),
+                    StateResult))
+            except asyncio.CancelledError:
+                raise application_error(StreamCancelled("the stream was cancelled")) from None
             if out.receipt.state_key not in self._pinned:
                 self._pinned.append(out.receipt.state_key)
             return CheckpointResult(stream_id=self._stream_id, receipt=out.receipt)
@@ -276,10 +364,10 @@ class MambaStreamWorkflow:
     @checkpoint.validator
     def _validate_checkpoint(self, req: CheckpointRequest) -> None:
         if self._cancelled:
-            raise _reject("the stream is cancelled", "StreamCancelled")
+            raise application_error(StreamCancelled("the stream is cancelled"))
         if req.principal != self._inp.principal:
-            raise _reject(f"principal {req.principal!r} does not own this stream", "PrincipalMismatch",
-                          expected=self._inp.principal, actual=req.principal)
+            raise application_error(PrincipalMismatch(f"principal {req.principal!r} does not own this stream",
+                                            field="principal", expected=self._inp.principal, actual=req.principal))
 
     @workflow.signal
     async def reset(self, req: ResetRequest) -> None:
@@ -297,9 +385,11 @@ class MambaStreamWorkflow:
                 workflow.logger.warning("reset for epoch %d refused at epoch %d", req.epoch, self._receipt.epoch)
                 return
             try:
-                out = await self._call(ACTIVITY_RESET, ResetStreamRequest(
+                out = await self._cancellable(self._call(ACTIVITY_RESET, ResetStreamRequest(
                     stream_id=self._stream_id, principal=req.principal, receipt=self._receipt,
-                    epoch=self._receipt.epoch + 1, request=req), StateResult)
+                    epoch=self._receipt.epoch + 1, request=req), StateResult))
+            except asyncio.CancelledError:
+                return  # the stream is being cancelled: nothing to reset
             except ApplicationError as err:
                 # a signal has no caller to fail: refused (e.g. a bad signature), counted, nothing changed
                 self._stats = self._stats.model_copy(update={"rejected_resets": self._stats.rejected_resets + 1})
@@ -318,9 +408,11 @@ class MambaStreamWorkflow:
         await workflow.wait_condition(
             lambda: self._receipt is not None or self._cancelled or self._open_error is not None)
         if self._open_error is not None:
-            raise _reject(self._open_error.message, self._open_error.type or "OpenFailed")
+            err = self._open_error
+            raise ApplicationError(err.message, *(list(err.details) if err.details else []),
+                                   type=err.type or OpenFailed.reason, non_retryable=True)
         if self._receipt is None:
-            raise _reject("the stream was cancelled before it opened", "StreamCancelled")
+            raise application_error(StreamCancelled("the stream was cancelled before it opened"))
         return self._receipt
 
     @workflow.query
@@ -337,32 +429,44 @@ class MambaStreamWorkflow:
                      make_request: Callable[[], Any]) -> Any:
         """Answer a known update id from memory, or run the chunk's activity and commit it, in order."""
         known = self._known()
-        if known is not None and getattr(known, kind) is not None:
-            return self._duplicate(getattr(known, kind))
-        self._in_flight.add(req.chunk_seq)
+        if known is not None and (getattr(known, kind) is not None or known.kind == kind):
+            return await self._answer(known, kind)
+        digest = chunk_digest(kind, req)
+        mine = req.chunk_seq not in self._in_flight  # else the same chunk is in flight under another id
+        if mine:
+            self._in_flight[req.chunk_seq] = digest
         try:
             async with self._lock:
                 await workflow.wait_condition(lambda: self._receipt is not None)
+                same = self._by_seq.get(req.chunk_seq)
+                if same is not None and same.digest == digest and (getattr(same, kind) is not None
+                                                                    or same.kind == kind):
+                    return await self._answer(same, kind)  # the same chunk, sent again under another id
                 self._recheck(req.principal, req.chunk_seq)
-                out = await self._call(activity, make_request(), result_type)
+                try:
+                    out = await self._cancellable(self._call(activity, make_request(), result_type))
+                except asyncio.CancelledError:
+                    raise application_error(StreamCancelled("the stream was cancelled while the chunk ran")) from None
                 result = out.result
                 if kind == "advance":
                     self._commit(result.receipt, out.worker_queue, tokens=result.n_tokens)
                 else:
                     self._commit(result.receipt, out.worker_queue, generated=len(result.tokens))
-                self._remember(RecentResult(update_id=workflow.current_update_info().id, **{kind: result}))
+                self._remember(RecentResult(update_id=workflow.current_update_info().id, digest=digest,
+                                            **{kind: result}))
                 return result
         finally:
-            self._in_flight.discard(req.chunk_seq)
+            if mine:
+                self._in_flight.pop(req.chunk_seq, None)
 
     def _recheck(self, principal: str, chunk_seq: int) -> None:
         """Validators ran at admission; by the time a handler holds the lock, an earlier one may have failed."""
         if self._cancelled:
-            raise _reject("the stream is cancelled", "StreamCancelled")
+            raise application_error(StreamCancelled("the stream is cancelled"))
         expected = self._stats.chunk_seq + 1
         if chunk_seq != expected:
-            raise _reject(f"chunk_seq {chunk_seq} does not follow the committed {expected - 1}",
-                          "ChunkSequenceMismatch", expected=expected, actual=chunk_seq)
+            raise application_error(ChunkSequenceMismatch(f"chunk_seq {chunk_seq} does not follow the committed {expected - 1}",
+                                                field="chunk_seq", expected=expected, actual=chunk_seq))
 
     def _to_drop(self) -> list[str]:
         """Checkpoints that fall out of retention once the next one is committed."""
@@ -383,12 +487,41 @@ class MambaStreamWorkflow:
 
     def _remember(self, rec: RecentResult) -> None:
         self._recent[rec.update_id] = rec
+        self._by_seq[_seq(rec)] = rec
         while len(self._recent) > self._opts.recent_results:
-            self._recent.pop(next(iter(self._recent)))
+            old = self._recent.pop(next(iter(self._recent)))
+            if self._by_seq.get(_seq(old)) is old:
+                del self._by_seq[_seq(old)]
+
+    async def _answer(self, rec: RecentResult, kind: str) -> Any:
+        """A committed chunk's result again: from memory, or (a digest-only entry) from its record."""
+        result = getattr(rec, kind)
+        if result is None:
+            assert rec.state_key is not None
+            out = await self._call(ACTIVITY_RECALL, RecallResultRequest(
+                stream_id=self._stream_id, principal=self._inp.principal, state_key=rec.state_key, kind=kind),
+                RecallResultResult)
+            result = getattr(out, kind)
+        return self._duplicate(result)
 
     def _duplicate(self, result: Any) -> Any:
         self._stats = self._stats.model_copy(update={"duplicates": self._stats.duplicates + 1})
         return result.model_copy(update={"duplicate": True})
+
+
+def _seq(rec: RecentResult) -> int:
+    if rec.chunk_seq is not None:
+        return rec.chunk_seq
+    res = rec.advance or rec.generate
+    return res.chunk_seq if res is not None else -1
+
+
+def _digest_only(rec: RecentResult) -> RecentResult:
+    """`rec` without its result: the id, digest, sequence and where the result is recorded."""
+    res = rec.advance or rec.generate
+    assert res is not None
+    return RecentResult(update_id=rec.update_id, digest=rec.digest, kind="advance" if rec.advance else "generate",
+                        chunk_seq=res.chunk_seq, state_key=res.receipt.state_key)
 
 
 def _permanent(err: ActivityError) -> bool:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,6 +14,7 @@ import time
 import uuid
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from activities import (
@@ -27,6 +30,7 @@ from activities import (
 PG_URL = os.environ.get("MAMBA_STREAM_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
 REQUIRED = os.environ.get("MAMBA_STREAM_REQUIRE_CROSSCHECK") == "1"
 ROOT = Path(__file__).resolve().parents[2]
+PG_HOSTPART = PG_URL.split("@", 1)[1]  # host:port/db, for connecting as another role
 
 
 def _pg_store(table: str) -> StateStore:
@@ -193,3 +197,193 @@ def test_unreachable_postgres_is_a_retryable_error():
     assert exc.value.retryable
     with pytest.raises(StoreError):
         open_store("s3://bucket/x")
+
+
+# --- metadata: beside the blobs, never a stream, a checkpoint or usage --------------------------
+
+
+def test_metadata_is_put_if_absent_and_apart_from_the_blobs(store):
+    store.put_if_absent(key="s1.k1", data=b"one", stream_id="s1", principal="alice")
+    assert store.get_meta(kind="owner", name="temporal") is None
+    assert store.put_meta_if_absent(kind="owner", name="temporal", data=b'{"a": 1}')
+    assert not store.put_meta_if_absent(kind="owner", name="temporal", data=b"other")
+    assert store.get_meta(kind="owner", name="temporal") == b'{"a": 1}'
+    assert store.put_meta_if_absent(kind="missing", name="s1", data=b"x")
+    assert store.put_meta_if_absent(kind="missing", name="s0", data=b"y")
+    assert store.list_meta(kind="missing") == ["s0", "s1"] and store.list_meta(kind="nothing") == []
+    # none of it is a stream, an object of a stream, or counted
+    assert store.stream_ids() == ["s1"] and store.list_stream(stream_id="s1") == ["s1.k1"]
+    assert store.list_stream(stream_id="s0") == []
+    u = store.usage()
+    assert (u.objects, u.bytes, u.streams) == (1, 3, 1)
+    assert store.delete_meta(kind="missing", name="s0") and not store.delete_meta(kind="missing", name="s0")
+    assert store.list_meta(kind="missing") == ["s1"]
+    with pytest.raises(InvalidStoreKey):
+        store.get_meta(kind="../x", name="y")
+
+
+# --- PostgreSQL errors mapped by SQLSTATE: transient vs permanent -------------------------------
+
+
+@pytest.mark.parametrize(("sqlstate", "transient"), [
+    ("25006", True), ("08006", True), ("08001", True), ("40001", True), ("40P01", True), ("53100", True),
+    ("53300", True), ("55P03", True), ("57014", True), ("57P01", True), ("57P02", True), ("57P03", True),
+    ("42501", False), ("42601", False), ("42P01", False), ("22P02", False), ("23505", False),
+    ("54000", False), ("57P04", False), ("XX000", False),
+])
+def test_postgres_errors_are_classified_by_sqlstate(pg_admin, sqlstate, transient):
+    """Each SQLSTATE's psycopg exception, as raised on a healthy connection: its code decides."""
+    from activities._pg_store import store_error
+
+    exc = psycopg.errors.lookup(sqlstate)("from the server")
+    err = store_error(exc, conn=pg_admin)
+    assert isinstance(err, StoreUnavailable) is transient and err.retryable is transient
+    assert sqlstate in str(err)
+
+
+@pytest.fixture
+def pg_admin():
+    try:
+        conn = psycopg.connect(PG_URL, autocommit=True, connect_timeout=5)
+    except psycopg.OperationalError as exc:
+        if REQUIRED:
+            raise
+        pytest.skip(f"PostgreSQL is not reachable at {PG_URL}: {exc}")
+    yield conn
+    conn.close()
+
+
+@pytest.fixture
+def pg_role(pg_admin):
+    """A login role of its own (no superuser), dropped with everything it owns afterwards."""
+    role = f"mss_{uuid.uuid4().hex[:10]}"
+    pg_admin.execute(f"CREATE ROLE {role} LOGIN")
+    yield role
+    pg_admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (role,))
+    pg_admin.execute(f"DROP OWNED BY {role}")
+    pg_admin.execute(f"DROP ROLE {role}")
+
+
+def test_read_only_postgres_is_retryable_and_the_put_passes_once_lifted(pg_admin, pg_role):
+    """The hostile test's finding: PostgreSQL read-only for a moment (25006) failed a chunk for good."""
+    pg_admin.execute(f"GRANT CREATE ON SCHEMA public TO {pg_role}")
+    url = f"postgresql://{pg_role}@{PG_HOSTPART}?table=t_{uuid.uuid4().hex[:12]}"
+    open_store(url).close()  # the role creates (and owns) its tables
+    pg_admin.execute(f"ALTER ROLE {pg_role} SET default_transaction_read_only = on")
+    store = open_store(url)  # new connections, read-only: a store on them still opens, to read
+    try:
+        assert store.get(key="k", principal="alice") is None  # reads work
+        with pytest.raises(StoreUnavailable) as exc:
+            store.put_if_absent(key="k", data=b"state", stream_id="s", principal="alice")
+        assert exc.value.retryable and exc.value.reason == "StoreUnavailable"
+        assert isinstance(exc.value.__cause__, psycopg.errors.ReadOnlySqlTransaction)
+        assert exc.value.__cause__.sqlstate == "25006" and "25006" in str(exc.value)
+        pg_admin.execute(f"ALTER ROLE {pg_role} RESET default_transaction_read_only")
+        # the same put passes: the connection that saw the error was not pooled again
+        assert store.put_if_absent(key="k", data=b"state", stream_id="s", principal="alice")
+        assert store.get(key="k", principal="alice") == b"state"
+    finally:
+        store.close()
+
+
+def test_a_missing_privilege_is_a_permanent_error_naming_its_sqlstate(pg_admin, pg_role):
+    table = f"t_{uuid.uuid4().hex[:12]}"
+    owner = _pg_store(table)  # made by the superuser; the role may only read it
+    try:
+        owner.put_if_absent(key="k0", data=b"zero", stream_id="s", principal="alice")
+        pg_admin.execute(f"GRANT SELECT ON {owner.table}, {owner.meta_table} TO {pg_role}")
+        reader = open_store(f"postgresql://{pg_role}@{PG_HOSTPART}?table={table}")
+        try:
+            with pytest.raises(StoreError) as exc:
+                reader.put_if_absent(key="k", data=b"x", stream_id="s", principal="alice")
+            assert not isinstance(exc.value, StoreUnavailable) and not exc.value.retryable
+            assert "42501" in str(exc.value)
+            assert isinstance(exc.value.__cause__, psycopg.errors.InsufficientPrivilege)
+            assert reader.get(key="k0", principal="alice") == b"zero"  # its connection is fine, and reused
+        finally:
+            reader.close()
+    finally:
+        owner.drop()
+        owner.close()
+
+
+def test_a_killed_connection_is_retryable_and_not_pooled_again(pg_admin):
+    app = f"mss_{uuid.uuid4().hex[:10]}"
+    store = _pg_store(f"t_{uuid.uuid4().hex[:12]}")
+    store.close()
+    store = open_store(f"{PG_URL}?table={store.table}&application_name={app}")
+    try:
+        store.put_if_absent(key="k", data=b"state", stream_id="s", principal="alice")
+        killed = pg_admin.execute("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+                                  " WHERE application_name = %s", (app,)).fetchone()[0]
+        assert killed == 1
+        with pytest.raises(StoreUnavailable) as exc:
+            store.get(key="k", principal="alice")
+        assert exc.value.retryable and isinstance(exc.value.__cause__, psycopg.Error)
+        assert store.get(key="k", principal="alice") == b"state"  # on a new connection
+    finally:
+        store.drop()
+        store.close()
+
+
+# --- the file store: cleanup never hides the error ----------------------------------------------
+
+
+def test_a_failed_write_is_raised_not_its_cleanup_error(tmp_path):
+    """tmp/ is not a directory: the write fails (ENOTDIR), and so does removing the tmp file.
+
+    The removal's error used to replace the write's StoreError. This fails for root too, which
+    chmod cannot stop.
+    """
+    store = FileStateStore(tmp_path / "store")
+    shutil.rmtree(tmp_path / "store" / "tmp")
+    (tmp_path / "store" / "tmp").write_bytes(b"not a directory")
+    for put in (lambda: store.put_if_absent(key="k", data=b"state", stream_id="s", principal="alice"),
+                lambda: store.put_meta_if_absent(kind="owner", name="temporal", data=b"{}")):
+        with pytest.raises(StoreError) as exc:
+            put()
+        assert isinstance(exc.value, StoreUnavailable)  # ENOTDIR: as `_os_error` decides, may pass
+        assert isinstance(exc.value.__cause__, OSError) and exc.value.__cause__.errno == errno.ENOTDIR
+    assert store.get(key="k", principal="alice") is None
+
+
+@pytest.fixture
+def read_only_store(tmp_path):
+    """A file store holding one blob, whose directory then refuses writes, for real.
+
+    Not root: the objects and tmp directories are made 0500. Root ignores modes, so there a
+    tmpfs is mounted and remounted read-only (EROFS, the case that was found); skipped where
+    root may not mount.
+    """
+    root = tmp_path / "store"
+    if os.geteuid() != 0:
+        store = FileStateStore(root)
+        store.put_if_absent(key="k0", data=b"zero", stream_id="s", principal="alice")
+        for sub in ("objects", "tmp"):
+            os.chmod(root / sub, 0o500)
+        yield store, (errno.EACCES,)
+        for sub in ("objects", "tmp"):
+            os.chmod(root / sub, 0o700)
+        return
+    root.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(root)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("running as root, where chmod cannot make a directory read-only, "
+                    "and mount is not permitted")
+    try:
+        store = FileStateStore(root)
+        store.put_if_absent(key="k0", data=b"zero", stream_id="s", principal="alice")
+        subprocess.run(["mount", "-o", "remount,ro", str(root)], check=True, capture_output=True)
+        yield store, (errno.EROFS,)
+    finally:
+        subprocess.run(["umount", str(root)], check=False, capture_output=True)
+
+
+def test_a_read_only_file_store_raises_the_write_error_typed(read_only_store):
+    store, errnos = read_only_store
+    with pytest.raises(StoreError) as exc:
+        store.put_if_absent(key="k", data=b"state", stream_id="s2", principal="alice")
+    assert type(exc.value) is StoreError and not exc.value.retryable  # EROFS/EACCES: as `_os_error` decides
+    assert isinstance(exc.value.__cause__, OSError) and exc.value.__cause__.errno in errnos
+    assert "cannot write k" in str(exc.value)
+    assert store.get(key="k0", principal="alice") == b"zero"  # reads still work

@@ -97,7 +97,7 @@ async def test_signed_requests_run_and_forged_ones_change_nothing(temporal_env, 
         # re-sending it signs to the same bytes, so the same update id: the first result, once
         again = await signing.advance(a, "alice", tokens=[8, 9], chunk_seq=2)
         assert again.receipt == second.receipt
-        assert update_id(2, good.signature) == update_id(2, signing.sign("advance", a, good).signature)
+        assert update_id("advance", good, epoch=0) == update_id("advance", signing.sign("advance", a, good), epoch=0)
 
         gen = signing.sign("generate", a, GenerateRequest(principal="alice", chunk_seq=3, max_tokens=2, seed=1))
         with pytest.raises(WorkflowUpdateFailedError) as err:

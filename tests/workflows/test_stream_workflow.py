@@ -130,8 +130,13 @@ async def test_same_update_id_runs_once_and_returns_the_same_result(temporal_env
         sid = await stack.streams.open("alice", "tiny-mamba1")
         first = await stack.streams.advance(sid, "alice", tokens=[5, 6, 7], chunk_seq=1)
         again = await stack.streams.advance(sid, "alice", tokens=[5, 6, 7], chunk_seq=1)
-        other_payload = await stack.streams.advance(sid, "alice", tokens=[9, 9], chunk_seq=1)  # same id
-        assert first == again == other_payload
+        # the same chunk as a next attempt (another id): answered with the first result, not run again
+        third = await stack.streams.advance(sid, "alice", tokens=[5, 6, 7], chunk_seq=1, attempt=1)
+        assert first == again and third == first.model_copy(update={"duplicate": True})
+        # other content under the same sequence: refused typed, never answered with the first result
+        with pytest.raises(WorkflowUpdateFailedError) as exc:
+            await stack.streams.advance(sid, "alice", tokens=[9, 9], chunk_seq=1)
+        assert reason(exc.value) == "ConflictingChunk"
         assert stack.acts.runs == {1: 1}
         assert (await stack.streams.stats(sid)).position == 3
 
@@ -141,10 +146,15 @@ async def test_out_of_order_or_skipped_chunks_are_rejected_before_history(stack:
     sid = await stack.streams.open("alice", "tiny-mamba1")
     await stack.streams.advance(sid, "alice", tokens=[1, 2], chunk_seq=1)
     before = await history_updates(stack, sid)
-    req = AdvanceRequest(principal="alice", chunk_seq=bad_seq, tokens=[3])
+    # built without validation, so the stream's own refusal is what is tested (0 and -4 are not sequences)
+    req = AdvanceRequest.model_construct(principal="alice", chunk_seq=bad_seq, tokens=[3], text=None, top_k=5,
+                                         signature=None)
     with pytest.raises(WorkflowUpdateFailedError) as exc:
         await stack.streams.handle(sid).execute_update(MambaStreamWorkflow.advance, req, id=f"other-{bad_seq}")
-    assert reason(exc.value) == "ChunkSequenceMismatch"
+    # 1: committed with other content; 3: skips one; 0 and -4: not sequences at all
+    expected = {1: "ConflictingChunk", 3: "ChunkSequenceMismatch"}.get(bad_seq, "InvalidRequest")
+    assert reason(exc.value) == expected
+    assert exc.value.cause.non_retryable
     assert await history_updates(stack, sid) == before
     stats = await stack.streams.stats(sid)
     assert (stats.position, stats.chunk_seq) == (2, 1)
@@ -154,7 +164,7 @@ async def test_out_of_order_or_skipped_chunks_are_rejected_before_history(stack:
     "req,expected",
     [
         (dict(tokens=[1, 256]), "TokenOutOfRange"),
-        (dict(tokens=[-1]), "TokenOutOfRange"),
+        (dict(tokens=[-1]), "InvalidRequest"),  # not a token id at all: the request does not validate
         (dict(tokens=list(range(200)) * 3), "ChunkTooLarge"),
         (dict(text="x" * 2000), "ChunkTooLarge"),
     ],
@@ -167,8 +177,13 @@ async def test_invalid_or_oversized_input_is_rejected_before_history(temporal_en
         await stack.streams.advance(sid, "alice", tokens=[1], chunk_seq=1)
         before = await history_updates(stack, sid)
         with pytest.raises(WorkflowUpdateFailedError) as exc:
-            await stack.streams.advance(sid, "alice", chunk_seq=2, **req)
-        assert reason(exc.value) == expected
+            if expected == "InvalidRequest":  # the client would refuse to build it: sent raw
+                raw = AdvanceRequest.model_construct(principal="alice", chunk_seq=2, text=None, top_k=5,
+                                                     signature=None, **req)
+                await stack.streams.handle(sid).execute_update(MambaStreamWorkflow.advance, raw, id="raw-2")
+            else:
+                await stack.streams.advance(sid, "alice", chunk_seq=2, **req)
+        assert reason(exc.value) == expected and exc.value.cause.non_retryable
         assert await history_updates(stack, sid) == before
         assert (await stack.streams.stats(sid)).position == 1
 
@@ -182,7 +197,7 @@ async def test_duplicate_after_continue_as_new_is_still_deduplicated(can_env, tm
         stats = await eventually(lambda: _continued(stack, sid))
         assert stats.continued_as_new >= 1
         assert (await stack.streams.handle(sid).describe()).run_id != first_run
-        again = await stack.streams.advance(sid, "alice", tokens=[1, 2], chunk_seq=2)
+        again = await stack.streams.advance(sid, "alice", tokens=[2, 3], chunk_seq=2)
         assert again.duplicate and again.model_copy(update={"duplicate": False}) == results[1]
         assert stack.acts.runs[2] == 1
         nxt = await stack.streams.advance(sid, "alice", tokens=[7])

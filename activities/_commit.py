@@ -1,0 +1,225 @@
+"""The commit protocol of a chunk, shared by advance and generate: a chunk is never applied twice.
+
+A chunk's new state is committed under a key derived from (input state key, chunk digest, chunk
+sequence), so every attempt of the same chunk derives the same key:
+
+    1. prior(key)      an earlier attempt recorded a result under `<key>.out`: return it, done
+    2. (compute)       the caller advances the state
+    3. seal + put      the state sealed for (principal, stream), stored put-if-absent; when an
+                       earlier attempt already wrote the key, its bytes are adopted (what it wrote
+                       is what a reader of that key will see), the receipt's checksum with them
+    4. record          a small sealed record of the result under `<key>.out`, put-if-absent
+    5. drops           older checkpoints that left the retention window, deleted
+
+The edges between these steps are seams for the crash tests (`edge(name, stream_id, chunk_seq)`):
+
+    admitted -> (kernel) -> computed -> (write) -> written -> (record) -> recorded
+
+A crash at any edge leaves the store in a state the next attempt finishes from: before `written`
+nothing of this chunk is visible; between `written` and `recorded` the checkpoint exists and the
+retry recomputes the same key, adopts the stored bytes and writes the record; after `recorded`
+the retry returns the record (and redoes the drops).
+
+No Temporal, no engine: the caller passes what to do with the committed state. Tested against an
+in-memory store (tests/activities/test_commit.py) and through `ActivityEnvironment`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import torch
+
+from activities._metrics import StreamMetrics
+from activities._store import StateStore
+from scan import Model, State
+from state_codec import CheckpointNotFound, Receipt, arithmetic_moved, continue_arithmetic
+from state_codec.codec import Keyring, open_bytes, open_checkpoint, seal, seal_bytes, unseal
+from workflows import RewindPastWindow
+
+__all__ = ["ChunkCommit", "Committed", "Prior", "chunk_key", "record_key"]
+
+log = logging.getLogger(__name__)
+
+_CHUNK_KEY = re.compile(r"\.e(\d+)\.c(\d+)\.[0-9a-f]{32}$")
+
+
+def chunk_key(stream_id: str, receipt: Receipt, chunk_seq: int, chunk_digest: str) -> str:
+    """The key of a chunk's new state: deterministic in the input state and the chunk, so every
+    attempt of a chunk derives it, and another chunk (other content) derives another."""
+    h = hashlib.sha256(f"{receipt.state_key}|{chunk_digest}".encode()).hexdigest()[:32]
+    return f"{stream_id}.e{receipt.epoch}.c{chunk_seq}.{h}"
+
+
+def record_key(state_key: str) -> str:
+    """Where the result of the chunk that committed `state_key` is recorded."""
+    return f"{state_key}.out"
+
+
+@dataclass(frozen=True)
+class Prior:
+    """The recorded result of an earlier attempt (JSON) and its next-token logits."""
+
+    result: dict[str, Any]
+    logits: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A committed state: its receipt, the state as stored (ours, or the earlier attempt's that
+    was adopted), and whether it was adopted."""
+
+    receipt: Receipt
+    state: State
+    adopted: bool
+
+
+def _no_edge(name: str, stream_id: str, chunk_seq: int) -> None:
+    return None
+
+
+class ChunkCommit:
+    """The store half of a stream's chunks: derived keys, seal, put-if-absent, adoption, result
+    records and drops.
+
+    Args:
+        store, keyring: where sealed states and records go, and the keys that seal them.
+        metrics: commits, arithmetic changes and commit times are counted here.
+        edge: called at each commit edge (see the module docstring); tests crash there.
+    """
+
+    def __init__(self, store: StateStore, keyring: Keyring, metrics: StreamMetrics | None = None,
+                 edge: Callable[[str, str, int], None] = _no_edge) -> None:
+        self.store = store
+        self.keyring = keyring
+        self.metrics = metrics or StreamMetrics()
+        self.edge = edge
+
+    # --- records -------------------------------------------------------------------------------
+
+    def write_record(self, receipt: Receipt, result: dict[str, Any], last_logits: torch.Tensor | None) -> None:
+        key = record_key(receipt.state_key)
+        payload = msgpack.packb({
+            "result": json.dumps(result),
+            "logits": b"" if last_logits is None else last_logits.to(torch.float32).contiguous().numpy().tobytes(),
+            "committed_at": self.metrics.committed_at(receipt.state_key) or time.time(),
+        })
+        blob = seal_bytes(payload, binding=f"{receipt.principal}|{key}", keyring=self.keyring)
+        self.store.put_if_absent(key=key, data=blob, stream_id=receipt.stream_id, principal=receipt.principal)
+
+    def prior(self, state_key: str, principal: str) -> Prior | None:
+        """The result recorded for the chunk that committed `state_key`, if one was."""
+        key = record_key(state_key)
+        blob = self.store.get(key=key, principal=principal)
+        if blob is None:
+            return None
+        data = msgpack.unpackb(open_bytes(blob, binding=f"{principal}|{key}", keyring=self.keyring), raw=False)
+        logits = torch.frombuffer(bytearray(data["logits"]), dtype=torch.float32) if data["logits"] else None
+        if data.get("committed_at") is not None:
+            self.metrics.note_commit(state_key, float(data["committed_at"]))
+        return Prior(json.loads(data["result"]), logits)
+
+    # --- states --------------------------------------------------------------------------------
+
+    def fetch(self, model: Model, receipt: Receipt, principal: str) -> tuple[State, torch.Tensor | None, int]:
+        """A committed state, its next-token logits (if recorded) and its blob's size, fully checked."""
+        blob = self.store.get(key=receipt.state_key, principal=principal)
+        if blob is None:
+            raise CheckpointNotFound(f"no checkpoint {receipt.state_key} for this principal in {self.store.url}",
+                                     field="state_key", expected=receipt.state_key, actual=None)
+        state = unseal(blob, receipt, self.keyring, model=model, principal=principal)
+        rec = self.prior(receipt.state_key, principal)
+        return state, rec.logits if rec else None, len(blob)
+
+    def fetch_current(self, model: Model, receipt: Receipt, principal: str) -> tuple[State, torch.Tensor | None, int]:
+        """`fetch` for the stream's own current receipt: a checkpoint that is gone while later
+        chunks of the stream are still stored means the stream was rewound (a Temporal reset)
+        further back than its window of kept checkpoints: `RewindPastWindow`, not a lost blob."""
+        try:
+            return self.fetch(model, receipt, principal)
+        except CheckpointNotFound:
+            later = self.later_chunks(receipt)
+            if later:
+                raise RewindPastWindow(
+                    f"the stream was rewound to chunk {receipt.chunk_seq}, whose checkpoint left the window of kept "
+                    f"checkpoints (chunks up to {max(later)[1]} are stored); send a reset to start a fresh epoch",
+                    chunk_seq=receipt.chunk_seq, epoch=receipt.epoch, latest_stored=max(later)[1]) from None
+            raise
+
+    def later_chunks(self, receipt: Receipt) -> list[tuple[int, int]]:
+        """(epoch, chunk_seq) of the stream's stored checkpoints that come after `receipt`'s."""
+        mine = (receipt.epoch, receipt.chunk_seq)
+        out = []
+        for key in self.store.list_stream(stream_id=receipt.stream_id):
+            m = _CHUNK_KEY.search(key)
+            if m and (int(m.group(1)), int(m.group(2))) > mine:
+                out.append((int(m.group(1)), int(m.group(2))))
+        return out
+
+    def commit(self, model: Model, state: State, *, stream_id: str, principal: str, chunk_seq: int, epoch: int,
+               key: str, backend: str, before: Receipt | None, path: str | None = None) -> Committed:
+        """Seal `state` and store it put-if-absent under `key`; if an earlier attempt committed
+        this key, adopt its bytes (and say so when its arithmetic gave other bits).
+
+        `before`: the receipt whose state this one continues (None: a state of its own, the
+        initial one); `path`: the path that computed it.
+        """
+        arithmetic = continue_arithmetic(before, model.arithmetic(path))
+        receipt, blob = seal(model, state, stream_id=stream_id, principal=principal, chunk_seq=chunk_seq,
+                             epoch=epoch, keyring=self.keyring, state_key=key, backend=backend, arithmetic=arithmetic)
+        adopted = False
+        if self.store.put_if_absent(key=key, data=blob, stream_id=stream_id, principal=principal):
+            self.metrics.committed(key, len(blob), model.model_id)
+        else:
+            existing = self.store.get(key=key, principal=principal)
+            if existing is not None:
+                tensors, checksum = open_checkpoint(existing, receipt, self.keyring)
+                if checksum != receipt.checksum and state.position > 0:
+                    # another attempt's arithmetic made these bits: ours only computes from here on
+                    log.warning("stream %s chunk %d: adopted an earlier attempt's state with other bits",
+                                stream_id, chunk_seq)
+                    arithmetic = {**arithmetic, "arithmetic_since": state.position,
+                                  "arithmetic_changes": (before.arithmetic_changes if before else 0) + 1}
+                receipt = receipt.model_copy(update={"checksum": checksum, **arithmetic})
+                state = State(state.position, tensors, model.schema.fingerprint())
+                adopted = True
+            elif self.store.put_if_absent(key=key, data=blob, stream_id=stream_id, principal=principal):
+                # deleted between the two calls: ours is as good
+                self.metrics.committed(key, len(blob), model.model_id)
+        if arithmetic_moved(before, receipt):
+            self.metrics.arithmetic_changes.add(1, {"model": model.model_id, "backend": model.backend})
+            log.info("stream %s continues at position %d under another arithmetic: %s", stream_id,
+                     receipt.arithmetic_since, receipt.arithmetic.id if receipt.arithmetic else None)
+        return Committed(receipt, state, adopted)
+
+    def complete(self, model: Model, state: State, *, stream_id: str, principal: str, before: Receipt,
+                 chunk_seq: int, key: str, path: str, last: torch.Tensor | None,
+                 make_result: Callable[[Receipt], Any], drop_keys: list[str],
+                 on_committed: Callable[[Committed], None] = lambda c: None) -> Any:
+        """Steps 3-5 of a computed chunk: checkpoint, then result record, then drops. Returns
+        `make_result(receipt)` (a pydantic model, recorded as JSON). `on_committed` runs right
+        after the checkpoint is stored, before the record (the caller's slot bookkeeping)."""
+        self.edge("computed", stream_id, chunk_seq)
+        done = self.commit(model, state, stream_id=stream_id, principal=principal, chunk_seq=chunk_seq,
+                           epoch=before.epoch, key=key, backend=f"{model.backend}:{path}", before=before, path=path)
+        on_committed(done)
+        result = make_result(done.receipt)
+        self.edge("written", stream_id, chunk_seq)
+        self.write_record(done.receipt, result.model_dump(mode="json"), last)
+        self.edge("recorded", stream_id, chunk_seq)
+        self.drop(drop_keys)
+        return result
+
+    def drop(self, keys: list[str]) -> None:
+        """Delete checkpoints (and their records) that left the retention window."""
+        for k in keys:
+            self.store.delete(key=k)
+            self.store.delete(key=record_key(k))

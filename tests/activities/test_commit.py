@@ -1,0 +1,184 @@
+"""The commit protocol without a server: an in-memory store, then the activities through
+`ActivityEnvironment` (a real activity context: attempts, heartbeats, cancellation)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import ActivityEnvironment
+
+from activities import MemoryStateStore, ModelRegistry, StreamActivities
+from activities._commit import ChunkCommit, chunk_key, record_key
+from scan import load_model
+from state_codec import CheckpointNotFound
+from state_codec.codec import Keyring, default_state_key, plaintext_checksum
+from workflows import AdvanceRequest, GenerateRequest
+from workflows._models import AdvanceChunkRequest, AdvanceResult, GenerateChunkRequest, OpenStreamRequest
+
+MODEL = "tiny-mamba2"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(MODEL, backend="reference")
+
+
+@pytest.fixture
+def commits():
+    return ChunkCommit(MemoryStateStore(), Keyring.generate())
+
+
+def _first(commits: ChunkCommit, model, sid: str = "s1"):
+    """The stream's opening commit: its receipt."""
+    key = default_state_key(sid, 0, 0, "0" * 64)
+    return commits.commit(model, model.initial_state(), stream_id=sid, principal="alice", chunk_seq=0, epoch=0,
+                          key=key, backend="reference:open", before=None).receipt
+
+
+def _result(n: int):
+    def make(receipt):
+        return AdvanceResult(stream_id=receipt.stream_id, chunk_seq=receipt.chunk_seq, position=receipt.position,
+                             n_tokens=n, receipt=receipt, top_k=[], output_digest="sha256:x", backend="reference")
+    return make
+
+
+def test_a_chunk_commits_its_state_and_record_and_a_retry_finds_the_record(commits, model):
+    r0 = _first(commits, model)
+    out = model.advance(model.initial_state(), [3, 4, 5])
+    key = chunk_key("s1", r0, 1, "d1")
+    assert commits.prior(key, "alice") is None
+    res = commits.complete(model, out.state, stream_id="s1", principal="alice", before=r0, chunk_seq=1, key=key,
+                           path="reference", last=out.logits[-1], make_result=_result(3), drop_keys=[])
+    assert res.receipt.checksum == plaintext_checksum(out.state.tensors) and res.position == 3
+    prior = commits.prior(key, "alice")
+    assert AdvanceResult.model_validate(prior.result) == res
+    assert torch.equal(prior.logits, out.logits[-1].to(torch.float32))
+    assert commits.prior(key, "mallory") is None  # a record is its principal's alone
+    state, logits, size = commits.fetch(model, res.receipt, "alice")
+    assert all(torch.equal(state.tensors[k], out.state.tensors[k]) for k in out.state.tensors) and size > 0
+
+
+def test_keys_name_input_state_and_content(commits, model):
+    r0 = _first(commits, model)
+    assert chunk_key("s1", r0, 1, "d1") == chunk_key("s1", r0, 1, "d1")
+    assert len({chunk_key("s1", r0, 1, "d1"), chunk_key("s1", r0, 1, "d2"), chunk_key("s1", r0, 2, "d1"),
+                chunk_key("s2", r0, 1, "d1")}) == 4
+    assert record_key("k") == "k.out"
+
+
+def test_a_second_attempt_adopts_the_first_attempts_bytes(commits, model):
+    r0 = _first(commits, model)
+    key = chunk_key("s1", r0, 1, "d1")
+    first = model.advance(model.initial_state(), [3, 4, 5]).state
+    a = commits.commit(model, first, stream_id="s1", principal="alice", chunk_seq=1, epoch=0, key=key,
+                       backend="reference:reference", before=r0)
+    # the second attempt computed other bits (as another arithmetic would): the stored ones win
+    other = first.__class__(first.position, {k: v + 1 for k, v in first.tensors.items()}, first.origin)
+    b = commits.commit(model, other, stream_id="s1", principal="alice", chunk_seq=1, epoch=0, key=key,
+                       backend="reference:reference", before=r0)
+    assert not a.adopted and b.adopted
+    assert b.receipt.checksum == a.receipt.checksum == plaintext_checksum(first.tensors)
+    assert all(torch.equal(b.state.tensors[k], first.tensors[k]) for k in first.tensors)
+    assert b.receipt.arithmetic_changes == 1 and b.receipt.arithmetic_since == 3
+
+
+@pytest.mark.parametrize("edge", ["computed", "written", "recorded"])
+def test_a_crash_at_any_edge_leaves_what_the_next_attempt_finishes(model, edge):
+    store, ring = MemoryStateStore(), Keyring.generate()
+
+    class Crash(Exception):
+        pass
+
+    def crash(name: str, sid: str, seq: int) -> None:
+        if name == edge:
+            raise Crash(name)
+
+    r0 = _first(ChunkCommit(store, ring), model)
+    old = chunk_key("s1", r0, 0, "old")
+    store.put_if_absent(key=old, data=b"old checkpoint", stream_id="s1", principal="alice")
+    out = model.advance(model.initial_state(), [9, 8])
+    key = chunk_key("s1", r0, 1, "d")
+    kw = dict(stream_id="s1", principal="alice", before=r0, chunk_seq=1, key=key, path="reference",
+              last=out.logits[-1], make_result=_result(2), drop_keys=[old])
+    with pytest.raises(Crash):
+        ChunkCommit(store, ring, edge=crash).complete(model, out.state, **kw)
+    # what the crash left: nothing before `written`, the checkpoint from then on, the record at `recorded`
+    assert (store.get(key=key, principal="alice") is not None) == (edge != "computed")
+    assert (store.get(key=record_key(key), principal="alice") is not None) == (edge == "recorded")
+    assert store.get(key=old, principal="alice") is not None  # drops come last
+    retry = ChunkCommit(store, ring)
+    prior = retry.prior(key, "alice")
+    if prior is None:
+        res = retry.complete(model, out.state, **kw)
+    else:
+        res = AdvanceResult.model_validate(prior.result)
+        retry.drop([old])
+    assert res.receipt.checksum == plaintext_checksum(out.state.tensors)
+    assert store.get(key=old, principal="alice") is None
+    assert store.list_stream(stream_id="s1") == sorted([r0.state_key, key, record_key(key)])
+
+
+def test_fetch_of_a_missing_checkpoint_is_typed(commits, model):
+    r0 = _first(commits, model)
+    commits.drop([r0.state_key])
+    with pytest.raises(CheckpointNotFound):
+        commits.fetch(model, r0, "alice")
+
+
+# --- the activities, through ActivityEnvironment -------------------------------------------------
+
+
+class Flaky(StreamActivities):
+    """Fails every generate with an exception nobody foresaw (as a bug in a sampler would)."""
+
+    def _edge(self, name: str, stream_id: str, chunk_seq: int) -> None:
+        if name == "admitted" and chunk_seq == 2:
+            raise RuntimeError("a bug")
+
+
+def _activities(cls=StreamActivities):
+    return cls(models=ModelRegistry([MODEL], backend="reference"), store=MemoryStateStore(), keyring=Keyring.generate())
+
+
+def test_the_activities_run_on_a_memory_store_and_untyped_failures_are_bounded():
+    acts = _activities(Flaky)
+    try:
+        env = ActivityEnvironment()
+        opened = env.run(acts.open_stream, OpenStreamRequest(stream_id="s1", principal="alice", model_id=MODEL))
+        req = AdvanceRequest(principal="alice", chunk_seq=1, tokens=[1, 2, 3])
+        done = env.run(acts.advance_chunk, AdvanceChunkRequest(stream_id="s1", principal="alice",
+                                                               receipt=opened.receipt, request=req))
+        model = load_model(MODEL, backend="reference")
+        assert done.result.receipt.checksum == plaintext_checksum(
+            model.advance(model.initial_state(), [1, 2, 3]).state.tensors)
+        gen = GenerateChunkRequest(stream_id="s1", principal="alice", receipt=done.result.receipt,
+                                   request=GenerateRequest(principal="alice", chunk_seq=2, max_tokens=2, seed=1))
+        for attempt in (1, 2):  # retried: re-raised as it is
+            env.info = env.info.__class__(**{**env.info.__dict__, "attempt": attempt})
+            with pytest.raises(RuntimeError):
+                env.run(acts.generate_tokens, gen)
+        env.info = env.info.__class__(**{**env.info.__dict__, "attempt": 3})
+        with pytest.raises(ApplicationError) as err:
+            env.run(acts.generate_tokens, gen)
+        assert err.value.type == "InternalError" and err.value.non_retryable and "a bug" in err.value.message
+        assert acts.store.list_stream(stream_id="s1") == sorted(
+            [opened.receipt.state_key, done.result.receipt.state_key, record_key(done.result.receipt.state_key)])
+    finally:
+        acts.close()
+
+
+def test_a_missing_checkpoint_is_a_typed_permanent_failure_through_the_activity():
+    acts = _activities()
+    try:
+        env = ActivityEnvironment()
+        opened = env.run(acts.open_stream, OpenStreamRequest(stream_id="s1", principal="alice", model_id=MODEL))
+        acts.store.delete(key=opened.receipt.state_key)
+        acts.release_stream("s1")  # not hot either: the state must come from the store
+        req = AdvanceRequest(principal="alice", chunk_seq=1, tokens=[1])
+        with pytest.raises(ApplicationError) as err:
+            env.run(acts.advance_chunk, AdvanceChunkRequest(stream_id="s1", principal="alice",
+                                                            receipt=opened.receipt, request=req))
+        assert err.value.type == "CheckpointNotFound" and err.value.non_retryable
+    finally:
+        acts.close()

@@ -1,0 +1,71 @@
+"""Store faults through a stream (Issue 15, finding 2): a short-lived fault never becomes the
+chunk's permanent outcome; a permanent one is typed, and the same chunk passes as a next attempt
+once the cause is gone."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+from temporalio.client import WorkflowUpdateFailedError
+
+from scan import load_model
+from state_codec.codec import plaintext_checksum
+from tests.activities.test_stores import PG_HOSTPART, pg_admin, pg_role  # noqa: F401 - fixtures
+from tests.workflows.conftest import FAST, eventually, make_stack
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+def _truth(tokens: list[int]):
+    m = load_model("tiny-mamba2", backend="reference")
+    return m.advance(m.initial_state(), tokens)
+
+
+async def _attempts(stack, sid: str, n: int) -> bool:
+    desc = await stack.streams.handle(sid).describe()
+    return any(a.attempt >= n for a in desc.raw_description.pending_activities)
+
+
+async def test_postgres_read_only_for_a_moment_delays_the_chunk_and_never_fails_it(temporal_env, tmp_path, pg_admin,
+                                                                                   pg_role):
+    admin, role = pg_admin, pg_role
+    admin.execute(f"GRANT CREATE ON SCHEMA public TO {role}")
+    stack = await make_stack(temporal_env, tmp_path, start_worker=False)
+    async with stack.exits:
+        stack.store_url = f"postgresql://{role}@{PG_HOSTPART}?table=t_{uuid.uuid4().hex[:12]}"
+        stack.acts = stack.new_activities()
+        await stack.worker(stack.acts)
+        sid = await stack.streams.open("alice", "tiny-mamba2", options=FAST)
+        await stack.streams.advance(sid, "alice", tokens=[1, 2, 3])
+        # read-only from now: new sessions start read-only, the pooled ones are ended
+        admin.execute(f"ALTER ROLE {role} SET default_transaction_read_only = on")
+        admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (role,))
+        chunk = asyncio.create_task(stack.streams.advance(sid, "alice", tokens=[4, 5]))
+        await eventually(lambda: _attempts(stack, sid, 2), timeout=30)
+        assert not chunk.done()  # retried, not failed
+        admin.execute(f"ALTER ROLE {role} RESET default_transaction_read_only")
+        admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (role,))
+        res = await asyncio.wait_for(chunk, 60)
+        assert res.chunk_seq == 2 and res.receipt.checksum == plaintext_checksum(_truth([1, 2, 3, 4, 5]).state.tensors)
+        assert (await stack.streams.advance(sid, "alice", tokens=[6])).chunk_seq == 3
+
+
+async def test_a_corrupted_checkpoint_fails_typed_and_the_next_attempt_passes_once_restored(temporal_env, tmp_path):
+    stack = await make_stack(temporal_env, tmp_path)
+    async with stack.exits:
+        sid = await stack.streams.open("alice", "tiny-mamba2", options=FAST)
+        first = await stack.streams.advance(sid, "alice", tokens=[1, 2, 3])
+        stack.acts.release_stream(sid)  # not hot: the next chunk must read the checkpoint
+        blob = stack.acts.store._object(first.receipt.state_key)  # noqa: SLF001 - the file itself, to corrupt
+        good = blob.read_bytes()
+        blob.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+        with pytest.raises(WorkflowUpdateFailedError) as err:
+            await stack.streams.advance(sid, "alice", tokens=[4, 5])
+        assert err.value.cause.type in ("StoreCorrupt", "CorruptBlob") and err.value.cause.non_retryable
+        blob.write_bytes(good)  # restored
+        with pytest.raises(WorkflowUpdateFailedError):  # the failed id keeps its outcome...
+            await stack.streams.advance(sid, "alice", tokens=[4, 5])
+        res = await stack.streams.advance(sid, "alice", tokens=[4, 5], attempt=1)  # ...a next attempt passes
+        assert res.chunk_seq == 2 and res.receipt.checksum == plaintext_checksum(_truth([1, 2, 3, 4, 5]).state.tensors)
