@@ -22,7 +22,14 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
-from temporalio.converter import CompositePayloadConverter, DataConverter, DefaultPayloadConverter, PayloadCodec
+from temporalio.converter import (
+    CompositePayloadConverter,
+    DataConverter,
+    DefaultFailureConverter,
+    DefaultFailureConverterWithEncodedAttributes,
+    DefaultPayloadConverter,
+    PayloadCodec,
+)
 from temporalio.contrib.pydantic import PydanticPayloadConverter
 from temporalio.plugin import SimplePlugin
 from temporalio.worker import WorkflowRunner
@@ -83,13 +90,21 @@ def _payload_converter_class(cls: type) -> type:
 
 
 def data_converter(keyring: Keyring, existing: DataConverter | None = None) -> DataConverter:
-    """`existing` (default: Temporal's) with pydantic payloads and the keyring's encryption added."""
+    """`existing` (default: Temporal's) with pydantic payloads and the keyring's encryption added,
+    and failures' messages and stack traces moved into an encrypted payload (history keeps no
+    state key, store path or input text of a failure in clear)."""
     base = existing or DataConverter.default
     codec = base.payload_codec
     if not _has_encryption(codec):
         codec = EncryptionCodec(keyring) if codec is None else _Codecs(codec, EncryptionCodec(keyring))
+    failures = base.failure_converter_class
+    if failures is DefaultFailureConverter:
+        failures = DefaultFailureConverterWithEncodedAttributes
+    elif not issubclass(failures, DefaultFailureConverterWithEncodedAttributes):
+        log.warning("MambaStreamPlugin: keeping the failure converter %s; failure messages may reach history in "
+                    "clear", failures.__name__)
     return dataclasses.replace(base, payload_converter_class=_payload_converter_class(base.payload_converter_class),
-                               payload_codec=codec)
+                               payload_codec=codec, failure_converter_class=failures)
 
 
 def _runner(existing: WorkflowRunner | None) -> WorkflowRunner:

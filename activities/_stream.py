@@ -509,6 +509,9 @@ class StreamActivities:
             receipt = self._commit(model, req.stream_id, req.principal, model.initial_state(),
                                    chunk_seq=req.receipt.chunk_seq, epoch=req.epoch, key=key,
                                    backend=f"{model.backend}:reset", before=None)
+            if req.request is not None and req.request.revoke:
+                n = self.commits.revoke_before(req.stream_id, req.epoch)
+                log.info("reset of %s revoked %d checkpoints of the epochs before %d", req.stream_id, n, req.epoch)
             self.metrics.resets.add(1, {"model": model.model_id})
             self._gauge()
             return StateResult(receipt=receipt, worker_queue=self.worker_queue)

@@ -84,6 +84,16 @@ async def _receipt(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _reset(args: argparse.Namespace) -> int:
+    streams = await _streams(args)
+    await streams.reset(args.stream, args.principal, revoke=args.revoke)
+    _emit(args, {"stream_id": args.stream, "revoke": args.revoke},
+          f"reset sent to {args.stream}: a new epoch at position 0; " +
+          ("every checkpoint of the earlier epochs is deleted, pinned ones included" if args.revoke else
+           "pinned checkpoints of the earlier epochs still resume (--revoke deletes them)"))
+    return 0
+
+
 async def _rewind(args: argparse.Namespace) -> int:
     streams = await _streams(args)
     run_id = await streams.rewind(args.stream, args.to_seq, reason=args.reason)
@@ -156,13 +166,30 @@ def _codec_server(args: argparse.Namespace) -> int:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     server = CodecServer(keyring, host=args.host, port=args.port, origins=origins, token=token)
-    print(f"codec server on {server.url} (origins {', '.join(origins)}; token {'required' if token else 'off'})",
-          flush=True)
+    # a token that was not given was made here: say it, or nobody could use the server
+    shown = "<the token given>" if token else server.token
+    print(f"codec server on {server.url} (origins {', '.join(origins)}); every request needs the token {shown}: "
+          f"'Authorization: Bearer <token>' (temporal --codec-auth), or the endpoint {server.url}/t/<token> "
+          f"(the UI's codec endpoint)", flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def _undecodable(reason: str) -> str:
+    """What to say of a failure whose message the workers encrypted under a key we lack."""
+    from workflows import ClientConfig
+
+    try:
+        kid = ClientConfig().load_keyring().active_id
+    except Exception:  # noqa: BLE001 - a hint only
+        kid = "?"
+    if reason == "UnknownKeyId":
+        return (f"the workers do not hold this client's key {kid}: the client and the workers use different "
+                f"keyrings (the failure's own message is encrypted under the workers' key)")
+    return f"the failure's message is encrypted under a key this client's keyring (active key {kid}) lacks"
 
 
 def _run(fn):
@@ -175,6 +202,8 @@ def _run(fn):
             typed = exc if getattr(exc, "type", None) else getattr(exc, "cause", None)
             reason = getattr(typed, "type", None) or type(exc).__name__
             message = getattr(typed, "message", None) or str(exc)
+            if message == "Encoded failure":  # Temporal's stand-in: the message is encrypted, not for us
+                message = _undecodable(reason)
             print(f"error: {reason}: {message}", file=sys.stderr)
             return 2
     return call
@@ -219,6 +248,13 @@ def add_stream_commands(sub: argparse._SubParsersAction) -> None:
     p = common(sub.add_parser("receipt", help="the stream's current receipt and counters"))
     p.add_argument("stream")
     p.set_defaults(func=_run(_receipt), hard_exit=True)
+
+    p = common(sub.add_parser("reset", help="start a new epoch at position 0 (a signal)"))
+    p.add_argument("stream")
+    p.add_argument("--principal", required=True)
+    p.add_argument("--revoke", action="store_true",
+                   help="also delete every checkpoint of the earlier epochs, pinned ones included (default: kept)")
+    p.set_defaults(func=_run(_reset), hard_exit=True)
 
     p = common(sub.add_parser("rewind", help="undo the chunks after --to-seq (a Temporal reset of the stream's run)"))
     p.add_argument("stream")

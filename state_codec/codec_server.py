@@ -1,7 +1,10 @@
 """A Temporal codec server: POST /encode and /decode, so the UI and `--codec-endpoint` decrypt.
 
-Standard library only (http.server). CORS allows the Temporal UI's origin; when a bearer token
-is configured, every request must carry `Authorization: Bearer <token>`.
+Standard library only (http.server). CORS allows the Temporal UI's origin. Every request must
+carry the server's token: as `Authorization: Bearer <token>` (the Temporal CLI's `--codec-auth`),
+or in the path, `<url>/t/<token>/decode` (`CodecServer.endpoint`, for the Temporal UI, which sends
+no header of its own). With no token given, the server makes one: it never decodes for anyone
+who asks.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import asyncio
 import hmac
 import json
 import logging
+import secrets
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
@@ -25,14 +29,27 @@ __all__ = ["CodecServer"]
 log = logging.getLogger(__name__)
 
 
+def _authorized(path: str, header: str, token: str) -> tuple[bool, str]:
+    """(whether the request carries the token, the path without it)."""
+    if path.startswith("/t/"):
+        given, _, rest = path[3:].partition("/")
+        return hmac.compare_digest(given.encode(), token.encode()), "/" + rest
+    return hmac.compare_digest(header.encode(), f"Bearer {token}".encode()), path
+
+
 class CodecServer:
-    """Serve the payload codec over HTTP on a background thread (or in the foreground)."""
+    """Serve the payload codec over HTTP on a background thread (or in the foreground).
+
+    Args:
+        token: the token every request must carry; None: a random one (`token`, `endpoint`).
+    """
 
     def __init__(self, keyring: Keyring, *, host: str = "127.0.0.1", port: int = 8081,
                  origins: tuple[str, ...] = ("http://localhost:8233", "http://127.0.0.1:8233"),
                  token: str | None = None) -> None:
         codec = EncryptionCodec(keyring)
         allowed = set(origins)
+        self.token = token = token or secrets.token_urlsafe(24)
 
         class Handler(BaseHTTPRequestHandler):
             def _cors(self) -> None:
@@ -50,15 +67,14 @@ class CodecServer:
                 self.end_headers()
 
             def do_POST(self) -> None:  # noqa: N802
-                if token is not None:
-                    given = self.headers.get("Authorization", "")
-                    if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-                        self.send_response(401)
-                        self._cors()
-                        self.end_headers()
-                        return
                 # the UI asks for /decode?preserveStorageRefs=true: route on the path alone
-                path = urlsplit(self.path).path.rstrip("/")
+                ok, path = _authorized(urlsplit(self.path).path.rstrip("/"), self.headers.get("Authorization", ""),
+                                       token)
+                if not ok:
+                    self.send_response(401)
+                    self._cors()
+                    self.end_headers()
+                    return
                 if path not in ("/encode", "/decode"):
                     self.send_response(404)
                     self._cors()
@@ -90,8 +106,15 @@ class CodecServer:
 
     @property
     def url(self) -> str:
+        """The server's address; requests to it need `Authorization: Bearer <token>`."""
         host, port = self._httpd.server_address[:2]
         return f"http://{host}:{port}"
+
+    @property
+    def endpoint(self) -> str:
+        """The codec endpoint with the token in its path: for `--ui-codec-endpoint` and
+        `--codec-endpoint`, which then need no header. Whoever can read it can decode."""
+        return f"{self.url}/t/{self.token}"
 
     def start(self) -> CodecServer:
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="codec-server", daemon=True)

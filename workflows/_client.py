@@ -169,12 +169,14 @@ class StreamClient:
             principal=principal, chunk_seq=seq, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
             seed=seed, stop=list(stop)), MambaStreamWorkflow.generate, chunk_seq, attempt)
 
-    async def reset(self, stream_id: str, principal: str, *, epoch: int | None = None) -> None:
+    async def reset(self, stream_id: str, principal: str, *, epoch: int | None = None, revoke: bool = False) -> None:
         """Signal a reset. A signing client names the epoch it begins (the current one + 1 unless
-        given), so the signed signal cannot be replayed to reset the stream again."""
+        given), so the signed signal cannot be replayed to reset the stream again. `revoke`: also
+        delete every checkpoint of the earlier epochs, pinned ones included (default: they survive,
+        and receipts handed out before the reset still resume them)."""
         if epoch is None and self.signer is not None:
             epoch = (await self.stats(stream_id)).epoch + 1
-        req = self.sign("reset", stream_id, ResetRequest(principal=principal, epoch=epoch))
+        req = self.sign("reset", stream_id, ResetRequest(principal=principal, epoch=epoch, revoke=revoke))
         await self.handle(stream_id).signal(MambaStreamWorkflow.reset, req)
         self._epochs.pop(stream_id, None)  # the next chunk asks the stream for its epoch
 

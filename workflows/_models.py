@@ -237,6 +237,9 @@ class ResetRequest(_Signed):
     epoch: int | None = Field(default=None, ge=1, le=MAX_INDEX, description="the epoch this reset begins; when given, a "
                               "reset arriving for any other epoch is refused (a signed reset gives it, so "
                               "replaying its signal resets nothing)")
+    revoke: bool = Field(default=False, description="also delete every checkpoint of the earlier epochs, pinned "
+                         "ones included, so that no receipt handed out before the reset resumes them; default: "
+                         "pinned checkpoints survive a reset (the rewind window of the old epoch too)")
 
 
 class CheckpointRequest(_Signed):

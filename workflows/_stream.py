@@ -397,6 +397,8 @@ class MambaStreamWorkflow:
                 return
             self._receipt = out.receipt
             self._bind(out.worker_queue)
+            if req.revoke:  # the worker deleted every checkpoint of the earlier epochs
+                self._kept, self._pinned = [], []
             self._kept.append(out.receipt.state_key)
             self._stats = self._stats.model_copy(update={
                 "position": 0, "epoch": out.receipt.epoch, "resets": self._stats.resets + 1,

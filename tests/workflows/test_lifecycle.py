@@ -225,15 +225,15 @@ async def test_malformed_update_from_the_cli_is_refused_before_history(stack: St
     # a good one, its encrypted result decoded for the CLI by our codec server
     from state_codec.codec_server import CodecServer
 
-    codec = CodecServer(stack.keyring, port=0).start()
+    codec = CodecServer(stack.keyring, port=0).start()  # its token travels in `endpoint`
     try:
         ok = await cli(stack, "update", "execute", "--workflow-id", sid, "--name", "advance", "--update-id", "seq-1",
                        "--input", json.dumps({"principal": "alice", "chunk_seq": 1, "tokens": [1, 2]}),
-                       "--codec-endpoint", codec.url)
+                       "--codec-endpoint", codec.endpoint)
         assert ok.returncode == 0, ok.stderr
         assert "position:2" in ok.stdout and "checksum:sha256:" in ok.stdout  # decrypted for the CLI
         plain, sealed = b64(b"json/plain"), b64(b"binary/encrypted")  # payload encodings, as shown
-        shown = await cli(stack, "show", "--workflow-id", sid, "--codec-endpoint", codec.url, "--output", "json")
+        shown = await cli(stack, "show", "--workflow-id", sid, "--codec-endpoint", codec.endpoint, "--output", "json")
         assert shown.returncode == 0 and plain in shown.stdout and sealed not in shown.stdout
         hidden = await cli(stack, "show", "--workflow-id", sid, "--output", "json")
         assert hidden.returncode == 0 and sealed in hidden.stdout and plain not in hidden.stdout

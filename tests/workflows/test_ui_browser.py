@@ -49,7 +49,7 @@ async def test_the_ui_shows_the_decrypted_receipts_of_a_stream(tmp_path):
     port, ui_port = free_port(), free_port()
     ui = f"http://127.0.0.1:{ui_port}"
     codec = CodecServer(ring, port=0, origins=(ui, f"http://localhost:{ui_port}")).start()
-    server = EmbeddedTemporal(tmp_path / "home", port=port, ui_port=ui_port, codec_endpoint=codec.url).start()
+    server = EmbeddedTemporal(tmp_path / "home", port=port, ui_port=ui_port, codec_endpoint=codec.endpoint).start()
     acts = StreamActivities(models=ModelRegistry(["tiny-mamba2"], backend="reference"),
                             store=open_store(f"file://{tmp_path / 'states'}"), keyring=ring)
     queue = f"ui-{uuid.uuid4().hex[:8]}"
@@ -72,10 +72,19 @@ async def test_the_ui_shows_the_decrypted_receipts_of_a_stream(tmp_path):
                 page = await browser.new_page(viewport={"width": 1400, "height": 1800})
                 await page.goto(f"{ui}/namespaces/default/workflows/{sid}/{run_id}/history", wait_until="load")
                 # the newest event first: the last chunk's update, whose outcome holds its receipt
-                row = page.get_by_text("Workflow Execution Update Completed").first
-                await row.wait_for(timeout=30_000)
-                await row.click()
-                await page.get_by_text(last.receipt.checksum).first.wait_for(timeout=30_000)
+                shown = page.get_by_text(last.receipt.checksum).first
+                for attempt in range(3):  # a click before the page is interactive expands nothing: reload
+                    if attempt:
+                        await page.reload(wait_until="load")
+                    row = page.get_by_text("Workflow Execution Update Completed").first
+                    await row.wait_for(timeout=30_000)
+                    await row.click()
+                    try:
+                        await shown.wait_for(timeout=15_000)
+                        break
+                    except pw.TimeoutError:
+                        if attempt == 2:
+                            raise
                 body = await page.inner_text("body")
                 await page.screenshot(path=str(SCREENSHOT))
                 await browser.close()

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from google.protobuf import json_format
 from temporalio.api.common.v1 import Payload
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
 from temporalio.exceptions import ApplicationError
@@ -89,6 +91,19 @@ async def test_codec_server_encodes_decodes_and_requires_its_token():
         assert status == 200 and dec == body
         status, _, headers = _post(server.url + "/decode", enc, {"Authorization": "Bearer wrong"})
         assert status == 401
+        # the token in the path (the UI's endpoint): no header needed; another token in it is refused
+        assert server.endpoint == server.url + "/t/s3cret"
+        status, dec, _ = _post(server.endpoint + "/decode?preserveStorageRefs=true", enc)
+        assert status == 200 and dec == body
+        assert _post(server.url + "/t/s3cre/decode", enc)[0] == 401
+        assert _post(server.url + "/t/s3cret", enc)[0] == 404
+    finally:
+        server.stop()
+    # no token given: one is made, and nothing is served without it
+    server = CodecServer(ring, port=0).start()
+    try:
+        assert len(server.token) >= 32 and _post(server.url + "/encode", body)[0] == 401
+        assert _post(server.endpoint + "/encode", body)[0] == 200
     finally:
         server.stop()
 
@@ -140,7 +155,8 @@ async def test_worker_py_runs_the_embedded_stack_and_stops_cleanly(tmp_path):
     env = {k: v for k, v in os.environ.items()
            if k not in ("TEMPORAL_ADDRESS", "MAMBA_STREAM_HOME", "MAMBA_STREAM_KEYRING", "XDG_DATA_HOME")}
     env.update({k: str(v) for k, v in ports.items()}, HOME=str(tmp_path / "user"),
-               MAMBA_STREAM_MODELS="tiny-mamba1", MAMBA_STREAM_TASK_QUEUE="embedded-test")
+               MAMBA_STREAM_MODELS="tiny-mamba1", MAMBA_STREAM_TASK_QUEUE="embedded-test",
+               MAMBA_STREAM_CODEC_TOKEN="s3cr3t-token")
     home = tmp_path / "user" / ".local" / "share" / "mamba-stream"
     (tmp_path / "worker-dir").mkdir()
     proc = subprocess.Popen([sys.executable, str(ROOT / "worker.py")], env=env, cwd=tmp_path / "worker-dir",
@@ -162,6 +178,18 @@ async def test_worker_py_runs_the_embedded_stack_and_stops_cleanly(tmp_path):
         assert r.position == 8
         assert list((home / "states" / "streams" / sid).iterdir())
         assert (home / "temporal.db").exists()
+        # every stream's history is in that database: the user's alone, like the home around it
+        assert stat.S_IMODE((home / "temporal.db").stat().st_mode) == 0o600
+        assert stat.S_IMODE(home.stat().st_mode) == 0o700
+        # the embedded codec server decodes only for its token (it used to ignore it)
+        codec = f"http://127.0.0.1:{ports['MAMBA_STREAM_CODEC_PORT']}"
+        events = [e async for e in client.get_workflow_handle(sid).fetch_history_events()]
+        sealed = json_format.MessageToDict(
+            events[0].workflow_execution_started_event_attributes.input)  # the start input, encrypted
+        assert (await asyncio.to_thread(_post, codec + "/decode", sealed))[0] == 401
+        status, opened, _ = await asyncio.to_thread(_post, codec + "/decode", sealed,
+                                                   {"Authorization": "Bearer s3cr3t-token"})
+        assert status == 200 and b"alice" in base64.b64decode(opened["payloads"][0]["data"])
         # the real CLI, from another directory, with nothing configured but the same user: it finds
         # the worker's keyring and the stream runs (it used to make a keyring of its own there)
         cli_dir = tmp_path / "cli-dir"
