@@ -31,6 +31,7 @@ __all__ = ["RECEIPT_VERSION", "Arithmetic", "ModelIdentity", "Receipt", "arithme
 RECEIPT_VERSION = 1
 
 _SHA = re.compile(r"^sha256:[0-9a-f]{64}$")
+_CHECKSUM = re.compile(r"^(blake3|sha256):[0-9a-f]{64}$")
 
 
 class _Frozen(BaseModel):
@@ -125,7 +126,8 @@ class Receipt(_Frozen):
     chunk_seq: int = Field(ge=0, description="sequence number of the last chunk in this state")
     epoch: int = Field(ge=0, description="resets so far; a reset starts a new epoch at position 0")
     state_key: str = Field(min_length=1, max_length=300)
-    checksum: str = Field(pattern=_SHA.pattern, description="sha256 of the plaintext state")
+    checksum: str = Field(pattern=_CHECKSUM.pattern, description="digest of the plaintext state, tagged by its "
+                          "algorithm: blake3:<hex> (sha256:<hex> before BLAKE3, still verified)")
     backend: str = Field(description="backend and path that produced the state")
     arithmetic: Arithmetic | None = Field(
         default=None, description="what decided the state's bits (None: recorded before receipts carried it)")

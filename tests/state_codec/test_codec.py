@@ -299,3 +299,28 @@ def test_keyring_files_and_environment(tmp_path, monkeypatch):
     fresh = Keyring.load_or_generate(tmp_path / "embedded" / "keyring.json")
     assert Keyring.load_or_generate(tmp_path / "embedded" / "keyring.json").active_id == fresh.active_id
     assert "key" not in repr(fresh).lower().replace("keyring", "")
+
+
+def test_checksums_are_blake3_and_sha256_checkpoints_still_verify(monkeypatch):
+    import state_codec.codec as codec
+    from state_codec.codec import plaintext_checksum
+
+    model, state, receipt, blob = _sealed()
+    assert receipt.checksum.startswith("blake3:") and receipt.checksum == plaintext_checksum(state.tensors)
+    again = decode_checkpoint(blob, receipt, RING, rehash=True)
+    assert all(torch.equal(again[k], v) for k, v in state.tensors.items())
+    # a checkpoint written before BLAKE3: its header names no digest, its digest is SHA-256
+    monkeypatch.setattr(codec, "DIGEST", "sha256")
+    _, _, old_receipt, old_blob = _sealed()
+    monkeypatch.undo()
+    assert old_receipt.checksum.startswith("sha256:")
+    assert old_receipt.checksum == plaintext_checksum(state.tensors, "sha256") != receipt.checksum
+    back = unseal(old_blob, old_receipt, RING, model=model, principal="alice")
+    assert back.equal(state)
+    decode_checkpoint(old_blob, old_receipt, RING, rehash=True)
+    # the algorithm is bound too: the same digest under the other tag is refused
+    for blob_, rec in ((old_blob, old_receipt), (blob, receipt)):
+        other = "blake3" if rec.checksum.startswith("sha256:") else "sha256"
+        relabelled = rec.model_copy(update={"checksum": other + ":" + rec.checksum.partition(":")[2]})
+        with pytest.raises(ChecksumMismatch):
+            decode_checkpoint(blob_, relabelled, RING)

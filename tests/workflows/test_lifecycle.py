@@ -231,7 +231,7 @@ async def test_malformed_update_from_the_cli_is_refused_before_history(stack: St
                        "--input", json.dumps({"principal": "alice", "chunk_seq": 1, "tokens": [1, 2]}),
                        "--codec-endpoint", codec.endpoint)
         assert ok.returncode == 0, ok.stderr
-        assert "position:2" in ok.stdout and "checksum:sha256:" in ok.stdout  # decrypted for the CLI
+        assert "position:2" in ok.stdout and "checksum:blake3:" in ok.stdout  # decrypted for the CLI
         plain, sealed = b64(b"json/plain"), b64(b"binary/encrypted")  # payload encodings, as shown
         shown = await cli(stack, "show", "--workflow-id", sid, "--codec-endpoint", codec.endpoint, "--output", "json")
         assert shown.returncode == 0 and plain in shown.stdout and sealed not in shown.stdout
