@@ -29,6 +29,8 @@ from temporalio.converter import (
     DefaultFailureConverterWithEncodedAttributes,
     DefaultPayloadConverter,
     PayloadCodec,
+    SerializationContext,
+    WithSerializationContext,
 )
 from temporalio.contrib.pydantic import PydanticPayloadConverter
 from temporalio.plugin import SimplePlugin
@@ -48,11 +50,16 @@ log = logging.getLogger(__name__)
 PASSTHROUGH = ("pydantic", "state_codec", "workflows._models", "workflows._failures")
 
 
-class _Codecs(PayloadCodec):
+class _Codecs(PayloadCodec, WithSerializationContext):
     """Another codec, then ours: encoding runs them in order, decoding in reverse."""
 
     def __init__(self, *codecs: PayloadCodec) -> None:
         self.codecs = codecs
+
+    def with_context(self, context: SerializationContext) -> _Codecs:
+        # ours needs the stream's id to pick its principal's key: pass the context on
+        return _Codecs(*(c.with_context(context) if isinstance(c, WithSerializationContext) else c
+                         for c in self.codecs))
 
     async def encode(self, payloads):  # noqa: ANN001, ANN201 - PayloadCodec's signature
         for c in self.codecs:

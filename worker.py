@@ -18,7 +18,10 @@ Environment (all optional):
                              its own queue, <shared>@<worker id>, for affinity
     MAMBA_STREAM_CODEC_PORT  port of the codec server started with the embedded stack (default 8081)
     MAMBA_STREAM_CODEC_TOKEN the token its requests must carry (default: a random one, handed to the
-                             embedded UI in its codec endpoint's path)
+                             embedded UI in its codec endpoint's path): the operator's, every principal
+    MAMBA_STREAM_CODEC_PRINCIPAL_TOKENS
+                             principals' tokens, JSON {"<token>": "<principal>"} or a 0600 file of it:
+                             each decodes that principal's streams only
     MAMBA_STREAM_TEMPORAL_PORT, MAMBA_STREAM_UI_PORT
                              ports of the embedded dev server (default 7233 and 8233)
     MAMBA_STREAM_BACKEND     scan backend: auto (default: exact on a CPU, triton on CUDA), exact,
@@ -93,9 +96,12 @@ class WorkerConfig(ClientConfig):
 
 def load_keyring(cfg: WorkerConfig):
     """The keyring: JSON in MAMBA_STREAM_KEYRING, a file it names, or the home's (made on first use)."""
-    from state_codec.keyring import find_keyring
+    from state_codec.keyring import KeyringError, find_keyring
 
-    return find_keyring(cfg.keyring, cfg.home, create=True)
+    ring = find_keyring(cfg.keyring, cfg.home, create=True)
+    if ring.principal is not None:
+        raise KeyringError(f"a worker needs the master keyring, not principal {ring.principal!r}'s (a client's)")
+    return ring
 
 
 def private_home(home: Path) -> Path:
@@ -302,11 +308,12 @@ def main() -> None:
     cfg = WorkerConfig()
     server = codec = None
     if cfg.address is None:
-        from state_codec.codec_server import CodecServer
+        from state_codec.codec_server import CodecServer, principal_tokens_from_env
 
         # the token from the environment, else a random one: the codec server decodes for no one without it
         codec = CodecServer(load_keyring(cfg), port=cfg.codec_port,
-                            token=os.environ.get("MAMBA_STREAM_CODEC_TOKEN") or None).start()
+                            token=os.environ.get("MAMBA_STREAM_CODEC_TOKEN") or None,
+                            principal_tokens=principal_tokens_from_env()).start()
         server = EmbeddedTemporal(cfg.home, port=cfg.temporal_port, ui_port=cfg.ui_port,
                                   codec_endpoint=codec.endpoint).start()
         cfg.address = server.address

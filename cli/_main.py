@@ -104,6 +104,27 @@ def _cmd_keygen(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export_keys(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from state_codec.keyring import KeyringError, find_keyring
+
+    try:
+        master = find_keyring()  # the workers' (MAMBA_STREAM_KEYRING or the home's); never made here
+        ring = master.for_principal(args.principal)
+    except KeyringError as exc:
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    if out.exists():
+        print(f"{out} exists; not overwriting a keyring", file=sys.stderr)
+        return 1
+    ring.save(out)
+    print(f"history keys of {args.principal!r} ({len(ring.ids)} key ids) written to {out} (0600): give that client "
+          f"MAMBA_STREAM_KEYRING={out}; it reads {args.principal!r}'s streams only")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mamba-stream", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -133,6 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("principal")
     k.add_argument("--out", required=True, help="where to write the private key (created 0600)")
     k.set_defaults(func=_cmd_keygen)
+
+    x = sub.add_parser("export-keys", help="a principal's history keys, derived from the workers' keyring, "
+                       "for that principal's client")
+    x.add_argument("principal")
+    x.add_argument("--out", required=True, help="where to write the principal's keyring (created 0600)")
+    x.set_defaults(func=_cmd_export_keys)
 
     from cli._release import add_release_commands
 

@@ -154,7 +154,7 @@ async def _sweep(args: argparse.Namespace) -> int:
 
 
 def _codec_server(args: argparse.Namespace) -> int:
-    from state_codec.codec_server import CodecServer
+    from state_codec.codec_server import CodecServer, principal_tokens_from_env
     from state_codec.keyring import KeyringError
     from workflows import ClientConfig
 
@@ -165,7 +165,8 @@ def _codec_server(args: argparse.Namespace) -> int:
     except KeyringError as exc:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
-    server = CodecServer(keyring, host=args.host, port=args.port, origins=origins, token=token)
+    server = CodecServer(keyring, host=args.host, port=args.port, origins=origins, token=token,
+                         principal_tokens=principal_tokens_from_env())
     # a token that was not given was made here: say it, or nobody could use the server
     shown = "<the token given>" if token else server.token
     print(f"codec server on {server.url} (origins {', '.join(origins)}); every request needs the token {shown}: "

@@ -4,7 +4,9 @@ Standard library only (http.server). CORS allows the Temporal UI's origin. Every
 carry the server's token: as `Authorization: Bearer <token>` (the Temporal CLI's `--codec-auth`),
 or in the path, `<url>/t/<token>/decode` (`CodecServer.endpoint`, for the Temporal UI, which sends
 no header of its own). With no token given, the server makes one: it never decodes for anyone
-who asks.
+who asks. Tokens come in two kinds: the operator's (`token`: every principal's payloads) and
+principals' (`principal_tokens`, token -> principal: that principal's streams only; any other
+payload comes back undecryptable, as it would to that principal's own client).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import logging
 import secrets
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Mapping
 from urllib.parse import urlsplit
 
 from google.protobuf import json_format
@@ -24,17 +27,47 @@ from temporalio.api.common.v1 import Payloads
 from state_codec.codec import Keyring
 from state_codec.payload import EncryptionCodec
 
-__all__ = ["CodecServer"]
+__all__ = ["CodecServer", "principal_tokens_from_env"]
 
 log = logging.getLogger(__name__)
 
 
-def _authorized(path: str, header: str, token: str) -> tuple[bool, str]:
-    """(whether the request carries the token, the path without it)."""
+def _presented(path: str, header: str) -> tuple[str | None, str]:
+    """(the token the request carries, in its path or its Authorization header; the path without it)."""
     if path.startswith("/t/"):
         given, _, rest = path[3:].partition("/")
-        return hmac.compare_digest(given.encode(), token.encode()), "/" + rest
-    return hmac.compare_digest(header.encode(), f"Bearer {token}".encode()), path
+        return given, "/" + rest
+    return (header[7:] if header.startswith("Bearer ") else None), path
+
+
+def _match(given: str | None, tokens: Mapping[str, str | None]) -> tuple[bool, str | None]:
+    """(whether `given` is one of `tokens`, the principal it is for: None for the operator's).
+    Every token is compared, in constant time."""
+    found, who = False, None
+    for tok, principal in tokens.items():
+        if given is not None and hmac.compare_digest(given.encode(), tok.encode()):
+            found, who = True, principal
+    return found, who
+
+
+def principal_tokens_from_env(var: str = "MAMBA_STREAM_CODEC_PRINCIPAL_TOKENS") -> dict[str, str]:
+    """Principals' codec tokens from `$var`: JSON `{"<token>": "<principal>", ...}`, or the path of
+    a file holding it (readable by its owner only). Unset: none."""
+    import os
+    from pathlib import Path
+
+    spec = (os.environ.get(var) or "").strip()
+    if not spec:
+        return {}
+    if not spec.startswith("{"):
+        p = Path(spec).expanduser()
+        if p.stat().st_mode & 0o077:
+            raise ValueError(f"{p} is readable by others; chmod 600 it")
+        spec = p.read_text()
+    tokens = json.loads(spec)
+    if not isinstance(tokens, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tokens.items()):
+        raise ValueError(f"${var} must map tokens to principals")
+    return tokens
 
 
 class CodecServer:
@@ -46,10 +79,11 @@ class CodecServer:
 
     def __init__(self, keyring: Keyring, *, host: str = "127.0.0.1", port: int = 8081,
                  origins: tuple[str, ...] = ("http://localhost:8233", "http://127.0.0.1:8233"),
-                 token: str | None = None) -> None:
-        codec = EncryptionCodec(keyring)
+                 token: str | None = None, principal_tokens: Mapping[str, str] | None = None) -> None:
         allowed = set(origins)
         self.token = token = token or secrets.token_urlsafe(24)
+        tokens: dict[str, str | None] = {**(principal_tokens or {}), token: None}
+        codecs = {p: EncryptionCodec(keyring if p is None else keyring.for_principal(p)) for p in tokens.values()}
 
         class Handler(BaseHTTPRequestHandler):
             def _cors(self) -> None:
@@ -68,8 +102,8 @@ class CodecServer:
 
             def do_POST(self) -> None:  # noqa: N802
                 # the UI asks for /decode?preserveStorageRefs=true: route on the path alone
-                ok, path = _authorized(urlsplit(self.path).path.rstrip("/"), self.headers.get("Authorization", ""),
-                                       token)
+                given, path = _presented(urlsplit(self.path).path.rstrip("/"), self.headers.get("Authorization", ""))
+                ok, who = _match(given, tokens)
                 if not ok:
                     self.send_response(401)
                     self._cors()
@@ -83,6 +117,7 @@ class CodecServer:
                 try:
                     body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
                     payloads = json_format.Parse(body, Payloads())
+                    codec = codecs[who]
                     fn = codec.encode if path == "/encode" else codec.decode
                     out = Payloads(payloads=asyncio.run(fn(list(payloads.payloads))))
                     data = json_format.MessageToJson(out).encode()

@@ -11,13 +11,32 @@ Workers make keys; clients only find them. `find_keyring` is the one place both 
 A worker (`python worker.py`) creates the home's keyring on first use (`create=True`); a client
 that finds none raises `KeyringNotFound`, naming where it looked and what to set, instead of
 making a keyring the workers do not hold (its payloads would be unreadable to them).
+
+Two kinds of keyring. The workers' master keyring holds the keys themselves. A principal's
+keyring (`Keyring.for_principal`, exported by `mamba-stream export-keys`) holds, for each master
+key id, only the history key of that principal, derived from the master key through the
+principal's tag, a keyed hash that names the principal in stream ids and payloads without
+saying who it is:
+
+    tag (principal)       = HMAC-SHA256(HMAC-SHA256("mamba-stream/principal-tag/v1", oldest master key),
+                                        principal)[:16], in hex
+    history key (kid, tag) = HMAC-SHA256(HMAC-SHA256("mamba-stream/history-key/v1", master[kid]),
+                                         tag || 0x01)                   (HKDF-SHA256, one block)
+
+A stream's payloads are encrypted under its principal's history key (state_codec.payload), so a
+client provisioned with alice's keyring reads alice's streams and no one else's; the workers
+derive every principal's key from the master. Rotating the master keeps old payloads readable:
+an export carries the derived key of every master key id.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
+import hmac
 import json
 import os
+import re
 import secrets
 import tempfile
 from collections.abc import Mapping
@@ -30,6 +49,16 @@ __all__ = ["KEYRING_FILE", "Keyring", "KeyringError", "KeyringNotFound", "defaul
 _KEY_BYTES = 32
 #: the keyring's file name under the home
 KEYRING_FILE = "keyring.json"
+_HISTORY_SALT = b"mamba-stream/history-key/v1"
+_TAG_SALT = b"mamba-stream/principal-tag/v1"
+#: a principal's tag: 32 hex digits
+TAG = re.compile(r"^[0-9a-f]{32}$")
+
+
+def history_key(master: bytes, tag: str) -> bytes:
+    """The history key of the principal with `tag`, under one master key (HKDF-SHA256, one block)."""
+    prk = hmac.new(_HISTORY_SALT, master, hashlib.sha256).digest()
+    return hmac.new(prk, tag.encode() + b"\x01", hashlib.sha256).digest()
 
 
 class KeyringError(Exception):
@@ -59,7 +88,12 @@ class Keyring:
     still reads every older one.
     """
 
-    def __init__(self, keys: Mapping[str, bytes], active: str) -> None:
+    def __init__(self, keys: Mapping[str, bytes], active: str, *, principal: str | None = None,
+                 tag: str | None = None) -> None:
+        if (principal is None) != (tag is None) or (tag is not None and not TAG.match(tag)):
+            raise KeyringError("a principal's keyring names its principal and its 32-hex-digit tag")
+        self.principal = principal  # None: the master keyring
+        self.tag = tag
         if active not in keys:
             raise KeyringError(f"active key {active!r} is not in the keyring")
         for kid, key in keys.items():
@@ -77,7 +111,39 @@ class Keyring:
         kid = cls._new_id()
         return cls({kid: secrets.token_bytes(_KEY_BYTES)}, kid)
 
+    def principal_tag(self, principal: str) -> str:
+        """The tag of `principal` (see the module docstring): computed from the master keyring's
+        oldest key, so rotation keeps it; a principal's keyring knows its own only."""
+        if self.principal is not None:
+            if principal != self.principal:
+                raise KeyringError(f"this keyring is {self.principal!r}'s; it knows no other principal's tag")
+            assert self.tag is not None
+            return self.tag
+        oldest = next(iter(self._keys.values()))
+        secret = hmac.new(_TAG_SALT, oldest, hashlib.sha256).digest()
+        return hmac.new(secret, principal.encode(), hashlib.sha256).hexdigest()[:32]
+
+    def for_principal(self, principal: str) -> Keyring:
+        """The keyring of one principal: its history key under every master key id, nothing else."""
+        if self.principal is not None:
+            raise KeyringError(f"only the master keyring derives principals' keys (this one is {self.principal!r}'s)")
+        tag = self.principal_tag(principal)
+        return Keyring({kid: history_key(k, tag) for kid, k in self._keys.items()}, self._active,
+                       principal=principal, tag=tag)
+
+    def history_key(self, kid: str, tag: str) -> bytes:
+        """The history key under master key `kid` of the principal with `tag`: derived from the
+        master, or (a principal's keyring) its own. UnknownKeyId for one this keyring cannot have."""
+        if self.principal is None:
+            return history_key(self.key(kid), tag)
+        if tag != self.tag:
+            raise UnknownKeyId(f"the payload is encrypted under another principal's history key; this keyring "
+                               f"holds {self.principal!r}'s only", field="tag", expected=self.tag, actual=tag)
+        return self.key(kid)
+
     def rotate(self) -> Keyring:
+        if self.principal is not None:
+            raise KeyringError("a principal's keyring is exported from the master keyring, not rotated")
         kid = self._new_id()
         return Keyring({**self._keys, kid: secrets.token_bytes(_KEY_BYTES)}, kid)
 
@@ -97,15 +163,17 @@ class Keyring:
                                expected=sorted(self._keys), actual=kid) from None
 
     def to_json(self) -> str:
-        return json.dumps({"active": self._active,
-                           "keys": {k: base64.b64encode(v).decode() for k, v in self._keys.items()}})
+        data = {"active": self._active, "keys": {k: base64.b64encode(v).decode() for k, v in self._keys.items()}}
+        if self.principal is not None:
+            data["principal"], data["tag"] = self.principal, self.tag
+        return json.dumps(data)
 
     @classmethod
     def from_json(cls, text: str) -> Keyring:
         try:
             data = json.loads(text)
             keys = {k: base64.b64decode(v, validate=True) for k, v in data["keys"].items()}
-            return cls(keys, data["active"])
+            return cls(keys, data["active"], principal=data.get("principal"), tag=data.get("tag"))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise KeyringError(f"malformed keyring: {exc}") from None
 
@@ -160,7 +228,8 @@ class Keyring:
         return ring
 
     def __repr__(self) -> str:
-        return f"Keyring(active={self._active!r}, ids={self.ids})"
+        who = "" if self.principal is None else f", principal={self.principal!r}"
+        return f"Keyring(active={self._active!r}, ids={self.ids}{who})"
 
 
 def find_keyring(spec: str | None = None, home: str | Path | None = None, *, create: bool = False) -> Keyring:

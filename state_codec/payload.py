@@ -26,58 +26,113 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from pydantic import ValidationError
 from temporalio.api.common.v1 import Payload
 from temporalio.contrib.pydantic import PydanticJSONPlainPayloadConverter, PydanticPayloadConverter
-from temporalio.converter import EncodingPayloadConverter, PayloadCodec
+from temporalio.converter import (
+    EncodingPayloadConverter,
+    PayloadCodec,
+    SerializationContext,
+    WithSerializationContext,
+)
 from temporalio.exceptions import ApplicationError
 
 from state_codec._errors import CorruptBlob, UnknownKeyId
-from state_codec.keyring import Keyring
+from state_codec.keyring import TAG, Keyring
 
 __all__ = ["ENCRYPTED_ENCODING", "UNDECRYPTABLE_ENCODING", "EncryptionCodec", "SealedPayloadConverter",
-           "StreamPayloadConverter"]
+           "StreamPayloadConverter", "stream_principal"]
 
 ENCRYPTED_ENCODING = b"binary/encrypted"
 UNDECRYPTABLE_ENCODING = b"binary/undecryptable"
 _AAD = b"mamba-stream/payload/v1"
 _KID = "encryption-key-id"
+_TAG = "encryption-tag"  # set when the payload is under the history key of the principal with that tag
 
 
-class EncryptionCodec(PayloadCodec):
-    """AES-256-GCM over whole payloads, with the keyring's active key; any known key decrypts."""
+def stream_principal(workflow_id: str) -> str | None:
+    """The principal tag a stream id names (`ms.<tag>.<32 hex>`, `workflows.new_stream_id`), or None."""
+    parts = workflow_id.split(".")
+    if len(parts) == 3 and parts[0] == "ms" and TAG.match(parts[1]) and len(parts[2]) == 32:
+        return parts[1]
+    return None
 
-    def __init__(self, keyring: Keyring) -> None:
+
+class EncryptionCodec(PayloadCodec, WithSerializationContext):
+    """AES-256-GCM over whole payloads.
+
+    A stream's payloads (its workflow's, its activities', its queries' and updates' results, its
+    failures) are encrypted under the history key of the principal whose tag its id names
+    (`stream_principal`): the SDK hands the codec each payload's workflow id (`with_context`).
+    The payload's metadata names the master key id and the tag, which is all a worker needs to
+    derive the key (the tag is a keyed hash: it does not say who the principal is). A principal's
+    keyring holds only its own keys, so it opens its own streams' payloads and no one else's
+    (typed `UnknownKeyId`, never garbage). Payloads of no such stream go under the master key
+    (readable by master holders only), except that a principal's keyring always writes under its
+    own key.
+    """
+
+    def __init__(self, keyring: Keyring, tag: str | None = None) -> None:
         self._keyring = keyring
-        self._ciphers: dict[str, AESGCM] = {}
+        self._tag = tag
+        self._ciphers: dict[tuple[str, str | None], AESGCM] = {}
 
     @property
     def keyring(self) -> Keyring:
         return self._keyring
 
-    def _cipher(self, kid: str) -> AESGCM | None:
-        c = self._ciphers.get(kid)
+    def with_context(self, context: SerializationContext) -> EncryptionCodec:
+        workflow_id = getattr(context, "workflow_id", None)
+        tag = stream_principal(workflow_id) if isinstance(workflow_id, str) else None
+        if tag == self._tag:
+            return self
+        codec = EncryptionCodec(self._keyring, tag)
+        codec._ciphers = self._ciphers  # one cache: keys depend on (kid, tag) only
+        return codec
+
+    def _cipher(self, kid: str, tag: str | None) -> AESGCM | None:
+        c = self._ciphers.get((kid, tag))
         if c is None and kid in self._keyring.ids:
-            c = self._ciphers[kid] = AESGCM(self._keyring.key(kid))
+            try:
+                key = self._keyring.key(kid) if tag is None else self._keyring.history_key(kid, tag)
+            except UnknownKeyId:
+                return None
+            if tag is None and self._keyring.principal is not None:
+                return None  # a principal's keyring holds no master key
+            c = self._ciphers[(kid, tag)] = AESGCM(key)
         return c
 
     def encrypt(self, payload: Payload) -> Payload:
         kid = self._keyring.active_id
+        tag = self._tag if self._keyring.tag is None else self._keyring.tag
         nonce = os.urandom(12)
-        cipher = self._cipher(kid)
-        assert cipher is not None  # the active key is in its own keyring
-        data = nonce + cipher.encrypt(nonce, payload.SerializeToString(), _AAD)
-        return Payload(metadata={"encoding": ENCRYPTED_ENCODING, _KID: kid.encode()}, data=data)
+        cipher = self._cipher(kid, tag)
+        if cipher is None:  # unreachable for a keyring's own active key; kept typed
+            raise ApplicationError(f"this keyring holds the history keys of {self._keyring.principal!r} only",
+                                   type=UnknownKeyId.reason, non_retryable=True)
+        aad = _AAD if tag is None else _AAD + b"|" + tag.encode()
+        data = nonce + cipher.encrypt(nonce, payload.SerializeToString(), aad)
+        meta = {"encoding": ENCRYPTED_ENCODING, _KID: kid.encode()}
+        if tag is not None:
+            meta[_TAG] = tag.encode()
+        return Payload(metadata=meta, data=data)
 
     def decrypt(self, payload: Payload) -> Payload:
         """The original payload, or (when this keyring cannot open it) a `binary/undecryptable` one."""
         if payload.metadata.get("encoding") != ENCRYPTED_ENCODING:
             return payload
         kid = payload.metadata.get(_KID, b"").decode(errors="replace")
-        cipher = self._cipher(kid)
+        tag = payload.metadata[_TAG].decode(errors="replace") if _TAG in payload.metadata else None
+        cipher = self._cipher(kid, tag)
         if cipher is None:
+            if self._keyring.principal is not None and tag != self._keyring.tag:
+                whose = "another principal's history key" if tag else "the workers' master key"
+                return _undecryptable(UnknownKeyId.reason, kid,
+                                      f"the payload is encrypted under {whose}; this keyring holds the history keys "
+                                      f"of {self._keyring.principal!r} only")
             return _undecryptable(UnknownKeyId.reason, kid,
                                   f"the payload is encrypted under key id {kid!r}, which the receiving "
                                   f"keyring does not hold: the client and the workers use different keyrings")
+        aad = _AAD if tag is None else _AAD + b"|" + tag.encode()
         try:
-            plain = cipher.decrypt(payload.data[:12], payload.data[12:], _AAD)
+            plain = cipher.decrypt(payload.data[:12], payload.data[12:], aad)
         except InvalidTag:
             return _undecryptable(CorruptBlob.reason, kid, f"the payload under key id {kid!r} fails authentication")
         return Payload.FromString(plain)

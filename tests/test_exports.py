@@ -25,7 +25,8 @@ EXPECTED = {
     "state_codec.keyring": ["KEYRING_FILE", "Keyring", "KeyringError", "KeyringNotFound", "default_home",
                             "find_keyring"],
     "state_codec.payload": ["ENCRYPTED_ENCODING", "UNDECRYPTABLE_ENCODING", "EncryptionCodec",
-                            "SealedPayloadConverter", "StreamPayloadConverter"],
+                            "SealedPayloadConverter", "StreamPayloadConverter",
+                            "stream_principal"],
     "state_codec.signing": ["DOMAIN", "PrincipalKeys", "RequestSigner", "signing_bytes"],
     "state_codec.codec": [
         "ALG", "CODE_REVISION", "ENVELOPE_VERSION", "Keyring", "KeyringError", "decode_checkpoint",

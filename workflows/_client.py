@@ -40,9 +40,28 @@ if TYPE_CHECKING:
 __all__ = ["StreamClient", "new_stream_id", "update_id"]
 
 
-def new_stream_id() -> str:
-    """Opaque, unguessable, and valid as a store key prefix."""
-    return "ms-" + uuid.uuid4().hex
+def new_stream_id(tag: str | None = None) -> str:
+    """Unguessable, and valid as a store key prefix: `ms.<tag>.<32 hex>`, where the tag names the
+    principal whose history key encrypts the stream's payloads without saying who it is
+    (`state_codec.keyring`, `state_codec.payload.stream_principal`), or `ms-<32 hex>` (the master
+    key's) without one."""
+    return f"ms.{tag}.{uuid.uuid4().hex}" if tag else "ms-" + uuid.uuid4().hex
+
+
+def _principal_tag(client: Client, principal: str) -> str | None:
+    """The principal's tag, from the keyring of the client's payload codec (None: no such codec,
+    or a principal's keyring opening a stream for someone else)."""
+    todo = [client.data_converter.payload_codec]
+    while todo:
+        codec = todo.pop()
+        ring = getattr(codec, "keyring", None)
+        if ring is not None and hasattr(ring, "principal_tag"):
+            try:
+                return ring.principal_tag(principal)
+            except Exception:  # noqa: BLE001 - KeyringError: not this keyring's principal
+                return None
+        todo.extend(getattr(codec, "codecs", ()))
+    return None
 
 
 def update_id(kind: str, request: AdvanceRequest | GenerateRequest, *, epoch: int, attempt: int = 0) -> str:
@@ -95,7 +114,7 @@ class StreamClient:
             WorkflowFailureError: opening failed; its cause is typed by reason (a resume from an
                 incompatible checkpoint: PrincipalMismatch, SchemaMismatch, ...).
         """
-        sid = stream_id or new_stream_id()
+        sid = stream_id or new_stream_id(_principal_tag(self.client, principal))
         inp = self.sign("open", sid, OpenStreamInput(principal=principal, model_id=model_id,
                                                      input_transform=input_transform, resume=resume,
                                                      options=options or StreamOptions()))

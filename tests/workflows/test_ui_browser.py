@@ -72,7 +72,9 @@ async def test_the_ui_shows_the_decrypted_receipts_of_a_stream(tmp_path):
                 page = await browser.new_page(viewport={"width": 1400, "height": 1800})
                 await page.goto(f"{ui}/namespaces/default/workflows/{sid}/{run_id}/history", wait_until="load")
                 # the newest event first: the last chunk's update, whose outcome holds its receipt
-                shown = page.get_by_text(last.receipt.checksum).first
+                # the outcome's code view renders only the lines in view, and the receipt's checksum is
+                # below them: wait for the receipt's first bound field, the model revision
+                shown = page.get_by_text(last.receipt.model_revision).filter(visible=True).first
                 for attempt in range(3):  # a click before the page is interactive expands nothing: reload
                     if attempt:
                         await page.reload(wait_until="load")
@@ -88,7 +90,9 @@ async def test_the_ui_shows_the_decrypted_receipts_of_a_stream(tmp_path):
                 body = await page.inner_text("body")
                 await page.screenshot(path=str(SCREENSHOT))
                 await browser.close()
-            assert last.receipt.checksum in body, "the decrypted receipt of the last chunk is on the page"
+            assert last.receipt.model_revision in body and last.receipt.stream_id in body, \
+                "the decrypted receipt of the last chunk is on the page"
+            assert f'"position": {last.position}' in body
             assert "what was the key?" in body and '"principal": "alice"' in body  # the decrypted request
             await streams.cancel(sid)
     finally:

@@ -156,7 +156,8 @@ async def test_worker_py_runs_the_embedded_stack_and_stops_cleanly(tmp_path):
            if k not in ("TEMPORAL_ADDRESS", "MAMBA_STREAM_HOME", "MAMBA_STREAM_KEYRING", "XDG_DATA_HOME")}
     env.update({k: str(v) for k, v in ports.items()}, HOME=str(tmp_path / "user"),
                MAMBA_STREAM_MODELS="tiny-mamba1", MAMBA_STREAM_TASK_QUEUE="embedded-test",
-               MAMBA_STREAM_CODEC_TOKEN="s3cr3t-token")
+               MAMBA_STREAM_CODEC_TOKEN="s3cr3t-token",
+               MAMBA_STREAM_CODEC_PRINCIPAL_TOKENS='{"t-bob": "bob"}')
     home = tmp_path / "user" / ".local" / "share" / "mamba-stream"
     (tmp_path / "worker-dir").mkdir()
     proc = subprocess.Popen([sys.executable, str(ROOT / "worker.py")], env=env, cwd=tmp_path / "worker-dir",
@@ -190,6 +191,9 @@ async def test_worker_py_runs_the_embedded_stack_and_stops_cleanly(tmp_path):
         status, opened, _ = await asyncio.to_thread(_post, codec + "/decode", sealed,
                                                    {"Authorization": "Bearer s3cr3t-token"})
         assert status == 200 and b"alice" in base64.b64decode(opened["payloads"][0]["data"])
+        # bob's token is valid, for bob's streams: alice's input stays closed to it
+        status, closed, _ = await asyncio.to_thread(_post, codec + "/decode", sealed, {"Authorization": "Bearer t-bob"})
+        assert status == 200 and base64.b64decode(closed["payloads"][0]["metadata"]["encoding"]) == UNDECRYPTABLE_ENCODING
         # the real CLI, from another directory, with nothing configured but the same user: it finds
         # the worker's keyring and the stream runs (it used to make a keyring of its own there)
         cli_dir = tmp_path / "cli-dir"
