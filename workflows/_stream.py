@@ -218,7 +218,9 @@ class MambaStreamWorkflow:
                         schedule_to_start_timeout=timedelta(seconds=o.schedule_to_start_s),
                         retry_policy=RetryPolicy(maximum_attempts=1), **common)
                 except ActivityError as err:
-                    if _permanent(err) or self._cancelled:
+                    # an activity the stream's cancellation cancelled is not retried elsewhere; any
+                    # other failure of the affine worker (gone, failing) is, dispose included
+                    if _permanent(err) or (self._cancelled and isinstance(err.cause, CancelledError)):
                         raise
                     # the worker holding the hot state is gone or failing: any worker resumes
                     # from the store
