@@ -154,26 +154,25 @@ class ChunkCommit:
                     chunk_seq=receipt.chunk_seq, epoch=receipt.epoch, latest_stored=max(later)[1]) from None
             raise
 
+    def _checkpoints(self, stream_id: str) -> list[tuple[str, int, int]]:
+        """(key, epoch, chunk_seq) of every checkpoint the store holds for the stream."""
+        out = []
+        for key in self.store.list_stream(stream_id=stream_id):
+            m = _CHUNK_KEY.search(key)
+            if m:
+                out.append((key, int(m.group(1)), int(m.group(2))))
+        return out
+
     def later_chunks(self, receipt: Receipt) -> list[tuple[int, int]]:
         """(epoch, chunk_seq) of the stream's stored checkpoints that come after `receipt`'s."""
-        mine = (receipt.epoch, receipt.chunk_seq)
-        out = []
-        for key in self.store.list_stream(stream_id=receipt.stream_id):
-            m = _CHUNK_KEY.search(key)
-            if m and (int(m.group(1)), int(m.group(2))) > mine:
-                out.append((int(m.group(1)), int(m.group(2))))
-        return out
+        return [(e, c) for _, e, c in self._checkpoints(receipt.stream_id) if (e, c) > (receipt.epoch, receipt.chunk_seq)]
 
     def revoke_before(self, stream_id: str, epoch: int) -> int:
         """Delete every stored checkpoint (and record) of the stream from an epoch before `epoch`;
         how many checkpoints."""
-        n = 0
-        for key in self.store.list_stream(stream_id=stream_id):
-            m = _CHUNK_KEY.search(key)
-            if m and int(m.group(1)) < epoch:
-                self.drop([key])
-                n += 1
-        return n
+        old = [key for key, e, _ in self._checkpoints(stream_id) if e < epoch]
+        self.drop(old)
+        return len(old)
 
     def commit(self, model: Model, state: State, *, stream_id: str, principal: str, chunk_seq: int, epoch: int,
                key: str, backend: str, before: Receipt | None, path: str | None = None) -> Committed:

@@ -48,7 +48,15 @@ from state_codec import (
 )
 from state_codec.codec import Keyring, default_state_key, unseal
 from state_codec.signing import PrincipalKeys
-from workflows import ChunkTooLarge, EmptyContext, InternalError, InvalidRequest, ResultExpired, application_error
+from workflows import (
+    ChunkTooLarge,
+    EmptyContext,
+    InternalError,
+    InvalidRequest,
+    ResultExpired,
+    StreamFailure,
+    application_error,
+)
 from workflows._models import (
     ACTIVITY_ADVANCE,
     ACTIVITY_CHECKPOINT,
@@ -86,7 +94,8 @@ PIECE_TOKENS = 512
 #: attempts of an activity that fails with an exception nobody foresaw, before it fails typed
 UNTYPED_ATTEMPTS = 3
 
-_TYPED = (StateRejected, ScanError, StoreError, UnknownModel)
+#: the exceptions with a reason of their own (workflows.application_error types them)
+_TYPED = (StateRejected, ScanError, StoreError, UnknownModel, StreamFailure)
 
 
 @contextmanager
@@ -105,7 +114,7 @@ def _typed_errors(metrics: StreamMetrics | None = None, model_id: str = "") -> I
     except CancelledError:
         raise
     except Exception as exc:  # noqa: BLE001 - every exception leaves typed, or is retried a bounded number of times
-        if isinstance(exc, _TYPED) or hasattr(exc, "reason") and hasattr(exc, "retryable"):
+        if isinstance(exc, _TYPED):
             if metrics is not None and isinstance(exc, StateRejected):
                 if isinstance(exc, RequestRejected):
                     metrics.requests_rejected.add(1, {"reason": exc.reason})

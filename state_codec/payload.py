@@ -90,12 +90,12 @@ class EncryptionCodec(PayloadCodec, WithSerializationContext):
     def _cipher(self, kid: str, tag: str | None) -> AESGCM | None:
         c = self._ciphers.get((kid, tag))
         if c is None and kid in self._keyring.ids:
+            if tag is None and self._keyring.principal is not None:
+                return None  # a principal's keyring holds no master key
             try:
                 key = self._keyring.key(kid) if tag is None else self._keyring.history_key(kid, tag)
             except UnknownKeyId:
                 return None
-            if tag is None and self._keyring.principal is not None:
-                return None  # a principal's keyring holds no master key
             c = self._ciphers[(kid, tag)] = AESGCM(key)
         return c
 

@@ -158,19 +158,16 @@ class StreamClient:
             if epoch is None:
                 epoch = (await self._position(stream_id))[1]
         req = self.sign(kind, stream_id, make(seq))
-        for tries in (0, 1):
-            try:
-                out = await self.handle(stream_id).execute_update(
-                    update, req, id=update_id(kind, req, epoch=epoch, attempt=attempt))
-            except WorkflowUpdateFailedError as err:
-                cause = err.cause
-                if tries == 0 and isinstance(cause, ApplicationError) and cause.type == "EpochMismatch":
-                    epoch = (await self._position(stream_id))[1]
-                    continue
+        handle = self.handle(stream_id)
+        try:
+            out = await handle.execute_update(update, req, id=update_id(kind, req, epoch=epoch, attempt=attempt))
+        except WorkflowUpdateFailedError as err:
+            if not (isinstance(err.cause, ApplicationError) and err.cause.type == "EpochMismatch"):
                 raise
-            self._epochs[stream_id] = out.receipt.epoch
-            return out
-        raise AssertionError("unreachable")
+            epoch = (await self._position(stream_id))[1]  # reset since we last looked: once more
+            out = await handle.execute_update(update, req, id=update_id(kind, req, epoch=epoch, attempt=attempt))
+        self._epochs[stream_id] = out.receipt.epoch
+        return out
 
     async def advance(self, stream_id: str, principal: str, *, tokens: Sequence[int] | None = None,
                       text: str | None = None, chunk_seq: int | None = None, top_k: int = 5,

@@ -24,19 +24,17 @@ from temporalio.testing import WorkflowEnvironment
 from activities import (
     StateStore,
     StoreOwnedElsewhere,
-    StoreUnavailable,
     claim_store,
     open_store,
     sweep_orphans,
 )
 from activities._sweep import MISSING_KIND, store_owner
+from tests.activities.test_stores import store  # noqa: F401 - the file and PostgreSQL stores, as a fixture
 from state_codec.codec import Keyring
 from worker import WorkerConfig, run_worker, temporal_binary
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
-PG_URL = os.environ.get("MAMBA_STREAM_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
-REQUIRED = os.environ.get("MAMBA_STREAM_REQUIRE_CROSSCHECK") == "1"
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -62,24 +60,6 @@ async def server_b() -> AsyncIterator[WorkflowEnvironment]:
 
 def _address(env: WorkflowEnvironment) -> str:
     return env.client.service_client.config.target_host
-
-
-@pytest.fixture(params=["file", "postgresql"])
-def store(request, tmp_path):
-    if request.param == "file":
-        s = open_store(f"file://{tmp_path / 'store'}")
-        yield s
-        s.close()
-        return
-    try:
-        s = open_store(f"{PG_URL}?table=t_{uuid.uuid4().hex[:12]}")
-    except StoreUnavailable as exc:
-        if REQUIRED:
-            raise
-        pytest.skip(f"PostgreSQL is not reachable at {PG_URL}: {exc}")
-    yield s
-    s.drop()
-    s.close()
 
 
 def _fill(store: StateStore, sid: str, n: int = 3) -> list[str]:
