@@ -16,9 +16,10 @@ A client imports nothing heavy here: no torch, no checkpoint codec, no worker.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -151,6 +152,12 @@ class MambaStreamPlugin(SimplePlugin):
             workflow_runner=_runner,
             run_context=self._serving if activities is not None else None,
         )
+
+    async def run_worker(self, worker: Any, next: Callable[[Any], Awaitable[None]]) -> None:
+        """See base class. The activities get the worker's client, to publish streamed tokens with."""
+        if self._activities is not None and hasattr(self._activities, "bind_client"):
+            self._activities.bind_client(worker.client, asyncio.get_running_loop())
+        await super().run_worker(worker, next)
 
     @asynccontextmanager
     async def _serving(self) -> AsyncIterator[None]:

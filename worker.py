@@ -121,6 +121,22 @@ def temporal_binary() -> str:
     return found
 
 
+#: Dynamic config the dev servers we start run with. The history service's transfer queue hands
+#: every new activity task and non-speculative workflow task to matching, and reads at most
+#: `history.transferProcessorMaxPollRPS` times a second per shard (default 20: one read per 50 ms;
+#: the dev server has one shard). That wait, not our code, was the 50 ms floor under a regular
+#: activity and 100 ms on a worker-specific queue (docs/deploying.md, "The transfer queue").
+DEV_SERVER_DYNAMIC_CONFIG: dict[str, int] = {"history.transferProcessorMaxPollRPS": 1000}
+
+
+def dev_server_args(config: dict[str, int] | None = None) -> list[str]:
+    """`temporal server start-dev` arguments setting `config` (default `DEV_SERVER_DYNAMIC_CONFIG`)."""
+    args: list[str] = []
+    for key, value in (DEV_SERVER_DYNAMIC_CONFIG if config is None else config).items():
+        args += ["--dynamic-config-value", f"{key}={value}"]
+    return args
+
+
 def _port_open(host: str, port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.2)
@@ -153,7 +169,7 @@ class EmbeddedTemporal:
             os.chmod(f, 0o600)
         args = [temporal_binary(), "server", "start-dev", "--ip", "127.0.0.1", "--port", str(self.port),
                 "--ui-port", str(self.ui_port), "--db-filename", str(self.home / "temporal.db"),
-                "--log-level", "warn", *self.extra_args]
+                "--log-level", "warn", *dev_server_args(), *self.extra_args]
         if self.codec_endpoint:
             args += ["--ui-codec-endpoint", self.codec_endpoint]
         logf = open(self.home / "temporal.log", "ab")  # noqa: SIM115 - lives as long as the server

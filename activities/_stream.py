@@ -34,6 +34,7 @@ from temporalio.exceptions import ApplicationError, CancelledError
 from activities._commit import ChunkCommit, Committed, chunk_key
 from activities._engine import StreamEngine
 from activities._metrics import StreamMetrics
+from activities._publish import TokenPublisher
 from activities._registry import ModelRegistry, UnknownModel
 from activities._store import StateStore, StoreError, check_name
 from scan import Model, NonFiniteOutput, ScanError, State
@@ -77,6 +78,7 @@ from workflows._models import (
     ModelInfo,
     OpenStreamRequest,
     OpenStreamResult,
+    PRESENTATION,
     RecallResultRequest,
     RecallResultResult,
     ResetStreamRequest,
@@ -132,8 +134,9 @@ def _typed_errors(metrics: StreamMetrics | None = None, model_id: str = "") -> I
 
 
 def _beat(*details: Any) -> None:
-    """Heartbeat between pieces of work; a cancellation arrives as CancelledError in this thread."""
-    if activity.in_activity():
+    """Heartbeat between pieces of work; a cancellation arrives as CancelledError in this thread.
+    A local activity has no heartbeat (its workflow task's timeout bounds it)."""
+    if activity.in_activity() and not activity.info().is_local:
         activity.heartbeat(*details)
 
 
@@ -193,6 +196,11 @@ class StreamActivities:
         # the edge callback late-bound, so that a subclass's `_edge` (the crash tests') is the one called
         self.commits = ChunkCommit(store, keyring, self.metrics,
                                    edge=lambda name, sid, seq: self._edge(name, sid, seq))
+        self.publisher: TokenPublisher | None = None  # bound by the worker (MambaStreamPlugin)
+
+    def bind_client(self, client: Any, loop: Any) -> None:
+        """The worker's Temporal client and event loop: streaming generates publish through them."""
+        self.publisher = TokenPublisher(client, loop)
 
     def engine(self, model: Model) -> StreamEngine:
         with self._engines_lock:
@@ -440,8 +448,9 @@ class StreamActivities:
             ask = req.request
             seed = ask.seed if ask.seed is not None else int.from_bytes(
                 hashlib.sha256(f"{req.stream_id}|{ask.chunk_seq}".encode()).digest()[:8], "little") >> 1
-            digest = hashlib.sha256(
-                json.dumps(ask.model_dump(mode="json", exclude={"principal"}) | {"seed": seed}, sort_keys=True).encode()
+            digest = hashlib.sha256(  # how the chunk is shown (PRESENTATION) is not what it is
+                json.dumps(ask.model_dump(mode="json", exclude={"principal", *PRESENTATION}) | {"seed": seed},
+                           sort_keys=True).encode()
             ).hexdigest()
             key = chunk_key(req.stream_id, req.receipt, ask.chunk_seq, digest)
             prior = self.commits.prior(key, req.principal)
@@ -453,6 +462,14 @@ class StreamActivities:
             self._edge("admitted", req.stream_id, ask.chunk_seq)
             gen = torch.Generator().manual_seed(seed)
             transform = model.transform
+            shown = None
+            if ask.stream:
+                if self.publisher is None:
+                    log.warning("chunk %d of %s asks to stream, but this worker has no client to publish "
+                                "with; its tokens come whole", ask.chunk_seq, req.stream_id)
+                else:
+                    shown = self.publisher.chunk(req.stream_id, ask.chunk_seq,
+                                                 transform.decode if transform is not None else None)
             sampled: list[int] = []
             finish = "length"
             step_labels = {"model": model.model_id}
@@ -472,6 +489,8 @@ class StreamActivities:
                         return None
                 tok = _sample(next_logits.cpu(), ask.temperature, ask.top_k, gen)
                 sampled.append(tok)
+                if shown is not None:
+                    shown.push(tok)
                 return tok
 
             try:
@@ -481,6 +500,9 @@ class StreamActivities:
                     on_wait=_beat)
             except ValueError as exc:
                 raise EmptyContext(str(exc)) from None
+            finally:
+                if shown is not None:
+                    shown.close()
             tokens, state, logits, rows = out.tokens, out.state, out.last_logits, [out.logits]
             if ask.stop and transform is not None and finish == "length" and \
                     any(s_ and s_ in transform.decode(tokens) for s_ in ask.stop):

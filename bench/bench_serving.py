@@ -137,11 +137,11 @@ async def _throughput(levels: list[int], steps: int, gen_tokens: int, tmp: Path)
     from activities._stream import StreamActivities
     from plugin import MambaStreamPlugin
     from state_codec.codec import Keyring
-    from worker import temporal_binary
+    from worker import dev_server_args, temporal_binary
     from workflows import StreamClient, StreamOptions
 
     env = await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(), ip="127.0.0.1",
-                                                dev_server_log_level="error")
+                                                dev_server_extra_args=dev_server_args(), dev_server_log_level="error")
     ring = Keyring.generate()
     queue = f"bench-{uuid.uuid4().hex[:8]}"
     from scan import ModelConfig, init_model, save_checkpoint

@@ -63,9 +63,20 @@ async def _feed(args: argparse.Namespace) -> int:
 
 async def _generate(args: argparse.Namespace) -> int:
     streams = await _streams(args)
-    res = await streams.generate(args.stream, args.principal, args.n, temperature=args.temperature,
-                                 top_k=args.top_k, seed=args.seed, stop=args.stop or (), chunk_seq=args.seq,
-                                 attempt=args.attempt)
+    kw = dict(temperature=args.temperature, top_k=args.top_k, seed=args.seed, stop=args.stop or (),
+              chunk_seq=args.seq, attempt=args.attempt)
+    if args.json or args.no_stream:
+        res = await streams.generate(args.stream, args.principal, args.n, **kw)
+    else:
+        # the text as it is sampled (token ids for a model without an input transform), then the result
+        gen = streams.generate_stream(args.stream, args.principal, args.n, **kw)
+        async for ev in gen:
+            if ev.restart:
+                sys.stdout.write("\n[the committed tokens differ from those shown; they are:]\n")
+            sys.stdout.write(ev.text if ev.text is not None else "".join(f"{t} " for t in ev.tokens))
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        res = gen.result
     _emit(args, res, f"chunk {res.chunk_seq}: generated {len(res.tokens)} tokens ({res.finish_reason}), "
                      f"position {res.position}\n  tokens {res.tokens}\n  text {res.text!r}")
     return 0
@@ -244,6 +255,8 @@ def add_stream_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append")
     p.add_argument("--seq", type=int, default=None)
     p.add_argument("--attempt", type=int, default=0, help="as for feed")
+    p.add_argument("--no-stream", action="store_true", help="print the result only, not the text as it is "
+                   "sampled (--json never streams)")
     p.set_defaults(func=_run(_generate), hard_exit=True)
 
     p = common(sub.add_parser("receipt", help="the stream's current receipt and counters"))

@@ -46,6 +46,9 @@ def test_the_compose_file_validates_with_the_services_of_a_deployment():
     assert text.count("MAMBA_STREAM_STORE: postgresql://mamba:mamba@postgresql:5432/mamba_stream") == 2
     assert text.count("MAMBA_STREAM_BACKEND: chunked") == 2
     assert "TEMPORAL_CODEC_ENDPOINT: http://localhost:8081" in text and "DB: postgres12" in text
+    # the server reads the transfer queue as often as the embedded dev server does (worker.py)
+    assert "DYNAMIC_CONFIG_FILE_PATH: config/dynamicconfig/mamba-stream.yaml" in text
+    assert "/etc/temporal/config/dynamicconfig/mamba-stream.yaml" in text
 
 
 def test_the_shared_keyring_is_required():

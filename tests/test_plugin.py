@@ -18,7 +18,7 @@ from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxR
 from plugin import PASSTHROUGH, MambaStreamPlugin, _runner, data_converter
 from state_codec.keyring import Keyring, KeyringNotFound
 from state_codec.payload import ENCRYPTED_ENCODING, EncryptionCodec, StreamPayloadConverter
-from worker import temporal_binary
+from worker import dev_server_args, temporal_binary
 
 
 class Tagging(PayloadCodec):
@@ -83,7 +83,7 @@ class _Acts:
 
 async def test_the_activities_close_when_the_last_worker_stops():
     env = await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(), ip="127.0.0.1",
-                                                dev_server_log_level="error")
+                                                dev_server_extra_args=dev_server_args(), dev_server_log_level="error")
     try:
         acts = _Acts()
         client = await Client.connect(env.client.service_client.config.target_host,

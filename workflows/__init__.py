@@ -8,7 +8,7 @@
 """
 
 from workflows._agent import AgentWorkflow
-from workflows._client import StreamClient, new_stream_id, update_id
+from workflows._client import GenerateStream, StreamClient, new_stream_id, update_id
 from workflows._failures import (
     NOT_THE_CHUNKS_FAULT,
     ActivityFailed,
@@ -23,8 +23,10 @@ from workflows._failures import (
     RewindUnavailable,
     StreamCancelled,
     StreamFailure,
+    StreamMoving,
     StreamOpening,
     TokenOutOfRange,
+    TokensOutOfOrder,
     UpdateIdMismatch,
     application_error,
     catalogue,
@@ -44,6 +46,8 @@ from workflows._models import (
     ResetRequest,
     StreamOptions,
     StreamStats,
+    TokenBatch,
+    TokenEvent,
     TokenLogprob,
     chunk_digest,
     parse_update_id,
@@ -67,6 +71,7 @@ __all__ = [
     "EmptyContext",
     "GenerateRequest",
     "GenerateResult",
+    "GenerateStream",
     "InternalError",
     "InvalidRequest",
     "MambaStreamWorkflow",
@@ -80,11 +85,15 @@ __all__ = [
     "StreamCancelled",
     "StreamClient",
     "StreamFailure",
+    "StreamMoving",
     "StreamOpening",
     "StreamOptions",
     "StreamStats",
+    "TokenBatch",
+    "TokenEvent",
     "TokenLogprob",
     "TokenOutOfRange",
+    "TokensOutOfOrder",
     "UpdateIdMismatch",
     "application_error",
     "catalogue",

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle, WorkflowUpdateFailedError
@@ -28,16 +30,19 @@ from workflows._models import (
     GenerateRequest,
     GenerateResult,
     OpenStreamInput,
+    PollTokensRequest,
     ResetRequest,
     StreamOptions,
     StreamStats,
+    TokenBatch,
+    TokenEvent,
 )
 from workflows._stream import MambaStreamWorkflow
 
 if TYPE_CHECKING:
     from state_codec.signing import RequestSigner
 
-__all__ = ["StreamClient", "new_stream_id", "update_id"]
+__all__ = ["GenerateStream", "StreamClient", "new_stream_id", "update_id"]
 
 
 def new_stream_id(tag: str | None = None) -> str:
@@ -121,6 +126,7 @@ class StreamClient:
         handle = await self.client.start_workflow(
             MambaStreamWorkflow.run, inp,
             id=sid, task_queue=self.task_queue, id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
+            task_timeout=timedelta(seconds=inp.options.task_timeout_s),
         )
         if wait:
             try:
@@ -184,6 +190,55 @@ class StreamClient:
         return await self._chunk("generate", stream_id, lambda seq: GenerateRequest(
             principal=principal, chunk_seq=seq, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
             seed=seed, stop=list(stop)), MambaStreamWorkflow.generate, chunk_seq, attempt)
+
+    def generate_stream(self, stream_id: str, principal: str, max_tokens: int, *, temperature: float = 1.0,
+                        top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (),
+                        chunk_seq: int | None = None, attempt: int = 0) -> GenerateStream:
+        """`generate`, its tokens read as they are sampled: `async for event in ...` yields the
+        chunk's `TokenEvent`s in order (the last one `done`); then `.result` is its GenerateResult.
+        The same chunk as `generate` with the same arguments: streaming decides how it is shown,
+        never what is committed."""
+        return GenerateStream(self, stream_id, principal, dict(
+            max_tokens=max_tokens, temperature=temperature, top_k=top_k, seed=seed, stop=list(stop)),
+            chunk_seq, attempt)
+
+    async def tokens(self, stream_id: str, *, from_offset: int = 0, chunk_seq: int | None = None
+                     ) -> AsyncIterator[TokenEvent]:
+        """The stream's token log from `from_offset` (of one chunk, if named), as it grows: each
+        entry once, in order, across continue-as-new; ends when the stream is cancelled or closed.
+        A reader that reconnects passes the last entry's offset + 1. Entries older than the log's
+        window (`StreamOptions.token_log_events`) are gone: reading starts at the oldest kept."""
+        offset = from_offset
+        handle = self.handle(stream_id)
+        while True:
+            try:
+                batch: TokenBatch = await handle.execute_update(
+                    MambaStreamWorkflow.poll_tokens, PollTokensRequest(from_offset=offset, chunk_seq=chunk_seq),
+                    id=f"tokens-poll-{uuid.uuid4().hex}")
+            except WorkflowUpdateFailedError as err:
+                if isinstance(err.cause, ApplicationError) and err.cause.type == "StreamMoving":
+                    await asyncio.sleep(0.02)  # continuing as new: the next run has the log
+                    continue
+                raise
+            except RPCError:
+                if (await handle.describe()).status != WorkflowExecutionStatus.RUNNING:
+                    return  # closed: nothing more will come
+                raise
+            for ev in batch.events:
+                yield ev
+            if batch.closed:
+                return
+            offset = batch.next_offset
+
+    async def read_tokens(self, stream_id: str, *, from_offset: int = 0, chunk_seq: int | None = None
+                          ) -> TokenBatch:
+        """What the token log holds from `from_offset` now, without waiting (a query: no history)."""
+        return await self.handle(stream_id).query(MambaStreamWorkflow.read_tokens,
+                                                  PollTokensRequest(from_offset=from_offset, chunk_seq=chunk_seq))
+
+    async def token_offset(self, stream_id: str) -> int:
+        """Where the stream's token log ends now."""
+        return await self.handle(stream_id).query(MambaStreamWorkflow.token_offset)
 
     async def reset(self, stream_id: str, principal: str, *, epoch: int | None = None, revoke: bool = False) -> None:
         """Signal a reset. A signing client names the epoch it begins (the current one + 1 unless
@@ -250,8 +305,9 @@ class StreamClient:
                             committed = e.event_id
                 continue
             if e.HasField("workflow_execution_update_accepted_event_attributes"):
-                args = e.workflow_execution_update_accepted_event_attributes.accepted_request.input.args
-                if args.payloads:
+                accepted = e.workflow_execution_update_accepted_event_attributes.accepted_request.input
+                args = accepted.args
+                if accepted.name in ("advance", "generate") and args.payloads:
                     [value] = await decode(args.payloads)
                     if isinstance(value, dict) and isinstance(value.get("chunk_seq"), int) and value["chunk_seq"] > to_seq:
                         raise RewindUnavailable(f"chunk {value['chunk_seq']} was admitted before chunk {to_seq} "
@@ -283,3 +339,75 @@ class StreamClient:
                 await h.result()
             except Exception:  # noqa: BLE001 - a cancelled run ends in WorkflowFailureError
                 pass
+
+
+class GenerateStream:
+    """A generate chunk's tokens as they are sampled (`StreamClient.generate_stream`).
+
+    Iterating starts the chunk and yields its `TokenEvent`s: the tokens in order, each once, the
+    last one `done` (a `restart` one replaces what came before it). Afterwards `result` is the
+    chunk's GenerateResult; a failed chunk raises as `generate` would.
+    """
+
+    def __init__(self, client: StreamClient, stream_id: str, principal: str, args: dict[str, Any],
+                 chunk_seq: int | None, attempt: int) -> None:
+        self._client, self.stream_id, self.principal = client, stream_id, principal
+        self._args, self.chunk_seq, self._attempt = args, chunk_seq, attempt
+        self.result: GenerateResult | None = None
+
+    async def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        c, sid = self._client, self.stream_id
+        if self.chunk_seq is None:
+            self.chunk_seq = await c.next_seq(sid)
+        seq = self.chunk_seq
+        offset = await c.token_offset(sid)  # this chunk's entries come after it
+        work = asyncio.ensure_future(c._chunk("generate", sid, lambda s: GenerateRequest(
+            principal=self.principal, chunk_seq=s, stream=True, **self._args), MambaStreamWorkflow.generate,
+            seq, self._attempt))
+        reader = c.tokens(sid, from_offset=offset, chunk_seq=seq).__aiter__()
+        seen, nxt = 0, None
+        try:
+            while True:
+                nxt = asyncio.ensure_future(reader.__anext__())
+                await asyncio.wait({nxt, work}, return_when=asyncio.FIRST_COMPLETED)
+                if nxt.done():
+                    try:
+                        ev = nxt.result()
+                    except StopAsyncIteration:
+                        break
+                    offset = ev.offset + 1
+                    seen += len(ev.tokens)
+                    yield ev
+                    if ev.done:
+                        break
+                    continue
+                await _drop(nxt)
+                self.result = work.result()  # a refused or failed chunk raises here
+                # its last entry was logged in the workflow task that answered it; a duplicate's
+                # entries came before `offset`
+                rest = await c.read_tokens(sid, from_offset=offset, chunk_seq=seq)
+                done = False
+                for ev in rest.events:
+                    yield ev
+                    done = done or ev.done
+                if not done:
+                    r = self.result
+                    yield TokenEvent(offset=-1, chunk_seq=seq, epoch=r.receipt.epoch, tokens=r.tokens, text=r.text,
+                                     done=True, finish_reason=r.finish_reason, restart=seen > 0)
+                return
+            self.result = await work
+        finally:
+            if nxt is not None:
+                await _drop(nxt)
+            await _drop(work)
+            await reader.aclose()
+
+
+async def _drop(task: asyncio.Future) -> None:
+    """Cancel a task whose outcome no one reads any more, and let it finish (a poll cut short ends
+    in an RPC error, not a cancellation)."""
+    if not task.done():
+        task.cancel()
+    await asyncio.wait({task})
+    if not task.cancelled():
+        task.exception()

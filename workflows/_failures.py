@@ -39,8 +39,10 @@ __all__ = [
     "RewindUnavailable",
     "StreamCancelled",
     "StreamFailure",
+    "StreamMoving",
     "StreamOpening",
     "TokenOutOfRange",
+    "TokensOutOfOrder",
     "UpdateIdMismatch",
     "application_error",
     "catalogue",
@@ -73,6 +75,17 @@ class StreamOpening(StreamFailure):
     """The stream has no first receipt yet. Refused, not failed: the same update id can come again."""
 
     retryable = True
+
+
+class StreamMoving(StreamFailure):
+    """The stream is continuing as new; a token reader reads again, from the same offset, in a moment."""
+
+    retryable = True
+
+
+class TokensOutOfOrder(StreamFailure):
+    """A publish of tokens that does not start where the chunk's published tokens end, or for a chunk
+    that is not streaming. Refused, not stored; `published` says where the chunk's tokens end."""
 
 
 class ChunkTooLarge(StreamFailure):

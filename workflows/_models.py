@@ -129,6 +129,34 @@ class StreamOptions(_Strict):
     schedule_to_start_s: float = Field(default=10.0, gt=0, le=86400.0,
                                        description="wait for the affine worker, then rebind")
     retry_max_attempts: int = Field(default=0, ge=0, le=10000, description="0: retry transient failures until they pass")
+    local_chunks: bool = Field(default=True, description="run short chunks as local activities: on the worker "
+                               "whose cache holds the workflow (and the stream's hot state), with no task queue "
+                               "or server hop in between; a longer chunk, or a failed local attempt, takes the "
+                               "regular activity path. Every worker that runs stream workflows must then serve "
+                               "the stream activities too (worker.py's all do): a workflows-only worker fails "
+                               "the workflow task, and a worker that can run it takes it over")
+    local_max_tokens: int = Field(default=256, ge=0, le=2**20,
+                                  description="the longest chunk run locally: tokens fed (a text's bytes) or "
+                                  "max_tokens of a generate")
+    local_timeout_s: float = Field(default=5.0, gt=0, le=3600.0,
+                                   description="a local attempt's start-to-close timeout; past it the chunk "
+                                   "takes the regular path. Keep it under 0.8 x task_timeout_s: a workflow "
+                                   "task is held open while its local activities run")
+    token_log_events: int = Field(default=1024, ge=1, le=65536,
+                                  description="entries of the token log kept for readers that subscribe late or "
+                                  "reconnect; across continue-as-new the newest carry_bytes/4 of them")
+    task_timeout_s: float = Field(default=10.0, gt=0, le=120.0,
+                                  description="the stream's workflow task timeout: how long a worker that died "
+                                  "inside a workflow task (a local chunk) holds the stream up")
+
+    @model_validator(mode="after")
+    def _local_fits_the_task(self) -> StreamOptions:
+        if self.local_chunks and self.local_timeout_s > 0.8 * self.task_timeout_s:
+            # past 80% of its timeout the SDK sends heartbeat workflow tasks: a local chunk that
+            # long is a regular activity's work
+            raise ValueError(f"local_timeout_s {self.local_timeout_s} must be at most 0.8 x task_timeout_s "
+                             f"({0.8 * self.task_timeout_s:g})")
+        return self
 
 
 class ModelInfo(_Model):
@@ -161,6 +189,8 @@ class StreamStats(_Model):
     resets: int = 0
     rejected_resets: int = 0
     migrations: int = 0
+    local_chunks: int = Field(default=0, description="chunks committed by a local activity (the rest: regular ones)")
+    local_fallbacks: int = Field(default=0, description="local attempts that failed and went the regular path")
     continued_as_new: int = 0
     version_moves: int = Field(default=0, description="continue-as-new onto a new worker deployment version")
     last_backend: str = ""
@@ -215,6 +245,9 @@ class GenerateRequest(_Signed):
                              description="None: derived from the stream and chunk_seq; else in [0, 2**63)")
     stop: list[Annotated[str, Field(max_length=1024)]] = Field(default_factory=list, max_length=64,
                                                                 description="stop after any of these texts")
+    stream: bool = Field(default=False, description="publish the tokens to the stream's token log as they are "
+                         "sampled (`StreamClient.generate_stream`). Presentation only: not part of the chunk's "
+                         "content, its digest or its state key, and the chunk still commits once, whole")
 
 
 class GenerateResult(_Model):
@@ -263,6 +296,57 @@ class RecentResult(_Model):
     state_key: str | None = Field(default=None, description="set on a digest-only entry: where its result is recorded")
 
 
+class TokenEvent(_Model):
+    """One entry of a stream's token log: tokens of one generate chunk, as they were sampled.
+
+    A chunk's entries are its tokens in order, `index` counting from 0 within the chunk; the last
+    one has `done` set (with the finish reason, or the failure's reason in `error`). `restart`:
+    the tokens published while the chunk ran were not the ones it committed (a retry on an
+    approximate backend sampled others); this entry holds all of them, from index 0.
+    """
+
+    offset: int = Field(default=0, description="position in the stream's log, over its whole life")
+    chunk_seq: int
+    epoch: int = 0
+    index: int = 0
+    tokens: list[int] = Field(default_factory=list)
+    text: str | None = Field(default=None, description="the tokens' text, where the model has an input transform")
+    done: bool = False
+    finish_reason: Literal["length", "stop"] | None = None
+    error: str | None = Field(default=None, description="the reason the chunk failed (a catalogue class name)")
+    restart: bool = False
+
+
+class PublishTokensRequest(_Strict):
+    """A generate activity's newest tokens of a streaming chunk (the `publish_tokens` update)."""
+
+    chunk_seq: int = Field(ge=1, le=MAX_INDEX)
+    index: int = Field(ge=0, le=2**20, description="the first token's index within the chunk")
+    tokens: list[Annotated[int, Field(ge=0, lt=2**31)]] = Field(min_length=1, max_length=2**20)
+    text: str | None = Field(default=None, max_length=2**22)
+
+
+class PublishTokensResult(_Model):
+    published: int = Field(description="tokens of the chunk in the log after this publish")
+
+
+class PollTokensRequest(_Strict):
+    """Read a stream's token log from `from_offset` (the `poll_tokens` update waits for entries)."""
+
+    from_offset: int = Field(default=0, ge=0, le=MAX_INDEX)
+    chunk_seq: int | None = Field(default=None, ge=1, le=MAX_INDEX, description="only this chunk's entries")
+    max_events: int = Field(default=256, ge=1, le=4096)
+
+
+class TokenBatch(_Model):
+    events: list[TokenEvent] = Field(default_factory=list)
+    next_offset: int = Field(description="where the next read starts")
+    base_offset: int = Field(default=0, description="the oldest entry still kept (older ones were truncated)")
+    closed: bool = Field(default=False, description="the stream is cancelled: nothing more will come")
+    moving: bool = Field(default=False, description="the stream is continuing as new: read again from "
+                         "next_offset (the log moves with it)")
+
+
 class StreamCarry(_Model):
     """Everything a stream carries across continue-as-new."""
 
@@ -273,6 +357,8 @@ class StreamCarry(_Model):
     kept: list[str] = Field(default_factory=list, description="state keys of recent checkpoints")
     pinned: list[str] = Field(default_factory=list, description="state keys handed out by `checkpoint`")
     worker_queue: str | None = None
+    token_log: list[TokenEvent] = Field(default_factory=list, description="the newest entries of the token log")
+    token_base: int = Field(default=0, description="the offset of the log's first entry carried (or the next one)")
 
 
 class OpenStreamInput(_Strict):
@@ -409,10 +495,15 @@ class AgentResult(_Model):
     turns: list[AdvanceResult]
 
 
+#: request fields that decide how a chunk is shown, not what it is: left out of its digest and key
+PRESENTATION = frozenset({"stream"})
+
+
 def chunk_digest(kind: str, request: AdvanceRequest | GenerateRequest) -> str:
     """What a chunk asks for, hashed: its kind and signed fields (not the signature). Two requests
     with the same digest are the same chunk; the update id names it (`workflows.update_id`)."""
-    body = json.dumps({"kind": kind, **request.claims()}, sort_keys=True, separators=(",", ":"))
+    claims = {k: v for k, v in request.claims().items() if k not in PRESENTATION}
+    body = json.dumps({"kind": kind, **claims}, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(body.encode()).hexdigest()[:32]
 
 

@@ -35,8 +35,10 @@ with workflow.unsafe.imports_passed_through():
         EmptyContext,
         OpenFailed,
         StreamCancelled,
+        StreamMoving,
         StreamOpening,
         TokenOutOfRange,
+        TokensOutOfOrder,
         UpdateIdMismatch,
         application_error,
     )
@@ -65,6 +67,9 @@ with workflow.unsafe.imports_passed_through():
         OpenStreamInput,
         OpenStreamRequest,
         OpenStreamResult,
+        PollTokensRequest,
+        PublishTokensRequest,
+        PublishTokensResult,
         RecallResultRequest,
         RecallResultResult,
         RecentResult,
@@ -73,6 +78,8 @@ with workflow.unsafe.imports_passed_through():
         StateResult,
         StreamCarry,
         StreamStats,
+        TokenBatch,
+        TokenEvent,
         chunk_digest,
         parse_update_id,
     )
@@ -80,6 +87,9 @@ with workflow.unsafe.imports_passed_through():
 __all__ = ["MambaStreamWorkflow"]
 
 T = TypeVar("T")
+
+#: the most a token read returns, in JSON bytes (an update's result is limited to 2 MiB)
+_POLL_BYTES = 512 * 1024
 
 
 def _arithmetic(before: Receipt | None, receipt: Receipt, stats: StreamStats) -> dict[str, Any]:
@@ -111,6 +121,12 @@ class MambaStreamWorkflow:
         self._in_flight: dict[int, str] = {}  # chunk_seq -> digest, of handlers started, not finished
         self._tasks: set[asyncio.Task] = set()  # handlers running activities: cancelled with the stream
         self._open_error: ApplicationError | None = None
+        # the token log: generate chunks' tokens for readers (`poll_tokens`); presentation, kept
+        # in memory and carried across continue-as-new in part, never in history event by event
+        self._log: list[TokenEvent] = list(carry.token_log) if carry else []
+        self._log_base = carry.token_base if carry else 0
+        self._streaming: dict[int, tuple[list[int], str]] = {}  # chunk_seq -> (tokens, text) published, while it runs
+        self._moving = False  # continuing as new: readers are let go, and read again from the next run
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -133,6 +149,7 @@ class MambaStreamWorkflow:
             await workflow.wait_condition(
                 lambda: (workflow.info().is_continue_as_new_suggested() or self._version_changed())
                 and not self._lock.locked())
+            self._moving = True  # waiting readers return now, and read on from the next run
             await workflow.wait_condition(workflow.all_handlers_finished)
             moving = self._version_changed()
             self._stats = self._stats.model_copy(update={
@@ -190,8 +207,17 @@ class MambaStreamWorkflow:
             if digests < 0:
                 break
             kept.append(rec)
+        log: list[TokenEvent] = []
+        room = self._opts.carry_bytes // 4
+        for ev in reversed(self._log):
+            room -= len(ev.model_dump_json())
+            if room < 0:
+                break
+            log.append(ev)
+        base = self._log_base + len(self._log) - len(log)
         return StreamCarry(receipt=self._receipt, info=self._info, stats=self._stats, recent=kept[::-1],
-                           kept=self._kept, pinned=self._pinned, worker_queue=self._worker_queue)
+                           kept=self._kept, pinned=self._pinned, worker_queue=self._worker_queue,
+                           token_log=log[::-1], token_base=base)
 
     @property
     def _stream_id(self) -> str:
@@ -235,14 +261,42 @@ class MambaStreamWorkflow:
                                          maximum_attempts=o.retry_max_attempts),
                 **common)
         except ActivityError as err:
-            cause = err.cause
-            if self._cancelled and isinstance(cause, CancelledError):
-                raise application_error(StreamCancelled("the stream was cancelled while the activity ran")) from err
-            if isinstance(cause, ApplicationError):
-                details = list(cause.details) if cause.details else []
-                raise ApplicationError(cause.message, *details, type=cause.type or ActivityFailed.reason,
-                                       non_retryable=True) from err
-            raise
+            raise self._failed(err.cause) or err from err
+
+    def _failed(self, cause: BaseException | None) -> BaseException | None:
+        """An activity's final failure as the handler's, typed by the activity's reason and
+        non-retryable; None if `cause` is not final (the chunk may be tried another way)."""
+        if self._cancelled and isinstance(cause, CancelledError):
+            return application_error(StreamCancelled("the stream was cancelled while the activity ran"))
+        if isinstance(cause, ApplicationError):
+            details = list(cause.details) if cause.details else []
+            return ApplicationError(cause.message, *details, type=cause.type or ActivityFailed.reason,
+                                    non_retryable=True)
+        return None
+
+    async def _run_chunk(self, name: str, arg: Any, result_type: type[T], size: int, *, local: bool = True) -> T:
+        """A chunk's activity: local when it is short (it runs on this worker, which holds the
+        stream's hot state, with no task queue in between), else, or when the local attempt fails
+        for a reason that is not the chunk's own, the regular path (`_call`). Either way the
+        commit protocol makes it exactly once: a local activity re-runs on replay if the worker
+        died before its workflow task completed, and finds the chunk's record."""
+        o = self._opts
+        if local and o.local_chunks and size <= o.local_max_tokens:
+            try:
+                out = await workflow.execute_local_activity(
+                    name, arg, result_type=result_type, start_to_close_timeout=timedelta(seconds=o.local_timeout_s),
+                    retry_policy=RetryPolicy(maximum_attempts=1))
+                self._stats = self._stats.model_copy(update={"local_chunks": self._stats.local_chunks + 1})
+                return out
+            except (ActivityError, ApplicationError, TimeoutError, CancelledError) as err:
+                # a local activity's failure arrives as itself, not wrapped in an ActivityError
+                cause = err.cause if isinstance(err, ActivityError) else err
+                if (isinstance(cause, ApplicationError) and cause.non_retryable) or \
+                        (self._cancelled and isinstance(cause, CancelledError)):
+                    raise self._failed(cause) or err from err
+                workflow.logger.warning("local %s failed (%s); taking the regular path", name, cause)
+                self._stats = self._stats.model_copy(update={"local_fallbacks": self._stats.local_fallbacks + 1})
+        return await self._call(name, arg, result_type)
 
     async def _cancellable(self, work: Any) -> Any:
         """Await a handler's activity; the stream's cancellation cancels it (`run`)."""
@@ -427,6 +481,106 @@ class MambaStreamWorkflow:
     def stats(self) -> StreamStats:
         return self._stats
 
+    # --- the token log ---------------------------------------------------------------------------
+
+    @workflow.update
+    async def publish_tokens(self, req: PublishTokensRequest) -> PublishTokensResult:
+        """The newest tokens of a streaming generate, from its activity, appended to the log."""
+        tokens, text = self._streaming[req.chunk_seq]
+        tokens.extend(req.tokens)
+        self._streaming[req.chunk_seq] = (tokens, text + (req.text or ""))
+        self._append(TokenEvent(chunk_seq=req.chunk_seq, epoch=self._epoch, index=req.index, tokens=req.tokens,
+                                text=req.text))
+        return PublishTokensResult(published=len(tokens))
+
+    @publish_tokens.validator
+    def _validate_publish(self, req: PublishTokensRequest) -> None:
+        # a refusal is not stored: a retried attempt's repeats, and a late publish, cost no history
+        running = self._streaming.get(req.chunk_seq)
+        if running is None:
+            raise application_error(TokensOutOfOrder(f"chunk {req.chunk_seq} is not streaming", published=None))
+        if req.index != len(running[0]):
+            raise application_error(TokensOutOfOrder(
+                f"chunk {req.chunk_seq} has {len(running[0])} tokens published, not {req.index}",
+                published=len(running[0])))
+
+    @workflow.update
+    async def poll_tokens(self, req: PollTokensRequest) -> TokenBatch:
+        """The log's entries from `from_offset` (of one chunk, if named): waits until there are some,
+        the stream is cancelled (`closed`), or it continues as new (`moving`: read on from there)."""
+        await workflow.wait_condition(lambda: self._cancelled or self._moving or bool(self._entries(req, 1)))
+        events = self._entries(req, req.max_events)
+        end = self._log_base + len(self._log)
+        nxt = events[-1].offset + 1 if events and len(events) == req.max_events else max(req.from_offset, end)
+        if events and sum(len(e.model_dump_json()) for e in events) > _POLL_BYTES:
+            size, kept = 0, []
+            for e in events:  # at least one, then as many as fit an update's result
+                size += len(e.model_dump_json())
+                if kept and size > _POLL_BYTES:
+                    break
+                kept.append(e)
+            events, nxt = kept, kept[-1].offset + 1
+        return TokenBatch(events=events, next_offset=nxt, base_offset=self._log_base,
+                          closed=self._cancelled and not events, moving=self._moving and not events)
+
+    @poll_tokens.validator
+    def _validate_poll(self, req: PollTokensRequest) -> None:
+        if self._moving:
+            raise application_error(StreamMoving("the stream is continuing as new; read again in a moment"))
+
+    @workflow.query
+    def read_tokens(self, req: PollTokensRequest) -> TokenBatch:
+        """The log's entries from `from_offset` now, without waiting."""
+        events = self._entries(req, req.max_events)
+        end = self._log_base + len(self._log)
+        return TokenBatch(events=events, next_offset=events[-1].offset + 1 if events else max(req.from_offset, end),
+                          base_offset=self._log_base, closed=self._cancelled)
+
+    @workflow.query
+    def token_offset(self) -> int:
+        """Where the token log ends: a reader that starts here gets what comes next."""
+        return self._log_base + len(self._log)
+
+    def _entries(self, req: PollTokensRequest, limit: int) -> list[TokenEvent]:
+        start = max(req.from_offset - self._log_base, 0)
+        out = []
+        for ev in self._log[start:]:
+            if req.chunk_seq is None or ev.chunk_seq == req.chunk_seq:
+                out.append(ev)
+                if len(out) >= limit:
+                    break
+        return out
+
+    @property
+    def _epoch(self) -> int:
+        return self._receipt.epoch if self._receipt is not None else 0
+
+    def _append(self, ev: TokenEvent) -> None:
+        self._log.append(ev.model_copy(update={"offset": self._log_base + len(self._log)}))
+        excess = len(self._log) - self._opts.token_log_events
+        if excess > 0:
+            del self._log[:excess]
+            self._log_base += excess
+
+    def _log_result(self, result: GenerateResult) -> None:
+        """A committed generate's last entry: its tokens not yet published (all of them, unstreamed)."""
+        tokens, text = self._streaming.pop(result.chunk_seq, ([], ""))
+        n = len(tokens)
+        if result.tokens[:n] == tokens and (result.text or "").startswith(text):
+            self._append(TokenEvent(chunk_seq=result.chunk_seq, epoch=result.receipt.epoch, index=n,
+                                    tokens=result.tokens[n:], text=None if result.text is None else result.text[len(text):],
+                                    done=True, finish_reason=result.finish_reason))
+        else:  # what was shown is not what was committed: the chunk's tokens again, whole
+            self._append(TokenEvent(chunk_seq=result.chunk_seq, epoch=result.receipt.epoch, tokens=result.tokens,
+                                    text=result.text, done=True, finish_reason=result.finish_reason, restart=True))
+
+    def _log_failed(self, kind: str, chunk_seq: int, reason: str) -> None:
+        """A generate that failed: its readers are told, and stop."""
+        if kind != "generate":
+            return
+        tokens, _ = self._streaming.pop(chunk_seq, ([], ""))
+        self._append(TokenEvent(chunk_seq=chunk_seq, epoch=self._epoch, index=len(tokens), done=True, error=reason))
+
     # --- bookkeeping -----------------------------------------------------------------------------
 
     async def _chunk(self, req: AdvanceRequest | GenerateRequest, kind: str, activity: str, result_type: type,
@@ -447,15 +601,26 @@ class MambaStreamWorkflow:
                                                                     or same.kind == kind):
                     return await self._answer(same, kind)  # the same chunk, sent again under another id
                 self._recheck(req.principal, req.chunk_seq)
+                streamed = isinstance(req, GenerateRequest) and req.stream
+                if streamed:
+                    self._streaming[req.chunk_seq] = ([], "")
                 try:
-                    out = await self._cancellable(self._call(activity, make_request(), result_type))
+                    # a streamed generate publishes through this workflow while it runs: not from
+                    # inside one of its workflow tasks, as a local activity would
+                    out = await self._cancellable(self._run_chunk(activity, make_request(), result_type,
+                                                                  _size(kind, req), local=not streamed))
                 except asyncio.CancelledError:
+                    self._log_failed(kind, req.chunk_seq, StreamCancelled.reason)
                     raise application_error(StreamCancelled("the stream was cancelled while the chunk ran")) from None
+                except ApplicationError as err:
+                    self._log_failed(kind, req.chunk_seq, err.type or ActivityFailed.reason)
+                    raise
                 result = out.result
                 if kind == "advance":
                     self._commit(result.receipt, out.worker_queue, tokens=result.n_tokens)
                 else:
                     self._commit(result.receipt, out.worker_queue, generated=len(result.tokens))
+                    self._log_result(result)
                 self._remember(RecentResult(update_id=workflow.current_update_info().id, digest=digest,
                                             **{kind: result}))
                 return result
@@ -526,6 +691,15 @@ def _digest_only(rec: RecentResult) -> RecentResult:
     assert res is not None
     return RecentResult(update_id=rec.update_id, digest=rec.digest, kind="advance" if rec.advance else "generate",
                         chunk_seq=res.chunk_seq, state_key=res.receipt.state_key)
+
+
+def _size(kind: str, req: AdvanceRequest | GenerateRequest) -> int:
+    """The chunk's work in tokens, at most: fed tokens, a text's bytes, or a generate's max_tokens."""
+    if isinstance(req, GenerateRequest):
+        return req.max_tokens
+    if req.tokens is not None:
+        return len(req.tokens)
+    return len(req.text.encode("utf-8")) if req.text is not None else 0
 
 
 def _permanent(err: ActivityError) -> bool:

@@ -22,17 +22,19 @@ from activities._stream import StreamActivities
 from activities._agent import agent_feed_stream
 from plugin import MambaStreamPlugin, _runner, data_converter
 from state_codec.codec import Keyring
-from worker import temporal_binary
+from worker import dev_server_args, temporal_binary
 from workflows import AgentWorkflow, MambaStreamWorkflow, StreamClient, StreamOptions
 
 # Short timeouts so that a dead worker is noticed in seconds, not minutes.
-FAST = StreamOptions(heartbeat_timeout_s=2.0, schedule_to_start_s=3.0, activity_timeout_s=60.0)
+# A worker that dies inside a workflow task (a local chunk) holds the stream up for task_timeout_s.
+FAST = StreamOptions(heartbeat_timeout_s=2.0, schedule_to_start_s=3.0, activity_timeout_s=60.0,
+                     task_timeout_s=4.0, local_timeout_s=3.0)
 MODELS = ["tiny-mamba1", "tiny-mamba2", "tiny-mamba3"]
 
 
 async def _start(extra: list[str]) -> WorkflowEnvironment:
     return await WorkflowEnvironment.start_local(
-        dev_server_existing_path=temporal_binary(), ip="127.0.0.1", dev_server_extra_args=extra,
+        dev_server_existing_path=temporal_binary(), ip="127.0.0.1", dev_server_extra_args=[*dev_server_args(), *extra],
         dev_server_log_level="error",
     )
 
@@ -139,3 +141,31 @@ async def eventually(fn, *, timeout: float = 20.0, interval: float = 0.05):
 
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+
+#: what sdk-core writes in a local activity's marker beside its result: its own bookkeeping, in
+#: clear (it never passes through the data converter); the result beside it is encrypted
+LOCAL_MARKER_META_KEYS = {"seq", "attempt", "activity_id", "activity_type", "complete_time", "backoff",
+                          "original_schedule_time", "activation_index"}
+
+
+def local_marker_meta(events) -> list:
+    """The `data` payloads of a history's local-activity markers, each checked to hold nothing but
+    sdk-core's bookkeeping (no input, result, principal or state key)."""
+    import json
+
+    from temporalio.api.enums.v1 import EventType
+
+    metas = []
+    for e in events:
+        if e.event_type != EventType.EVENT_TYPE_MARKER_RECORDED:
+            continue
+        attrs = e.marker_recorded_event_attributes
+        if attrs.marker_name != "core_local_activity":
+            continue
+        for p in attrs.details["data"].payloads:  # "result" holds the activity's (encrypted) result
+            body = json.loads(p.data)
+            assert set(body) <= LOCAL_MARKER_META_KEYS, body
+            assert body["activity_type"] in {"advance_chunk", "generate_tokens"}, body
+            metas.append(p)
+    return metas

@@ -116,8 +116,9 @@ async def test_an_untyped_failure_fails_the_chunk_typed_after_bounded_attempts_a
         with pytest.raises(WorkflowUpdateFailedError) as err:
             await asyncio.wait_for(stack.streams.generate(sid, "alice", 2, seed=5), 60)
         assert reason(err.value) == "InternalError" and "a sampler bug" in err.value.cause.message
-        # one try on the worker holding the state, then the shared queue's bounded attempts
-        assert BuggyOnce.attempts == 1 + UNTYPED_ATTEMPTS
+        # a local try, one on the worker holding the state's queue, then the shared queue's bounded attempts
+        assert BuggyOnce.attempts == 2 + UNTYPED_ATTEMPTS
+        assert (await stack.streams.stats(sid)).local_fallbacks == 1
         # the failed id keeps its failure; the same chunk as a next attempt goes through once fixed
         BuggyOnce.fixed = True
         with pytest.raises(WorkflowUpdateFailedError):

@@ -293,7 +293,8 @@ async def test_worker_killed_at_a_commit_edge_another_worker_finishes(temporal_e
             await eventually(lambda: _exists(ready), timeout=90)
             model = local("tiny-mamba2")
             tokens = list(range(100, 130))
-            sid = await stack.streams.open("alice", "tiny-mamba2", options=FAST)
+            # the regular path: a workflows-only worker cannot run a chunk as a local activity
+            sid = await stack.streams.open("alice", "tiny-mamba2", options=FAST.model_copy(update={"local_chunks": False}))
             await stack.streams.advance(sid, "alice", tokens=tokens[:10])  # on the doomed worker
             assert (await stack.streams.stats(sid)).migrations == 0
             await stack.worker(workflows=False, activities=True)  # the rescuer

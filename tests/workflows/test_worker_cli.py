@@ -246,6 +246,10 @@ async def test_stream_commands_of_the_cli(stack: Stack, tmp_path):
     assert second["chunk_seq"] == 2 and second["position"] == 8
     gen = await _cli(stack, keyfile, "generate", sid, "--principal", "alice", "-n", "3", "--seed", "5")
     assert len(gen["tokens"]) == 3 and gen["position"] == 11
+    # for people: the text as it is sampled, then the chunk (the same chunk again: the same answer)
+    shown = await _run(stack, keyfile, "generate", sid, "--principal", "alice", "-n", "3", "--seed", "5", "--seq", "3")
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith(gen["text"] + "\n") and "generated 3 tokens" in shown.stdout, shown.stdout
     rec = await _cli(stack, keyfile, "receipt", sid)
     assert rec["receipt"]["position"] == 11 and rec["stats"]["chunks"] == 3
     cp_file = tmp_path / "cp.json"
