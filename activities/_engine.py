@@ -8,6 +8,12 @@ then one piece (`prefill_piece` tokens) of the oldest long chunk. A 4,096-token 
 holds waiting decodes up for at most one piece. Splitting a chunk into pieces is invisible by the
 engine's own contract: bit-exact on the reference backend, within the declared bounds elsewhere.
 
+Per round, what is not the model's arithmetic is kept per batch rather than per row: the layers
+write the new states straight into the slots (`SlotTable.step`, no copy-back), each stream's
+logits rows go into one growing buffer of its own, and streams that sample with a
+`SeededSampler` are sampled together (`sample_rows`: one softmax and one argmax for the batch,
+each stream's own generator for its draws), with the bits of sampling each alone.
+
 States stay in their slots between chunks (the hot cache). A full table evicts its least
 recently used idle stream: nothing is written, its checkpoint is already in the store, and its
 next chunk reloads from there (a migration).
@@ -16,6 +22,7 @@ next chunk reloads from there (a migration).
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -27,9 +34,9 @@ import torch
 
 from activities._alloc import tune_allocator
 from activities._slots import SlotTable
-from scan import Model, State
+from scan import Model, NonFiniteOutput, State
 
-__all__ = ["ChunkOutput", "EngineStats", "NeedsLoad", "StreamBusy", "StreamEngine"]
+__all__ = ["ChunkOutput", "EngineStats", "NeedsLoad", "SeededSampler", "StreamBusy", "StreamEngine", "sample_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +70,177 @@ class EngineStats:
 
 
 @dataclass
+class SeededSampler:
+    """A stream's seeded sampling, in a form the engine can batch with other streams' (`generate`).
+
+    Calling it samples one row (the per-row path); `sample_rows` samples the rows of many
+    streams at once. Both give, row for row, the token and the generator state of the activity's
+    `_sample(next_logits, temperature, top_k, generator)`: temperature 0 is the argmax; else
+    softmax(logits / temperature) (over the top_k largest when top_k > 0) and one draw of
+    torch.multinomial from `generator`.
+
+    proceed: called before each token is sampled; False ends the generation there (a stop text
+        completed). None: always proceed.
+    taken: told each token sampled.
+    """
+
+    temperature: float
+    top_k: int
+    generator: torch.Generator
+    proceed: Callable[[], bool] | None = None
+    taken: Callable[[int], None] | None = None
+
+    def __call__(self, next_logits: torch.Tensor) -> int | None:
+        if self.proceed is not None and not self.proceed():
+            return None
+        tok = _sample_one(next_logits.cpu(), self.temperature, self.top_k, self.generator)
+        if self.taken is not None:
+            self.taken(tok)
+        return tok
+
+
+def _sample_one(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Generator) -> int:
+    """One row (V,): the arithmetic of `activities._stream._sample`, which `sample_rows` reproduces."""
+    if temperature == 0.0:
+        return int(torch.argmax(logits))
+    x = logits.double() / temperature
+    if top_k:
+        vals, idx = torch.topk(x, min(top_k, x.numel()))
+        choice = torch.multinomial(torch.softmax(vals, dim=-1), 1, generator=gen)
+        return int(idx[choice])
+    probs = torch.softmax(x, dim=-1)
+    if not math.isfinite(float(probs.sum())):
+        raise NonFiniteOutput("non-finite sampling distribution")
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def sample_rows(logits: torch.Tensor, samplers: list[SeededSampler]) -> list[int]:
+    """Sample row i of `logits` (B, V) with samplers[i], for all rows at once; each token and each
+    generator's state is what `samplers[i]` alone would give (`proceed` and `taken` are not
+    called: that is the caller's part). A row that fails alone (a non-finite distribution) raises
+    its error, after every other row has drawn as it would have alone.
+
+    torch.multinomial draws one sample as argmax(p / q), q ~ Exp(1) drawn from the generator
+    (ATen's Gumbel-max form, checked at first use by `_multinomial_form_holds`), so only the
+    draws stay per row; the casts, divisions, softmax, validity checks and argmax run once
+    for the batch. A row the batch cannot take as it is (a distribution torch would refuse, or a
+    torch whose multinomial is another algorithm) is sampled alone.
+    """
+    out = _sample_rows(logits, samplers)
+    for t in out:
+        if isinstance(t, BaseException):
+            raise t
+    return out  # type: ignore[return-value]
+
+
+def _sample_rows(logits: torch.Tensor, samplers: list[SeededSampler]) -> list[int | Exception]:
+    """`sample_rows`, each failing row's exception in its place."""
+    n = len(samplers)
+    if n != logits.shape[0]:
+        raise ValueError(f"{logits.shape[0]} rows but {n} samplers")
+    out: list[int | Exception] = [0] * n
+    if n == 0:
+        return out
+    logits = logits.cpu()
+
+    def alone(i: int) -> None:
+        s = samplers[i]
+        try:
+            out[i] = _sample_one(logits[i], s.temperature, s.top_k, s.generator)
+        except Exception as exc:  # noqa: BLE001 - the row's own error, for its own stream
+            out[i] = exc
+
+    greedy = [i for i, s in enumerate(samplers) if s.temperature == 0.0]
+    if greedy:
+        for i, t in zip(greedy, torch.argmax(logits[greedy], dim=-1).tolist()):
+            out[i] = int(t)
+    rest = [i for i, s in enumerate(samplers) if s.temperature != 0.0]
+    if rest and not _multinomial_form_holds():
+        for i in rest:
+            alone(i)
+        return out
+    # one group per (temperature, top_k): a row's division is by its own Python float, as alone
+    groups: dict[tuple[float, int], list[int]] = {}
+    for i in rest:
+        groups.setdefault((samplers[i].temperature, samplers[i].top_k), []).append(i)
+    for (temperature, top_k), idx in groups.items():
+        x = logits[idx].double() / temperature  # (b, V)
+        if top_k:
+            vals, cols = torch.topk(x, min(top_k, x.shape[-1]), dim=-1)  # (b, k)
+            probs = torch.softmax(vals, dim=-1)
+        else:
+            cols, probs = None, torch.softmax(x, dim=-1)
+        # the non-finite check of a row sampled alone, and what torch.multinomial refuses
+        total = probs.sum(dim=-1)
+        ok = (torch.isfinite(total) & (total != 0) & (probs.amax(dim=-1) < math.inf)
+              & (probs.amin(dim=-1) >= 0)).tolist()
+        q = torch.empty_like(probs)
+        good: list[int] = []
+        for j, i in enumerate(idx):
+            if ok[j]:
+                q[j].exponential_(1, generator=samplers[i].generator)
+                good.append(j)
+            else:
+                alone(i)  # it raises (or draws) exactly as alone
+        if good:
+            sel = torch.tensor(good, dtype=torch.long)
+            picks = torch.argmax(probs[sel] / q[sel], dim=-1)  # (g,)
+            if cols is not None:
+                picks = cols[sel].gather(1, picks.unsqueeze(1)).squeeze(1)
+            for j, t in zip(good, picks.tolist()):
+                out[idx[j]] = int(t)
+    return out
+
+
+_FORM: list[bool] = []
+
+
+def _multinomial_form_holds() -> bool:
+    """Whether this torch's one-sample multinomial is argmax(p / Exp(1) draws), draws and all
+    (checked once: a torch that samples otherwise gets the per-row path, never other tokens)."""
+    if not _FORM:
+        probs = torch.softmax(torch.linspace(-3.0, 3.0, 97, dtype=torch.float64), dim=-1)
+        same = True
+        for seed in range(8):
+            a, b = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+            want = int(torch.multinomial(probs, 1, generator=a))
+            got = int(torch.argmax(probs / torch.empty_like(probs).exponential_(1, generator=b)))
+            same = same and want == got and torch.equal(a.get_state(), b.get_state())
+        if not same:
+            log.warning("torch.multinomial is not the Gumbel-max form here; sampling row by row")
+        _FORM.append(same)
+    return _FORM[0]
+
+
+class _Rows:
+    """A stream's logits rows, float32 (n, V), in one buffer that doubles when full: a row costs
+    one copy, and the chunk's logits need no concatenation at the end."""
+
+    def __init__(self, vocab: int, hint: int, device: torch.device) -> None:
+        self._buf = torch.empty((max(1, hint), vocab), dtype=torch.float32, device=device)
+        self.n = 0
+
+    def extend(self, rows: torch.Tensor) -> None:
+        """Append rows (k, V)."""
+        k = rows.shape[0]
+        if self.n + k > self._buf.shape[0]:
+            grown = self._buf.new_empty((max(2 * self._buf.shape[0], self.n + k), self._buf.shape[1]))
+            grown[: self.n].copy_(self._buf[: self.n])
+            self._buf = grown
+        self._buf[self.n : self.n + k].copy_(rows)
+        self.n += k
+
+    def last(self) -> torch.Tensor:
+        return self._buf[self.n - 1].clone()
+
+    def tensor(self) -> torch.Tensor:
+        """The rows as the caller's own tensor (n, V), not holding a larger buffer alive."""
+        if self.n == self._buf.shape[0]:
+            return self._buf
+        return self._buf[: self.n].clone()
+
+
+@dataclass
 class _Work:
     stream_id: str
     tokens: list[int]
@@ -70,7 +248,7 @@ class _Work:
     epoch: int
     load: tuple[State, torch.Tensor | None] | None
     future: Future = field(default_factory=Future)
-    rows: list[torch.Tensor] = field(default_factory=list)
+    rows: _Rows | None = None  # the chunk's logits so far, from admission
     done: int = 0
     path: str = "empty"
     handle: object = None
@@ -130,7 +308,15 @@ class StreamEngine:
                  expected_key: str, epoch: int, load: Callable[[], tuple[State, torch.Tensor | None]],
                  on_wait: Callable[[], None] | None = None) -> ChunkOutput:
         """Sample up to `max_tokens` tokens, each advancing the state; every step is batched with
-        the other streams' single-token steps. `sampler(next_logits)` returns a token or None."""
+        the other streams' single-token steps. `sampler(next_logits)` returns a token or None.
+
+        A `SeededSampler` is sampled together with the other streams' in each round
+        (`sample_rows`), with the same tokens as called one row at a time; any other callable is
+        called per row. An activity adopts it with
+        `generate(stream_id, SeededSampler(temperature, top_k, generator, proceed=..., taken=...),
+        max_tokens, ...)`, `proceed` doing what its callback did before sampling (metrics, the
+        stop-text check: False to stop) and `taken` recording the token.
+        """
         return self._submit(lambda pre: _Work(stream_id, [], expected_key, epoch, pre, sampler=sampler,
                                               max_tokens=max_tokens),
                             stream_id, expected_key, load, on_wait)
@@ -225,6 +411,8 @@ class StreamEngine:
             h = self.slots.handle(w.stream_id)
             assert h is not None
             w.handle = h
+            hint = len(w.tokens) if w.sampler is None else min(w.max_tokens, 256)
+            w.rows = _Rows(self.model.vocab_size, hint, self.slots.logits.device)
             if w.sampler is not None:
                 first = self.slots.next_logits(h)
                 if first is None:
@@ -240,7 +428,10 @@ class StreamEngine:
             return False
 
     def _finish(self, w: _Work, state: State, last: torch.Tensor | None) -> None:
-        logits = torch.cat(w.rows) if w.rows else torch.zeros((0, self.model.vocab_size))
+        if w.rows is not None and w.rows.n:
+            logits = w.rows.tensor()
+        else:
+            logits = torch.zeros((0, self.model.vocab_size))
         if last is None:
             last = self.slots.next_logits(w.handle)
             last = None if last is None else last.clone()
@@ -305,21 +496,34 @@ class StreamEngine:
             self.stats.steps += 1
             self.stats.stepped_streams += len(singles)
             self.stats.max_batch = max(self.stats.max_batch, len(singles))
+            batched: list[tuple[int, _Work]] = []  # rows whose SeededSampler draws with the batch
             for i, w in enumerate(singles):
-                row = logits[i : i + 1].clone()  # not a view: the batch must not outlive its round
-                w.rows.append(row)
+                assert w.rows is not None
+                w.rows.extend(logits[i : i + 1])
                 w.done += 1
                 w.path = path
                 if w.sampler is not None and w.done < w.max_tokens:
-                    try:
-                        nxt = w.sampler(row[0])
-                    except Exception as exc:  # noqa: BLE001 - the sampler is the caller's
-                        self._fail(w, exc)
-                        continue
-                    if nxt is not None:
-                        w.tokens.append(nxt)
-                        continue
-                self._finish(w, slots.state(w.handle), row[0].clone())
+                    if isinstance(w.sampler, SeededSampler):
+                        try:
+                            go = w.sampler.proceed is None or w.sampler.proceed()
+                        except Exception as exc:  # noqa: BLE001 - the callback is the caller's
+                            self._fail(w, exc)
+                            continue
+                        if go:
+                            batched.append((i, w))
+                            continue
+                    else:
+                        try:
+                            nxt = w.sampler(logits[i])
+                        except Exception as exc:  # noqa: BLE001 - the sampler is the caller's
+                            self._fail(w, exc)
+                            continue
+                        if nxt is not None:
+                            w.tokens.append(nxt)
+                            continue
+                self._finish(w, slots.state(w.handle), w.rows.last())
+            if batched:
+                self._sample_batch(logits, batched)
         longs = [w for w in pending if len(w.tokens) - w.done > 1]
         if longs:
             w = longs[0]
@@ -331,9 +535,26 @@ class StreamEngine:
                 return [x for x in pending if x is not w and x not in singles]
             self.stats.pieces += 1
             slots.write(w.handle, r.state, r.logits[-1], state_key=None)
-            w.rows.append(r.logits)
+            assert w.rows is not None
+            w.rows.extend(r.logits)
             w.done += len(piece)
             w.path = r.path
             if w.done == len(w.tokens):
                 self._finish(w, r.state, r.logits[-1])
         return [w for w in pending if w.done < len(w.tokens) and not w.future.done()]
+
+    def _sample_batch(self, logits: torch.Tensor, batched: list[tuple[int, _Work]]) -> None:
+        """The next token of every row in `batched` ((row of `logits`, work)), sampled at once."""
+        toks = _sample_rows(logits[[i for i, _ in batched]], [w.sampler for _, w in batched])  # type: ignore[misc]
+        for (_, w), tok in zip(batched, toks):
+            if isinstance(tok, Exception):
+                self._fail(w, tok)
+                continue
+            taken = w.sampler.taken  # type: ignore[union-attr]
+            if taken is not None:
+                try:
+                    taken(tok)
+                except Exception as exc:  # noqa: BLE001 - the callback is the caller's
+                    self._fail(w, exc)
+                    continue
+            w.tokens.append(tok)

@@ -145,7 +145,13 @@ class SlotTable:
         """One token for each handle's stream, computed on the buffers in place (one batched step).
 
         Positions advance, the slots' next-token logits are replaced, and the slots become
-        uncommitted (state_key None) until `commit`. Returns the float32 logits (B, V).
+        uncommitted (state_key None) until `commit`. The layers write the new states straight
+        into the slots where the backend can (`Model.step_rows(in_place=True)`), so a step that
+        raises may leave them partly advanced: its streams are then released (zeroed and freed)
+        before the error propagates, and their next chunk reloads from the store.
+
+        Returns:
+            float32 logits (B, V), in the order of `handles`.
         """
         metas = [self._check(h) for h in handles]
         dev = self.logits.device
@@ -153,10 +159,19 @@ class SlotTable:
         order = sorted(range(len(handles)), key=lambda i: handles[i].slot)
         rows = torch.tensor([handles[i].slot for i in order], dtype=torch.long, device=dev)
         toks = torch.tensor([tokens[i] for i in order], dtype=torch.long, device=dev)
-        sorted_logits, path = self.model.step_rows(self.buffers, rows, toks)
+        try:
+            sorted_logits, path = self.model.step_rows(self.buffers, rows, toks, in_place=True)
+        except BaseException:
+            for m in metas:
+                if m.stream_id is not None:
+                    self.release(m.stream_id)
+            raise
         self.logits.index_copy_(0, rows, sorted_logits)
-        logits = torch.empty_like(sorted_logits)
-        logits[torch.tensor(order, dtype=torch.long, device=dev)] = sorted_logits
+        if order == list(range(len(order))):
+            logits = sorted_logits
+        else:
+            logits = torch.empty_like(sorted_logits)
+            logits[torch.tensor(order, dtype=torch.long, device=dev)] = sorted_logits
         self._clock += 1
         for h, m in zip(handles, metas):
             self.has_logits[h.slot] = True

@@ -11,6 +11,7 @@
     the KV-cache bytes a same-width attention model would hold.
 
     python bench/bench_serving.py [--turns 50] [--positions 1000000] [--skip a,b,c]
+    python bench/bench_serving.py --skip a,c,b-temporal     # (b)'s engine-alone table only
 """
 
 from __future__ import annotations
@@ -127,6 +128,17 @@ def _slope(xs: list[int], ys: list[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
 
 
+def _bench_model(tmp: Path) -> Path:
+    """The served model of table (b): Mamba-2, d_model 256, 4 layers, d_state 64, headdim 64."""
+    from scan import ModelConfig, init_model, save_checkpoint
+
+    path = tmp / "bench-mamba2"
+    if not path.exists():
+        cfg = ModelConfig.create(architecture="mamba2", d_model=256, n_layer=4, vocab_size=256, d_state=64, headdim=64)
+        save_checkpoint(init_model(cfg, seed=0), path)
+    return path
+
+
 async def _throughput(levels: list[int], steps: int, gen_tokens: int, tmp: Path) -> list[str]:
     from temporalio.client import Client
     from temporalio.testing import WorkflowEnvironment
@@ -144,10 +156,7 @@ async def _throughput(levels: list[int], steps: int, gen_tokens: int, tmp: Path)
                                                 dev_server_extra_args=dev_server_args(), dev_server_log_level="error")
     ring = Keyring.generate()
     queue = f"bench-{uuid.uuid4().hex[:8]}"
-    from scan import ModelConfig, init_model, save_checkpoint
-
-    cfg = ModelConfig.create(architecture="mamba2", d_model=256, n_layer=4, vocab_size=256, d_state=64, headdim=64)
-    save_checkpoint(init_model(cfg, seed=0), tmp / "bench-mamba2")
+    _bench_model(tmp)
     acts = StreamActivities(models=ModelRegistry({"tiny-mamba2": str(tmp / "bench-mamba2")}, backend="chunked"),
                             store=open_store(f"file://{tmp / 'states'}"), keyring=ring, worker_queue=f"{queue}@w")
     client = await Client.connect(env.client.service_client.config.target_host,
@@ -210,17 +219,23 @@ async def _throughput(levels: list[int], steps: int, gen_tokens: int, tmp: Path)
 def table_b_engine(levels: list[int], gen_tokens: int, tmp: Path,
                    backends: tuple[str, ...] = ("exact", "chunked")) -> list[str]:
     """The same decode load on the engine alone (no Temporal): what batching buys before the RPCs,
-    on each backend side by side."""
+    on each backend side by side, with the streams' sampling batched by the engine (a
+    `SeededSampler`) and, beside it, one callback per row (what activities/_stream.py passes today)."""
+    _bench_model(tmp)
     rows = ["### (b, beside it) the engine alone: the same model and decode load, one thread per stream", "",
-            "| backend | streams | decode tokens/s | x single stream | round ms | of which batched step ms | "
-            "streams per step |", "|---|---|---|---|---|---|---|"]
+            "sampling: `batched` = a SeededSampler per stream, sampled with the batch (`sample_rows`); `per row` = "
+            "a callable per stream (activities/_stream.py's `_sample`), called once per row. Same tokens either way.", "",
+            "| backend | sampling | streams | decode tokens/s | x single stream | round ms | of which batched step ms | "
+            "streams per step |", "|---|---|---|---|---|---|---|---|"]
     for backend in backends:
-        rows += _engine_rows(levels, gen_tokens, tmp, backend)
+        for batched in (True, False):
+            rows += _engine_rows(levels, gen_tokens, tmp, backend, batched)
     return rows
 
 
-def _engine_rows(levels: list[int], gen_tokens: int, tmp: Path, backend: str) -> list[str]:
+def _engine_rows(levels: list[int], gen_tokens: int, tmp: Path, backend: str, batched: bool) -> list[str]:
     from activities import StreamEngine
+    from activities._engine import SeededSampler
     from activities._stream import _sample
 
     model = load_model(tmp / "bench-mamba2", backend=backend)
@@ -235,8 +250,9 @@ def _engine_rows(levels: list[int], gen_tokens: int, tmp: Path, backend: str) ->
 
         def run(sid: str) -> None:
             gen = torch.Generator().manual_seed(0)
+            sampler = SeededSampler(1.0, 0, gen) if batched else (lambda lg: _sample(lg, 1.0, 0, gen))
             for _ in range(4):
-                engine.generate(sid, lambda lg: _sample(lg, 1.0, 0, gen), gen_tokens, expected_key="k0", epoch=0,
+                engine.generate(sid, sampler, gen_tokens, expected_key="k0", epoch=0,
                                 load=lambda: (first.state, first.logits[-1]))
                 engine.commit(sid, "k0")
 
@@ -252,8 +268,8 @@ def _engine_rows(levels: list[int], gen_tokens: int, tmp: Path, backend: str) ->
         rate = n * 4 * gen_tokens / wall
         base = base or rate
         step_ms = (engine.stats.step_seconds - step_s0) / steps * 1e3
-        rows.append(f"| {backend} | {n} | {rate:,.0f} | {rate / base:.1f}x | {wall / steps * 1e3:.2f} | {step_ms:.2f} | "
-                    f"{(engine.stats.stepped_streams - streams0) / steps:.1f} |")
+        rows.append(f"| {backend} | {'batched' if batched else 'per row'} | {n} | {rate:,.0f} | {rate / base:.1f}x | "
+                    f"{wall / steps * 1e3:.2f} | {step_ms:.2f} | {(engine.stats.stepped_streams - streams0) / steps:.1f} |")
         for sid in sids:
             engine.release(sid)
     engine.close()
@@ -294,7 +310,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--positions", type=int, default=1_000_000)
     ap.add_argument("--gen-tokens", type=int, default=128)
-    ap.add_argument("--skip", default="")
+    ap.add_argument("--skip", default="", help="tables to skip: a, b, c; or b-temporal / b-engine, one half of (b)")
+    ap.add_argument("--engine-backends", default="exact,chunked", help="backends of (b)'s engine-alone table")
     args = ap.parse_args()
     skip = set(args.skip.split(","))
     from activities import tune_allocator
@@ -307,8 +324,11 @@ def main() -> None:
             out += table_a(args.turns, Path(tmp)) + [""]
         if "b" not in skip:
             levels = [int(x) for x in args.levels.split(",")]
-            out += asyncio.run(_throughput(levels, args.steps, args.gen_tokens, Path(tmp))) + [""]
-            out += table_b_engine(levels, args.gen_tokens, Path(tmp)) + [""]
+            if "b-temporal" not in skip:
+                out += asyncio.run(_throughput(levels, args.steps, args.gen_tokens, Path(tmp))) + [""]
+            if "b-engine" not in skip:
+                backends = tuple(args.engine_backends.split(","))
+                out += table_b_engine(levels, args.gen_tokens, Path(tmp), backends) + [""]
         if "c" not in skip:
             if skip >= {"a", "b"}:
                 out += table_c(args.positions)

@@ -56,7 +56,8 @@ from scan._mamba3 import Mamba3Mixer
 from scan._mixer import States
 from scan._ops import Primitives
 
-__all__ = ["ARITHMETIC", "Probe", "TWIN_OPS", "TWIN_PRIMITIVES", "build_kernels", "exact_backend", "exact_primitives", "probe"]
+__all__ = ["ARITHMETIC", "Probe", "TWIN_OPS", "TWIN_PRIMITIVES", "TWIN_STEP_PRIMITIVES", "build_kernels", "exact_backend",
+           "exact_primitives", "exact_step_backend", "probe"]
 
 log = logging.getLogger(__name__)
 
@@ -490,22 +491,48 @@ class _Kernels:
         return out
 
     def conv(self, conv_state: Tensor, xs: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:
+        return self._conv(conv_state, xs, weight, bias, into=None)
+
+    def conv_into(self, conv_state: Tensor, xs: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:
+        """`conv`, the new state written over `conv_state` (returned): the kernel reads each stream's
+        window before it writes it, and shifts it front to back, so aliasing changes no bit."""
+        if not conv_state.is_contiguous():
+            out, new = self.conv(conv_state, xs, weight, bias)
+            return out, conv_state.copy_(new)
+        return self._conv(conv_state, xs, weight, bias, into=conv_state)
+
+    def _conv(self, conv_state: Tensor, xs: Tensor, weight: Tensor, bias: Tensor | None,
+              into: Tensor | None) -> tuple[Tensor, Tensor]:
         bsz, length, c = xs.shape
         w = weight.shape[-1]
         st, xs = conv_state.contiguous(), xs.contiguous()
         taps = self._cached(weight, "taps", lambda: weight.detach()[:, 0, :].contiguous())
         out = torch.empty_like(xs)
-        new = torch.empty_like(st)
+        new = torch.empty_like(st) if into is None else into
         self.fn["conv", xs.dtype](st.data_ptr(), xs.data_ptr(), taps.data_ptr(),
                                   None if bias is None else bias.data_ptr(), out.data_ptr(), new.data_ptr(),
                                   bsz, length, c, w)
         return out, new
 
     def selective_scan(self, dt: Tensor, at: Tensor, x: Tensor, b: Tensor, cc: Tensor, h0: Tensor) -> tuple[Tensor, Tensor]:
+        return self._selective_scan(dt, at, x, b, cc, h0, into=None)
+
+    def selective_scan_into(self, dt: Tensor, at: Tensor, x: Tensor, b: Tensor, cc: Tensor, h0: Tensor
+                            ) -> tuple[Tensor, Tensor]:
+        """`selective_scan`, the new state written over `h0` (returned): each work unit reads its
+        block of h0 whole before it writes it, so aliasing changes no bit."""
+        if not h0.is_contiguous():
+            y, h = self.selective_scan(dt, at, x, b, cc, h0)
+            return y, h0.copy_(h)
+        return self._selective_scan(dt, at, x, b, cc, h0, into=h0)
+
+    def _selective_scan(self, dt: Tensor, at: Tensor, x: Tensor, b: Tensor, cc: Tensor, h0: Tensor,
+                        into: Tensor | None) -> tuple[Tensor, Tensor]:
         bsz, length, c = dt.shape
         n = at.shape[0]
         dt, at, x, b, cc, h0 = (t.contiguous() for t in (dt, at, x, b, cc, h0))
-        h = torch.empty_like(h0)  # the kernel reads h0 and writes h: the caller's state stays as it was
+        # the kernel reads h0 and writes h: the caller's state stays as it was, unless it asked for it
+        h = torch.empty_like(h0) if into is None else into
         y = torch.empty_like(dt)
         fn = self.fn["selective_scan", dt.dtype]
         nblk = (c + 63) // 64
@@ -515,10 +542,23 @@ class _Kernels:
         return y, h
 
     def ssd(self, x: Tensor, dt: Tensor, a: Tensor, b: Tensor, c: Tensor, h0: Tensor) -> tuple[Tensor, Tensor]:
+        return self._ssd(x, dt, a, b, c, h0, into=None)
+
+    def ssd_into(self, x: Tensor, dt: Tensor, a: Tensor, b: Tensor, c: Tensor, h0: Tensor) -> tuple[Tensor, Tensor]:
+        """`ssd`, the new state written over `h0` (returned). Each work unit (stream, head) owns
+        its (P, N) block: the decode loop reads an element and writes it in one statement, the
+        longer loop reads the block whole first, so aliasing changes no bit."""
+        if not h0.is_contiguous():
+            y, s = self.ssd(x, dt, a, b, c, h0)
+            return y, h0.copy_(s)
+        return self._ssd(x, dt, a, b, c, h0, into=h0)
+
+    def _ssd(self, x: Tensor, dt: Tensor, a: Tensor, b: Tensor, c: Tensor, h0: Tensor,
+             into: Tensor | None) -> tuple[Tensor, Tensor]:
         bsz, length, h, p = x.shape
         g, n = b.shape[2], b.shape[3]
         x, dt, a, b, c, h0 = (t.contiguous() for t in (x, dt, a, b, c, h0))
-        s = torch.empty_like(h0)
+        s = torch.empty_like(h0) if into is None else into
         y = torch.empty_like(x)
         fn = self.fn["ssd_scan", x.dtype]
         _parallel(lambda u0, u1: fn(x.data_ptr(), dt.data_ptr(), a.data_ptr(), b.data_ptr(), c.data_ptr(),
@@ -594,6 +634,25 @@ def conv_twin(conv_state: Tensor, xs: Tensor, weight: Tensor, bias: Tensor | Non
     return acc.transpose(1, 2), full[:, :, -w:].contiguous()
 
 
+def conv_into_twin(conv_state: Tensor, xs: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    """The kernel call `conv_into`: `conv_twin`, its new state written over `conv_state` (returned)."""
+    out, new = conv_twin(conv_state, xs, weight, bias)
+    return out, conv_state.copy_(new)
+
+
+def selective_scan_into_twin(dt: Tensor, at: Tensor, x: Tensor, b: Tensor, cc: Tensor, h0: Tensor
+                             ) -> tuple[Tensor, Tensor]:
+    """The kernel call `selective_scan_into`: `selective_scan_twin`, its new state written over `h0`."""
+    y, h = selective_scan_twin(dt, at, x, b, cc, h0)
+    return y, h0.copy_(h)
+
+
+def ssd_into_twin(x: Tensor, dt: Tensor, a: Tensor, b: Tensor, c: Tensor, h0: Tensor) -> tuple[Tensor, Tensor]:
+    """The kernel call `ssd_into`: `ssd_twin`, its new state written over `h0` (returned)."""
+    y, s = ssd_twin(x, dt, a, b, c, h0)
+    return y, h0.copy_(s)
+
+
 class _Twins:
     """The twins, in the kernels' call shape."""
 
@@ -608,6 +667,9 @@ class _Twins:
     angle = staticmethod(angle_twin)
     trapezoid = staticmethod(trapezoid_twin)
     conv = staticmethod(conv_twin)
+    conv_into = staticmethod(conv_into_twin)
+    selective_scan_into = staticmethod(selective_scan_into_twin)
+    ssd_into = staticmethod(ssd_into_twin)
 
 
 TWIN_OPS = _Twins()
@@ -623,8 +685,17 @@ def _kernel_ops() -> _Kernels | None:
 # --- the primitives ------------------------------------------------------------------------------
 
 
-def exact_primitives(ops: Any, path: str) -> Primitives:
-    """The exact arithmetic, computed by `ops` (the kernels or the twins)."""
+def exact_primitives(ops: Any, path: str, *, in_place: bool = False) -> Primitives:
+    """The exact arithmetic, computed by `ops` (the kernels or the twins).
+
+    `in_place`: the conv and the Mamba-1/2 scans write the new state over the state they are
+    given and return it (`*_into`), for a caller that steps states where they live (the slot
+    table's decode step: no copy-back) and owns them; the same bits either way. Mamba-3's
+    states are written anew.
+    """
+    conv = ops.conv_into if in_place else ops.conv
+    scan_ssd = ops.ssd_into if in_place else ops.ssd
+    scan_selective = ops.selective_scan_into if in_place else ops.selective_scan
 
     def silu(x: Tensor) -> Tensor:
         return ops.unary(x, "silu")
@@ -636,11 +707,11 @@ def exact_primitives(ops: Any, path: str) -> Primitives:
         return ops.unary(x, "softplus")
 
     def selective_scan(dt: Tensor, a: Tensor, x: Tensor, b: Tensor, cc: Tensor, h0: Tensor) -> tuple[Tensor, Tensor]:
-        return ops.selective_scan(dt, a.t().contiguous(), x, b, cc, h0)
+        return scan_selective(dt, a.t().contiguous(), x, b, cc, h0)
 
     def ssd(x: Tensor, dt: Tensor, a: Tensor, b: Tensor, c: Tensor, h0: Tensor, chunk_size: int = 0
             ) -> tuple[Tensor, Tensor]:
-        return ops.ssd(x, dt, a, b, c, h0)
+        return scan_ssd(x, dt, a, b, c, h0)
 
     def mamba3(m: Mamba3Mixer, qn: Tensor, kn: Tensor, v: Tensor, a: Tensor, dt: Tensor, trap: Tensor,
                ang: Tensor, states: States) -> tuple[Tensor, States]:
@@ -660,19 +731,20 @@ def exact_primitives(ops: Any, path: str) -> Primitives:
 
     return Primitives(
         name=path, linear=ops.linear, silu=silu, sigmoid=sigmoid, softplus=softplus,
-        exp=ops.exp, norm=ops.norm, gated_norm=ops.gated_norm, conv=ops.conv,
+        exp=ops.exp, norm=ops.norm, gated_norm=ops.gated_norm, conv=conv,
         selective_scan=labelled(selective_scan, path), ssd=labelled(ssd, path),
         mamba3_scan=labelled(mamba3, path),
     )
 
 
 TWIN_PRIMITIVES = exact_primitives(TWIN_OPS, "exact-twin")
+TWIN_STEP_PRIMITIVES = exact_primitives(TWIN_OPS, "exact-twin", in_place=True)
 
 
 @functools.cache
-def _kernel_primitives() -> Primitives | None:
+def _kernel_primitives(in_place: bool = False) -> Primitives | None:
     ops = _kernel_ops()
-    return None if ops is None else exact_primitives(ops, "exact")
+    return None if ops is None else exact_primitives(ops, "exact", in_place=in_place)
 
 
 # --- the probe ------------------------------------------------------------------------------------
@@ -761,3 +833,45 @@ def exact_backend(lm: torch.nn.Module, dtype: torch.dtype) -> tuple[Backend, Pro
     backend = FixedBackend(_kernel_primitives() if found.kernels else TWIN_PRIMITIVES, "exact")
     cache[dtype] = (backend, found)
     return backend, found
+
+
+_STEP: weakref.WeakKeyDictionary[torch.nn.Module, dict[torch.dtype, Backend]] = weakref.WeakKeyDictionary()
+
+
+def exact_step_backend(lm: torch.nn.Module, dtype: torch.dtype) -> Backend:
+    """The exact backend whose conv and Mamba-1/2 scans write new states over the states they are
+    given (`exact_primitives(..., in_place=True)`): the slot table's decode step runs it on its
+    buffers and copies nothing back. Same arithmetic, same bits, same path as `exact_backend`.
+
+    Where the probe verified the kernels, one batched step in place must give the step's
+    out-of-place bits on this model (an aliasing the compiler did not expect would show here);
+    otherwise the out-of-place kernels run (and the caller copies back). Checked once per model.
+    """
+    cache = _STEP.setdefault(lm, {})
+    if dtype in cache:
+        return cache[dtype]
+    plain, found = exact_backend(lm, dtype)
+    if not found.kernels:
+        backend: Backend = FixedBackend(TWIN_STEP_PRIMITIVES, "exact")
+    else:
+        backend = FixedBackend(_kernel_primitives(in_place=True), "exact")  # type: ignore[arg-type]
+        if not _in_place_agrees(lm, dtype, plain, backend):
+            log.warning("exact backend: the in-place decode step gave other bits on this model; "
+                        "stepping out of place")
+            backend = plain
+    cache[dtype] = backend
+    return backend
+
+
+def _in_place_agrees(lm: torch.nn.Module, dtype: torch.dtype, plain: Backend, in_place: Backend) -> bool:
+    from scan._forward import forward
+
+    g = torch.Generator().manual_seed(1)
+    states = [tuple((torch.randn((3, *shape), generator=g) * 0.5).to(dtype) for _, shape in blk.mixer.state_shapes())
+              for blk in lm.backbone.layers]
+    hidden = torch.randn((3, 1, lm.cfg.d_model), generator=g).to(dtype)
+    with torch.inference_mode():
+        want_logits, want_states, _ = forward(lm, hidden, states, plain)
+        work = [tuple(t.clone() for t in st) for st in states]
+        got_logits, got_states, _ = forward(lm, hidden, work, in_place)
+    return torch.equal(got_logits, want_logits) and _states_equal(got_states, want_states)

@@ -3,6 +3,7 @@ and prefill splitting change no result."""
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 
@@ -12,9 +13,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from activities._engine import NeedsLoad, StreamEngine
+from activities._engine import NeedsLoad, SeededSampler, StreamEngine, sample_rows
 from activities._slots import SlotTable, StaleSlot
-from scan import InvalidState, load_model
+from activities._stream import _sample
+from scan import InvalidState, NonFiniteOutput, load_model
 from tests.scan._helpers import model_for, tokens
 
 MODEL = "tiny-mamba2"
@@ -230,5 +232,192 @@ def test_release_zeroes_the_slot():
         assert engine.release("a") and not engine.release("a")
         assert all(not bool(b[slot].abs().sum()) for b in engine.slots.buffers.values())
         assert not engine.holds("a", "a0")
+    finally:
+        engine.close()
+
+
+# --- batched decode: in-place steps, batched sampling ----------------------------------------------
+
+
+def _decode_alone(model, state, first_logits, sampler_args, max_tokens):
+    """One stream decoded alone, one `advance` per token, sampled with the activity's `_sample`:
+    (tokens, logits (n, V), final state, last logits)."""
+    temperature, top_k, seed = sampler_args
+    gen = torch.Generator().manual_seed(seed)
+    toks, rows, nxt = [], [], first_logits
+    for _ in range(max_tokens):
+        tok = _sample(nxt, temperature, top_k, gen)
+        toks.append(tok)
+        step = model.advance(state, [tok])
+        rows.append(step.logits)
+        state, nxt = step.state, step.logits[-1]
+    return toks, torch.cat(rows), state, nxt
+
+
+#: (temperature, top_k, seed) per stream: greedy, plain, top-k, a top-k wider than the vocabulary
+SAMPLING = [(1.0, 0, 11), (0.0, 0, 12), (0.7, 5, 13), (1.3, 0, 14), (1.0, 1, 15), (0.9, 300, 16)]
+
+
+@pytest.mark.parametrize("backend", ["exact", "reference"])
+def test_batched_decode_of_many_streams_equals_each_decoded_alone_bit_for_bit(backend):
+    """12 streams generating at once, half with a SeededSampler (sampled as a batch) and half with
+    a plain callable: every token, every logits row, the last logits and the final state are
+    each stream's solo run's, bit for bit."""
+    model = model_for(MODEL, backend)
+    engine = StreamEngine(model, capacity=16, max_batch=16, max_wait_s=0.02)
+    n_tokens = 9
+    try:
+        prefixes = {f"s{i}": tokens(3 + i, 100 + i) for i in range(12)}
+        starts = {}
+        for sid, pre in prefixes.items():
+            r = model.advance(model.initial_state(), pre)
+            starts[sid] = r
+            engine.put(sid, r.state, epoch=0, state_key=f"{sid}-0", logits=r.logits[-1])
+        outs: dict = {}
+
+        def stream(i: int, sid: str) -> None:
+            temperature, top_k, seed = SAMPLING[i % len(SAMPLING)]
+            gen = torch.Generator().manual_seed(seed)
+            taken: list[int] = []
+            if i % 2:
+                sampler = SeededSampler(temperature, top_k, gen, taken=taken.append)
+            else:
+                sampler = lambda lg: _sample(lg, temperature, top_k, gen)  # noqa: E731
+            outs[sid] = (engine.generate(sid, sampler, n_tokens, expected_key=f"{sid}-0", epoch=0,
+                                         load=lambda: (_ for _ in ()).throw(AssertionError)), taken)
+
+        threads = [threading.Thread(target=stream, args=(i, sid)) for i, sid in enumerate(prefixes)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert engine.stats.max_batch > 1
+        for i, sid in enumerate(prefixes):
+            out, taken = outs[sid]
+            toks, logits, state, last = _decode_alone(model, starts[sid].state, starts[sid].logits[-1],
+                                                      SAMPLING[i % len(SAMPLING)], n_tokens)
+            assert out.tokens == toks, sid
+            assert i % 2 == 0 or taken == toks
+            assert torch.equal(out.logits, logits) and out.state.equal(state) and torch.equal(out.last_logits, last)
+            # the slot holds the same state, and stepping went on in place, not in a copy
+            assert engine.slots.view(engine.slots.handle(sid)).equal(state)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("rows", [[1, 2, 3], [4, 0, 2]], ids=["span", "scattered"])
+def test_an_in_place_step_changes_only_its_own_slots(rows):
+    model = model_for(MODEL, "exact")
+    table = SlotTable(model, 6)
+    fed = {f"s{i}": tokens(2 + i, 40 + i) for i in range(5)}
+    handles = {sid: table.insert(sid, model.advance(model.initial_state(), t).state, epoch=0, state_key=None)
+               for sid, t in fed.items()}
+    before = {k: v.clone() for k, v in table.buffers.items()}
+    stepped = [f"s{r}" for r in rows]
+    logits, path = table.step([handles[s] for s in stepped], [5, 6, 7])
+    assert path == "exact"
+    for i, (sid, tok) in enumerate(zip(stepped, [5, 6, 7])):
+        solo = model.advance(model.advance(model.initial_state(), fed[sid]).state, [tok])
+        assert torch.equal(logits[i], solo.logits[0]) and table.view(handles[sid]).equal(solo.state)
+    for sid in sorted(set(fed) - set(stepped)):
+        slot = handles[sid].slot
+        assert all(torch.equal(table.buffers[k][slot], before[k][slot]) for k in before), sid
+    assert all(not bool(b[5].abs().sum()) for b in table.buffers.values())  # the free slot stays zero
+
+
+def test_a_failed_in_place_step_drops_its_streams_and_spares_the_others():
+    model = copy.deepcopy(load_model(MODEL, backend="exact"))
+    table = SlotTable(model, 4)
+    states = {s: model.advance(model.initial_state(), tokens(4, i)).state for i, s in enumerate("abc")}
+    handles = {s: table.insert(s, st_, epoch=0, state_key=f"{s}0") for s, st_ in states.items()}
+    with torch.no_grad():
+        model.module.backbone.layers[1].mixer.out_proj.weight.fill_(float("inf"))
+    with pytest.raises(NonFiniteOutput):
+        table.step([handles["a"], handles["b"]], [1, 2])  # layer 0 wrote its states in place
+    assert table.handle("a") is None and table.handle("b") is None and len(table) == 1
+    for s in "ab":  # zeroed, and the old handles cannot read them
+        assert all(not bool(b[handles[s].slot].abs().sum()) for b in table.buffers.values())
+        with pytest.raises(StaleSlot):
+            table.view(handles[s])
+    assert table.view(handles["c"]).equal(states["c"])
+
+
+def test_an_evicted_stream_reloads_and_continues_exactly():
+    """Generate, commit, get evicted by other streams, reload the committed state from the
+    'store', generate on: the same tokens, logits and state as one uninterrupted decode."""
+    model = model_for(MODEL, "exact")
+    engine = StreamEngine(model, capacity=2, max_wait_s=0.0)
+    try:
+        start = model.advance(model.initial_state(), tokens(6, 3))
+        gen = torch.Generator().manual_seed(7)
+        engine.put("a", start.state, epoch=0, state_key="a0", logits=start.logits[-1])
+        first = engine.generate("a", SeededSampler(1.0, 0, gen), 5, expected_key="a0", epoch=0,
+                                load=lambda: (_ for _ in ()).throw(AssertionError))
+        engine.commit("a", "a1")
+        stored = (first.state, first.last_logits)  # what the activity seals into the store
+        for s in "bc":
+            engine.put(s, model.initial_state(), epoch=0, state_key=f"{s}0")
+        assert not engine.holds("a", "a1") and engine.stats.evictions >= 1
+        second = engine.generate("a", SeededSampler(1.0, 0, gen), 6, expected_key="a1", epoch=0,
+                                 load=lambda: stored)
+        assert engine.stats.loads == 1
+        toks, logits, state, last = _decode_alone(model, start.state, start.logits[-1], (1.0, 0, 7), 11)
+        assert first.tokens + second.tokens == toks
+        assert torch.equal(torch.cat([first.logits, second.logits]), logits)
+        assert second.state.equal(state) and torch.equal(second.last_logits, last)
+    finally:
+        engine.close()
+
+
+def test_sample_rows_gives_each_row_its_own_samplers_token_and_generator_state():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(24, 256, generator=g) * 4
+    logits[3, 17] = logits[3, 90] = 50.0  # a tie for the greedy and top-k rows to break the same way
+    for seed in range(20):
+        params = [SAMPLING[(seed + i) % len(SAMPLING)] for i in range(24)]
+        batch = [SeededSampler(t, k, torch.Generator().manual_seed(seed * 100 + i)) for i, (t, k, _) in enumerate(params)]
+        alone = [torch.Generator().manual_seed(seed * 100 + i) for i in range(24)]
+        got = sample_rows(logits, batch)
+        want = [_sample(logits[i], t, k, alone[i]) for i, (t, k, _) in enumerate(params)]
+        assert got == want, seed
+        assert all(torch.equal(s.generator.get_state(), a.get_state()) for s, a in zip(batch, alone))
+
+
+def test_a_row_that_cannot_be_sampled_fails_its_own_stream_only():
+    model = model_for(MODEL, "exact")
+    engine = StreamEngine(model, capacity=4, max_batch=4, max_wait_s=0.05)
+    try:
+        start = model.advance(model.initial_state(), [1, 2, 3])
+        for s in "ab":
+            engine.put(s, start.state, epoch=0, state_key=f"{s}0", logits=start.logits[-1])
+        # stream b's distribution turns NaN after its first token, when it samples with the batch
+        poisoned = SeededSampler(1.0, 0, torch.Generator().manual_seed(2))
+        calls = []
+
+        def proceed() -> bool:
+            calls.append(1)
+            if len(calls) == 2:
+                poisoned.temperature = float("nan")
+            return True
+
+        poisoned.proceed = proceed
+        results: dict = {}
+
+        def run(s: str, sampler) -> None:
+            try:
+                results[s] = engine.generate(s, sampler, 4, expected_key=f"{s}0", epoch=0, load=lambda: None)
+            except Exception as exc:  # noqa: BLE001
+                results[s] = exc
+
+        threads = [threading.Thread(target=run, args=("a", SeededSampler(1.0, 0, torch.Generator().manual_seed(1)))),
+                   threading.Thread(target=run, args=("b", poisoned))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert isinstance(results["b"], NonFiniteOutput)
+        toks, logits, state, _ = _decode_alone(model, start.state, start.logits[-1], (1.0, 0, 1), 4)
+        assert results["a"].tokens == toks and results["a"].state.equal(state)
+        assert len(calls) == 2 and engine.slots.handle("b") is None  # the failed stream's slot was dropped
     finally:
         engine.close()

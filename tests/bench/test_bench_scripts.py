@@ -63,9 +63,10 @@ def test_serving_tables_on_a_small_cpu_run(tmp_path):
     assert all(float(r[5].replace(",", "")) > 0 for r in rows)  # decode tokens/s
     assert 1.0 <= float(rows[1][9]) <= 2.0  # batch occupancy at 2 streams
     eng = [[c.strip() for c in line.split("|")] for line in mod.table_b_engine([1, 2], 4, tmp_path)
-           if line.startswith("| ") and line.split("|")[2].strip().isdigit()]
-    assert [(r[1], int(r[2])) for r in eng] == [("exact", 1), ("exact", 2), ("chunked", 1), ("chunked", 2)]
-    assert all(0 < float(r[6]) <= float(r[5]) for r in eng)  # the batched step is part of the round
+           if line.startswith("| ") and line.split("|")[3].strip().isdigit()]
+    assert [(r[1], r[2], int(r[3])) for r in eng] == [
+        (backend, sampling, n) for backend in ("exact", "chunked") for sampling in ("batched", "per row") for n in (1, 2)]
+    assert all(0 < float(r[7]) <= float(r[6]) for r in eng)  # the batched step is part of the round
 
     c = mod.table_c(6_000)
     rows = [line.split("|") for line in c if line.startswith("| ") and line[2].isdigit()]

@@ -67,6 +67,38 @@ def test_every_elementwise_kernel_gives_its_twins_bits(dtype):
     assert float((E._kernel_ops().unary(v.to(dtype), "rsqrt").double() * v.sqrt() - 1).abs().max()) <= 4 * ulp
 
 
+@pytest.mark.parametrize("contiguous", [True, False], ids=["in-place", "strided-state"])
+@pytest.mark.parametrize("length", [1, 2, 6])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_in_place_scans_and_conv_give_the_out_of_place_bits_in_the_state_they_were_given(dtype, length,
+                                                                                         contiguous):
+    """`*_into` (the slot table's decode step) against the out-of-place kernel and both twins: the
+    same outputs and new state, written over the state passed in, which is what they return."""
+    g, L = torch.Generator().manual_seed(5), length
+
+    def state(*shape: int) -> torch.Tensor:
+        t = _r(g, *shape, dtype=dtype)
+        # a strided state (rows of a wider buffer) cannot be written by the kernel in place
+        return t if contiguous else torch.cat([t, t], dim=-1)[..., : shape[-1]]
+
+    dt = torch.rand(3, L, 70, generator=g, dtype=torch.float64).to(dtype) * 0.1
+    sel = (dt, -torch.rand(16, 70, generator=g, dtype=torch.float64).to(dtype), _r(g, 3, L, 70, dtype=dtype),
+           _r(g, 3, L, 16, dtype=dtype), _r(g, 3, L, 16, dtype=dtype))
+    ssd = (_r(g, 3, L, 4, 11, dtype=dtype), torch.rand(3, L, 4, generator=g, dtype=torch.float64).to(dtype) * 0.1,
+           -torch.rand(4, generator=g, dtype=torch.float64).to(dtype), _r(g, 3, L, 2, 16, dtype=dtype),
+           _r(g, 3, L, 2, 16, dtype=dtype))
+    conv = (_r(g, 3, L, 7, dtype=dtype), _r(g, 7, 1, 4, dtype=dtype), _r(g, 7, dtype=dtype))
+    cases = [("selective_scan", lambda h: (*sel, h), state(3, 70, 16), -1),
+             ("ssd", lambda h: (*ssd, h), state(3, 4, 11, 16), -1),
+             ("conv", lambda h: (h, *conv), state(3, 7, 4), 0)]
+    for name, args, h0, where in cases:
+        want = getattr(E._kernel_ops(), name)(*args(h0))
+        for ops in (E._kernel_ops(), E.TWIN_OPS):
+            h = h0.clone() if contiguous else state(*h0.shape).copy_(h0)
+            got = getattr(ops, name + "_into")(*args(h))
+            assert got[1] is h and _equal(got, want), (name, ops)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_products_norms_and_conv_give_their_twins_bits(dtype):
     g = torch.Generator().manual_seed(2)
@@ -152,6 +184,27 @@ def test_any_co_scheduled_batch_gives_each_stream_its_solo_bits(preset, dtype, s
         solo = model.advance(states[r], [7])
         assert torch.equal(logits[i], solo.logits[0]) and path == "exact"
         assert all(torch.equal(buffers[k][r], solo.state.tensors[k]) for k in buffers)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("preset", ARCH_PRESETS)
+def test_the_in_place_step_gives_the_steps_bits_and_touches_only_its_rows(preset, dtype):
+    """`step_rows(in_place=True)`: the layers write the slot buffers as they run, on a span of rows
+    (no copy-back) and on scattered ones, with the bits of the out-of-place step."""
+    model = model_for(preset, "exact", dtype)
+    assert E.exact_step_backend(model.module, model.dtype) is not E.exact_backend(model.module, model.dtype)[0]
+    states = [model.advance(model.initial_state(), tokens(n, 30 + n)).state for n in (3, 7, 1, 12, 5)]
+    stacked = {name: torch.stack([s.tensors[name] for s in states]) for name in states[0].tensors}
+    for rows in ([1, 2, 3], [4, 0, 2], [0, 1, 2, 3, 4]):
+        plain = {k: v.clone() for k, v in stacked.items()}
+        fast = {k: v.clone() for k, v in stacked.items()}
+        toks = torch.tensor([9, 200, 31, 4, 77][: len(rows)])
+        want, path = model.step_rows(plain, torch.tensor(rows), toks)
+        got, path_in_place = model.step_rows(fast, torch.tensor(rows), toks, in_place=True)
+        assert torch.equal(got, want) and path_in_place == path == "exact"
+        assert all(torch.equal(fast[k], plain[k]) for k in plain), rows  # stepped rows and the others
+        for r in sorted(set(range(5)) - set(rows)):
+            assert all(torch.equal(fast[k][r], stacked[k][r]) for k in fast)
 
 
 @pytest.mark.parametrize("preset", ARCH_PRESETS)
