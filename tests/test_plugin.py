@@ -98,3 +98,59 @@ async def test_the_activities_close_when_the_last_worker_stops():
         assert acts.closed == 1
     finally:
         await env.shutdown()
+
+
+# --- every payload kind leaves encrypted (Issue 19, mutant 5) -----------------------------------
+
+#: in every plaintext value below, so that a payload that leaves in clear is seen in its bytes
+_MARK = "issue19-plaintext-marker"
+
+
+def _values() -> list[tuple[object, type | None]]:
+    """A value of each kind the stream converter encodes, with the type hint that decodes it."""
+    from temporalio.api.common.v1 import WorkflowExecution
+
+    from workflows._models import AdvanceRequest
+
+    return [
+        (None, type(None)),
+        (f"{_MARK}-bytes".encode(), bytes),
+        (f"{_MARK}-str", str),
+        ({"text": f"{_MARK}-dict"}, dict),
+        (AdvanceRequest(principal=f"{_MARK}-pydantic", chunk_seq=3, text="hello"), AdvanceRequest),
+        (WorkflowExecution(workflow_id=f"{_MARK}-proto"), WorkflowExecution),
+    ]
+
+
+@pytest.mark.parametrize("stream", [None, "ms-" + "0" * 32, "ms.{tag}." + "1" * 32],
+                         ids=["no-stream", "master-key-stream", "principal-stream"])
+async def test_every_payload_kind_the_converter_makes_is_encrypted(stream):
+    """None and bytes have converters of their own (binary/null, binary/plain) beside JSON: each
+    kind must leave the codec as `binary/encrypted`, with neither its value nor its original
+    encoding in clear."""
+    from temporalio.converter import WorkflowSerializationContext
+
+    ring = Keyring.generate()
+    conv = data_converter(ring)
+    if stream is not None:
+        wid = stream.format(tag=ring.principal_tag("alice"))
+        conv = conv.with_context(WorkflowSerializationContext(namespace="default", workflow_id=wid))
+    values = [v for v, _ in _values()]
+    plain = conv.payload_converter.to_payloads(values)
+    kinds = [p.metadata["encoding"] for p in plain]
+    # every converter that ever encodes is exercised: the sealed one never encodes, and protobuf
+    # messages go to json/protobuf, which precedes binary/protobuf
+    makes = set(conv.payload_converter_class().converters) - {b"binary/undecryptable", b"binary/protobuf"}
+    assert set(kinds) == makes and len(kinds) == len(values)
+    assert b"binary/null" in kinds and b"binary/plain" in kinds  # the two the JSON-only tests missed
+
+    encoded = await conv.encode(values)
+    for p, kind in zip(encoded, kinds):
+        assert p.metadata["encoding"] == ENCRYPTED_ENCODING, kind
+        assert set(p.metadata) <= {"encoding", "encryption-key-id", "encryption-tag"}, kind
+        assert ("encryption-tag" in p.metadata) == (stream is not None and stream.startswith("ms.")), kind
+        clear = p.data + b"".join(p.metadata.values())
+        assert _MARK.encode() not in clear and kind not in clear, kind
+    # and nothing was lost: each decodes to the value it was
+    back = await conv.decode(encoded, [hint for _, hint in _values()])
+    assert back == values

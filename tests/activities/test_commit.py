@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 from temporalio.exceptions import ApplicationError
@@ -10,7 +12,7 @@ from temporalio.testing import ActivityEnvironment
 
 from activities import MemoryStateStore, ModelRegistry, StreamActivities
 from activities._commit import ChunkCommit, chunk_key, record_key
-from scan import load_model
+from scan import State, load_model
 from state_codec import CheckpointNotFound
 from state_codec.codec import Keyring, default_state_key, plaintext_checksum
 from workflows import AdvanceRequest, GenerateRequest
@@ -180,5 +182,109 @@ def test_a_missing_checkpoint_is_a_typed_permanent_failure_through_the_activity(
             env.run(acts.advance_chunk, AdvanceChunkRequest(stream_id="s1", principal="alice",
                                                             receipt=opened.receipt, request=req))
         assert err.value.type == "CheckpointNotFound" and err.value.non_retryable
+    finally:
+        acts.close()
+
+
+# --- adoption and chunk keys through the activities (Issue 19, mutants 2 and 3) -----------------
+
+
+def _digest(logits: torch.Tensor) -> str:
+    return "sha256:" + hashlib.sha256(logits.to(torch.float32).contiguous().numpy().tobytes()).hexdigest()
+
+
+def _hot(acts: StreamActivities, sid: str) -> State:
+    """The state the stream's slot holds, read on the engine's own thread."""
+    eng = acts.engine(acts.models.get(MODEL))
+    return eng._call(lambda: eng.slots.state(eng.slots.handle(sid)))
+
+
+def _same(a: State, b: State) -> bool:
+    return a.position == b.position and list(a.tensors) == list(b.tensors) and all(
+        torch.equal(a.tensors[k], b.tensors[k]) for k in a.tensors)
+
+
+class _DiesAfterWriting(StreamActivities):
+    """A worker that stores the chunk's checkpoint and dies before recording the result (the
+    `written` edge): the retry finds the key taken and no record."""
+
+    def _edge(self, name: str, stream_id: str, chunk_seq: int) -> None:
+        if name == "written":
+            raise KeyboardInterrupt("worker died after writing the checkpoint")
+
+
+def test_a_retry_that_computes_other_bits_adopts_the_stored_state_and_the_stream_reloads():
+    """Attempt 1 ran on a worker whose arithmetic differs (the chunked backend: other bits for the
+    same tokens) and died after storing its checkpoint. Attempt 2, on the reference backend,
+    computes state B under the same key, finds state A there and must adopt it: the receipt it
+    returns, the state its slot holds and what a reload reads must all be A."""
+    store, ring = MemoryStateStore(), Keyring.generate()
+    other_cpu = _DiesAfterWriting(models=ModelRegistry([MODEL], backend="chunked"), store=store, keyring=ring)
+    retry = StreamActivities(models=ModelRegistry([MODEL], backend="reference"), store=store, keyring=ring)
+    chunked, reference = load_model(MODEL, backend="chunked"), load_model(MODEL, backend="reference")
+    try:
+        env = ActivityEnvironment()
+        opened = env.run(retry.open_stream, OpenStreamRequest(stream_id="s1", principal="alice", model_id=MODEL))
+        req = AdvanceChunkRequest(stream_id="s1", principal="alice", receipt=opened.receipt,
+                                  request=AdvanceRequest(principal="alice", chunk_seq=1, tokens=[3, 4, 5]))
+        with pytest.raises(KeyboardInterrupt):
+            env.run(other_cpu.advance_chunk, req)
+        a = chunked.advance(chunked.initial_state(), [3, 4, 5])
+        b = reference.advance(reference.initial_state(), [3, 4, 5])
+        # the premise: the two attempts' states differ, else adopting would be invisible
+        assert plaintext_checksum(a.state.tensors) != plaintext_checksum(b.state.tensors)
+        [written] = [k for k in store.list_stream(stream_id="s1") if k != opened.receipt.state_key]
+
+        done = env.run(retry.advance_chunk, req).result
+        assert done.receipt.state_key == written and done.receipt.checksum == plaintext_checksum(a.state.tensors)
+        assert done.n_tokens == 3 and done.position == 3
+        held, _, _ = retry.commits.fetch(reference, done.receipt, "alice")  # the store holds A
+        assert _same(held, a.state)
+        assert _same(_hot(retry, "s1"), a.state)  # and so does the slot
+
+        # the next chunk continues from A, from the hot slot
+        nxt = env.run(retry.advance_chunk, req.model_copy(update={
+            "receipt": done.receipt, "request": AdvanceRequest(principal="alice", chunk_seq=2, tokens=[6, 7])})).result
+        want = reference.advance(a.state, [6, 7])
+        assert nxt.receipt.checksum == plaintext_checksum(want.state.tensors)
+        assert nxt.output_digest == _digest(want.logits)
+        # and after the slot is gone, the stream reloads A's successor from the store
+        retry.release_stream("s1")
+        last = env.run(retry.advance_chunk, req.model_copy(update={
+            "receipt": nxt.receipt, "request": AdvanceRequest(principal="alice", chunk_seq=3, tokens=[8])})).result
+        want = reference.advance(want.state, [8])
+        assert last.receipt.checksum == plaintext_checksum(want.state.tensors)
+        assert last.output_digest == _digest(want.logits) and last.position == 6
+        assert retry.loads_from_store == 1
+    finally:
+        other_cpu.close()
+        retry.close()
+
+
+def test_a_different_chunk_at_the_same_sequence_from_the_same_state_gets_its_own_result():
+    """A chunk at seq N committed and its result was lost to the workflow (a rewind, a client
+    that sends another chunk in its place): another chunk at seq N from the same input state
+    derives another key, so it is advanced, not answered with the first chunk's record."""
+    acts = _activities()
+    model = load_model(MODEL, backend="reference")
+    try:
+        env = ActivityEnvironment()
+        opened = env.run(acts.open_stream, OpenStreamRequest(stream_id="s1", principal="alice", model_id=MODEL))
+
+        def advance(tokens: list[int]) -> AdvanceResult:
+            return env.run(acts.advance_chunk, AdvanceChunkRequest(
+                stream_id="s1", principal="alice", receipt=opened.receipt,
+                request=AdvanceRequest(principal="alice", chunk_seq=1, tokens=tokens))).result
+
+        first = advance([3, 4, 5])
+        second = advance([9, 10])
+        want = model.advance(model.initial_state(), [9, 10])
+        assert (second.n_tokens, second.position, second.chunk_seq) == (2, 2, 1) and not second.duplicate
+        assert second.receipt.checksum == plaintext_checksum(want.state.tensors)
+        assert second.output_digest == _digest(want.logits)
+        assert second.receipt.state_key != first.receipt.state_key
+        # the first chunk sent again is still answered from its record, unchanged
+        again = advance([3, 4, 5])
+        assert again == first
     finally:
         acts.close()

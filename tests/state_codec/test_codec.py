@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+import msgpack
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -324,3 +325,66 @@ def test_checksums_are_blake3_and_sha256_checkpoints_still_verify(monkeypatch):
         relabelled = rec.model_copy(update={"checksum": other + ":" + rec.checksum.partition(":")[2]})
         with pytest.raises(ChecksumMismatch):
             decode_checkpoint(blob_, relabelled, RING)
+
+
+# --- the associated data binds every bound field (Issue 19, mutant 1) ---------------------------
+
+
+def _envelope(blob: bytes) -> tuple[list[tuple[str, object]], bytes]:
+    """The blob's header entries in order, and its ciphertext: read with plain msgpack, not the
+    codec's reader, so a bug there cannot hide in the test."""
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=len(blob))
+    unpacker.feed(blob)
+    n = unpacker.read_map_header()
+    entries = [(unpacker.unpack(), unpacker.unpack()) for _ in range(n)]
+    assert entries[-1][0] == "ct"
+    return entries[:-1], entries[-1][1]
+
+
+def _repack(entries: list[tuple[str, object]], ct: bytes) -> bytes:
+    """The envelope as the codec writes it: a fixmap, entries in order, the ciphertext as bin32."""
+    head = b"".join(msgpack.packb(k) + msgpack.packb(v) for k, v in entries)
+    fixmap = bytes([0x80 | (len(entries) + 1)])
+    return fixmap + head + msgpack.packb("ct") + b"\xc6" + len(ct).to_bytes(4, "big") + ct
+
+
+def _other(value: object) -> object:
+    """A different value of the same type, for a bound field (epoch 1 -> 7, as the issue's case)."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"bound field of unexpected type {type(value).__name__}")
+    if isinstance(value, int):
+        return value + 6
+    if value.startswith("sha256:"):
+        return "sha256:" + "ab" * 32
+    return value + "-moved"
+
+
+def test_every_bound_field_of_the_codec_is_one_of_the_receipt():
+    # the parametrization below takes the codec's own list: a field added there is tested too
+    from state_codec.codec import _BOUND_ERRORS
+
+    _, _, receipt, _ = _sealed()
+    assert set(_BOUND_ERRORS) == set(receipt.bound())
+
+
+@pytest.mark.parametrize("field", ["stream_id", "principal", "model_revision", "schema_fingerprint", "position",
+                                   "chunk_seq", "epoch"])
+def test_a_bound_field_rewritten_in_header_and_receipt_together_fails_authentication(field):
+    """The header's copy of a bound field is compared with the receipt, so rewriting only the
+    header is caught without cryptography. A forger rewrites both: only the associated data then
+    stands between a blob and another stream, tenant, position or epoch."""
+    _, state, receipt, blob = _sealed()
+    entries, ct = _envelope(bytes(blob))
+    # the re-pack is byte-exact, so the one change below is the only one
+    assert _repack(entries, ct) == bytes(blob)
+    assert all(torch.equal(decode_checkpoint(_repack(entries, ct), receipt, RING)[k], v)
+               for k, v in state.tensors.items())
+    bound = dict(entries)["bound"]
+    assert set(bound) == set(receipt.bound())
+    new = _other(bound[field])
+    moved = [(k, {**v, field: new} if k == "bound" else v) for k, v in entries]
+    forged = receipt.model_copy(update={field: new})
+    assert forged.bound() == {**receipt.bound(), field: new}  # header and receipt agree again
+    with pytest.raises(CorruptBlob, match="authentication failed") as err:
+        decode_checkpoint(_repack(moved, ct), forged, RING)
+    assert err.value.field == "ct"

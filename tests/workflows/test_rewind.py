@@ -161,3 +161,35 @@ async def test_a_reset_to_the_first_workflow_task_leaves_a_stream_that_works(sta
     kept = [t for c in CHUNKS[: stats.chunk_seq] for t in c]
     assert stats.position == len(kept)
     await _continues_like_a_fresh_stream(stack, sid, kept, stats.chunk_seq)
+
+
+async def test_after_a_rewind_another_chunk_at_the_same_seq_gets_its_own_result(stack: Stack):
+    """Issue 19, mutant 3: chunk 2 commits, the rewind makes the workflow forget it (so it no
+    longer refuses other content at seq 2 as `ConflictingChunk`), while the store still holds
+    chunk 2's checkpoint and result record. Another chunk 2, from the same input state, must be
+    advanced on its own, not answered with the stale record."""
+    sid = await stack.streams.open("alice", "tiny-mamba2", options=StreamOptions(
+        **{**FAST.model_dump(), "checkpoints_kept": 8}))
+    await stack.streams.advance(sid, "alice", tokens=[1, 2, 3])
+    lost = await stack.streams.advance(sid, "alice", tokens=[4, 5, 6])
+    await stack.streams.rewind(sid, 1)
+    await eventually(lambda: _at(stack, sid, 1))
+    # the lost chunk's record is still there to be (wrongly) found
+    assert stack.acts.commits.prior(lost.receipt.state_key, "alice") is not None
+
+    mine = await stack.streams.advance(sid, "alice", tokens=[40, 41])
+    fresh = await stack.streams.open("alice", "tiny-mamba2")
+    await stack.streams.advance(fresh, "alice", tokens=[1, 2, 3])
+    twin = await stack.streams.advance(fresh, "alice", tokens=[40, 41])
+    full = truth([1, 2, 3, 40, 41])
+    assert (mine.chunk_seq, mine.n_tokens, mine.position) == (2, 2, 5) and not mine.duplicate
+    assert mine.output_digest == digest(full.logits[3:]) == twin.output_digest
+    assert mine.receipt.checksum == plaintext_checksum(full.state.tensors) == twin.receipt.checksum
+    assert mine.receipt.state_key != lost.receipt.state_key
+    stats = await stack.streams.stats(sid)
+    assert (stats.chunk_seq, stats.position) == (2, 5)
+    # and the stream goes on from its own chunk 2
+    nxt = await stack.streams.advance(sid, "alice", tokens=[42])
+    full = truth([1, 2, 3, 40, 41, 42])
+    assert nxt.receipt.checksum == plaintext_checksum(full.state.tensors)
+    assert nxt.output_digest == digest(full.logits[5:])
