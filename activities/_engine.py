@@ -40,13 +40,21 @@ __all__ = ["ChunkOutput", "EngineStats", "NeedsLoad", "SeededSampler", "StreamBu
 
 log = logging.getLogger(__name__)
 
+#: a stream that sent work this recently is expected to send more: a batch waits for it
+COMPANY_WINDOW_S = 0.1
+
 
 class NeedsLoad(LookupError):
     """The stream's committed state is not in a slot: load it from the store and resubmit."""
 
 
 class StreamBusy(RuntimeError):
-    """Another chunk of the same stream is still running here (a retry overtook its attempt)."""
+    """Another chunk of the same stream is still running here (a retry overtook its attempt, e.g.
+    the regular attempt after a local one timed out). Retryable: once that one is done, the retry
+    finds its record."""
+
+    reason = "StreamBusy"
+    retryable = True
 
 
 @dataclass
@@ -100,7 +108,7 @@ class SeededSampler:
 
 
 def _sample_one(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Generator) -> int:
-    """One row (V,): the arithmetic of `activities._stream._sample`, which `sample_rows` reproduces."""
+    """One row (V,): how a generate samples (`SeededSampler`); `sample_rows` reproduces it for a batch."""
     if temperature == 0.0:
         return int(torch.argmax(logits))
     x = logits.double() / temperature
@@ -278,6 +286,8 @@ class StreamEngine:
         self._committed: dict[str, str] = {}  # stream -> committed state key held in its slot
         self._busy: set[str] = set()
         self._stop = False
+        self._seen: dict[str, float] = {}  # stream -> when its last work arrived (for `_company`)
+        self._round_s = 0.0  # moving average of a round's seconds (for `expected_seconds`)
         self._thread = threading.Thread(target=self._loop, name=f"engine-{model.model_id}", daemon=True)
         self._thread.start()
 
@@ -339,6 +349,11 @@ class StreamEngine:
             except NeedsLoad:  # evicted between the check and the run
                 pre = load()
         raise NeedsLoad(f"stream {stream_id} keeps being evicted; raise the engine's capacity")
+
+    def expected_seconds(self, rounds: int) -> float:
+        """About how long `rounds` rounds take now, at the engine's recent pace (a generate of n
+        tokens is n rounds; a prefill, one per `prefill_piece` tokens)."""
+        return rounds * self._round_s
 
     def commit(self, stream_id: str, state_key: str) -> None:
         """The chunk's checkpoint is in the store: its slot now holds that committed state."""
@@ -462,20 +477,33 @@ class StreamEngine:
                     except Exception as exc:  # noqa: BLE001
                         fut.set_exception(exc)
                 elif isinstance(item, _Work):
+                    self._seen[item.stream_id] = time.perf_counter()
                     if self._admit(item):
                         pending.append(item)
                 else:  # None: stop
                     return
                 singles = sum(1 for w in pending if len(w.tokens) - w.done == 1)
                 wait = deadline - time.perf_counter()
-                if singles >= self.max_batch or (pending and wait <= 0):
+                # a lone stream does not wait for company that is not coming: it would wait out
+                # max_wait_s on every token; with other streams active lately, it waits
+                if singles >= self.max_batch or (pending and (wait <= 0 or not self._company(pending))):
                     break
                 try:
                     item = self._inbox.get(timeout=max(wait, 0)) if pending else self._inbox.get()
                 except queue.Empty:
                     item = None
             if pending:
+                t0 = time.perf_counter()
                 pending = self._round(pending)
+                self._round_s += 0.2 * (time.perf_counter() - t0 - self._round_s)
+
+    def _company(self, pending: list[_Work]) -> bool:
+        """Whether another stream, not waiting yet, sent work within the last COMPANY_WINDOW_S."""
+        now = time.perf_counter()
+        here = {w.stream_id for w in pending}
+        if len(self._seen) > 2 * self.slots.capacity:
+            self._seen = {k: t for k, t in self._seen.items() if now - t < COMPANY_WINDOW_S}
+        return any(now - t < COMPANY_WINDOW_S and sid not in here for sid, t in self._seen.items())
 
     def _round(self, pending: list[_Work]) -> list[_Work]:
         """One batched step of every single-token work, then one piece of the oldest long one."""

@@ -3,9 +3,9 @@ sampled.
 
 The engine thread hands each sampled token over (`ChunkTokens.push`, no waiting); the worker's
 event loop sends what has gathered as one `publish_tokens` update of the stream's workflow, and
-the next batch when that one is answered. One update in flight per chunk: a batch is whatever
-was sampled during the previous round trip, so a fast decode costs few updates and the first
-token goes out at once. An update (not a signal) because its workflow task goes straight to
+the next batch when that one is answered and `MIN_INTERVAL_S` has passed. One update in flight
+per chunk: a batch is whatever was sampled meanwhile, so a fast decode costs few updates and the
+first token goes out at once. An update (not a signal) because its workflow task goes straight to
 matching, with no transfer-queue read, and a refused one (a retried attempt's repeats) costs no
 history.
 
@@ -32,6 +32,12 @@ __all__ = ["ChunkTokens", "TokenPublisher"]
 log = logging.getLogger(__name__)
 
 _PUBLISH = "publish_tokens"
+#: the least time between two publishes of one chunk after its first. Each publish is a workflow
+#: task on the worker that runs the kernel (and a reader's poll another), and each one measured
+#: about 12 ms of a generate's time on 2 cores (bench/bench_temporal.py: 128 tokens took 563 ms
+#: published every 25 ms, 370 ms every 100 ms, 330 ms with the first token and the rest at the end).
+#: The first token goes at once.
+MIN_INTERVAL_S = 0.1
 
 
 class TokenPublisher:
@@ -88,8 +94,12 @@ class ChunkTokens:
         return self._decode(tokens).rstrip("\ufffd")
 
     async def _flush(self) -> None:
+        loop = asyncio.get_running_loop()
+        last = None
         try:
             while True:
+                if last is not None:
+                    await asyncio.sleep(max(0.0, last + MIN_INTERVAL_S - loop.time()))
                 with self._lock:
                     n, index = len(self._tokens), self._sent
                     if self._closed or n <= index:
@@ -101,6 +111,7 @@ class ChunkTokens:
                 if text is not None:
                     delta = text[len(self._text_sent):] if text.startswith(self._text_sent) else ""
                 req = PublishTokensRequest(chunk_seq=self.chunk_seq, index=index, tokens=tokens[index:], text=delta)
+                last = loop.time()
                 try:
                     out = await self._handle.execute_update(_PUBLISH, req, result_type=PublishTokensResult,
                                                             id=f"tokens-{self.chunk_seq}-{index}-{n}")

@@ -20,7 +20,6 @@ import hashlib
 import itertools
 import json
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -32,12 +31,12 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError, CancelledError
 
 from activities._commit import ChunkCommit, Committed, chunk_key
-from activities._engine import StreamEngine
+from activities._engine import SeededSampler, StreamBusy, StreamEngine
 from activities._metrics import StreamMetrics
 from activities._publish import TokenPublisher
 from activities._registry import ModelRegistry, UnknownModel
 from activities._store import StateStore, StoreError, check_name
-from scan import Model, NonFiniteOutput, ScanError, State
+from scan import Model, ScanError, State
 from state_codec import (
     BadSignature,
     EpochMismatch,
@@ -54,6 +53,7 @@ from workflows import (
     EmptyContext,
     InternalError,
     InvalidRequest,
+    LocalTooSlow,
     ResultExpired,
     StreamFailure,
     application_error,
@@ -97,7 +97,7 @@ PIECE_TOKENS = 512
 UNTYPED_ATTEMPTS = 3
 
 #: the exceptions with a reason of their own (workflows.application_error types them)
-_TYPED = (StateRejected, ScanError, StoreError, UnknownModel, StreamFailure)
+_TYPED = (StateRejected, ScanError, StoreError, UnknownModel, StreamFailure, StreamBusy)
 
 
 @contextmanager
@@ -222,6 +222,18 @@ class StreamActivities:
 
     def _edge(self, name: str, stream_id: str, chunk_seq: int) -> None:
         """A commit edge (see the module docstring). Does nothing; tests kill a worker here."""
+
+    def _local_fits(self, model: Model, rounds: int) -> None:
+        """In a local attempt, decline a chunk the engine would not finish within half the local
+        timeout at its recent pace (a busy engine): the workflow takes the regular path at once,
+        instead of holding its workflow task open and then racing a timed-out attempt."""
+        if not activity.in_activity() or not activity.info().is_local:
+            return
+        timeout = activity.info().start_to_close_timeout
+        expected = self.engine(model).expected_seconds(rounds)
+        if timeout is not None and expected > 0.5 * timeout.total_seconds():
+            raise LocalTooSlow(f"{rounds} engine rounds take about {expected:.2f} s now; the local timeout is "
+                               f"{timeout.total_seconds():g} s", expected_s=round(expected, 3))
 
     # --- helpers ------------------------------------------------------------------------------
 
@@ -411,6 +423,7 @@ class StreamActivities:
                 self.commits.drop(req.drop_keys)  # that attempt may have died before its bookkeeping
                 return AdvanceChunkResult(result=AdvanceResult.model_validate(prior.result),
                                           worker_queue=self.worker_queue)
+            self._local_fits(model, 1 + len(tokens) // max(self._engine_args["prefill_piece"], 1))
             self._edge("admitted", req.stream_id, ask.chunk_seq)
             nth = next(self._advanced)
             reference = (self._reference_input(model, req.receipt, req.principal)
@@ -459,6 +472,7 @@ class StreamActivities:
                 self.commits.drop(req.drop_keys)
                 return GenerateChunkResult(result=GenerateResult.model_validate(prior.result),
                                            worker_queue=self.worker_queue)
+            self._local_fits(model, ask.max_tokens)
             self._edge("admitted", req.stream_id, ask.chunk_seq)
             gen = torch.Generator().manual_seed(seed)
             transform = model.transform
@@ -475,7 +489,7 @@ class StreamActivities:
             step_labels = {"model": model.model_id}
             last_t = t0
 
-            def sampler(next_logits: torch.Tensor) -> int | None:
+            def proceed() -> bool:
                 nonlocal finish, last_t
                 now = time.perf_counter()
                 if sampled:
@@ -486,13 +500,16 @@ class StreamActivities:
                 if sampled and ask.stop and transform is not None:
                     if any(s_ and s_ in transform.decode(sampled) for s_ in ask.stop):
                         finish = "stop"
-                        return None
-                tok = _sample(next_logits.cpu(), ask.temperature, ask.top_k, gen)
+                        return False
+                return True
+
+            def taken(tok: int) -> None:
                 sampled.append(tok)
                 if shown is not None:
                     shown.push(tok)
-                return tok
 
+            # the engine samples the streams of one round together (same tokens as one by one)
+            sampler = SeededSampler(ask.temperature, ask.top_k, gen, proceed=proceed, taken=taken)
             try:
                 out = self.engine(model).generate(
                     req.stream_id, sampler, ask.max_tokens, expected_key=req.receipt.state_key,
@@ -579,16 +596,3 @@ class StreamActivities:
             log.info("disposed stream %s: %d blobs deleted, %d hot states zeroed", req.stream_id, deleted, evicted)
             return DisposeStreamResult(deleted=deleted, evicted=evicted)
 
-
-def _sample(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Generator) -> int:
-    if temperature == 0.0:
-        return int(torch.argmax(logits))
-    x = logits.double() / temperature
-    if top_k:
-        vals, idx = torch.topk(x, min(top_k, x.numel()))
-        choice = torch.multinomial(torch.softmax(vals, dim=-1), 1, generator=gen)
-        return int(idx[choice])
-    probs = torch.softmax(x, dim=-1)
-    if not math.isfinite(float(probs.sum())):
-        raise NonFiniteOutput("non-finite sampling distribution")
-    return int(torch.multinomial(probs, 1, generator=gen))

@@ -139,7 +139,7 @@ def _bench_model(tmp: Path) -> Path:
     return path
 
 
-async def _throughput(levels: list[int], steps: int, gen_tokens: int, tmp: Path) -> list[str]:
+async def _throughput(levels: list[int], steps: int, gen_tokens: int, tmp: Path, backend: str = "exact") -> list[str]:
     from temporalio.client import Client
     from temporalio.testing import WorkflowEnvironment
     from temporalio.worker import Worker
@@ -157,20 +157,20 @@ async def _throughput(levels: list[int], steps: int, gen_tokens: int, tmp: Path)
     ring = Keyring.generate()
     queue = f"bench-{uuid.uuid4().hex[:8]}"
     _bench_model(tmp)
-    acts = StreamActivities(models=ModelRegistry({"tiny-mamba2": str(tmp / "bench-mamba2")}, backend="chunked"),
+    acts = StreamActivities(models=ModelRegistry({"tiny-mamba2": str(tmp / "bench-mamba2")}, backend=backend),
                             store=open_store(f"file://{tmp / 'states'}"), keyring=ring, worker_queue=f"{queue}@w")
     client = await Client.connect(env.client.service_client.config.target_host,
                                   plugins=[MambaStreamPlugin(keyring=ring, activities=acts)])
     pool = concurrent.futures.ThreadPoolExecutor(256)
     rows = ["## (b) Throughput through Temporal, by concurrent streams", "",
-            f"Mamba-2 d_model 256, 4 layers, chunked backend; one worker (256 activity threads) and the dev "
+            f"Mamba-2 d_model 256, 4 layers, `{backend}` backend; one worker (256 activity threads) and the dev "
             f"server, all on {os.cpu_count()} CPU cores. "
             f"Chunks: 1-token `advance` updates, {steps} per stream. Decode: `generate` updates of {gen_tokens} "
             "tokens, 4 per stream; the engine batches the streams' sampling steps. Occupancy: streams per batched "
-            "step.", "",
+            "step. Both run as local activities (the stream options' defaults).", "",
             "| streams | chunks/s | chunk p50 ms | chunk p99 ms | decode tokens/s | x single stream | "
             "generate p50 ms | generate p99 ms | batch occupancy |", "|---|---|---|---|---|---|---|---|---|"]
-    opts = StreamOptions(affinity=False)  # eager dispatch on the shared queue (docs/lifecycle.md)
+    opts = StreamOptions()  # the defaults: chunks this short run as local activities (docs/deploying.md)
     async with Worker(client, task_queue=queue, activity_executor=pool, max_concurrent_activities=256), \
             Worker(client, task_queue=f"{queue}@w", activity_executor=pool):
         streams = StreamClient(client, queue)
@@ -224,7 +224,8 @@ def table_b_engine(levels: list[int], gen_tokens: int, tmp: Path,
     _bench_model(tmp)
     rows = ["### (b, beside it) the engine alone: the same model and decode load, one thread per stream", "",
             "sampling: `batched` = a SeededSampler per stream, sampled with the batch (`sample_rows`); `per row` = "
-            "a callable per stream (activities/_stream.py's `_sample`), called once per row. Same tokens either way.", "",
+            "a callable per stream (the per-row path, `activities._engine._sample_one`), called once per row. Same tokens "
+            "either way.", "",
             "| backend | sampling | streams | decode tokens/s | x single stream | round ms | of which batched step ms | "
             "streams per step |", "|---|---|---|---|---|---|---|---|"]
     for backend in backends:
@@ -236,7 +237,7 @@ def table_b_engine(levels: list[int], gen_tokens: int, tmp: Path,
 def _engine_rows(levels: list[int], gen_tokens: int, tmp: Path, backend: str, batched: bool) -> list[str]:
     from activities import StreamEngine
     from activities._engine import SeededSampler
-    from activities._stream import _sample
+    from activities._engine import _sample_one as _sample
 
     model = load_model(tmp / "bench-mamba2", backend=backend)
     engine = StreamEngine(model)
@@ -312,6 +313,7 @@ def main() -> None:
     ap.add_argument("--gen-tokens", type=int, default=128)
     ap.add_argument("--skip", default="", help="tables to skip: a, b, c; or b-temporal / b-engine, one half of (b)")
     ap.add_argument("--engine-backends", default="exact,chunked", help="backends of (b)'s engine-alone table")
+    ap.add_argument("--temporal-backend", default="exact", help="backend of (b)'s through-Temporal table")
     args = ap.parse_args()
     skip = set(args.skip.split(","))
     from activities import tune_allocator
@@ -325,7 +327,8 @@ def main() -> None:
         if "b" not in skip:
             levels = [int(x) for x in args.levels.split(",")]
             if "b-temporal" not in skip:
-                out += asyncio.run(_throughput(levels, args.steps, args.gen_tokens, Path(tmp))) + [""]
+                out += asyncio.run(_throughput(levels, args.steps, args.gen_tokens, Path(tmp),
+                                               args.temporal_backend)) + [""]
             if "b-engine" not in skip:
                 backends = tuple(args.engine_backends.split(","))
                 out += table_b_engine(levels, args.gen_tokens, Path(tmp), backends) + [""]

@@ -82,6 +82,20 @@ async def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+async def _tokens_cmd(args: argparse.Namespace) -> int:
+    streams = await _streams(args)
+    async for ev in streams.tokens(args.stream, from_offset=args.from_offset, chunk_seq=args.seq):
+        if args.json:
+            print(json.dumps(ev.model_dump(mode="json")), flush=True)
+        else:
+            piece = ev.text if ev.text is not None else "".join(f"{t} " for t in ev.tokens)
+            sys.stdout.write(("\n" if ev.restart else "") + piece + ("\n" if ev.done else ""))
+            sys.stdout.flush()
+        if args.seq is not None and ev.done:
+            break
+    return 0
+
+
 async def _receipt(args: argparse.Namespace) -> int:
     streams = await _streams(args)
     rec = await streams.receipt(args.stream)
@@ -258,6 +272,13 @@ def add_stream_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-stream", action="store_true", help="print the result only, not the text as it is "
                    "sampled (--json never streams)")
     p.set_defaults(func=_run(_generate), hard_exit=True)
+
+    p = common(sub.add_parser("tokens", help="follow the stream's token log: its generates' text as it is "
+                              "sampled, from an offset (each entry's offset is in --json)"))
+    p.add_argument("stream")
+    p.add_argument("--from-offset", type=int, default=0, help="reconnect: the last entry's offset + 1")
+    p.add_argument("--seq", type=int, default=None, help="only this chunk's entries; stop at its last")
+    p.set_defaults(func=_run(_tokens_cmd), hard_exit=True)
 
     p = common(sub.add_parser("receipt", help="the stream's current receipt and counters"))
     p.add_argument("stream")

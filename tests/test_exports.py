@@ -43,7 +43,7 @@ EXPECTED = {
         "DEFAULT_TASK_QUEUE", "NOT_THE_CHUNKS_FAULT", "ActivityFailed", "AdvanceRequest", "AdvanceResult",
         "AgentInput", "AgentResult", "AgentWorkflow", "CheckpointRequest", "CheckpointResult",
         "ChunkTooLarge", "ClientConfig", "ConflictingChunk", "EmptyContext", "GenerateRequest",
-        "GenerateResult", "GenerateStream", "InternalError", "InvalidRequest", "MambaStreamWorkflow", "ModelInfo",
+        "GenerateResult", "GenerateStream", "InternalError", "InvalidRequest", "LocalTooSlow", "MambaStreamWorkflow", "ModelInfo",
         "OpenFailed", "OpenStreamInput", "ResetRequest", "ResultExpired", "RewindPastWindow", "RewindUnavailable", "StreamCancelled",
         "StreamClient", "StreamFailure", "StreamMoving", "StreamOpening", "StreamOptions", "StreamStats",
         "TokenBatch", "TokenEvent", "TokenLogprob", "TokenOutOfRange", "TokensOutOfOrder", "UpdateIdMismatch", "application_error", "catalogue", "chunk_digest",

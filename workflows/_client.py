@@ -202,8 +202,8 @@ class StreamClient:
             max_tokens=max_tokens, temperature=temperature, top_k=top_k, seed=seed, stop=list(stop)),
             chunk_seq, attempt)
 
-    async def tokens(self, stream_id: str, *, from_offset: int = 0, chunk_seq: int | None = None
-                     ) -> AsyncIterator[TokenEvent]:
+    async def tokens(self, stream_id: str, *, from_offset: int = 0, chunk_seq: int | None = None,
+                     update_id: str | None = None) -> AsyncIterator[TokenEvent]:
         """The stream's token log from `from_offset` (of one chunk, if named), as it grows: each
         entry once, in order, across continue-as-new; ends when the stream is cancelled or closed.
         A reader that reconnects passes the last entry's offset + 1. Entries older than the log's
@@ -213,7 +213,8 @@ class StreamClient:
         while True:
             try:
                 batch: TokenBatch = await handle.execute_update(
-                    MambaStreamWorkflow.poll_tokens, PollTokensRequest(from_offset=offset, chunk_seq=chunk_seq),
+                    MambaStreamWorkflow.poll_tokens,
+                    PollTokensRequest(from_offset=offset, chunk_seq=chunk_seq, update_id=update_id),
                     id=f"tokens-poll-{uuid.uuid4().hex}")
             except WorkflowUpdateFailedError as err:
                 if isinstance(err.cause, ApplicationError) and err.cause.type == "StreamMoving":
@@ -230,11 +231,11 @@ class StreamClient:
                 return
             offset = batch.next_offset
 
-    async def read_tokens(self, stream_id: str, *, from_offset: int = 0, chunk_seq: int | None = None
-                          ) -> TokenBatch:
+    async def read_tokens(self, stream_id: str, *, from_offset: int = 0, chunk_seq: int | None = None,
+                          update_id: str | None = None) -> TokenBatch:
         """What the token log holds from `from_offset` now, without waiting (a query: no history)."""
-        return await self.handle(stream_id).query(MambaStreamWorkflow.read_tokens,
-                                                  PollTokensRequest(from_offset=from_offset, chunk_seq=chunk_seq))
+        return await self.handle(stream_id).query(MambaStreamWorkflow.read_tokens, PollTokensRequest(
+            from_offset=from_offset, chunk_seq=chunk_seq, update_id=update_id))
 
     async def token_offset(self, stream_id: str) -> int:
         """Where the stream's token log ends now."""
@@ -359,48 +360,65 @@ class GenerateStream:
         c, sid = self._client, self.stream_id
         if self.chunk_seq is None:
             self.chunk_seq = await c.next_seq(sid)
-        seq = self.chunk_seq
-        offset = await c.token_offset(sid)  # this chunk's entries come after it
-        work = asyncio.ensure_future(c._chunk("generate", sid, lambda s: GenerateRequest(
-            principal=self.principal, chunk_seq=s, stream=True, **self._args), MambaStreamWorkflow.generate,
-            seq, self._attempt))
-        reader = c.tokens(sid, from_offset=offset, chunk_seq=seq).__aiter__()
-        seen, nxt = 0, None
-        try:
-            while True:
-                nxt = asyncio.ensure_future(reader.__anext__())
-                await asyncio.wait({nxt, work}, return_when=asyncio.FIRST_COMPLETED)
-                if nxt.done():
+        seq, handle = self.chunk_seq, c.handle(sid)
+        req = c.sign("generate", sid, GenerateRequest(principal=self.principal, chunk_seq=seq, stream=True,
+                                                      **self._args))
+        epoch = c._epochs.get(sid)
+        for resend in (False, True):
+            if epoch is None or resend:
+                epoch = (await c._position(sid))[1]
+            # the update's own entries: found by its id, from wherever the log starts (no offset to ask for)
+            uid = update_id("generate", req, epoch=epoch, attempt=self._attempt)
+            work = asyncio.ensure_future(handle.execute_update(MambaStreamWorkflow.generate, req, id=uid))
+            reader = c.tokens(sid, update_id=uid).__aiter__()
+            seen, nxt, offset = 0, None, 0
+            try:
+                while True:
+                    nxt = asyncio.ensure_future(reader.__anext__())
+                    await asyncio.wait({nxt, work}, return_when=asyncio.FIRST_COMPLETED)
+                    if nxt.done():
+                        try:
+                            ev = nxt.result()
+                        except StopAsyncIteration:
+                            break
+                        offset, seen = ev.offset + 1, seen + len(ev.tokens)
+                        yield ev
+                        if ev.done:
+                            break
+                        continue
+                    await _drop(nxt)
                     try:
-                        ev = nxt.result()
-                    except StopAsyncIteration:
-                        break
-                    offset = ev.offset + 1
-                    seen += len(ev.tokens)
-                    yield ev
-                    if ev.done:
-                        break
-                    continue
-                await _drop(nxt)
-                self.result = work.result()  # a refused or failed chunk raises here
-                # its last entry was logged in the workflow task that answered it; a duplicate's
-                # entries came before `offset`
-                rest = await c.read_tokens(sid, from_offset=offset, chunk_seq=seq)
-                done = False
-                for ev in rest.events:
-                    yield ev
-                    done = done or ev.done
-                if not done:
-                    r = self.result
-                    yield TokenEvent(offset=-1, chunk_seq=seq, epoch=r.receipt.epoch, tokens=r.tokens, text=r.text,
-                                     done=True, finish_reason=r.finish_reason, restart=seen > 0)
+                        self.result = work.result()  # a refused or failed chunk raises here
+                    except WorkflowUpdateFailedError as err:
+                        if not resend and seen == 0 and isinstance(err.cause, ApplicationError) and \
+                                err.cause.type == "EpochMismatch":
+                            break  # reset since this client last looked: once more, under the new epoch
+                        raise
+                    # its last entry was logged in the workflow task that answered it
+                    rest = await c.read_tokens(sid, from_offset=offset, update_id=uid)
+                    done = False
+                    for ev in rest.events:
+                        yield ev
+                        done = done or ev.done
+                    if not done:  # an answer older than the log's window
+                        r = self.result
+                        yield TokenEvent(offset=-1, chunk_seq=seq, epoch=r.receipt.epoch, tokens=r.tokens,
+                                         text=r.text, done=True, finish_reason=r.finish_reason, restart=seen > 0,
+                                         update_id=uid)
+                    break
+                if self.result is None:
+                    if not work.done() or work.exception() is None or seen:
+                        self.result = await work
+                    else:
+                        continue  # EpochMismatch before anything was shown: resend
+                c._epochs[sid] = self.result.receipt.epoch
                 return
-            self.result = await work
-        finally:
-            if nxt is not None:
-                await _drop(nxt)
-            await _drop(work)
-            await reader.aclose()
+            finally:
+                if nxt is not None:
+                    await _drop(nxt)
+                if not work.done():
+                    await _drop(work)
+                await reader.aclose()
 
 
 async def _drop(task: asyncio.Future) -> None:

@@ -32,6 +32,7 @@ __all__ = [
     "EmptyContext",
     "InternalError",
     "InvalidRequest",
+    "LocalTooSlow",
     "NOT_THE_CHUNKS_FAULT",
     "OpenFailed",
     "ResultExpired",
@@ -86,6 +87,13 @@ class StreamMoving(StreamFailure):
 class TokensOutOfOrder(StreamFailure):
     """A publish of tokens that does not start where the chunk's published tokens end, or for a chunk
     that is not streaming. Refused, not stored; `published` says where the chunk's tokens end."""
+
+
+class LocalTooSlow(StreamFailure):
+    """A local attempt declined: at the engine's pace now, the chunk would not finish well inside
+    the local timeout. The workflow sends it the regular way at once (no attempt was made)."""
+
+    retryable = True
 
 
 class ChunkTooLarge(StreamFailure):

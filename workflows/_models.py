@@ -315,6 +315,7 @@ class TokenEvent(_Model):
     finish_reason: Literal["length", "stop"] | None = None
     error: str | None = Field(default=None, description="the reason the chunk failed (a catalogue class name)")
     restart: bool = False
+    update_id: str | None = Field(default=None, description="the generate update that made these tokens")
 
 
 class PublishTokensRequest(_Strict):
@@ -335,6 +336,8 @@ class PollTokensRequest(_Strict):
 
     from_offset: int = Field(default=0, ge=0, le=MAX_INDEX)
     chunk_seq: int | None = Field(default=None, ge=1, le=MAX_INDEX, description="only this chunk's entries")
+    update_id: str | None = Field(default=None, max_length=512, description="only the entries this generate "
+                                  "update made (a reader that starts with its chunk needs no offset)")
     max_events: int = Field(default=256, ge=1, le=4096)
 
 

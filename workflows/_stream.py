@@ -18,6 +18,7 @@ Sandbox-safe: the standard library, temporalio, pydantic and the record half of 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from datetime import timedelta
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -33,6 +34,7 @@ with workflow.unsafe.imports_passed_through():
         ChunkTooLarge,
         ConflictingChunk,
         EmptyContext,
+        LocalTooSlow,
         OpenFailed,
         StreamCancelled,
         StreamMoving,
@@ -125,7 +127,7 @@ class MambaStreamWorkflow:
         # in memory and carried across continue-as-new in part, never in history event by event
         self._log: list[TokenEvent] = list(carry.token_log) if carry else []
         self._log_base = carry.token_base if carry else 0
-        self._streaming: dict[int, tuple[list[int], str]] = {}  # chunk_seq -> (tokens, text) published, while it runs
+        self._streaming: dict[int, _Shown] = {}  # chunk_seq -> what is published of it, while it runs
         self._moving = False  # continuing as new: readers are let go, and read again from the next run
 
     # --- lifecycle -------------------------------------------------------------------------------
@@ -294,7 +296,10 @@ class MambaStreamWorkflow:
                 if (isinstance(cause, ApplicationError) and cause.non_retryable) or \
                         (self._cancelled and isinstance(cause, CancelledError)):
                     raise self._failed(cause) or err from err
-                workflow.logger.warning("local %s failed (%s); taking the regular path", name, cause)
+                if isinstance(cause, ApplicationError) and cause.type == LocalTooSlow.reason:
+                    workflow.logger.info("local %s declined (%s); taking the regular path", name, cause)
+                else:
+                    workflow.logger.warning("local %s failed (%s); taking the regular path", name, cause)
                 self._stats = self._stats.model_copy(update={"local_fallbacks": self._stats.local_fallbacks + 1})
         return await self._call(name, arg, result_type)
 
@@ -486,12 +491,12 @@ class MambaStreamWorkflow:
     @workflow.update
     async def publish_tokens(self, req: PublishTokensRequest) -> PublishTokensResult:
         """The newest tokens of a streaming generate, from its activity, appended to the log."""
-        tokens, text = self._streaming[req.chunk_seq]
-        tokens.extend(req.tokens)
-        self._streaming[req.chunk_seq] = (tokens, text + (req.text or ""))
+        shown = self._streaming[req.chunk_seq]
+        shown.tokens.extend(req.tokens)
+        shown.text += req.text or ""
         self._append(TokenEvent(chunk_seq=req.chunk_seq, epoch=self._epoch, index=req.index, tokens=req.tokens,
-                                text=req.text))
-        return PublishTokensResult(published=len(tokens))
+                                text=req.text, update_id=shown.update_id))
+        return PublishTokensResult(published=len(shown.tokens))
 
     @publish_tokens.validator
     def _validate_publish(self, req: PublishTokensRequest) -> None:
@@ -499,10 +504,10 @@ class MambaStreamWorkflow:
         running = self._streaming.get(req.chunk_seq)
         if running is None:
             raise application_error(TokensOutOfOrder(f"chunk {req.chunk_seq} is not streaming", published=None))
-        if req.index != len(running[0]):
+        if req.index != len(running.tokens):
             raise application_error(TokensOutOfOrder(
-                f"chunk {req.chunk_seq} has {len(running[0])} tokens published, not {req.index}",
-                published=len(running[0])))
+                f"chunk {req.chunk_seq} has {len(running.tokens)} tokens published, not {req.index}",
+                published=len(running.tokens)))
 
     @workflow.update
     async def poll_tokens(self, req: PollTokensRequest) -> TokenBatch:
@@ -545,7 +550,8 @@ class MambaStreamWorkflow:
         start = max(req.from_offset - self._log_base, 0)
         out = []
         for ev in self._log[start:]:
-            if req.chunk_seq is None or ev.chunk_seq == req.chunk_seq:
+            if (req.chunk_seq is None or ev.chunk_seq == req.chunk_seq) and \
+                    (req.update_id is None or ev.update_id == req.update_id):
                 out.append(ev)
                 if len(out) >= limit:
                     break
@@ -564,22 +570,25 @@ class MambaStreamWorkflow:
 
     def _log_result(self, result: GenerateResult) -> None:
         """A committed generate's last entry: its tokens not yet published (all of them, unstreamed)."""
-        tokens, text = self._streaming.pop(result.chunk_seq, ([], ""))
-        n = len(tokens)
-        if result.tokens[:n] == tokens and (result.text or "").startswith(text):
+        shown = self._streaming.pop(result.chunk_seq, None) or _Shown(_current_update_id())
+        n = len(shown.tokens)
+        if result.tokens[:n] == shown.tokens and (result.text or "").startswith(shown.text):
             self._append(TokenEvent(chunk_seq=result.chunk_seq, epoch=result.receipt.epoch, index=n,
-                                    tokens=result.tokens[n:], text=None if result.text is None else result.text[len(text):],
-                                    done=True, finish_reason=result.finish_reason))
+                                    tokens=result.tokens[n:],
+                                    text=None if result.text is None else result.text[len(shown.text):],
+                                    done=True, finish_reason=result.finish_reason, update_id=shown.update_id))
         else:  # what was shown is not what was committed: the chunk's tokens again, whole
             self._append(TokenEvent(chunk_seq=result.chunk_seq, epoch=result.receipt.epoch, tokens=result.tokens,
-                                    text=result.text, done=True, finish_reason=result.finish_reason, restart=True))
+                                    text=result.text, done=True, finish_reason=result.finish_reason, restart=True,
+                                    update_id=shown.update_id))
 
     def _log_failed(self, kind: str, chunk_seq: int, reason: str) -> None:
         """A generate that failed: its readers are told, and stop."""
         if kind != "generate":
             return
-        tokens, _ = self._streaming.pop(chunk_seq, ([], ""))
-        self._append(TokenEvent(chunk_seq=chunk_seq, epoch=self._epoch, index=len(tokens), done=True, error=reason))
+        shown = self._streaming.pop(chunk_seq, None) or _Shown(_current_update_id())
+        self._append(TokenEvent(chunk_seq=chunk_seq, epoch=self._epoch, index=len(shown.tokens), done=True,
+                                error=reason, update_id=shown.update_id))
 
     # --- bookkeeping -----------------------------------------------------------------------------
 
@@ -603,7 +612,7 @@ class MambaStreamWorkflow:
                 self._recheck(req.principal, req.chunk_seq)
                 streamed = isinstance(req, GenerateRequest) and req.stream
                 if streamed:
-                    self._streaming[req.chunk_seq] = ([], "")
+                    self._streaming[req.chunk_seq] = _Shown(_current_update_id())
                 try:
                     # a streamed generate publishes through this workflow while it runs: not from
                     # inside one of its workflow tasks, as a local activity would
@@ -676,6 +685,20 @@ class MambaStreamWorkflow:
     def _duplicate(self, result: Any) -> Any:
         self._stats = self._stats.model_copy(update={"duplicates": self._stats.duplicates + 1})
         return result.model_copy(update={"duplicate": True})
+
+
+@dataclasses.dataclass
+class _Shown:
+    """A streaming generate's tokens and text in the log so far, and the update that runs it."""
+
+    update_id: str | None
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    text: str = ""
+
+
+def _current_update_id() -> str | None:
+    info = workflow.current_update_info()
+    return info.id if info is not None else None
 
 
 def _seq(rec: RecentResult) -> int:

@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from activities._engine import NeedsLoad, SeededSampler, StreamEngine, sample_rows
 from activities._slots import SlotTable, StaleSlot
-from activities._stream import _sample
+from activities._engine import _sample_one as _sample  # the per-row path, which batching must match
 from scan import InvalidState, NonFiniteOutput, load_model
 from tests.scan._helpers import model_for, tokens
 
@@ -240,7 +240,7 @@ def test_release_zeroes_the_slot():
 
 
 def _decode_alone(model, state, first_logits, sampler_args, max_tokens):
-    """One stream decoded alone, one `advance` per token, sampled with the activity's `_sample`:
+    """One stream decoded alone, one `advance` per token, sampled one row at a time (`_sample_one`):
     (tokens, logits (n, V), final state, last logits)."""
     temperature, top_k, seed = sampler_args
     gen = torch.Generator().manual_seed(seed)
@@ -419,5 +419,27 @@ def test_a_row_that_cannot_be_sampled_fails_its_own_stream_only():
         toks, logits, state, _ = _decode_alone(model, start.state, start.logits[-1], (1.0, 0, 1), 4)
         assert results["a"].tokens == toks and results["a"].state.equal(state)
         assert len(calls) == 2 and engine.slots.handle("b") is None  # the failed stream's slot was dropped
+    finally:
+        engine.close()
+
+
+def test_a_lone_stream_does_not_wait_for_company():
+    """max_wait_s gathers steps of streams that are active; one stream alone steps at once
+    (with the wait, these 6 steps would take 3 s)."""
+    import time
+
+    model = model_for(MODEL)
+    engine = _engine(capacity=4, max_batch=16, max_wait_s=0.5)
+    try:
+        r = model.advance(model.initial_state(), tokens(5, 1))
+        engine.put("solo", r.state, epoch=0, state_key="k0", logits=r.logits[-1])
+        t0 = time.perf_counter()
+        key = "k0"
+        for i, tok in enumerate(tokens(6, 2)):
+            engine.advance("solo", [tok], expected_key=key, epoch=0, load=lambda: (_ for _ in ()).throw(AssertionError))
+            key = f"k{i + 1}"
+            engine.commit("solo", key)
+        assert time.perf_counter() - t0 < 1.5
+        assert engine.stats.steps == 6 and engine.stats.max_batch == 1
     finally:
         engine.close()

@@ -74,3 +74,19 @@ def test_serving_tables_on_a_small_cpu_run(tmp_path):
     assert len({r[2] for r in rows}) == 1  # state bytes do not depend on position
     kv = [float(r[7].replace(",", "")) for r in rows]
     assert kv[1] > kv[0]
+
+
+def test_temporal_latency_table_on_a_small_run():
+    mod = _load("bench_temporal")
+    with pytest.raises(SystemExit):
+        mod.parse_args(["--sizes", "0"])
+    text = mod.run(mod.parse_args(["--n", "2", "--warmup", "1", "--sizes", "1", "--generate", "4"]))
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| row")]
+    names = [r.split("|")[1].strip() for r in rows]
+    assert names[0] == "no-op update round trip"
+    assert "advance, 1-token chunk: local activity" in names and "advance, 1-token chunk: worker queue" in names
+    assert "generate 4, streamed: first token at the caller" in names
+    for r in rows:  # both server settings measured, every cell a number
+        cells = [c.strip() for c in r.split("|")[2:6]]
+        assert all(float(c) > 0 for c in cells), r
+    assert "1-token advance, local:" in text and "generate 4, first token:" in text

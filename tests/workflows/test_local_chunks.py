@@ -145,3 +145,29 @@ async def test_worker_killed_at_a_local_commit_edge_another_worker_finishes(temp
 
 async def _exists(path: Path) -> bool:
     return path.exists()
+
+
+class BusyEngine(StreamActivities):
+    """An engine that reports a pace at which no chunk fits a local attempt (a saturated worker)."""
+
+    def engine(self, model):
+        eng = super().engine(model)
+        eng.expected_seconds = lambda rounds: 60.0 * rounds
+        return eng
+
+
+async def test_a_busy_engine_declines_local_attempts_and_the_chunk_goes_the_regular_way(temporal_env, tmp_path):
+    stack = await make_stack(temporal_env, tmp_path, acts_cls=BusyEngine)
+    async with stack.exits:
+        model = local("tiny-mamba2")
+        sid = await stack.streams.open("alice", "tiny-mamba2", options=FAST)
+        r = await stack.streams.advance(sid, "alice", tokens=[4, 5, 6])
+        g = await stack.streams.generate(sid, "alice", 3, seed=9)
+        truth = model.advance(model.initial_state(), [4, 5, 6] + g.tokens)
+        assert r.output_digest == digest(truth.logits[:3])
+        assert g.receipt.checksum == plaintext_checksum(truth.state.tensors)
+        stats = await stack.streams.stats(sid)
+        assert (stats.local_chunks, stats.local_fallbacks, stats.chunks) == (0, 2, 2)
+        events = await _events(stack, sid)
+        assert _activities_scheduled(events) == ["open_stream", "advance_chunk", "generate_tokens"]
+        assert _local_markers(events) == 2  # the declines, recorded

@@ -163,11 +163,10 @@ async def test_a_cancelled_stream_closes_its_token_stream(temporal_env, tmp_path
         assert all(ev.chunk_seq == 2 for ev in rest)
 
 
-async def test_the_token_log_crosses_continue_as_new_bounded_and_readers_follow_it(can_env, tmp_path):
+async def test_the_token_log_crosses_continue_as_new_and_readers_follow_it(can_env, tmp_path):
     stack = await make_stack(can_env, tmp_path)
     async with stack.exits:
-        opts = FAST.model_copy(update={"carry_bytes": 4096, "token_log_events": 64})
-        sid = await stack.streams.open("alice", "tiny-mamba2", options=opts)
+        sid = await stack.streams.open("alice", "tiny-mamba2", options=FAST)
         await stack.streams.advance(sid, "alice", tokens=[9, 8, 7])
         got: list[TokenEvent] = []
 
@@ -187,16 +186,25 @@ async def test_the_token_log_crosses_continue_as_new_bounded_and_readers_follow_
                 results.append(gen.result)
             else:
                 results.append(await stack.streams.generate(sid, "alice", 12, seed=i))
-        await asyncio.wait_for(reader, 30)
-        stats = await stack.streams.stats(sid)
-        assert stats.continued_as_new >= 2
+        await asyncio.wait_for(reader, 60)
+        assert (await stack.streams.stats(sid)).continued_as_new >= 2
         by_chunk: dict[int, list[TokenEvent]] = {}
         for ev in got:
             by_chunk.setdefault(ev.chunk_seq, []).append(ev)
         assert [_tokens(by_chunk[r.chunk_seq]) for r in results] == [r.tokens for r in results]
         assert [e.offset for e in got] == list(range(len(got)))  # each entry once, in order, none lost
-        # across continue-as-new the log keeps its newest carry_bytes/4: the oldest are gone
+
+
+async def test_the_token_log_is_bounded_within_a_run_and_across_continue_as_new(can_env, tmp_path):
+    stack = await make_stack(can_env, tmp_path)
+    async with stack.exits:
+        opts = FAST.model_copy(update={"carry_bytes": 4096, "token_log_events": 5})
+        sid = await stack.streams.open("alice", "tiny-mamba2", options=opts)
+        await stack.streams.advance(sid, "alice", tokens=[9, 8, 7])
+        results = [await stack.streams.generate(sid, "alice", 40, seed=i) for i in range(10)]
+        assert (await stack.streams.stats(sid)).continued_as_new >= 2
         now = await stack.streams.read_tokens(sid, from_offset=0)
-        assert now.base_offset > 0 and now.events and now.events[0].offset == now.base_offset
-        assert len(now.events) <= 64
-        assert now.next_offset == got[-1].offset + 1
+        # one entry per unstreamed generate: the newest ones are kept, the oldest are gone
+        assert now.next_offset == len(results) and now.base_offset > 0
+        assert 1 <= len(now.events) <= 5 and now.events[0].offset == now.base_offset
+        assert [e.tokens for e in now.events] == [r.tokens for r in results[now.base_offset:]]

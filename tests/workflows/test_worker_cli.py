@@ -250,6 +250,11 @@ async def test_stream_commands_of_the_cli(stack: Stack, tmp_path):
     shown = await _run(stack, keyfile, "generate", sid, "--principal", "alice", "-n", "3", "--seed", "5", "--seq", "3")
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.startswith(gen["text"] + "\n") and "generated 3 tokens" in shown.stdout, shown.stdout
+    # the token log from the CLI: chunk 3's entry, with its offset (a reader reconnects from offset + 1)
+    log = await _run(stack, keyfile, "tokens", sid, "--seq", "3", "--json")
+    assert log.returncode == 0, log.stderr
+    [entry] = [json.loads(line) for line in log.stdout.splitlines()]
+    assert entry["tokens"] == gen["tokens"] and entry["done"] and entry["chunk_seq"] == 3
     rec = await _cli(stack, keyfile, "receipt", sid)
     assert rec["receipt"]["position"] == 11 and rec["stats"]["chunks"] == 3
     cp_file = tmp_path / "cp.json"
