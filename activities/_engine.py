@@ -350,10 +350,10 @@ class StreamEngine:
                 pre = load()
         raise NeedsLoad(f"stream {stream_id} keeps being evicted; raise the engine's capacity")
 
-    def expected_seconds(self, rounds: int) -> float:
+    def expected_seconds(self, rounds: int) -> float | None:
         """About how long `rounds` rounds take now, at the engine's recent pace (a generate of n
-        tokens is n rounds; a prefill, one per `prefill_piece` tokens)."""
-        return rounds * self._round_s
+        tokens is n rounds; a prefill, one per `prefill_piece` tokens); None before its first round."""
+        return rounds * self._round_s if self._round_s > 0 else None
 
     def commit(self, stream_id: str, state_key: str) -> None:
         """The chunk's checkpoint is in the store: its slot now holds that committed state."""

@@ -95,6 +95,8 @@ log = logging.getLogger(__name__)
 PIECE_TOKENS = 512
 #: attempts of an activity that fails with an exception nobody foresaw, before it fails typed
 UNTYPED_ATTEMPTS = 3
+#: the most engine rounds a local attempt takes on before its engine has measured its pace
+UNMEASURED_LOCAL_ROUNDS = 16
 
 #: the exceptions with a reason of their own (workflows.application_error types them)
 _TYPED = (StateRejected, ScanError, StoreError, UnknownModel, StreamFailure, StreamBusy)
@@ -231,7 +233,11 @@ class StreamActivities:
             return
         timeout = activity.info().start_to_close_timeout
         expected = self.engine(model).expected_seconds(rounds)
-        if timeout is not None and expected > 0.5 * timeout.total_seconds():
+        if expected is None and rounds > UNMEASURED_LOCAL_ROUNDS:
+            # an engine that has not run yet has no pace: a long chunk on a large model could
+            # hold the workflow task past the local timeout
+            raise LocalTooSlow(f"{rounds} engine rounds on an engine that has not measured its pace yet")
+        if timeout is not None and expected is not None and expected > 0.5 * timeout.total_seconds():
             raise LocalTooSlow(f"{rounds} engine rounds take about {expected:.2f} s now; the local timeout is "
                                f"{timeout.total_seconds():g} s", expected_s=round(expected, 3))
 

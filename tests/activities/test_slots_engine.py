@@ -443,3 +443,19 @@ def test_a_lone_stream_does_not_wait_for_company():
         assert engine.stats.steps == 6 and engine.stats.max_batch == 1
     finally:
         engine.close()
+
+
+def test_the_engine_reports_its_pace_once_it_has_run():
+    """`expected_seconds` (what a local attempt asks before it takes a chunk on): None before the
+    engine's first round, then proportional to the rounds asked about."""
+    model = model_for(MODEL)
+    engine = _engine(capacity=2, max_wait_s=0.0)
+    try:
+        assert engine.expected_seconds(10) is None
+        r = model.advance(model.initial_state(), tokens(4, 3))
+        engine.put("s", r.state, epoch=0, state_key="k0", logits=r.logits[-1])
+        engine.advance("s", [7], expected_key="k0", epoch=0, load=lambda: (_ for _ in ()).throw(AssertionError))
+        one = engine.expected_seconds(1)
+        assert one is not None and one > 0 and engine.expected_seconds(100) == pytest.approx(100 * one)
+    finally:
+        engine.close()

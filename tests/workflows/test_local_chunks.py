@@ -14,7 +14,7 @@ from temporalio.api.enums.v1 import EventType
 from activities._stream import StreamActivities
 from state_codec.codec import plaintext_checksum
 from tests.workflows.conftest import FAST, Stack, eventually, make_stack
-from tests.workflows.test_stream_workflow import digest, local
+from tests.workflows.test_stream_workflow import FailOnce, digest, local
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -58,24 +58,15 @@ async def test_short_chunks_run_locally_long_ones_take_the_regular_path(stack: S
     assert _local_markers(events) == 4
 
 
-class FailLocallyOnce(StreamActivities):
+class FailLocallyOnce(FailOnce):
     """A local attempt of chunk 2 fails after `edge` (a bug, a lost disk, nobody knows): once."""
 
     edge = "written"
 
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.failed: set[int] = set()
-        self.runs: dict[int, int] = {}
-
-    def _edge(self, name: str, stream_id: str, chunk_seq: int) -> None:
+    def _fails_here(self) -> bool:
         from temporalio import activity
 
-        if name == "admitted":
-            self.runs[chunk_seq] = self.runs.get(chunk_seq, 0) + 1
-        if name == self.edge and chunk_seq == 2 and activity.info().is_local and chunk_seq not in self.failed:
-            self.failed.add(chunk_seq)
-            raise RuntimeError(f"local attempt lost after {name}")
+        return activity.info().is_local
 
 
 class FailLocallyAfterRecord(FailLocallyOnce):

@@ -224,9 +224,12 @@ class FailOnce(StreamActivities):
     def _edge(self, name: str, stream_id: str, chunk_seq: int) -> None:
         if name == "admitted":
             self.runs[chunk_seq] = self.runs.get(chunk_seq, 0) + 1
-        if name == self.edge and chunk_seq == 2 and chunk_seq not in self.failed:
+        if name == self.edge and chunk_seq == 2 and chunk_seq not in self.failed and self._fails_here():
             self.failed.add(chunk_seq)
             raise RuntimeError(f"lost response after {name}")
+
+    def _fails_here(self) -> bool:
+        return True
 
 
 class FailAfterWrite(FailOnce):
