@@ -208,7 +208,7 @@ class StreamClient:
         entry once, in order, across continue-as-new; ends when the stream is cancelled or closed.
         A reader that reconnects passes the last entry's offset + 1. Entries older than the log's
         window (`StreamOptions.token_log_events`) are gone: reading starts at the oldest kept."""
-        offset = from_offset
+        offset, failures = from_offset, 0
         handle = self.handle(stream_id)
         while True:
             try:
@@ -224,7 +224,13 @@ class StreamClient:
             except RPCError:
                 if (await handle.describe()).status != WorkflowExecutionStatus.RUNNING:
                     return  # closed: nothing more will come
-                raise
+                failures += 1
+                if failures > 3:
+                    raise
+                # running: the poll met the end of a run that continued as new; the next run has the log
+                await asyncio.sleep(0.02 * failures)
+                continue
+            failures = 0
             for ev in batch.events:
                 yield ev
             if batch.closed:
