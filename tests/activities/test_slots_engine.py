@@ -455,6 +455,11 @@ def test_the_engine_reports_its_pace_once_it_has_run():
         r = model.advance(model.initial_state(), tokens(4, 3))
         engine.put("s", r.state, epoch=0, state_key="k0", logits=r.logits[-1])
         engine.advance("s", [7], expected_key="k0", epoch=0, load=lambda: (_ for _ in ()).throw(AssertionError))
+        import time
+
+        deadline = time.monotonic() + 5  # the engine thread records the round just after it answers
+        while engine.expected_seconds(1) is None and time.monotonic() < deadline:
+            time.sleep(0.001)
         one = engine.expected_seconds(1)
         assert one is not None and one > 0 and engine.expected_seconds(100) == pytest.approx(100 * one)
     finally:
