@@ -377,7 +377,7 @@ class GenerateStream:
             uid = update_id("generate", req, epoch=epoch, attempt=self._attempt)
             work = asyncio.ensure_future(handle.execute_update(MambaStreamWorkflow.generate, req, id=uid))
             reader = c.tokens(sid, update_id=uid).__aiter__()
-            seen, nxt, offset = 0, None, 0
+            seen, nxt, offset, again = 0, None, 0, False
             try:
                 while True:
                     nxt = asyncio.ensure_future(reader.__anext__())
@@ -398,7 +398,8 @@ class GenerateStream:
                     except WorkflowUpdateFailedError as err:
                         if not resend and seen == 0 and isinstance(err.cause, ApplicationError) and \
                                 err.cause.type == "EpochMismatch":
-                            break  # reset since this client last looked: once more, under the new epoch
+                            again = True  # reset since this client last looked: once more, under the new epoch
+                            break
                         raise
                     # its last entry was logged in the workflow task that answered it
                     rest = await c.read_tokens(sid, from_offset=offset, update_id=uid)
@@ -412,11 +413,10 @@ class GenerateStream:
                                          text=r.text, done=True, finish_reason=r.finish_reason, restart=seen > 0,
                                          update_id=uid)
                     break
-                if self.result is None:
-                    if not work.done() or work.exception() is None or seen:
-                        self.result = await work
-                    else:
-                        continue  # EpochMismatch before anything was shown: resend
+                if again:
+                    continue
+                if self.result is None:  # the chunk's last entry came before its answer
+                    self.result = await work
                 c._epochs[sid] = self.result.receipt.epoch
                 return
             finally:

@@ -248,7 +248,7 @@ class MambaStreamWorkflow:
                 except ActivityError as err:
                     # an activity the stream's cancellation cancelled is not retried elsewhere; any
                     # other failure of the affine worker (gone, failing) is, dispose included
-                    if _permanent(err) or (self._cancelled and isinstance(err.cause, CancelledError)):
+                    if self._final(err.cause):
                         raise
                     # the worker holding the hot state is gone or failing: any worker resumes
                     # from the store
@@ -264,6 +264,12 @@ class MambaStreamWorkflow:
                 **common)
         except ActivityError as err:
             raise self._failed(err.cause) or err from err
+
+    def _final(self, cause: BaseException | None) -> bool:
+        """A failure no other path may retry: the chunk's own (non-retryable), or a cancellation by
+        the stream's own cancel."""
+        return (isinstance(cause, ApplicationError) and cause.non_retryable) or \
+            (self._cancelled and isinstance(cause, CancelledError))
 
     def _failed(self, cause: BaseException | None) -> BaseException | None:
         """An activity's final failure as the handler's, typed by the activity's reason and
@@ -293,8 +299,7 @@ class MambaStreamWorkflow:
             except (ActivityError, ApplicationError, TimeoutError, CancelledError) as err:
                 # a local activity's failure arrives as itself, not wrapped in an ActivityError
                 cause = err.cause if isinstance(err, ActivityError) else err
-                if (isinstance(cause, ApplicationError) and cause.non_retryable) or \
-                        (self._cancelled and isinstance(cause, CancelledError)):
+                if self._final(cause):
                     raise self._failed(cause) or err from err
                 if isinstance(cause, ApplicationError) and cause.type == LocalTooSlow.reason:
                     workflow.logger.info("local %s declined (%s); taking the regular path", name, cause)
@@ -514,19 +519,7 @@ class MambaStreamWorkflow:
         """The log's entries from `from_offset` (of one chunk, if named): waits until there are some,
         the stream is cancelled (`closed`), or it continues as new (`moving`: read on from there)."""
         await workflow.wait_condition(lambda: self._cancelled or self._moving or bool(self._entries(req, 1)))
-        events = self._entries(req, req.max_events)
-        end = self._log_base + len(self._log)
-        nxt = events[-1].offset + 1 if events and len(events) == req.max_events else max(req.from_offset, end)
-        if events and sum(len(e.model_dump_json()) for e in events) > _POLL_BYTES:
-            size, kept = 0, []
-            for e in events:  # at least one, then as many as fit an update's result
-                size += len(e.model_dump_json())
-                if kept and size > _POLL_BYTES:
-                    break
-                kept.append(e)
-            events, nxt = kept, kept[-1].offset + 1
-        return TokenBatch(events=events, next_offset=nxt, base_offset=self._log_base,
-                          closed=self._cancelled and not events, moving=self._moving and not events)
+        return self._batch(req)
 
     @poll_tokens.validator
     def _validate_poll(self, req: PollTokensRequest) -> None:
@@ -536,15 +529,29 @@ class MambaStreamWorkflow:
     @workflow.query
     def read_tokens(self, req: PollTokensRequest) -> TokenBatch:
         """The log's entries from `from_offset` now, without waiting."""
-        events = self._entries(req, req.max_events)
-        end = self._log_base + len(self._log)
-        return TokenBatch(events=events, next_offset=events[-1].offset + 1 if events else max(req.from_offset, end),
-                          base_offset=self._log_base, closed=self._cancelled)
+        return self._batch(req)
 
     @workflow.query
     def token_offset(self) -> int:
         """Where the token log ends: a reader that starts here gets what comes next."""
         return self._log_base + len(self._log)
+
+    def _batch(self, req: PollTokensRequest) -> TokenBatch:
+        """The entries a read gets: at least one if there are any, then as many as `max_events` and
+        `_POLL_BYTES` allow (an update's result is limited); the next read starts after the last
+        one returned, or at the log's end when none were held back."""
+        events: list[TokenEvent] = []
+        size, full = 0, False
+        for ev in self._entries(req, req.max_events):
+            size += len(ev.model_dump_json())
+            if events and size > _POLL_BYTES:
+                full = True
+                break
+            events.append(ev)
+        full = full or len(events) == req.max_events
+        nxt = events[-1].offset + 1 if full else max(req.from_offset, self._log_base + len(self._log))
+        return TokenBatch(events=events, next_offset=nxt, base_offset=self._log_base,
+                          closed=self._cancelled and not events, moving=self._moving and not events)
 
     def _entries(self, req: PollTokensRequest, limit: int) -> list[TokenEvent]:
         start = max(req.from_offset - self._log_base, 0)
@@ -571,16 +578,13 @@ class MambaStreamWorkflow:
     def _log_result(self, result: GenerateResult) -> None:
         """A committed generate's last entry: its tokens not yet published (all of them, unstreamed)."""
         shown = self._streaming.pop(result.chunk_seq, None) or _Shown(_current_update_id())
-        n = len(shown.tokens)
-        if result.tokens[:n] == shown.tokens and (result.text or "").startswith(shown.text):
-            self._append(TokenEvent(chunk_seq=result.chunk_seq, epoch=result.receipt.epoch, index=n,
-                                    tokens=result.tokens[n:],
-                                    text=None if result.text is None else result.text[len(shown.text):],
-                                    done=True, finish_reason=result.finish_reason, update_id=shown.update_id))
-        else:  # what was shown is not what was committed: the chunk's tokens again, whole
-            self._append(TokenEvent(chunk_seq=result.chunk_seq, epoch=result.receipt.epoch, tokens=result.tokens,
-                                    text=result.text, done=True, finish_reason=result.finish_reason, restart=True,
-                                    update_id=shown.update_id))
+        same = result.tokens[: len(shown.tokens)] == shown.tokens and (result.text or "").startswith(shown.text)
+        # what was shown is not what was committed: the chunk's tokens again, whole (`restart`)
+        n, chars = (len(shown.tokens), len(shown.text)) if same else (0, 0)
+        self._append(TokenEvent(chunk_seq=result.chunk_seq, epoch=result.receipt.epoch, index=n,
+                                tokens=result.tokens[n:], text=None if result.text is None else result.text[chars:],
+                                done=True, finish_reason=result.finish_reason, restart=not same,
+                                update_id=shown.update_id))
 
     def _log_failed(self, kind: str, chunk_seq: int, reason: str) -> None:
         """A generate that failed: its readers are told, and stop."""
@@ -617,7 +621,7 @@ class MambaStreamWorkflow:
                     # a streamed generate publishes through this workflow while it runs: not from
                     # inside one of its workflow tasks, as a local activity would
                     out = await self._cancellable(self._run_chunk(activity, make_request(), result_type,
-                                                                  _size(kind, req), local=not streamed))
+                                                                  _size(req), local=not streamed))
                 except asyncio.CancelledError:
                     self._log_failed(kind, req.chunk_seq, StreamCancelled.reason)
                     raise application_error(StreamCancelled("the stream was cancelled while the chunk ran")) from None
@@ -716,15 +720,10 @@ def _digest_only(rec: RecentResult) -> RecentResult:
                         chunk_seq=res.chunk_seq, state_key=res.receipt.state_key)
 
 
-def _size(kind: str, req: AdvanceRequest | GenerateRequest) -> int:
+def _size(req: AdvanceRequest | GenerateRequest) -> int:
     """The chunk's work in tokens, at most: fed tokens, a text's bytes, or a generate's max_tokens."""
     if isinstance(req, GenerateRequest):
         return req.max_tokens
     if req.tokens is not None:
         return len(req.tokens)
     return len(req.text.encode("utf-8")) if req.text is not None else 0
-
-
-def _permanent(err: ActivityError) -> bool:
-    cause = err.cause
-    return isinstance(cause, ApplicationError) and cause.non_retryable

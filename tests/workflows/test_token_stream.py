@@ -208,3 +208,21 @@ async def test_the_token_log_is_bounded_within_a_run_and_across_continue_as_new(
         assert now.next_offset == len(results) and now.base_offset > 0
         assert 1 <= len(now.events) <= 5 and now.events[0].offset == now.base_offset
         assert [e.tokens for e in now.events] == [r.tokens for r in results[now.base_offset:]]
+
+
+async def test_a_streamed_generate_after_a_reset_it_did_not_see_is_sent_again_under_the_new_epoch(stack: Stack):
+    from workflows import StreamClient
+
+    sid = await stack.streams.open("alice", "tiny-mamba2")
+    await stack.streams.advance(sid, "alice", tokens=[1, 2, 3])  # this client now knows epoch 0
+    other = StreamClient(stack.client, stack.queue)
+    await other.reset(sid, "alice")
+    for _ in range(200):
+        if (await other.stats(sid)).epoch == 1:
+            break
+        await asyncio.sleep(0.02)
+    await other.advance(sid, "alice", tokens=[4, 5])
+    gen = stack.streams.generate_stream(sid, "alice", 6, seed=5)
+    events = [ev async for ev in gen]
+    assert gen.result.receipt.epoch == 1 and _tokens(events) == gen.result.tokens and len(gen.result.tokens) == 6
+    assert events[-1].done and (await stack.streams.stats(sid)).generated_tokens == 6
