@@ -267,11 +267,11 @@ async def run_worker(cfg: WorkerConfig, stop: asyncio.Event, *, ready: asyncio.E
     await _claim_store(client, acts, close=activities is None)
     if runtime is not None:
         log.info("metrics on http://%s/metrics", cfg.metrics)
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="activity")
     versioning = deployment_config(cfg)
     kw = {"deployment_config": versioning} if versioning is not None else {}
-    shared = Worker(client, task_queue=cfg.task_queue, activity_executor=pool, **kw)
-    own = Worker(client, task_queue=own_queue, activity_executor=pool, **kw)
+    shared_slots, own_slots = worker_slots(workflows=True), worker_slots(workflows=False)
+    shared = Worker(client, task_queue=cfg.task_queue, **shared_slots, **kw)
+    own = Worker(client, task_queue=own_queue, **own_slots, **kw)
     log.info("worker %s serving %s and %s (models %s, store %s, version %s)", worker_id, cfg.task_queue, own_queue,
              cfg.models, acts.store.url, f"{cfg.deployment}:{cfg.build_id}" if cfg.build_id else "unversioned")
     async with shared, own:
@@ -282,7 +282,36 @@ async def run_worker(cfg: WorkerConfig, stop: asyncio.Event, *, ready: asyncio.E
         await stop.wait()
         if sweeper is not None:
             sweeper.cancel()
-    pool.shutdown(wait=False, cancel_futures=True)  # the plugin closed the activities with the workers
+    for slots in (shared_slots, own_slots):  # the plugin closed the activities with the workers
+        slots["activity_executor"].shutdown(wait=False, cancel_futures=True)
+
+
+#: tasks one worker takes at once: regular activities (each queue), and on the queue that runs
+#: workflows, local activities and workflow tasks. Each activity holds a thread while its chunk
+#: waits on the engine.
+ACTIVITY_SLOTS = 16
+LOCAL_SLOTS = 16
+WORKFLOW_TASK_SLOTS = 32
+
+
+def worker_slots(*, workflows: bool, activities: int = ACTIVITY_SLOTS, locals_: int = LOCAL_SLOTS,
+                 workflow_tasks: int = WORKFLOW_TASK_SLOTS) -> dict:
+    """`Worker` options that bound what a queue takes to what the process can run at once.
+
+    Activities get as many threads as the tasks they may take, so a task the server hands over
+    never waits for a thread while its timeouts (a local attempt's deadline, a heartbeat timeout)
+    run. Workflow tasks are bounded too: on a saturated box a hundred tasks at once each run slower
+    than their timeout, time out, and come back as full replays, which cost more; fewer at once
+    finish, and the rest wait in the server's queue, where no timeout runs. `workflows`: the queue
+    runs workflows, and so their local activities."""
+    threads = activities + (locals_ if workflows else 0)
+    opts = {"activity_executor": concurrent.futures.ThreadPoolExecutor(max_workers=threads,
+                                                                       thread_name_prefix="activity"),
+            "max_concurrent_activities": activities,
+            "max_concurrent_local_activities": locals_ if workflows else 1}
+    if workflows:
+        opts["max_concurrent_workflow_tasks"] = workflow_tasks
+    return opts
 
 
 async def _claim_store(client, acts, *, close: bool) -> None:

@@ -4,18 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import random
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle, WorkflowUpdateFailedError
+from temporalio.client import (
+    Client,
+    WorkflowExecutionStatus,
+    WorkflowHandle,
+    WorkflowUpdateFailedError,
+    WorkflowUpdateRPCTimeoutOrCancelledError,
+)
 from temporalio.api.common.v1 import WorkflowExecution
 from temporalio.api.enums.v1 import EventType, ResetReapplyExcludeType
 from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
 from temporalio.common import WorkflowIDConflictPolicy
-from temporalio.exceptions import ApplicationError
-from temporalio.service import RPCError
+from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
+from temporalio.service import RPCError, RPCStatusCode
 
 from state_codec import Receipt
 from workflows._config import DEFAULT_TASK_QUEUE
@@ -42,7 +49,31 @@ from workflows._stream import MambaStreamWorkflow
 if TYPE_CHECKING:
     from state_codec.signing import RequestSigner
 
-__all__ = ["GenerateStream", "StreamClient", "new_stream_id", "update_id"]
+__all__ = ["GenerateStream", "StreamClient", "new_stream_id", "transient", "update_id"]
+
+T = TypeVar("T")
+
+#: RPC statuses that say the server or the stream's worker could not answer now, not that the
+#: request is wrong: a loaded box times out workflow tasks, and while a stream's workflow task is
+#: retried the server refuses its updates with FAILED_PRECONDITION ("Workflow Task in failed state")
+_TRANSIENT = {RPCStatusCode.UNAVAILABLE, RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.RESOURCE_EXHAUSTED,
+              RPCStatusCode.ABORTED, RPCStatusCode.CANCELLED}
+
+
+def transient(err: BaseException) -> bool:
+    """Whether `err` is a client call that may pass if sent again unchanged: an update or query
+    RPC that timed out, a server that could not take it now, a stream whose workflow task is being
+    retried. A chunk's own failure, or a refusal, is never transient."""
+    if isinstance(err, WorkflowUpdateRPCTimeoutOrCancelledError):
+        return True
+    if isinstance(err, RPCError):
+        if err.status in _TRANSIENT:
+            return True
+        if err.status == RPCStatusCode.FAILED_PRECONDITION and "failed state" in str(err):
+            return True
+        # a query the stream's worker did not answer in time (its task expired in the queue)
+        return err.status == RPCStatusCode.NOT_FOUND and "query task not found" in str(err)
+    return False
 
 
 def new_stream_id(tag: str | None = None) -> str:
@@ -92,14 +123,37 @@ class StreamClient:
     Args:
         signer: signs every request for its principal (`state_codec.signing.RequestSigner`);
             needed when the workers verify signatures.
+        retry_s: how long a call is sent again while it fails for a transient reason (`transient`:
+            a loaded server or worker); every call is idempotent (an update under its id, a reset
+            under the epoch it begins), so sending it again never applies it twice.
     """
 
     def __init__(self, client: Client, task_queue: str = DEFAULT_TASK_QUEUE, *,
-                 signer: RequestSigner | None = None) -> None:
+                 signer: RequestSigner | None = None, retry_s: float = 120.0) -> None:
         self.client = client
         self.task_queue = task_queue
         self.signer = signer
+        self.retry_s = retry_s
         self._epochs: dict[str, int] = {}  # stream -> the epoch this client last saw it in
+
+    async def _retrying(self, call: Callable[[], Awaitable[T]]) -> T:
+        """`call()`, sent again with backoff while it fails transiently, for up to `retry_s`."""
+        loop = asyncio.get_running_loop()
+        deadline, delay = loop.time() + self.retry_s, 0.05
+        while True:
+            try:
+                return await call()
+            except (RPCError, WorkflowUpdateRPCTimeoutOrCancelledError) as err:
+                if not transient(err) or loop.time() + delay > deadline:
+                    raise
+            await asyncio.sleep(delay * (0.5 + random.random()))  # jitter: many clients back off apart
+            delay = min(delay * 2, 2.0)
+
+    async def _update(self, handle: WorkflowHandle, update: Any, *args: Any, id: str) -> Any:
+        return await self._retrying(lambda: handle.execute_update(update, *args, id=id))
+
+    async def _query(self, stream_id: str, query: Any, *args: Any) -> Any:
+        return await self._retrying(lambda: self.handle(stream_id).query(query, *args))
 
     def sign(self, kind: str, stream_id: str, request):  # noqa: ANN001, ANN201 - any signed request model
         """`request` with its signature, when this client signs (unchanged otherwise)."""
@@ -123,14 +177,27 @@ class StreamClient:
         inp = self.sign("open", sid, OpenStreamInput(principal=principal, model_id=model_id,
                                                      input_transform=input_transform, resume=resume,
                                                      options=options or StreamOptions()))
-        handle = await self.client.start_workflow(
-            MambaStreamWorkflow.run, inp,
-            id=sid, task_queue=self.task_queue, id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
-            task_timeout=timedelta(seconds=inp.options.task_timeout_s),
-        )
+        sent = False
+
+        async def start() -> WorkflowHandle:
+            nonlocal sent
+            try:
+                return await self.client.start_workflow(
+                    MambaStreamWorkflow.run, inp,
+                    id=sid, task_queue=self.task_queue, id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
+                    task_timeout=timedelta(seconds=inp.options.task_timeout_s),
+                )
+            except WorkflowAlreadyStartedError:
+                if not sent:
+                    raise
+                return self.handle(sid)  # our own earlier start went through; its answer was lost
+            finally:
+                sent = True
+
+        handle = await self._retrying(start)
         if wait:
             try:
-                await handle.execute_update(MambaStreamWorkflow.ready, id="ready")
+                await self._update(handle, MambaStreamWorkflow.ready, id="ready")
             except WorkflowUpdateFailedError:
                 await handle.result()  # raises the typed reason the stream failed to open with
                 raise
@@ -166,12 +233,12 @@ class StreamClient:
         req = self.sign(kind, stream_id, make(seq))
         handle = self.handle(stream_id)
         try:
-            out = await handle.execute_update(update, req, id=update_id(kind, req, epoch=epoch, attempt=attempt))
+            out = await self._update(handle, update, req, id=update_id(kind, req, epoch=epoch, attempt=attempt))
         except WorkflowUpdateFailedError as err:
             if not (isinstance(err.cause, ApplicationError) and err.cause.type == "EpochMismatch"):
                 raise
             epoch = (await self._position(stream_id))[1]  # reset since we last looked: once more
-            out = await handle.execute_update(update, req, id=update_id(kind, req, epoch=epoch, attempt=attempt))
+            out = await self._update(handle, update, req, id=update_id(kind, req, epoch=epoch, attempt=attempt))
         self._epochs[stream_id] = out.receipt.epoch
         return out
 
@@ -255,7 +322,10 @@ class StreamClient:
         if epoch is None and self.signer is not None:
             epoch = (await self.stats(stream_id)).epoch + 1
         req = self.sign("reset", stream_id, ResetRequest(principal=principal, epoch=epoch, revoke=revoke))
-        await self.handle(stream_id).signal(MambaStreamWorkflow.reset, req)
+        send = lambda: self.handle(stream_id).signal(MambaStreamWorkflow.reset, req)  # noqa: E731
+        # A reset that names its epoch is refused when it arrives twice, so it may be sent again;
+        # one that does not could reset twice.
+        await (self._retrying(send) if epoch is not None else send())
         self._epochs.pop(stream_id, None)  # the next chunk asks the stream for its epoch
 
     async def rewind(self, stream_id: str, to_seq: int, *, reason: str = "") -> str:
@@ -329,13 +399,14 @@ class StreamClient:
 
     async def checkpoint(self, stream_id: str, principal: str) -> CheckpointResult:
         req = self.sign("checkpoint", stream_id, CheckpointRequest(principal=principal))
-        return await self.handle(stream_id).execute_update(MambaStreamWorkflow.checkpoint, req)
+        return await self._update(self.handle(stream_id), MambaStreamWorkflow.checkpoint, req,
+                                  id=f"checkpoint-{uuid.uuid4().hex}")
 
     async def receipt(self, stream_id: str) -> Receipt | None:
-        return await self.handle(stream_id).query(MambaStreamWorkflow.receipt)
+        return await self._query(stream_id, MambaStreamWorkflow.receipt)
 
     async def stats(self, stream_id: str) -> StreamStats:
-        return await self.handle(stream_id).query(MambaStreamWorkflow.stats)
+        return await self._query(stream_id, MambaStreamWorkflow.stats)
 
     async def cancel(self, stream_id: str, *, wait: bool = True) -> None:
         """Cancel the stream; with `wait`, return once it has disposed of its state and ended."""

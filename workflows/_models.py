@@ -108,6 +108,10 @@ def open_claims(principal: str, model_id: str, input_transform: str | None, resu
     return claims
 
 
+#: the largest share of the workflow task timeout a local attempt may take (`StreamOptions.local_timeout_s`)
+LOCAL_SHARE = 0.5
+
+
 class StreamOptions(_Strict):
     """Per-stream knobs, fixed at open time."""
 
@@ -139,9 +143,11 @@ class StreamOptions(_Strict):
                                   description="the longest chunk run locally: tokens fed (a text's bytes) or "
                                   "max_tokens of a generate")
     local_timeout_s: float = Field(default=5.0, gt=0, le=3600.0,
-                                   description="a local attempt's start-to-close timeout; past it the chunk "
-                                   "takes the regular path. Keep it under 0.8 x task_timeout_s: a workflow "
-                                   "task is held open while its local activities run")
+                                   description="a local attempt's deadline, from when it is scheduled (waiting "
+                                   "for a free slot counts); past it the chunk takes the regular path. A workflow "
+                                   "task is held open while its local activities run: the deadline is capped at "
+                                   "half of task_timeout_s, the rest being the worker's margin for the task's own "
+                                   "work on a loaded box (at most 0.8 x task_timeout_s may be set)")
     token_log_events: int = Field(default=1024, ge=1, le=65536,
                                   description="entries of the token log kept for readers that subscribe late or "
                                   "reconnect; across continue-as-new the newest carry_bytes/4 of them")
@@ -157,6 +163,12 @@ class StreamOptions(_Strict):
             raise ValueError(f"local_timeout_s {self.local_timeout_s} must be at most 0.8 x task_timeout_s "
                              f"({0.8 * self.task_timeout_s:g})")
         return self
+
+    @property
+    def local_deadline_s(self) -> float:
+        """A local attempt's deadline: `local_timeout_s`, at most `LOCAL_SHARE` of the task timeout
+        (the cap applies at use, so start inputs that were valid before it still decode)."""
+        return min(self.local_timeout_s, LOCAL_SHARE * self.task_timeout_s)
 
 
 class ModelInfo(_Model):
@@ -191,6 +203,8 @@ class StreamStats(_Model):
     migrations: int = 0
     local_chunks: int = Field(default=0, description="chunks committed by a local activity (the rest: regular ones)")
     local_fallbacks: int = Field(default=0, description="local attempts that failed and went the regular path")
+    regular_until: int = Field(default=0, description="chunks up to this sequence take the regular path: a local "
+                               "attempt of the stream timed out (a loaded worker), so the next few do not try")
     continued_as_new: int = 0
     version_moves: int = Field(default=0, description="continue-as-new onto a new worker deployment version")
     last_backend: str = ""

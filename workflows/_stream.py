@@ -25,7 +25,8 @@ from typing import Any, TypeVar
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError, ApplicationError, CancelledError
+from temporalio.exceptions import ActivityError, ApplicationError, CancelledError, FailureError
+from temporalio.exceptions import TimeoutError as ActivityTimeout
 
 with workflow.unsafe.imports_passed_through():
     from state_codec import ChunkSequenceMismatch, EpochMismatch, PrincipalMismatch, Receipt, arithmetic_moved
@@ -89,6 +90,10 @@ with workflow.unsafe.imports_passed_through():
 __all__ = ["MambaStreamWorkflow"]
 
 T = TypeVar("T")
+
+#: chunks of a stream sent the regular way after one of its local attempts timed out (a loaded worker)
+LOCAL_PAUSE_CHUNKS = 8
+PATCH_LOCAL_PAUSE = "local-pause-after-timeout"
 
 #: the most a token read returns, in JSON bytes (an update's result is limited to 2 MiB)
 _POLL_BYTES = 512 * 1024
@@ -282,30 +287,49 @@ class MambaStreamWorkflow:
                                     non_retryable=True)
         return None
 
-    async def _run_chunk(self, name: str, arg: Any, result_type: type[T], size: int, *, local: bool = True) -> T:
+    async def _run_chunk(self, name: str, arg: Any, result_type: type[T], size: int, chunk_seq: int, *,
+                         local: bool = True) -> T:
         """A chunk's activity: local when it is short (it runs on this worker, which holds the
         stream's hot state, with no task queue in between), else, or when the local attempt fails
         for a reason that is not the chunk's own, the regular path (`_call`). Either way the
         commit protocol makes it exactly once: a local activity re-runs on replay if the worker
-        died before its workflow task completed, and finds the chunk's record."""
+        died before its workflow task completed, and finds the chunk's record.
+
+        Which path a chunk takes is a function of history alone: the options, the chunk's size,
+        and the recorded outcomes of earlier local attempts (a local attempt that timed out sends
+        the stream's next `LOCAL_PAUSE_CHUNKS` chunks the regular way, `StreamStats.regular_until`).
+        A local attempt's deadline counts from when it is scheduled (`schedule_to_close`), so one
+        that waits for a free slot on a loaded worker cannot hold its workflow task open past half
+        the task timeout (`StreamOptions.local_deadline_s`): the SDK does not have to keep the task
+        alive with heartbeat tasks while it runs."""
         o = self._opts
-        if local and o.local_chunks and size <= o.local_max_tokens:
+        if local and o.local_chunks and size <= o.local_max_tokens and chunk_seq > self._stats.regular_until:
+            timeout = timedelta(seconds=o.local_deadline_s)
             try:
                 out = await workflow.execute_local_activity(
-                    name, arg, result_type=result_type, start_to_close_timeout=timedelta(seconds=o.local_timeout_s),
-                    retry_policy=RetryPolicy(maximum_attempts=1))
+                    name, arg, result_type=result_type, schedule_to_close_timeout=timeout,
+                    start_to_close_timeout=timeout, retry_policy=RetryPolicy(maximum_attempts=1))
                 self._stats = self._stats.model_copy(update={"local_chunks": self._stats.local_chunks + 1})
                 return out
-            except (ActivityError, ApplicationError, TimeoutError, CancelledError) as err:
-                # a local activity's failure arrives as itself, not wrapped in an ActivityError
+            except FailureError as err:
+                # The SDK hands a local activity's failure over in two shapes: live, a timeout
+                # arrives wrapped (ActivityError, cause TimeoutError); replayed from its marker, bare
+                # (TimeoutError). Both must lead to the same decision, or a replay takes another
+                # path than the history it replays (a nondeterminism error). Every failure of
+                # Temporal's is a FailureError; the builtin TimeoutError is not one.
                 cause = err.cause if isinstance(err, ActivityError) else err
                 if self._final(cause):
                     raise self._failed(cause) or err from err
+                update: dict[str, Any] = {"local_fallbacks": self._stats.local_fallbacks + 1}
                 if isinstance(cause, ApplicationError) and cause.type == LocalTooSlow.reason:
                     workflow.logger.info("local %s declined (%s); taking the regular path", name, cause)
                 else:
                     workflow.logger.warning("local %s failed (%s); taking the regular path", name, cause)
-                self._stats = self._stats.model_copy(update={"local_fallbacks": self._stats.local_fallbacks + 1})
+                    if isinstance(cause, ActivityTimeout) and workflow.patched(PATCH_LOCAL_PAUSE):
+                        # the worker is too loaded for local attempts to fit: stop trying for a while
+                        # (patched: a history recorded before this rule replays without it)
+                        update["regular_until"] = chunk_seq + LOCAL_PAUSE_CHUNKS
+                self._stats = self._stats.model_copy(update=update)
         return await self._call(name, arg, result_type)
 
     async def _cancellable(self, work: Any) -> Any:
@@ -621,7 +645,7 @@ class MambaStreamWorkflow:
                     # a streamed generate publishes through this workflow while it runs: not from
                     # inside one of its workflow tasks, as a local activity would
                     out = await self._cancellable(self._run_chunk(activity, make_request(), result_type,
-                                                                  _size(req), local=not streamed))
+                                                                  _size(req), req.chunk_seq, local=not streamed))
                 except asyncio.CancelledError:
                     self._log_failed(kind, req.chunk_seq, StreamCancelled.reason)
                     raise application_error(StreamCancelled("the stream was cancelled while the chunk ran")) from None

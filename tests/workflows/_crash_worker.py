@@ -13,7 +13,6 @@ that records it completes.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import os
 import signal
 import sys
@@ -37,6 +36,7 @@ from activities._registry import ModelRegistry
 from activities._stream import StreamActivities
 from plugin import MambaStreamPlugin, data_converter
 from state_codec.codec import Keyring
+from worker import worker_slots
 
 _CRASH: tuple[str, int] = ("", -1)
 
@@ -85,15 +85,15 @@ async def main() -> None:
     own = f"{queue}@crash-{uuid.uuid4().hex[:6]}"
     acts = Crashing(edge, int(seq), models=ModelRegistry(["tiny-mamba2"], backend="reference"),
                     store=open_store(store_url), keyring=ring, worker_queue=own)
-    pool = concurrent.futures.ThreadPoolExecutor(4)
     if mode == "local":
         client = await Client.connect(address, plugins=[MambaStreamPlugin(keyring=ring, activities=acts)])
-        shared = Worker(client, task_queue=queue, activity_executor=pool, interceptors=[KillAfterLocal()])
-        mine = Worker(client, task_queue=own, activity_executor=pool)
+        shared = Worker(client, task_queue=queue, interceptors=[KillAfterLocal()],
+                        **worker_slots(workflows=True, activities=8, locals_=8))
+        mine = Worker(client, task_queue=own, **worker_slots(workflows=False, activities=8))
     else:
         client = await Client.connect(address, data_converter=data_converter(ring))
-        shared = Worker(client, task_queue=queue, activities=acts.activities(), activity_executor=pool)
-        mine = Worker(client, task_queue=own, activities=acts.activities(), activity_executor=pool)
+        shared = Worker(client, task_queue=queue, activities=acts.activities(), **worker_slots(workflows=False, activities=8))
+        mine = Worker(client, task_queue=own, activities=acts.activities(), **worker_slots(workflows=False, activities=8))
     async with shared, mine:
         Path(ready).write_text(own)
         await asyncio.Event().wait()

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import os
+import re
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
@@ -12,9 +13,10 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from temporalio.client import Client
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import Client, WorkflowHistory
 from temporalio.testing import WorkflowEnvironment
-from temporalio.worker import Worker
+from temporalio.worker import Replayer, Worker
 
 from activities import open_store
 from activities._registry import ModelRegistry
@@ -22,13 +24,13 @@ from activities._stream import StreamActivities
 from activities._agent import agent_feed_stream
 from plugin import MambaStreamPlugin, _runner, data_converter
 from state_codec.codec import Keyring
-from worker import dev_server_args, temporal_binary
+from worker import dev_server_args, temporal_binary, worker_slots
 from workflows import AgentWorkflow, MambaStreamWorkflow, StreamClient, StreamOptions
 
 # Short timeouts so that a dead worker is noticed in seconds, not minutes.
 # A worker that dies inside a workflow task (a local chunk) holds the stream up for task_timeout_s.
 FAST = StreamOptions(heartbeat_timeout_s=2.0, schedule_to_start_s=3.0, activity_timeout_s=60.0,
-                     task_timeout_s=4.0, local_timeout_s=3.0)
+                     task_timeout_s=4.0, local_timeout_s=2.0)
 MODELS = ["tiny-mamba1", "tiny-mamba2", "tiny-mamba3"]
 
 
@@ -83,7 +85,6 @@ class Stack:
         a workflows-only or activities-only worker is wired by hand from the same pieces.
         """
         acts = acts or self.new_activities()
-        pool = concurrent.futures.ThreadPoolExecutor(8)
         if workflows and activities:
             client = await Client.connect(self.address, plugins=[MambaStreamPlugin(keyring=self.keyring, activities=acts)])
             kw: dict = {}
@@ -92,10 +93,11 @@ class Stack:
             kw = {"workflows": [MambaStreamWorkflow, AgentWorkflow] if workflows else [],
                   "activities": [*acts.activities(), agent_feed_stream] if activities else [],
                   "workflow_runner": _runner(None)}
-        await self.exits.enter_async_context(Worker(client, task_queue=self.queue, activity_executor=pool, **kw))
+        await self.exits.enter_async_context(Worker(client, task_queue=self.queue, **kw,
+                                                    **worker_slots(workflows=workflows, activities=8, locals_=8)))
         if own_queue and activities and acts.worker_queue:
             await self.exits.enter_async_context(
-                Worker(client, task_queue=acts.worker_queue, activity_executor=pool,
+                Worker(client, task_queue=acts.worker_queue, **worker_slots(workflows=False, activities=8),
                        **{**kw, "workflows": []} if kw else {}))
         return acts
 
@@ -107,13 +109,64 @@ class Stack:
         return acts
 
 
+#: where the histories of every workflow the tests ran are kept (a directory per test); the
+#: default is the test's own tmp_path
+HISTORIES = os.environ.get("MAMBA_STREAM_TEST_HISTORIES")
+
+
+async def histories(client: Client, queue: str) -> list[WorkflowHistory]:
+    """The recorded history of every run on `queue`: streams, their continued-as-new and
+    rewound runs, agents, open or closed."""
+    out = []
+    async for wf in client.list_workflows(f"TaskQueue = '{queue}'"):
+        out.append(await client.get_workflow_handle(wf.id, run_id=wf.run_id).fetch_history())
+    return out
+
+
+def failed_tasks(history: WorkflowHistory) -> list[str]:
+    """The failure messages of the history's failed workflow tasks (a nondeterminism error is one)."""
+    return [e.workflow_task_failed_event_attributes.failure.message for e in history.events
+            if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED]
+
+
+async def replay(client: Client, queue: str, keyring: Keyring, keep: Path | None = None) -> int:
+    """Replay every run recorded on `queue` with this checkout's workflow code (the determinism
+    check a deployment's new version must pass); keep the histories as JSON in `keep`. Returns how
+    many runs were replayed; raises on the first that does not replay."""
+    runs = await histories(client, queue)
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+        for h in runs:
+            (keep / f"{h.workflow_id}.{h.events[0].event_time.ToMilliseconds()}.json").write_text(h.to_json())
+    replayer = Replayer(workflows=[MambaStreamWorkflow, AgentWorkflow], data_converter=data_converter(keyring),
+                        workflow_runner=_runner(None))
+    async with replayer.workflow_replay_iterator(_aiter(runs)) as results:
+        async for result in results:
+            if result.replay_failure is not None:
+                raise AssertionError(f"recorded history of {result.history.workflow_id} does not replay: "
+                                     f"{result.replay_failure!r}")
+    return len(runs)
+
+
+async def _aiter(items):
+    for item in items:
+        yield item
+
+
 async def make_stack(env: WorkflowEnvironment, tmp_path: Path, *, backend: str = "reference",
-                     acts_cls: type[StreamActivities] = StreamActivities, start_worker: bool = True) -> Stack:
+                     acts_cls: type[StreamActivities] = StreamActivities, start_worker: bool = True,
+                     replay_at_exit: bool = True) -> Stack:
+    """A test's world; when it closes, every run it recorded is replayed (`replay`)."""
     ring = Keyring.generate()
     store_url = f"file://{tmp_path / 'states'}"
     queue = f"test-{uuid.uuid4().hex[:10]}"
     exits = AsyncExitStack()
     client = await Client.connect(address(env), plugins=[MambaStreamPlugin(keyring=ring)])
+    if replay_at_exit:
+        keep = Path(HISTORIES) / re.sub(r"[^\w.-]+", "_", os.environ.get("PYTEST_CURRENT_TEST", queue))[:150] \
+            if HISTORIES else tmp_path / "histories"
+        # registered first, so it runs last: after the test's workers have stopped
+        exits.push_async_callback(lambda: replay(client, queue, ring, keep))
     stack = Stack(env, client, StreamClient(client, queue), None, ring, store_url, queue, exits)  # type: ignore[arg-type]
     stack.acts = stack.new_activities(acts_cls, backend=backend)
     if start_worker:
