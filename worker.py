@@ -13,7 +13,8 @@ Environment (all optional):
                              worker makes keys, clients only find them)
     MAMBA_STREAM_MODELS      models served: presets or id=/checkpoint/dir, comma-separated
                              (default: the tiny-mamba1/2/3 presets and the trained
-                             recall-mamba1/2/3; each is loaded on first use)
+                             recall-mamba1/2/3), each loaded and run once at start, before the
+                             worker takes work
     MAMBA_STREAM_TASK_QUEUE  the shared task queue (default mamba-stream); the worker also serves
                              its own queue, <shared>@<worker id>, for affinity
     MAMBA_STREAM_CODEC_PORT  port of the codec server started with the embedded stack (default 8081)
@@ -46,9 +47,12 @@ Environment (all optional):
                              600 s; 0: never), and how long after its workflow closed a stream's
                              states count as orphaned (default 3600 s)
 
-ctrl-C (or SIGTERM) drains the worker and stops what it started. The embedded server never
-outlives the worker, SIGKILL included, and a leftover one of the same home is replaced, not
-reused (`EmbeddedTemporal`); a port held by anything else exits with status 2.
+ctrl-C (or SIGTERM) drains the worker and stops what it started (exit status 0). The embedded
+server never outlives the worker, SIGKILL included, and a leftover one of the same home is
+replaced, not reused (`EmbeddedTemporal`); a port held by anything else exits with status 2. A
+worker that fails chunk after chunk of several streams for a reason that is not theirs stops
+taking work and exits with status 3 (`EXIT_UNHEALTHY`), saying why, for its supervisor to
+restart it (activities.WorkerHealth).
 """
 
 from __future__ import annotations
@@ -396,7 +400,17 @@ def build_activities(cfg: WorkerConfig, keyring, worker_queue: str, metrics=None
 
 async def run_worker(cfg: WorkerConfig, stop: asyncio.Event, *, ready: asyncio.Event | None = None,
                      activities=None) -> None:
-    """Serve the shared queue and this worker's own queue until `stop` is set."""
+    """Serve the shared queue and this worker's own queue until `stop` is set.
+
+    The configured models are loaded and run once before the worker takes any work
+    (`StreamActivities.warm`), so that no attempt a timeout can end ever loads one.
+
+    Raises:
+        WorkerUnhealthy: the worker tripped its health check (it failed chunk after chunk of
+            several streams, none succeeding) and stopped taking work; `main` exits with
+            `EXIT_UNHEALTHY` for its supervisor to restart it.
+        StoreOwnedElsewhere: the store belongs to another cluster or namespace.
+    """
     from temporalio.client import Client
     from temporalio.worker import Worker
 
@@ -415,24 +429,42 @@ async def run_worker(cfg: WorkerConfig, stop: asyncio.Event, *, ready: asyncio.E
     client = await Client.connect(cfg.address or "127.0.0.1:7233", runtime=runtime,
                                   plugins=[MambaStreamPlugin(keyring=keyring, activities=acts)])
     await _claim_store(client, acts, close=activities is None)
+    try:
+        took = await asyncio.to_thread(acts.warm)
+    except BaseException:
+        if activities is None:
+            acts.close()
+        raise
+    log.info("models ready in %.1f s: %s", sum(took.values()), ", ".join(took))
     if runtime is not None:
         log.info("metrics on http://%s/metrics", cfg.metrics)
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="activity")
     versioning = deployment_config(cfg)
     kw = {"deployment_config": versioning} if versioning is not None else {}
-    shared = Worker(client, task_queue=cfg.task_queue, activity_executor=pool, **kw)
-    own = Worker(client, task_queue=own_queue, activity_executor=pool, **kw)
+    workers = [Worker(client, task_queue=q, activity_executor=pool, **kw) for q in (cfg.task_queue, own_queue)]
     log.info("worker %s serving %s and %s (models %s, store %s, version %s)", worker_id, cfg.task_queue, own_queue,
              cfg.models, acts.store.url, f"{cfg.deployment}:{cfg.build_id}" if cfg.build_id else "unversioned")
-    async with shared, own:
+    # run as tasks, not `async with`: a worker that ends by itself (the plugin stops a tripped one)
+    # ends the wait below, and its error is raised here, after both have stopped
+    runs = [asyncio.create_task(w.run(), name=f"worker {w.task_queue}") for w in workers]
+    stopping = asyncio.create_task(stop.wait())
+    sweeper = None
+    try:
         if ready is not None:
             ready.set()
         print(f"worker {worker_id} ready on {cfg.task_queue} and {own_queue}", flush=True)
         sweeper = asyncio.create_task(_sweep_forever(cfg, client, acts)) if cfg.sweep_s > 0 else None
-        await stop.wait()
-        if sweeper is not None:
-            sweeper.cancel()
-    pool.shutdown(wait=False, cancel_futures=True)  # the plugin closed the activities with the workers
+        await asyncio.wait([stopping, *runs], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (stopping, sweeper):
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(*(w.shutdown() for w in workers), return_exceptions=True)
+        outcomes = await asyncio.gather(*runs, return_exceptions=True)
+        pool.shutdown(wait=False, cancel_futures=True)  # the plugin closed the activities with the workers
+    for outcome in outcomes:
+        if isinstance(outcome, Exception):
+            raise outcome
 
 
 async def _claim_store(client, acts, *, close: bool) -> None:
@@ -468,43 +500,61 @@ async def _sweep_forever(cfg: WorkerConfig, client, acts) -> None:
             log.exception("orphan sweep failed")
 
 
-def main() -> None:
-    logging.basicConfig(level=os.environ.get("MAMBA_STREAM_LOG", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = WorkerConfig()
-    server = codec = None
-    if cfg.address is None:
-        from state_codec.codec_server import CodecServer, principal_tokens_from_env
+#: `python worker.py`'s exit status when the worker stopped taking work because it fails every
+#: chunk for a reason that is not the chunks' (workflows.WorkerUnhealthy): restart it
+EXIT_UNHEALTHY = 3
 
-        # the token from the environment, else a random one: the codec server decodes for no one without it
-        codec = CodecServer(load_keyring(cfg), port=cfg.codec_port,
-                            token=os.environ.get("MAMBA_STREAM_CODEC_TOKEN") or None,
-                            principal_tokens=principal_tokens_from_env()).start()
-        try:
-            server = EmbeddedTemporal(cfg.home, port=cfg.temporal_port, ui_port=cfg.ui_port,
-                                      codec_endpoint=codec.endpoint).start()
-        except EmbeddedServerError as exc:
-            log.error("%s", exc)
-            codec.stop()
-            raise SystemExit(2) from None
-        cfg.address = server.address
-        print(f"Temporal UI: http://127.0.0.1:{server.ui_port} (payloads decrypted through {codec.url}, "
-              f"token required)", flush=True)
+
+def serve(cfg: WorkerConfig, *, activities=None) -> int:
+    """Run the worker until SIGINT or SIGTERM (0) or until it trips its health check
+    (`EXIT_UNHEALTHY`, with an error log saying why). What `main` runs, around the embedded stack."""
+    from workflows import WorkerUnhealthy
 
     async def amain() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await run_worker(cfg, stop)
+        await run_worker(cfg, stop, activities=activities)
 
     try:
         asyncio.run(amain())
+    except WorkerUnhealthy as exc:
+        log.error("exiting with status %d: %s", EXIT_UNHEALTHY, exc)
+        return EXIT_UNHEALTHY
+    return 0
+
+
+def main() -> None:
+    logging.basicConfig(level=os.environ.get("MAMBA_STREAM_LOG", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = WorkerConfig()
+    server = codec = None
+    status = 1
+    try:
+        if cfg.address is None:
+            from state_codec.codec_server import CodecServer, principal_tokens_from_env
+
+            # the token from the environment, else a random one: the codec server decodes for no one without it
+            codec = CodecServer(load_keyring(cfg), port=cfg.codec_port,
+                                token=os.environ.get("MAMBA_STREAM_CODEC_TOKEN") or None,
+                                principal_tokens=principal_tokens_from_env()).start()
+            try:
+                server = EmbeddedTemporal(cfg.home, port=cfg.temporal_port, ui_port=cfg.ui_port,
+                                          codec_endpoint=codec.endpoint).start()
+            except EmbeddedServerError as exc:
+                log.error("%s", exc)
+                raise SystemExit(2) from None
+            cfg.address = server.address
+            print(f"Temporal UI: http://127.0.0.1:{server.ui_port} (payloads decrypted through {codec.url}, "
+                  f"token required)", flush=True)
+        status = serve(cfg)
     finally:
         if codec is not None:
             codec.stop()
         if server is not None:
             server.stop()
+    sys.exit(status)
 
 
 if __name__ == "__main__":

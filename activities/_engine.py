@@ -36,12 +36,18 @@ from activities._alloc import tune_allocator
 from activities._slots import SlotTable
 from scan import Model, NonFiniteOutput, State
 
-__all__ = ["ChunkOutput", "EngineStats", "NeedsLoad", "SeededSampler", "StreamBusy", "StreamEngine", "sample_rows"]
+__all__ = ["ChunkOutput", "EngineDead", "EngineStats", "NeedsLoad", "SeededSampler", "StreamBusy", "StreamEngine", "sample_rows"]
 
 log = logging.getLogger(__name__)
 
 #: a stream that sent work this recently is expected to send more: a batch waits for it
 COMPANY_WINDOW_S = 0.1
+
+
+class EngineDead(RuntimeError):
+    """The engine's thread is gone (an exception escaped it): nothing this engine holds or is
+    given will advance. Untyped on purpose: it is the worker's fault, not the chunk's, and counts
+    towards the worker's health (`activities.WorkerHealth`)."""
 
 
 class NeedsLoad(LookupError):
@@ -288,7 +294,8 @@ class StreamEngine:
         self._stop = False
         self._seen: dict[str, float] = {}  # stream -> when its last work arrived (for `_company`)
         self._round_s = 0.0  # moving average of a round's seconds (for `expected_seconds`)
-        self._thread = threading.Thread(target=self._loop, name=f"engine-{model.model_id}", daemon=True)
+        self._died: BaseException | None = None  # what ended the engine thread, if not `close`
+        self._thread = threading.Thread(target=self._run, name=f"engine-{model.model_id}", daemon=True)
         self._thread.start()
 
     # --- called from activity threads ----------------------------------------------------------
@@ -343,9 +350,11 @@ class StreamEngine:
             try:
                 while True:
                     try:
-                        return work.future.result(timeout=1.0 if on_wait else None)
+                        return work.future.result(timeout=1.0)
                     except FutureTimeout:
-                        on_wait()  # type: ignore[misc]
+                        self._alive()
+                        if on_wait is not None:
+                            on_wait()
             except NeedsLoad:  # evicted between the check and the run
                 pre = load()
         raise NeedsLoad(f"stream {stream_id} keeps being evicted; raise the engine's capacity")
@@ -374,9 +383,22 @@ class StreamEngine:
         self._thread.join(timeout=10)
 
     def _call(self, fn: Callable[[], object]):
+        from concurrent.futures import TimeoutError as FutureTimeout
+
         fut: Future = Future()
         self._inbox.put((fn, fut))
-        return fut.result()
+        while True:
+            try:
+                return fut.result(timeout=1.0)
+            except FutureTimeout:
+                self._alive()
+
+    def _alive(self) -> None:
+        """Raise EngineDead if the engine's thread ended without being closed: a caller must not
+        wait forever on work nobody will do."""
+        if not self._thread.is_alive():
+            raise EngineDead(f"the engine thread of {self.model.model_id} is gone"
+                             + ("" if self._stop else f": {self._died!r}"))
 
     # --- the engine thread -----------------------------------------------------------------------
 
@@ -459,6 +481,14 @@ class StreamEngine:
             self._busy.discard(w.stream_id)
         self._release(w.stream_id)  # its slot may hold a half-advanced state: drop it
         w.future.set_exception(exc)
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 - recorded for the callers left waiting (`_alive`)
+            self._died = exc
+            log.critical("the engine thread of %s died", self.model.model_id, exc_info=exc)
+            raise
 
     def _loop(self) -> None:
         pending: list[_Work] = []
