@@ -14,6 +14,10 @@ logits rows go into one growing buffer of its own, and streams that sample with 
 `SeededSampler` are sampled together (`sample_rows`: one softmax and one argmax for the batch,
 each stream's own generator for its draws), with the bits of sampling each alone.
 
+A work whose caller stopped waiting for it (a cancelled attempt: `on_wait` raised) is dropped at
+the next round, with the half-advanced state in its slot: a cancelled long prefill does not keep
+the engine busy to its end.
+
 States stay in their slots between chunks (the hot cache). A full table evicts its least
 recently used idle stream: nothing is written, its checkpoint is already in the store, and its
 next chunk reloads from there (a migration).
@@ -42,6 +46,8 @@ log = logging.getLogger(__name__)
 
 #: a stream that sent work this recently is expected to send more: a batch waits for it
 COMPANY_WINDOW_S = 0.1
+#: how often a caller waiting on its work runs its `on_wait` (a cancelled attempt notices there)
+WAIT_SLICE_S = 0.2
 
 
 class EngineDead(RuntimeError):
@@ -269,6 +275,7 @@ class _Work:
     # generation: picks the next token from the latest logits, or None to stop
     sampler: Callable[[torch.Tensor], int | None] | None = None
     max_tokens: int = 0
+    abandoned: bool = False  # its caller stopped waiting (a cancelled attempt): dropped at the next round
 
 
 class StreamEngine:
@@ -316,7 +323,7 @@ class StreamEngine:
         """Advance a stream from its committed state `expected_key` by `tokens`; waits.
 
         `load` brings the committed state from the store when no slot holds it; `on_wait` runs
-        every second of waiting (activities heartbeat there).
+        every `WAIT_SLICE_S` of waiting (activities check for cancellation and heartbeat there).
         """
         return self._submit(lambda pre: _Work(stream_id, list(tokens), expected_key, epoch, pre),
                             stream_id, expected_key, load, on_wait)
@@ -350,11 +357,17 @@ class StreamEngine:
             try:
                 while True:
                     try:
-                        return work.future.result(timeout=1.0)
+                        return work.future.result(timeout=WAIT_SLICE_S)
                     except FutureTimeout:
                         self._alive()
                         if on_wait is not None:
-                            on_wait()
+                            try:
+                                on_wait()
+                            except BaseException:
+                                # the attempt ends here (cancelled): the engine stops spending
+                                # rounds on it, and drops the half-advanced state it left
+                                work.abandoned = True
+                                raise
             except NeedsLoad:  # evicted between the check and the run
                 pre = load()
         raise NeedsLoad(f"stream {stream_id} keeps being evicted; raise the engine's capacity")
@@ -538,6 +551,9 @@ class StreamEngine:
     def _round(self, pending: list[_Work]) -> list[_Work]:
         """One batched step of every single-token work, then one piece of the oldest long one."""
         model, slots = self.model, self.slots
+        for w in [w for w in pending if w.abandoned]:
+            self._fail(w, RuntimeError("abandoned by its caller"))
+        pending = [w for w in pending if not w.abandoned]
         for w in [w for w in pending if not w.tokens]:  # empty chunks: the state as it is
             self._finish(w, slots.view(w.handle).clone(), None)
         pending = [w for w in pending if w.tokens]

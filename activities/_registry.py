@@ -58,12 +58,12 @@ class ModelRegistry:
         return sorted(self._sources)
 
     def get(self, model_id: str, *, on_wait: Callable[[], None] | None = None) -> Model:
-        """The model, loaded now if it was not. `on_wait` runs every second spent waiting for
+        """The model, loaded now if it was not. `on_wait` runs every 0.2 s spent waiting for
         another thread's load; what it raises ends the wait (never a load)."""
         model = self._models.get(model_id)
         if model is not None:  # loaded: no wait behind another model's load
             return model
-        while not self._lock.acquire(timeout=1.0):
+        while not self._lock.acquire(timeout=0.2):
             if on_wait is not None:
                 on_wait()
         try:

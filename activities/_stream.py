@@ -21,11 +21,12 @@ CancelledError asynchronously inside its thread, wherever it is: in the middle o
 model's first load imports torch._dynamo and sympy), which then stays half-done for the whole
 process. So every activity is declared `no_thread_cancel_exception=True`, and checks
 `activity.is_cancelled()` at safe points (`_cancel_point`): once its model is there, before it
-hands the chunk to the engine, every second while it waits on the engine (`_beat`), and before a
-commit starts. A local attempt that times out is cancelled the same way (SDK 1.35.0 cancels it
-with `timed_out` set); it ends at its next safe point, while the regular attempt takes over.
-Models load at worker start (`warm`), or on first use under the registry's lock, which nothing
-interrupts now.
+hands the chunk to the engine, five times a second while it waits on the engine (`_beat`, which
+heartbeats once a second), and before a commit starts. A local attempt that times out is
+cancelled the same way (SDK 1.35.0 cancels it with `timed_out` set): it ends at its next safe
+point, its pool thread free again within 0.2 s of waiting, and the engine drops its work, while
+the regular attempt takes over. Models load at worker start (`warm`), or on first use under the
+registry's lock, which nothing interrupts now.
 """
 
 from __future__ import annotations
@@ -109,6 +110,8 @@ log = logging.getLogger(__name__)
 #: tokens per engine call inside one chunk: between calls the activity heartbeats, so a
 #: cancellation reaches a long prefill (the split is invisible: chunking never changes results)
 PIECE_TOKENS = 512
+#: seconds between heartbeats of an attempt that waits (heartbeat_timeout_s is at least twice it)
+BEAT_S = 1.0
 #: attempts of an activity that fails with an exception nobody foresaw, before it fails typed
 UNTYPED_ATTEMPTS = 3
 #: attempts of one whose failures are judged the worker's (`WorkerHealth.failed`), before it fails
@@ -168,12 +171,19 @@ def _cancel_point() -> None:
         raise CancelledError(f"the attempt was {why}")
 
 
+_beats = threading.local()  # (task token, when) of the last heartbeat sent from this thread
+
+
 def _beat(*details: Any) -> None:
-    """Between pieces of work: a safe point, then a heartbeat (a local activity has none: its
-    timeout still cancels it, and this is where it notices)."""
+    """While waiting (several times a second): a safe point, then a heartbeat at most once a
+    second (a local activity has none: its timeout still cancels it, and this is where it notices)."""
     _cancel_point()
     if activity.in_activity() and not activity.info().is_local:
-        activity.heartbeat(*details)
+        token, now = activity.info().task_token, time.monotonic()
+        last = getattr(_beats, "last", None)
+        if last is None or last[0] != token or now - last[1] >= BEAT_S:
+            _beats.last = (token, now)
+            activity.heartbeat(*details)
 
 
 def _digest(logits: torch.Tensor) -> str:

@@ -113,10 +113,11 @@ def test_a_cancellation_never_interrupts_a_models_first_load(monkeypatch):
 
 
 def test_a_cancelled_chunk_ends_at_its_next_safe_point_commits_nothing_and_the_next_attempt_is_right():
-    """Cancelled while the engine runs it (a slow piece: 2.5 s), the attempt ends at its next
-    wait on the engine: nothing is committed, the slot is not taken for committed, and the
-    retry advances from the committed state to what one scan gives."""
-    acts = _acts()
+    """Cancelled while the engine runs it (three pieces, 2.5 s each), the attempt ends at its next
+    wait on the engine: nothing is committed, the engine drops the chunk after the piece it was
+    running (and the half-advanced state with it), and the retry advances from the committed
+    state to what one scan gives."""
+    acts = _acts(prefill_piece=2)
     model = load_model(MODEL, backend="reference")
     try:
         env = ActivityEnvironment()
@@ -124,7 +125,10 @@ def test_a_cancelled_chunk_ends_at_its_next_safe_point_commits_nothing_and_the_n
         served = acts.models.get(MODEL)
         real = served.advance
 
+        pieces = []
+
         def slow(state, tokens):  # noqa: ANN001, ANN202 - the engine thread's long piece
+            pieces.append(list(tokens))
             time.sleep(2.5)
             return real(state, tokens)
 
@@ -133,16 +137,19 @@ def test_a_cancelled_chunk_ends_at_its_next_safe_point_commits_nothing_and_the_n
         timer = _cancel_after(env, 0.3)
         t0 = time.monotonic()
         with pytest.raises(CancelledError, match="cancelled"):
-            _advance(env, acts, "s1", opened, [3, 4, 5])
+            _advance(env, acts, "s1", opened, [3, 4, 5, 6, 7, 8])
         assert time.monotonic() - t0 < 2.4  # at the next wait on the engine, not when the piece is done
         timer.join()
         assert acts.store.list_stream(stream_id="s1") == [opened.receipt.state_key]
+        engine = acts.engine(served)
+        deadline = time.monotonic() + 10
+        while engine.slots.handle("s1") is not None and time.monotonic() < deadline:
+            time.sleep(0.05)  # the piece in progress ends; then the engine drops the chunk and its slot
+        assert pieces == [[3, 4]] and engine.slots.handle("s1") is None
         del served.advance
-        time.sleep(2.5)  # the abandoned piece finishes in the engine; its state was never committed
-        assert not acts.engine(served).holds("s1", opened.receipt.state_key)
-        done = _advance(ActivityEnvironment(), acts, "s1", opened, [3, 4, 5]).result
-        truth = model.advance(model.initial_state(), [3, 4, 5])
-        assert done.receipt.checksum == plaintext_checksum(truth.state.tensors) and done.position == 3
+        done = _advance(ActivityEnvironment(), acts, "s1", opened, [3, 4, 5, 6, 7, 8]).result
+        truth = model.advance(model.initial_state(), [3, 4, 5, 6, 7, 8])
+        assert done.receipt.checksum == plaintext_checksum(truth.state.tensors) and done.position == 6
     finally:
         acts.close()
 
