@@ -11,6 +11,11 @@ keyring cannot open), the keyring's AES-256-GCM codec is added after any codec a
 still decodes), and a sandboxed runner lets the request/receipt models through. When the
 worker stops, the plugin closes the activities it was given.
 
+A worker whose activities trip their health check (`activities.WorkerHealth`: it fails chunk
+after chunk of several streams, none succeeding) is shut down by the plugin, and its
+`Worker.run` raises `workflows.WorkerUnhealthy` saying why, so that its process can end and be
+restarted rather than fail every stream that reaches it.
+
 A client imports nothing heavy here: no torch, no checkpoint codec, no worker.
 """
 
@@ -41,7 +46,7 @@ from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxR
 from activities import agent_feed_stream
 from state_codec.keyring import Keyring
 from state_codec.payload import EncryptionCodec, SealedPayloadConverter, StreamPayloadConverter
-from workflows import AgentWorkflow, ClientConfig, MambaStreamWorkflow
+from workflows import AgentWorkflow, ClientConfig, MambaStreamWorkflow, WorkerUnhealthy
 
 __all__ = ["MambaStreamPlugin", "data_converter"]
 
@@ -154,10 +159,35 @@ class MambaStreamPlugin(SimplePlugin):
         )
 
     async def run_worker(self, worker: Any, next: Callable[[Any], Awaitable[None]]) -> None:
-        """See base class. The activities get the worker's client, to publish streamed tokens with."""
-        if self._activities is not None and hasattr(self._activities, "bind_client"):
-            self._activities.bind_client(worker.client, asyncio.get_running_loop())
-        await super().run_worker(worker, next)
+        """See base class. The activities get the worker's client, to publish streamed tokens with.
+
+        Raises:
+            WorkerUnhealthy: the activities' health tripped; the worker was shut down for it.
+        """
+        acts = self._activities
+        if acts is not None and hasattr(acts, "bind_client"):
+            acts.bind_client(worker.client, asyncio.get_running_loop())
+        health = getattr(acts, "health", None)
+        if health is None:
+            await super().run_worker(worker, next)
+            return
+        loop = asyncio.get_running_loop()
+        stopping: list[asyncio.Task] = []
+
+        def tripped(why: str) -> None:  # in the activity thread that tripped it
+            def stop() -> None:
+                log.error("shutting down the worker on %s: %s", worker.task_queue, why)
+                stopping.append(asyncio.ensure_future(worker.shutdown()))
+
+            loop.call_soon_threadsafe(stop)
+
+        remove = health.on_trip(tripped)
+        try:
+            await super().run_worker(worker, next)
+        finally:
+            remove()
+        if health.tripped is not None:
+            raise WorkerUnhealthy(f"the worker on {worker.task_queue} stopped taking work: {health.tripped}")
 
     @asynccontextmanager
     async def _serving(self) -> AsyncIterator[None]:

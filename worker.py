@@ -13,7 +13,8 @@ Environment (all optional):
                              worker makes keys, clients only find them)
     MAMBA_STREAM_MODELS      models served: presets or id=/checkpoint/dir, comma-separated
                              (default: the tiny-mamba1/2/3 presets and the trained
-                             recall-mamba1/2/3; each is loaded on first use)
+                             recall-mamba1/2/3), each loaded and run once at start, before the
+                             worker takes work
     MAMBA_STREAM_TASK_QUEUE  the shared task queue (default mamba-stream); the worker also serves
                              its own queue, <shared>@<worker id>, for affinity
     MAMBA_STREAM_CODEC_PORT  port of the codec server started with the embedded stack (default 8081)
@@ -46,13 +47,19 @@ Environment (all optional):
                              600 s; 0: never), and how long after its workflow closed a stream's
                              states count as orphaned (default 3600 s)
 
-ctrl-C (or SIGTERM) drains the worker and stops what it started.
+ctrl-C (or SIGTERM) drains the worker and stops what it started (exit status 0). The embedded
+server never outlives the worker, SIGKILL included, and a leftover one of the same home is
+replaced, not reused (`EmbeddedTemporal`); a port held by anything else exits with status 2. A
+worker that fails chunk after chunk of several streams for a reason that is not theirs stops
+taking work and exits with status 3 (`EXIT_UNHEALTHY`), saying why, for its supervisor to
+restart it (activities.WorkerHealth).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import logging
 import os
 import shutil
@@ -60,6 +67,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -143,8 +151,66 @@ def _port_open(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
+#: run as `python -I -S -c _DIE_WITH_PARENT <parent pid> <program> <args...>`: asks the kernel to
+#: send SIGTERM to this process when the thread that started it exits (prctl PR_SET_PDEATHSIG,
+#: which exec keeps), then becomes <program>. SIGKILL of the worker included: the kernel sends it.
+_DIE_WITH_PARENT = """
+import ctypes, os, signal, sys
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.prctl(1, int(signal.SIGTERM), 0, 0, 0) != 0:
+    sys.exit("prctl(PR_SET_PDEATHSIG) failed: " + os.strerror(ctypes.get_errno()))
+if os.getppid() != int(sys.argv[1]):
+    sys.exit("the worker that started this server is gone")
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
+class EmbeddedServerError(RuntimeError):
+    """The embedded Temporal server cannot start: its port is someone else's, or another live
+    worker runs this home's server."""
+
+
+def _proc_start(pid: int) -> int | None:
+    """The process's start time (clock ticks after boot, /proc/<pid>/stat field 22); None if it
+    is gone or unknown. With the pid, it names one process: a pid alone may be reused."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rpartition(")")[2].split()[19])
+
+
+def _proc_args(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def _alive(pid: object) -> bool:
+    if not isinstance(pid, int) or pid <= 0:  # kill(0 or -1, ...) would signal whole groups
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class EmbeddedTemporal:
-    """`temporal server start-dev` on 127.0.0.1, with its SQLite file and log under `home`."""
+    """`temporal server start-dev` on 127.0.0.1, with its SQLite file and log under `home`.
+
+    The server lives exactly as long as the process that started it. On Linux it is started
+    through `_DIE_WITH_PARENT`, so the kernel stops it when that process dies, SIGKILL included;
+    the death signal follows the *thread* that spawned it, so `start` must run on the main thread.
+    `home/temporal.pid` records the server and its worker. A server of this home's database left
+    by a worker that is gone (a crash, a platform without the death signal, a version that
+    predates it) is stopped, and a fresh one started: it would keep the UI's codec endpoint of a
+    worker that no longer exists, with that worker's token. Another live worker's server of this
+    home, or any other process on the port, is an `EmbeddedServerError`: never silently reused.
+    """
 
     def __init__(self, home: Path, *, port: int = 7233, ui_port: int = 8233, codec_endpoint: str | None = None,
                  extra_args: tuple[str, ...] = ()) -> None:
@@ -157,32 +223,93 @@ class EmbeddedTemporal:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def db(self) -> Path:
+        return self.home / "temporal.db"
+
+    @property
+    def pidfile(self) -> Path:
+        return self.home / "temporal.pid"
+
     def start(self, timeout: float = 30.0) -> EmbeddedTemporal:
-        if _port_open("127.0.0.1", self.port):
-            log.info("a Temporal server already listens on %s; using it", self.address)
-            return self
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("start the embedded Temporal server from the main thread: it is stopped when the "
+                               "thread that started it exits")
         private_home(self.home)
+        self._clear_leftovers()
+        for port, what in ((self.port, "frontend"), (self.ui_port, "UI")):
+            if _port_open("127.0.0.1", port):
+                raise EmbeddedServerError(
+                    f"127.0.0.1:{port} (the embedded Temporal {what}'s port) is taken by a process that is not this "
+                    f"home's embedded server; set TEMPORAL_ADDRESS to use a Temporal server of your own, or "
+                    f"MAMBA_STREAM_TEMPORAL_PORT / MAMBA_STREAM_UI_PORT to start the embedded one elsewhere")
         # the server's database holds every stream's history: the user's alone. The server makes
         # it (an empty file it would take for a database without tables), under a private umask;
         # one made by an earlier version is made private here.
         for f in self.home.glob("temporal.db*"):
             os.chmod(f, 0o600)
         args = [temporal_binary(), "server", "start-dev", "--ip", "127.0.0.1", "--port", str(self.port),
-                "--ui-port", str(self.ui_port), "--db-filename", str(self.home / "temporal.db"),
+                "--ui-port", str(self.ui_port), "--db-filename", str(self.db),
                 "--log-level", "warn", *dev_server_args(), *self.extra_args]
         if self.codec_endpoint:
             args += ["--ui-codec-endpoint", self.codec_endpoint]
+        if sys.platform.startswith("linux"):
+            args = [sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), *args]
         logf = open(self.home / "temporal.log", "ab")  # noqa: SIM115 - lives as long as the server
         os.chmod(self.home / "temporal.log", 0o600)
         self.proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True, umask=0o077)
+        self._record()
         deadline = time.time() + timeout
         # the port opens before the frontend serves ("Frontend is not healthy yet"): wait for both
         while not (_port_open("127.0.0.1", self.port) and self._serving()):
             if self.proc.poll() is not None or time.time() > deadline:
+                self.stop()
                 raise RuntimeError(f"the embedded Temporal server did not start; see {self.home / 'temporal.log'}")
             time.sleep(0.05)
         log.info("embedded Temporal server on %s, UI http://127.0.0.1:%d", self.address, self.ui_port)
         return self
+
+    def _record(self) -> None:
+        assert self.proc is not None
+        me = os.getpid()
+        tmp = self.pidfile.with_suffix(".pid.tmp")
+        tmp.write_text(json.dumps({"server": self.proc.pid, "worker": me, "worker_start": _proc_start(me),
+                                   "port": self.port, "ui_port": self.ui_port}))
+        tmp.replace(self.pidfile)
+
+    def _clear_leftovers(self) -> None:
+        """Stop this home's servers whose worker is gone; refuse (EmbeddedServerError) when a live
+        worker still runs one."""
+        try:
+            rec = json.loads(self.pidfile.read_text())
+        except (OSError, ValueError):
+            rec = {}
+        owner, owner_start = rec.get("worker"), rec.get("worker_start")
+        if owner != os.getpid() and _alive(owner) and _running(rec.get("server")) and \
+                (owner_start is None or _proc_start(owner) == owner_start):
+            raise EmbeddedServerError(
+                f"worker {owner} runs this home's embedded Temporal server (127.0.0.1:{rec.get('port')}): set "
+                f"TEMPORAL_ADDRESS=127.0.0.1:{rec.get('port')} to serve beside it, or another MAMBA_STREAM_HOME")
+        leftovers = set(self._servers_of_this_home())
+        server = rec.get("server")
+        if not sys.platform.startswith("linux") and _alive(server):
+            leftovers.add(server)  # no /proc to tell what it is: the record is all there is
+        for pid in sorted(leftovers):
+            log.warning("stopping a Temporal server (pid %d) on this home's database, left by a worker that is gone: "
+                        "it would serve the UI that worker's codec endpoint and token", pid)
+            _stop_pid(pid)
+        self.pidfile.unlink(missing_ok=True)
+
+    def _servers_of_this_home(self) -> list[int]:
+        """`temporal server start-dev` processes on this home's database (Linux: /proc)."""
+        db = str(self.db)
+        found = []
+        for entry in Path("/proc").glob("[0-9]*") if Path("/proc/self").exists() else []:
+            args = _proc_args(int(entry.name))
+            if "start-dev" in args and any(a == "--db-filename" and b == db for a, b in zip(args, args[1:])) \
+                    and int(entry.name) != os.getpid():
+                found.append(int(entry.name))
+        return found
 
     def _serving(self) -> bool:
         """The frontend's health check answers SERVING."""
@@ -200,7 +327,34 @@ class EmbeddedTemporal:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+                self.proc.wait(10)
+        if self.proc is not None:
+            self.pidfile.unlink(missing_ok=True)
         self.proc = None
+
+
+def _running(pid: object) -> bool:
+    """Alive, and not a zombie (a process that has exited and waits for its parent to reap it)."""
+    if not _alive(pid):
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return not Path("/proc/self").exists()  # no /proc: alive is all we know
+
+
+def _stop_pid(pid: int, timeout: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL past `timeout`; returns once the process has stopped."""
+    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if not _running(pid):
+                return
+            time.sleep(0.05)
 
 
 def build_runtime(cfg: WorkerConfig):
@@ -246,7 +400,17 @@ def build_activities(cfg: WorkerConfig, keyring, worker_queue: str, metrics=None
 
 async def run_worker(cfg: WorkerConfig, stop: asyncio.Event, *, ready: asyncio.Event | None = None,
                      activities=None) -> None:
-    """Serve the shared queue and this worker's own queue until `stop` is set."""
+    """Serve the shared queue and this worker's own queue until `stop` is set.
+
+    The configured models are loaded and run once before the worker takes any work
+    (`StreamActivities.warm`), so that no attempt a timeout can end ever loads one.
+
+    Raises:
+        WorkerUnhealthy: the worker tripped its health check (it failed chunk after chunk of
+            several streams, none succeeding) and stopped taking work; `main` exits with
+            `EXIT_UNHEALTHY` for its supervisor to restart it.
+        StoreOwnedElsewhere: the store belongs to another cluster or namespace.
+    """
     from temporalio.client import Client
     from temporalio.worker import Worker
 
@@ -265,25 +429,43 @@ async def run_worker(cfg: WorkerConfig, stop: asyncio.Event, *, ready: asyncio.E
     client = await Client.connect(cfg.address or "127.0.0.1:7233", runtime=runtime,
                                   plugins=[MambaStreamPlugin(keyring=keyring, activities=acts)])
     await _claim_store(client, acts, close=activities is None)
+    try:
+        took = await asyncio.to_thread(acts.warm)
+    except BaseException:
+        if activities is None:
+            acts.close()
+        raise
+    log.info("models ready in %.1f s: %s", sum(took.values()), ", ".join(took))
     if runtime is not None:
         log.info("metrics on http://%s/metrics", cfg.metrics)
     versioning = deployment_config(cfg)
     kw = {"deployment_config": versioning} if versioning is not None else {}
-    shared_slots, own_slots = worker_slots(workflows=True), worker_slots(workflows=False)
-    shared = Worker(client, task_queue=cfg.task_queue, **shared_slots, **kw)
-    own = Worker(client, task_queue=own_queue, **own_slots, **kw)
+    slots = [worker_slots(workflows=True), worker_slots(workflows=False)]
+    workers = [Worker(client, task_queue=q, **opts, **kw) for q, opts in zip((cfg.task_queue, own_queue), slots)]
     log.info("worker %s serving %s and %s (models %s, store %s, version %s)", worker_id, cfg.task_queue, own_queue,
              cfg.models, acts.store.url, f"{cfg.deployment}:{cfg.build_id}" if cfg.build_id else "unversioned")
-    async with shared, own:
+    # run as tasks, not `async with`: a worker that ends by itself (the plugin stops a tripped one)
+    # ends the wait below, and its error is raised here, after both have stopped
+    runs = [asyncio.create_task(w.run(), name=f"worker {w.task_queue}") for w in workers]
+    stopping = asyncio.create_task(stop.wait())
+    sweeper = None
+    try:
         if ready is not None:
             ready.set()
         print(f"worker {worker_id} ready on {cfg.task_queue} and {own_queue}", flush=True)
         sweeper = asyncio.create_task(_sweep_forever(cfg, client, acts)) if cfg.sweep_s > 0 else None
-        await stop.wait()
-        if sweeper is not None:
-            sweeper.cancel()
-    for slots in (shared_slots, own_slots):  # the plugin closed the activities with the workers
-        slots["activity_executor"].shutdown(wait=False, cancel_futures=True)
+        await asyncio.wait([stopping, *runs], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (stopping, sweeper):
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(*(w.shutdown() for w in workers), return_exceptions=True)
+        outcomes = await asyncio.gather(*runs, return_exceptions=True)
+        for opts in slots:  # the plugin closed the activities with the workers
+            opts["activity_executor"].shutdown(wait=False, cancel_futures=True)
+    for outcome in outcomes:
+        if isinstance(outcome, Exception):
+            raise outcome
 
 
 #: tasks one worker takes at once: regular activities (each queue), and on the queue that runs
@@ -347,38 +529,61 @@ async def _sweep_forever(cfg: WorkerConfig, client, acts) -> None:
             log.exception("orphan sweep failed")
 
 
-def main() -> None:
-    logging.basicConfig(level=os.environ.get("MAMBA_STREAM_LOG", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = WorkerConfig()
-    server = codec = None
-    if cfg.address is None:
-        from state_codec.codec_server import CodecServer, principal_tokens_from_env
+#: `python worker.py`'s exit status when the worker stopped taking work because it fails every
+#: chunk for a reason that is not the chunks' (workflows.WorkerUnhealthy): restart it
+EXIT_UNHEALTHY = 3
 
-        # the token from the environment, else a random one: the codec server decodes for no one without it
-        codec = CodecServer(load_keyring(cfg), port=cfg.codec_port,
-                            token=os.environ.get("MAMBA_STREAM_CODEC_TOKEN") or None,
-                            principal_tokens=principal_tokens_from_env()).start()
-        server = EmbeddedTemporal(cfg.home, port=cfg.temporal_port, ui_port=cfg.ui_port,
-                                  codec_endpoint=codec.endpoint).start()
-        cfg.address = server.address
-        print(f"Temporal UI: http://127.0.0.1:{server.ui_port} (payloads decrypted through {codec.url}, "
-              f"token required)", flush=True)
+
+def serve(cfg: WorkerConfig, *, activities=None) -> int:
+    """Run the worker until SIGINT or SIGTERM (0) or until it trips its health check
+    (`EXIT_UNHEALTHY`, with an error log saying why). What `main` runs, around the embedded stack."""
+    from workflows import WorkerUnhealthy
 
     async def amain() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await run_worker(cfg, stop)
+        await run_worker(cfg, stop, activities=activities)
 
     try:
         asyncio.run(amain())
+    except WorkerUnhealthy as exc:
+        log.error("exiting with status %d: %s", EXIT_UNHEALTHY, exc)
+        return EXIT_UNHEALTHY
+    return 0
+
+
+def main() -> None:
+    logging.basicConfig(level=os.environ.get("MAMBA_STREAM_LOG", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = WorkerConfig()
+    server = codec = None
+    status = 1
+    try:
+        if cfg.address is None:
+            from state_codec.codec_server import CodecServer, principal_tokens_from_env
+
+            # the token from the environment, else a random one: the codec server decodes for no one without it
+            codec = CodecServer(load_keyring(cfg), port=cfg.codec_port,
+                                token=os.environ.get("MAMBA_STREAM_CODEC_TOKEN") or None,
+                                principal_tokens=principal_tokens_from_env()).start()
+            try:
+                server = EmbeddedTemporal(cfg.home, port=cfg.temporal_port, ui_port=cfg.ui_port,
+                                          codec_endpoint=codec.endpoint).start()
+            except EmbeddedServerError as exc:
+                log.error("%s", exc)
+                raise SystemExit(2) from None
+            cfg.address = server.address
+            print(f"Temporal UI: http://127.0.0.1:{server.ui_port} (payloads decrypted through {codec.url}, "
+                  f"token required)", flush=True)
+        status = serve(cfg)
     finally:
         if codec is not None:
             codec.stop()
         if server is not None:
             server.stop()
+    sys.exit(status)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ batching), state stores, and the example agent's activity (`agent_feed_stream`).
 
 from activities._alloc import tune_allocator
 from activities._file_store import FileStateStore
+from activities._health import WorkerHealth
 from activities._memory_store import MemoryStateStore
 from activities._store import (
     InvalidStoreKey,
@@ -39,6 +40,7 @@ __all__ = [
     "StreamEngine",
     "StreamMetrics",
     "SweepReport",
+    "WorkerHealth",
     "agent_feed_stream",
     "claim_store",
     "open_store",

@@ -14,6 +14,10 @@ logits rows go into one growing buffer of its own, and streams that sample with 
 `SeededSampler` are sampled together (`sample_rows`: one softmax and one argmax for the batch,
 each stream's own generator for its draws), with the bits of sampling each alone.
 
+A work whose caller stopped waiting for it (a cancelled attempt: `on_wait` raised) is dropped at
+the next round, with the half-advanced state in its slot: a cancelled long prefill does not keep
+the engine busy to its end.
+
 States stay in their slots between chunks (the hot cache). A full table evicts its least
 recently used idle stream: nothing is written, its checkpoint is already in the store, and its
 next chunk reloads from there (a migration).
@@ -36,12 +40,20 @@ from activities._alloc import tune_allocator
 from activities._slots import SlotTable
 from scan import Model, NonFiniteOutput, State
 
-__all__ = ["ChunkOutput", "EngineStats", "NeedsLoad", "SeededSampler", "StreamBusy", "StreamEngine", "sample_rows"]
+__all__ = ["ChunkOutput", "EngineDead", "EngineStats", "NeedsLoad", "SeededSampler", "StreamBusy", "StreamEngine", "sample_rows"]
 
 log = logging.getLogger(__name__)
 
 #: a stream that sent work this recently is expected to send more: a batch waits for it
 COMPANY_WINDOW_S = 0.1
+#: how often a caller waiting on its work runs its `on_wait` (a cancelled attempt notices there)
+WAIT_SLICE_S = 0.2
+
+
+class EngineDead(RuntimeError):
+    """The engine's thread is gone (an exception escaped it): nothing this engine holds or is
+    given will advance. Untyped on purpose: it is the worker's fault, not the chunk's, and counts
+    towards the worker's health (`activities.WorkerHealth`)."""
 
 
 class NeedsLoad(LookupError):
@@ -263,6 +275,7 @@ class _Work:
     # generation: picks the next token from the latest logits, or None to stop
     sampler: Callable[[torch.Tensor], int | None] | None = None
     max_tokens: int = 0
+    abandoned: bool = False  # its caller stopped waiting (a cancelled attempt): dropped at the next round
 
 
 class StreamEngine:
@@ -288,7 +301,8 @@ class StreamEngine:
         self._stop = False
         self._seen: dict[str, float] = {}  # stream -> when its last work arrived (for `_company`)
         self._round_s = 0.0  # moving average of a round's seconds (for `expected_seconds`)
-        self._thread = threading.Thread(target=self._loop, name=f"engine-{model.model_id}", daemon=True)
+        self._died: BaseException | None = None  # what ended the engine thread, if not `close`
+        self._thread = threading.Thread(target=self._run, name=f"engine-{model.model_id}", daemon=True)
         self._thread.start()
 
     # --- called from activity threads ----------------------------------------------------------
@@ -309,7 +323,7 @@ class StreamEngine:
         """Advance a stream from its committed state `expected_key` by `tokens`; waits.
 
         `load` brings the committed state from the store when no slot holds it; `on_wait` runs
-        every second of waiting (activities heartbeat there).
+        every `WAIT_SLICE_S` of waiting (activities check for cancellation and heartbeat there).
         """
         return self._submit(lambda pre: _Work(stream_id, list(tokens), expected_key, epoch, pre),
                             stream_id, expected_key, load, on_wait)
@@ -343,9 +357,17 @@ class StreamEngine:
             try:
                 while True:
                     try:
-                        return work.future.result(timeout=1.0 if on_wait else None)
+                        return work.future.result(timeout=WAIT_SLICE_S)
                     except FutureTimeout:
-                        on_wait()  # type: ignore[misc]
+                        self._alive()
+                        if on_wait is not None:
+                            try:
+                                on_wait()
+                            except BaseException:
+                                # the attempt ends here (cancelled): the engine stops spending
+                                # rounds on it, and drops the half-advanced state it left
+                                work.abandoned = True
+                                raise
             except NeedsLoad:  # evicted between the check and the run
                 pre = load()
         raise NeedsLoad(f"stream {stream_id} keeps being evicted; raise the engine's capacity")
@@ -374,9 +396,22 @@ class StreamEngine:
         self._thread.join(timeout=10)
 
     def _call(self, fn: Callable[[], object]):
+        from concurrent.futures import TimeoutError as FutureTimeout
+
         fut: Future = Future()
         self._inbox.put((fn, fut))
-        return fut.result()
+        while True:
+            try:
+                return fut.result(timeout=1.0)
+            except FutureTimeout:
+                self._alive()
+
+    def _alive(self) -> None:
+        """Raise EngineDead if the engine's thread ended without being closed: a caller must not
+        wait forever on work nobody will do."""
+        if not self._thread.is_alive():
+            raise EngineDead(f"the engine thread of {self.model.model_id} is gone"
+                             + ("" if self._stop else f": {self._died!r}"))
 
     # --- the engine thread -----------------------------------------------------------------------
 
@@ -460,6 +495,14 @@ class StreamEngine:
         self._release(w.stream_id)  # its slot may hold a half-advanced state: drop it
         w.future.set_exception(exc)
 
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 - recorded for the callers left waiting (`_alive`)
+            self._died = exc
+            log.critical("the engine thread of %s died", self.model.model_id, exc_info=exc)
+            raise
+
     def _loop(self) -> None:
         pending: list[_Work] = []
         while not self._stop:
@@ -508,6 +551,9 @@ class StreamEngine:
     def _round(self, pending: list[_Work]) -> list[_Work]:
         """One batched step of every single-token work, then one piece of the oldest long one."""
         model, slots = self.model, self.slots
+        for w in [w for w in pending if w.abandoned]:
+            self._fail(w, RuntimeError("abandoned by its caller"))
+        pending = [w for w in pending if not w.abandoned]
         for w in [w for w in pending if not w.tokens]:  # empty chunks: the state as it is
             self._finish(w, slots.view(w.handle).clone(), None)
         pending = [w for w in pending if w.tokens]

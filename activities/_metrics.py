@@ -90,6 +90,15 @@ class StreamMetrics:
         self.exact_mismatches = m.create_counter(
             "mamba_stream_exact_mismatches",
             "sampled chunks on an exact backend whose re-run in another partition gave other bits (should stay 0)")
+        self.untyped_failures = m.create_counter(
+            "mamba_stream_untyped_failures",
+            "activity attempts that failed with an exception without a reason of its own, by exception class")
+        self.consecutive_failures = m.create_gauge(
+            "mamba_stream_consecutive_failures",
+            "such failures in a row since this worker's last successful attempt (activities.WorkerHealth)")
+        self.worker_unhealthy = m.create_counter(
+            "mamba_stream_worker_unhealthy",
+            "1 once this worker tripped: it stops taking work and exits (python worker.py: status 3)")
         self._committed_at: OrderedDict[str, float] = OrderedDict()
 
     # --- helpers the activities call ------------------------------------------------------------

@@ -1,10 +1,16 @@
-"""The models a worker serves, by id, loaded on first use."""
+"""The models a worker serves, by id: loaded at worker start (`StreamActivities.warm`) or on first use.
+
+A load runs under the registry's lock and is never interrupted: a model's first load imports
+modules (torch._dynamo, sympy) that an exception raised half-way would leave half-imported for the
+whole process. An attempt that waits for another one's load waits in slices, calling `on_wait`
+between them (a heartbeat, and the point where a cancelled attempt stops waiting).
+"""
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
@@ -51,8 +57,16 @@ class ModelRegistry:
     def ids(self) -> list[str]:
         return sorted(self._sources)
 
-    def get(self, model_id: str) -> Model:
-        with self._lock:
+    def get(self, model_id: str, *, on_wait: Callable[[], None] | None = None) -> Model:
+        """The model, loaded now if it was not. `on_wait` runs every 0.2 s spent waiting for
+        another thread's load; what it raises ends the wait (never a load)."""
+        model = self._models.get(model_id)
+        if model is not None:  # loaded: no wait behind another model's load
+            return model
+        while not self._lock.acquire(timeout=0.2):
+            if on_wait is not None:
+                on_wait()
+        try:
             model = self._models.get(model_id)
             if model is None:
                 if model_id not in self._sources:
@@ -63,3 +77,5 @@ class ModelRegistry:
                 self._models[model_id] = model
                 log.info("loaded model %s (%s, %s)", model_id, model.revision[:19], model.backend)
             return model
+        finally:
+            self._lock.release()

@@ -11,7 +11,22 @@ edges the crash tests use, `_edge`): a chunk is never advanced twice, whatever w
 Failures cross Temporal typed by reason (`workflows.application_error`): permanent ones
 non-retryable, transient ones (a store outage) retried by the activity's retry policy. An
 exception nobody foresaw is retried `UNTYPED_ATTEMPTS` times, then fails the chunk as
-`InternalError`: a bug never retries forever behind the stream's lock.
+`InternalError`: a bug never retries forever behind the stream's lock. Unless it is judged the
+worker's own (`WorkerHealth`: this worker fails other streams' chunks too, with no success
+between): then it is retried, up to `WORKER_FAULT_ATTEMPTS`, and the worker stops taking work
+once it trips.
+
+Cancellation is cooperative. The SDK would cancel a thread-run activity by raising
+CancelledError asynchronously inside its thread, wherever it is: in the middle of an import (a
+model's first load imports torch._dynamo and sympy), which then stays half-done for the whole
+process. So every activity is declared `no_thread_cancel_exception=True`, and checks
+`activity.is_cancelled()` at safe points (`_cancel_point`): once its model is there, before it
+hands the chunk to the engine, five times a second while it waits on the engine (`_beat`, which
+heartbeats once a second), and before a commit starts. A local attempt that times out is
+cancelled the same way (SDK 1.35.0 cancels it with `timed_out` set): it ends at its next safe
+point, its pool thread free again within 0.2 s of waiting, and the engine drops its work, while
+the regular attempt takes over. Models load at worker start (`warm`), or on first use under the
+registry's lock, which nothing interrupts now.
 """
 
 from __future__ import annotations
@@ -31,7 +46,8 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError, CancelledError
 
 from activities._commit import ChunkCommit, Committed, chunk_key
-from activities._engine import SeededSampler, StreamBusy, StreamEngine
+from activities._engine import SeededSampler, StreamBusy, StreamEngine, _multinomial_form_holds
+from activities._health import WorkerHealth
 from activities._metrics import StreamMetrics
 from activities._publish import TokenPublisher
 from activities._registry import ModelRegistry, UnknownModel
@@ -56,6 +72,7 @@ from workflows import (
     LocalTooSlow,
     ResultExpired,
     StreamFailure,
+    WorkerUnhealthy,
     application_error,
 )
 from workflows._models import (
@@ -93,8 +110,13 @@ log = logging.getLogger(__name__)
 #: tokens per engine call inside one chunk: between calls the activity heartbeats, so a
 #: cancellation reaches a long prefill (the split is invisible: chunking never changes results)
 PIECE_TOKENS = 512
+#: seconds between heartbeats of an attempt that waits (heartbeat_timeout_s is at least twice it)
+BEAT_S = 1.0
 #: attempts of an activity that fails with an exception nobody foresaw, before it fails typed
 UNTYPED_ATTEMPTS = 3
+#: attempts of one whose failures are judged the worker's (`WorkerHealth.failed`), before it fails
+#: typed all the same: a chunk that breaks every worker it reaches does not go round forever
+WORKER_FAULT_ATTEMPTS = 10
 #: the most engine rounds a local attempt takes on before its engine has measured its pace
 UNMEASURED_LOCAL_ROUNDS = 16
 
@@ -103,13 +125,15 @@ _TYPED = (StateRejected, ScanError, StoreError, UnknownModel, StreamFailure, Str
 
 
 @contextmanager
-def _typed_errors(metrics: StreamMetrics | None = None, model_id: str = "") -> Iterator[None]:
+def _typed_errors(metrics: StreamMetrics | None = None, model_id: str = "",
+                  worker_fault: Callable[[BaseException], bool] | None = None) -> Iterator[None]:
     """Our exceptions become ApplicationErrors typed by reason; permanent ones non-retryable.
 
     Refusals are counted on the way out: a signature's as a refused request, a receipt's or a
     checkpoint's as a refused resume. Any other exception is retried (re-raised) until the
     activity's `UNTYPED_ATTEMPTS`-th attempt, which fails it as a non-retryable `InternalError`
-    naming the original.
+    naming the original; `worker_fault(exc)` is told of each, and where it answers True (the
+    failure is the worker's, not the chunk's) retries go on up to `WORKER_FAULT_ATTEMPTS`.
     """
     try:
         yield
@@ -126,8 +150,11 @@ def _typed_errors(metrics: StreamMetrics | None = None, model_id: str = "") -> I
                     metrics.refused(exc.reason, model_id)
             raise application_error(exc) from exc
         attempt = activity.info().attempt if activity.in_activity() else UNTYPED_ATTEMPTS
-        if attempt < UNTYPED_ATTEMPTS:
-            log.warning("untyped failure on attempt %d of %d: %r", attempt, UNTYPED_ATTEMPTS, exc)
+        theirs = worker_fault(exc) if worker_fault is not None else False
+        if attempt < UNTYPED_ATTEMPTS or (theirs and attempt < WORKER_FAULT_ATTEMPTS):
+            log.warning("untyped failure on attempt %d of %d%s: %r", attempt,
+                        WORKER_FAULT_ATTEMPTS if theirs else UNTYPED_ATTEMPTS,
+                        " (this worker fails other streams too)" if theirs else "", exc)
             raise
         log.error("untyped failure on attempt %d, failing the chunk: %r", attempt, exc, exc_info=exc)
         raise application_error(InternalError(
@@ -135,11 +162,28 @@ def _typed_errors(metrics: StreamMetrics | None = None, model_id: str = "") -> I
             attempts=attempt)) from exc
 
 
+def _cancel_point() -> None:
+    """A safe point: raise CancelledError here if the attempt was cancelled (by the workflow, a
+    timeout, the worker's shutdown). Nothing else raises it in our threads (module docstring)."""
+    if activity.in_activity() and activity.is_cancelled():
+        details = activity.cancellation_details()
+        why = "timed out" if details is not None and details.timed_out else "cancelled"
+        raise CancelledError(f"the attempt was {why}")
+
+
+_beats = threading.local()  # (task token, when) of the last heartbeat sent from this thread
+
+
 def _beat(*details: Any) -> None:
-    """Heartbeat between pieces of work; a cancellation arrives as CancelledError in this thread.
-    A local activity has no heartbeat (its workflow task's timeout bounds it)."""
+    """While waiting (several times a second): a safe point, then a heartbeat at most once a
+    second (a local activity has none: its timeout still cancels it, and this is where it notices)."""
+    _cancel_point()
     if activity.in_activity() and not activity.info().is_local:
-        activity.heartbeat(*details)
+        token, now = activity.info().task_token, time.monotonic()
+        last = getattr(_beats, "last", None)
+        if last is None or last[0] != token or now - last[1] >= BEAT_S:
+            _beats.last = (token, now)
+            activity.heartbeat(*details)
 
 
 def _digest(logits: torch.Tensor) -> str:
@@ -199,6 +243,9 @@ class StreamActivities:
         self.commits = ChunkCommit(store, keyring, self.metrics,
                                    edge=lambda name, sid, seq: self._edge(name, sid, seq))
         self.publisher: TokenPublisher | None = None  # bound by the worker (MambaStreamPlugin)
+        #: whether this worker's failures are its own; the plugin stops a tripped worker
+        self.health = WorkerHealth()
+        self.health.on_trip(lambda why: self.metrics.worker_unhealthy.add(1))
 
     def bind_client(self, client: Any, loop: Any) -> None:
         """The worker's Temporal client and event loop: streaming generates publish through them."""
@@ -224,6 +271,51 @@ class StreamActivities:
 
     def _edge(self, name: str, stream_id: str, chunk_seq: int) -> None:
         """A commit edge (see the module docstring). Does nothing; tests kill a worker here."""
+
+    def warm(self, model_ids: list[str] | None = None) -> dict[str, float]:
+        """Load the models (default: every one this worker serves) and run each through its
+        engine once, before the worker takes work: what first use builds (lazy imports, the
+        exact backend's kernels and their probe, the engine's thread, slots and sampler check)
+        is then never inside an attempt that a timeout or a cancellation ends. Seconds per model.
+        """
+        took: dict[str, float] = {}
+        _multinomial_form_holds()
+        for mid in model_ids if model_ids is not None else self.models.ids:
+            t0 = time.perf_counter()
+            model = self._model(mid)
+            engine = self.engine(model)
+            # one token in, one sampled: the batched step, the sampler and the engine's pace
+            sid = f"warm-{mid}"
+            engine.put(sid, model.initial_state(), epoch=0, state_key="warm/0")
+            try:
+                engine.advance(sid, [0], expected_key="warm/0", epoch=0, load=lambda: (model.initial_state(), None))
+                engine.commit(sid, "warm/1")
+                engine.generate(sid, SeededSampler(1.0, 0, torch.Generator().manual_seed(0)), 1,
+                                expected_key="warm/1", epoch=0, load=lambda: (model.initial_state(), None))
+            finally:
+                engine.release(sid)
+            took[mid] = time.perf_counter() - t0
+            log.info("model %s ready in %.2f s (%s)", mid, took[mid], model.backend)
+        return took
+
+    @contextmanager
+    def _guarded(self, stream_id: str, model_id: str = "") -> Iterator[None]:
+        """An activity's body: refused at once on a tripped worker (retryable: another worker
+        takes it), its exceptions typed (`_typed_errors`), and its outcome told to `health`."""
+        why = self.health.tripped
+        if why is not None:
+            raise application_error(WorkerUnhealthy(f"this worker stopped taking work: {why}"))
+
+        def worker_fault(exc: BaseException) -> bool:
+            self.metrics.untyped_failures.add(1, {"exception": type(exc).__name__})
+            theirs = self.health.failed(stream_id, exc)
+            self.metrics.consecutive_failures.set(self.health.consecutive)
+            return theirs
+
+        with _typed_errors(self.metrics, model_id, worker_fault):
+            yield
+        self.health.succeeded()
+        self.metrics.consecutive_failures.set(0)
 
     def _local_fits(self, model: Model, rounds: int) -> None:
         """In a local attempt, decline a chunk the engine would not finish within half the local
@@ -254,7 +346,10 @@ class StreamActivities:
         self.principal_keys.verify(kind, stream_id, claims, request.signature if request is not None else None)
 
     def _model(self, model_id: str) -> Model:
-        model = self.models.get(model_id)
+        # loaded under the registry's lock, which no cancellation interrupts (the module docstring);
+        # an attempt that was cancelled meanwhile ends here, not in the chunk's work
+        model = self.models.get(model_id, on_wait=_beat)
+        _cancel_point()
         seen = (model_id, model.revision, model.backend)
         if seen not in self._counted:
             with self._engines_lock:
@@ -310,6 +405,7 @@ class StreamActivities:
                 epoch: int, key: str, backend: str, before: Receipt | None, last: torch.Tensor | None = None
                 ) -> Receipt:
         """A state of its own (open, reset) committed, and put in the stream's slot."""
+        _cancel_point()
         done = self.commits.commit(model, state, stream_id=stream_id, principal=principal, chunk_seq=chunk_seq,
                                    epoch=epoch, key=key, backend=backend, before=before)
         self.engine(model).put(stream_id, done.state, epoch=epoch, state_key=key, logits=last)
@@ -319,6 +415,7 @@ class StreamActivities:
                   state: State, path: str, last: torch.Tensor | None,
                   make_result: Callable[[Receipt], Any], drop_keys: list[str]) -> Any:
         """A computed chunk through the commit protocol; the slot then holds exactly the committed state."""
+        _cancel_point()  # the slot ran ahead of the store: the stream's next chunk reloads from there
         engine = self.engine(model)
 
         def slot(done: Committed) -> None:
@@ -373,10 +470,10 @@ class StreamActivities:
 
     # --- activities ---------------------------------------------------------------------------
 
-    @activity.defn(name=ACTIVITY_OPEN)
+    @activity.defn(name=ACTIVITY_OPEN, no_thread_cancel_exception=True)
     def open_stream(self, req: OpenStreamRequest) -> OpenStreamResult:
         """Bind a new stream to a model: its initial state, or a validated checkpoint to resume."""
-        with _typed_errors(self.metrics, req.model_id):
+        with self._guarded(req.stream_id, req.model_id):
             check_name("stream id", req.stream_id)
             self._verify("open", req.stream_id, req.principal, req)
             model = self._model(req.model_id)
@@ -401,11 +498,11 @@ class StreamActivities:
             self._gauge()
             return OpenStreamResult(receipt=receipt, info=info, worker_queue=self.worker_queue)
 
-    @activity.defn(name=ACTIVITY_ADVANCE)
+    @activity.defn(name=ACTIVITY_ADVANCE, no_thread_cancel_exception=True)
     def advance_chunk(self, req: AdvanceChunkRequest) -> AdvanceChunkResult:
         """Advance the stream by one chunk, exactly once."""
         t0 = time.perf_counter()
-        with _typed_errors(self.metrics, req.receipt.model_id):
+        with self._guarded(req.stream_id, req.receipt.model_id):
             self._verify("advance", req.stream_id, req.principal, req.request)
             model = self._model(req.receipt.model_id)
             self._check(model, req.receipt, req.principal, req.stream_id)
@@ -430,6 +527,7 @@ class StreamActivities:
                 return AdvanceChunkResult(result=AdvanceResult.model_validate(prior.result),
                                           worker_queue=self.worker_queue)
             self._local_fits(model, 1 + len(tokens) // max(self._engine_args["prefill_piece"], 1))
+            _cancel_point()
             self._edge("admitted", req.stream_id, ask.chunk_seq)
             nth = next(self._advanced)
             reference = (self._reference_input(model, req.receipt, req.principal)
@@ -456,11 +554,11 @@ class StreamActivities:
             self._gauge()
             return AdvanceChunkResult(result=done, worker_queue=self.worker_queue)
 
-    @activity.defn(name=ACTIVITY_GENERATE)
+    @activity.defn(name=ACTIVITY_GENERATE, no_thread_cancel_exception=True)
     def generate_tokens(self, req: GenerateChunkRequest) -> GenerateChunkResult:
         """Sample tokens with a seeded generator; each one advances the state like input."""
         t0 = time.perf_counter()
-        with _typed_errors(self.metrics, req.receipt.model_id):
+        with self._guarded(req.stream_id, req.receipt.model_id):
             self._verify("generate", req.stream_id, req.principal, req.request)
             model = self._model(req.receipt.model_id)
             self._check(model, req.receipt, req.principal, req.stream_id)
@@ -479,6 +577,7 @@ class StreamActivities:
                 return GenerateChunkResult(result=GenerateResult.model_validate(prior.result),
                                            worker_queue=self.worker_queue)
             self._local_fits(model, ask.max_tokens)
+            _cancel_point()
             self._edge("admitted", req.stream_id, ask.chunk_seq)
             gen = torch.Generator().manual_seed(seed)
             transform = model.transform
@@ -545,10 +644,10 @@ class StreamActivities:
             self._gauge()
             return GenerateChunkResult(result=done, worker_queue=self.worker_queue)
 
-    @activity.defn(name=ACTIVITY_RESET)
+    @activity.defn(name=ACTIVITY_RESET, no_thread_cancel_exception=True)
     def reset_stream(self, req: ResetStreamRequest) -> StateResult:
         """A new epoch at position 0: the model's initial state, sealed for the stream."""
-        with _typed_errors(self.metrics, req.receipt.model_id):
+        with self._guarded(req.stream_id, req.receipt.model_id):
             self._verify("reset", req.stream_id, req.principal, req.request)
             if req.request is not None and req.request.epoch not in (None, req.epoch):
                 raise EpochMismatch(f"the reset was signed for epoch {req.request.epoch}, not {req.epoch}",
@@ -570,21 +669,21 @@ class StreamActivities:
             self._gauge()
             return StateResult(receipt=receipt, worker_queue=self.worker_queue)
 
-    @activity.defn(name=ACTIVITY_CHECKPOINT)
+    @activity.defn(name=ACTIVITY_CHECKPOINT, no_thread_cancel_exception=True)
     def checkpoint_stream(self, req: CheckpointStreamRequest) -> StateResult:
         """Prove the stream's current checkpoint is in the store and authentic; return its receipt."""
-        with _typed_errors(self.metrics, req.receipt.model_id):
+        with self._guarded(req.stream_id, req.receipt.model_id):
             self._verify("checkpoint", req.stream_id, req.principal, req.request)
             model = self._model(req.receipt.model_id)
             self._check(model, req.receipt, req.principal, req.stream_id)
             self.commits.fetch_current(model, req.receipt, req.principal)
             return StateResult(receipt=req.receipt, worker_queue=self.worker_queue)
 
-    @activity.defn(name=ACTIVITY_RECALL)
+    @activity.defn(name=ACTIVITY_RECALL, no_thread_cancel_exception=True)
     def recall_result(self, req: RecallResultRequest) -> RecallResultResult:
         """A committed chunk's recorded result (a repeated update id whose full result was not
         carried across continue-as-new)."""
-        with _typed_errors(self.metrics):
+        with self._guarded(req.stream_id):
             prior = self.commits.prior(req.state_key, req.principal)
             if prior is None:
                 raise ResultExpired(f"chunk result {req.state_key} is no longer kept (its checkpoint left the window)",
@@ -592,10 +691,10 @@ class StreamActivities:
             model = AdvanceResult if req.kind == "advance" else GenerateResult
             return RecallResultResult(**{req.kind: model.model_validate(prior.result)})
 
-    @activity.defn(name=ACTIVITY_DISPOSE)
+    @activity.defn(name=ACTIVITY_DISPOSE, no_thread_cancel_exception=True)
     def dispose_stream(self, req: DisposeStreamRequest) -> DisposeStreamResult:
         """Delete every blob of the stream and zero its hot states."""
-        with _typed_errors(self.metrics):
+        with self._guarded(req.stream_id):
             check_name("stream id", req.stream_id)
             deleted = self.store.delete_stream(stream_id=req.stream_id)
             evicted = self.release_stream(req.stream_id)

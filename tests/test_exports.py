@@ -36,7 +36,7 @@ EXPECTED = {
     "activities": [
         "FileStateStore", "InvalidStoreKey", "MemoryStateStore", "ModelRegistry", "PostgresStateStore", "SlotTable", "StateStore",
         "StoreCorrupt", "StoreError", "StoreOwnedElsewhere", "StoreOwner", "StoreUnavailable", "StoreUsage",
-        "StreamActivities", "StreamEngine", "StreamMetrics", "SweepReport", "agent_feed_stream",
+        "StreamActivities", "StreamEngine", "StreamMetrics", "SweepReport", "WorkerHealth", "agent_feed_stream",
         "claim_store", "open_store", "sweep_orphans", "tune_allocator",
     ],
     "workflows": [
@@ -46,7 +46,7 @@ EXPECTED = {
         "GenerateResult", "GenerateStream", "InternalError", "InvalidRequest", "LocalTooSlow", "MambaStreamWorkflow", "ModelInfo",
         "OpenFailed", "OpenStreamInput", "ResetRequest", "ResultExpired", "RewindPastWindow", "RewindUnavailable", "StreamCancelled",
         "StreamClient", "StreamFailure", "StreamMoving", "StreamOpening", "StreamOptions", "StreamStats",
-        "TokenBatch", "TokenEvent", "TokenLogprob", "TokenOutOfRange", "TokensOutOfOrder", "UpdateIdMismatch", "application_error", "catalogue", "chunk_digest",
+        "TokenBatch", "TokenEvent", "TokenLogprob", "TokenOutOfRange", "TokensOutOfOrder", "UpdateIdMismatch", "WorkerUnhealthy", "application_error", "catalogue", "chunk_digest",
         "new_stream_id", "parse_update_id", "update_id",
     ],
     "cli": ["main"],

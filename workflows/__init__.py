@@ -29,6 +29,7 @@ from workflows._failures import (
     TokenOutOfRange,
     TokensOutOfOrder,
     UpdateIdMismatch,
+    WorkerUnhealthy,
     application_error,
     catalogue,
 )
@@ -97,6 +98,7 @@ __all__ = [
     "TokenOutOfRange",
     "TokensOutOfOrder",
     "UpdateIdMismatch",
+    "WorkerUnhealthy",
     "application_error",
     "catalogue",
     "chunk_digest",

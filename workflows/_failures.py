@@ -45,6 +45,7 @@ __all__ = [
     "TokenOutOfRange",
     "TokensOutOfOrder",
     "UpdateIdMismatch",
+    "WorkerUnhealthy",
     "application_error",
     "catalogue",
 ]
@@ -140,6 +141,15 @@ class InternalError(StreamFailure):
     """An unforeseen exception in an activity, retried a bounded number of times, then typed."""
 
 
+class WorkerUnhealthy(StreamFailure):
+    """The worker stopped taking work: it failed chunk after chunk of several streams, with no
+    success between, for reasons that were not the chunks' own (`activities.WorkerHealth`).
+    Retryable: another worker (or this one, restarted) takes the chunk. Also what a tripped
+    worker's `Worker.run` raises, so that `python worker.py` exits non-zero."""
+
+    retryable = True
+
+
 class ActivityFailed(StreamFailure):
     """An activity failed without a reason of its own (a timeout, a worker lost for good)."""
 
@@ -152,7 +162,7 @@ class OpenFailed(StreamFailure):
 #: attempt once the cause is gone (a store back, a blob restored, a reset signal after a rewind)
 NOT_THE_CHUNKS_FAULT = frozenset({
     "StoreError", "StoreUnavailable", "StoreCorrupt", "CheckpointNotFound", "CorruptBlob", "TruncatedBlob",
-    "InternalError", "ActivityFailed", "RewindPastWindow"})
+    "InternalError", "ActivityFailed", "RewindPastWindow", "WorkerUnhealthy"})
 
 
 def catalogue() -> dict[str, type[Exception]]:

@@ -52,6 +52,7 @@ __all__ = [
     "StreamCarry",
     "StreamOptions",
     "StreamStats",
+    "TIMEOUT_FLOORS",
     "TokenLogprob",
     "chunk_digest",
     "parse_update_id",
@@ -111,9 +112,22 @@ def open_claims(principal: str, model_id: str, input_transform: str | None, resu
 #: the largest share of the workflow task timeout a local attempt may take (`StreamOptions.local_timeout_s`)
 LOCAL_SHARE = 0.5
 
+#: the least each client-settable timeout may be (seconds), enforced where the workers decode a
+#: stream's start input (a lower value is refused `InvalidRequest`): a timeout a loaded worker cannot
+#: meet turns healthy attempts into abandoned ones that still run, and retries that repeat them.
+#: Each field's description says why its floor is what it is. Every value the project has used
+#: (the defaults, the tests' short timeouts) is above them, so histories that used them still decode.
+TIMEOUT_FLOORS: dict[str, float] = {
+    "activity_timeout_s": 10.0,
+    "heartbeat_timeout_s": 2.0,
+    "schedule_to_start_s": 1.0,
+    "local_timeout_s": 1.0,
+    "task_timeout_s": 2.0,
+}
+
 
 class StreamOptions(_Strict):
-    """Per-stream knobs, fixed at open time."""
+    """Per-stream knobs, fixed at open time. Timeouts have floors (`TIMEOUT_FLOORS`)."""
 
     affinity: bool = Field(default=True, description="send activities to the worker holding the hot state")
     checkpoints_kept: int = Field(default=4, ge=1, le=4096, description="recent checkpoints kept in the store: "
@@ -128,10 +142,23 @@ class StreamOptions(_Strict):
                              description="bytes of recent results carried across continue-as-new in full (JSON); "
                              "older ones cross as their digests and are answered from the store's records; "
                              "keep it well under the server's limit.blobSize.error (2 MiB by default)")
-    activity_timeout_s: float = Field(default=600.0, gt=0, le=86400.0)
-    heartbeat_timeout_s: float = Field(default=30.0, gt=0, le=86400.0)
-    schedule_to_start_s: float = Field(default=10.0, gt=0, le=86400.0,
-                                       description="wait for the affine worker, then rebind")
+    activity_timeout_s: float = Field(
+        default=600.0, ge=TIMEOUT_FLOORS["activity_timeout_s"], le=86400.0,
+        description="a regular attempt's start-to-close timeout. At least 10 s: an attempt loads the state from "
+        "the store and commits the new one (seal, write, fsync of the whole state: 19 MB for a 130M Mamba-2) "
+        "without heartbeating, and on a loaded box a shorter limit fails healthy attempts whose retries "
+        "repeat the work")
+    heartbeat_timeout_s: float = Field(
+        default=30.0, ge=TIMEOUT_FLOORS["heartbeat_timeout_s"], le=86400.0,
+        description="a regular attempt heartbeats once a second while it waits on the engine; past this "
+        "without one, the server retries the chunk elsewhere. At least 2 s: one late beat on a loaded box "
+        "(a busy event loop, a long kernel call) must not time out a healthy attempt")
+    schedule_to_start_s: float = Field(
+        default=10.0, ge=TIMEOUT_FLOORS["schedule_to_start_s"], le=86400.0,
+        description="wait for the affine worker, then rebind. At least 1 s: the worker's own queue costs a "
+        "transfer-queue hop (50-100 ms at the server's default dynamic config) and a poll, and a loaded "
+        "worker that is merely slow to poll would otherwise lose its streams to the shared queue (each "
+        "move reloads the state from the store)")
     retry_max_attempts: int = Field(default=0, ge=0, le=10000, description="0: retry transient failures until they pass")
     local_chunks: bool = Field(default=True, description="run short chunks as local activities: on the worker "
                                "whose cache holds the workflow (and the stream's hot state), with no task queue "
@@ -142,18 +169,25 @@ class StreamOptions(_Strict):
     local_max_tokens: int = Field(default=256, ge=0, le=2**20,
                                   description="the longest chunk run locally: tokens fed (a text's bytes) or "
                                   "max_tokens of a generate")
-    local_timeout_s: float = Field(default=5.0, gt=0, le=3600.0,
+    local_timeout_s: float = Field(default=5.0, ge=TIMEOUT_FLOORS["local_timeout_s"], le=3600.0,
                                    description="a local attempt's deadline, from when it is scheduled (waiting "
                                    "for a free slot counts); past it the chunk takes the regular path. A workflow "
                                    "task is held open while its local activities run: the deadline is capped at "
                                    "half of task_timeout_s, the rest being the worker's margin for the task's own "
-                                   "work on a loaded box (at most 0.8 x task_timeout_s may be set)")
+                                   "work on a loaded box (at most 0.8 x task_timeout_s may be set). At least 1 s: "
+                                   "a short chunk takes tens of milliseconds on a warm worker, and an attempt that "
+                                   "times out is not stopped but abandoned (it ends at its next safe point), so a "
+                                   "limit a loaded box cannot meet would run every chunk twice")
     token_log_events: int = Field(default=1024, ge=1, le=65536,
                                   description="entries of the token log kept for readers that subscribe late or "
                                   "reconnect; across continue-as-new the newest carry_bytes/4 of them")
-    task_timeout_s: float = Field(default=10.0, gt=0, le=120.0,
+    task_timeout_s: float = Field(default=10.0, ge=TIMEOUT_FLOORS["task_timeout_s"], le=120.0,
                                   description="the stream's workflow task timeout: how long a worker that died "
-                                  "inside a workflow task (a local chunk) holds the stream up")
+                                  "inside a workflow task (a local chunk) holds the stream up. At least 2 s: "
+                                  "it must hold a local attempt at its floor (0.8 x 2 s) and the task's own "
+                                  "work on a loaded box; a workflow task that times out is retried from the "
+                                  "start. The workflow refuses to run under a shorter one than its start "
+                                  "request set")
 
     @model_validator(mode="after")
     def _local_fits_the_task(self) -> StreamOptions:

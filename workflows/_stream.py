@@ -35,6 +35,7 @@ with workflow.unsafe.imports_passed_through():
         ChunkTooLarge,
         ConflictingChunk,
         EmptyContext,
+        InvalidRequest,
         LocalTooSlow,
         OpenFailed,
         StreamCancelled,
@@ -81,6 +82,7 @@ with workflow.unsafe.imports_passed_through():
         StateResult,
         StreamCarry,
         StreamStats,
+        TIMEOUT_FLOORS,
         TokenBatch,
         TokenEvent,
         chunk_digest,
@@ -178,6 +180,14 @@ class MambaStreamWorkflow:
 
     async def _open(self) -> None:
         inp = self._inp
+        # the options' timeouts were checked where the input was decoded; the workflow task timeout
+        # is the start request's own (a raw client may set it apart from the options)
+        floor, given = TIMEOUT_FLOORS["task_timeout_s"], workflow.info().task_timeout
+        if given is not None and given.total_seconds() < floor:
+            raise application_error(InvalidRequest(
+                f"the start request's task_timeout (the workflow task timeout) {given.total_seconds():g} s is "
+                f"under its floor {floor:g} s",
+                field="task_timeout", floor=floor, actual=given.total_seconds()))
         res = await self._call(
             ACTIVITY_OPEN,
             OpenStreamRequest(stream_id=self._stream_id, principal=inp.principal, model_id=inp.model_id,

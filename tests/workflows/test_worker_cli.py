@@ -28,7 +28,7 @@ from state_codec.codec_server import CodecServer
 from state_codec.keyring import KeyringNotFound, find_keyring
 from state_codec.payload import ENCRYPTED_ENCODING, UNDECRYPTABLE_ENCODING, EncryptionCodec, StreamPayloadConverter
 from tests.workflows.conftest import Stack, eventually
-from worker import WorkerConfig, load_keyring
+from worker import WorkerConfig, _running, load_keyring
 from workflows import ClientConfig, StreamClient
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -216,6 +216,125 @@ async def test_worker_py_runs_the_embedded_stack_and_stops_cleanly(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def _embedded_env(tmp_path: Path, ports: dict[str, int]) -> dict[str, str]:
+    """worker.py's environment for the embedded stack on `ports`, home under tmp_path, random codec tokens."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TEMPORAL_ADDRESS", "MAMBA_STREAM_KEYRING", "MAMBA_STREAM_CODEC_TOKEN")}
+    env.update({k: str(v) for k, v in ports.items()}, MAMBA_STREAM_HOME=str(tmp_path / "home"),
+               MAMBA_STREAM_MODELS="tiny-mamba1", MAMBA_STREAM_TASK_QUEUE="embedded-test", MAMBA_STREAM_METRICS="off")
+    return env
+
+
+def _start_worker_py(env: dict[str, str], cwd: Path) -> tuple[subprocess.Popen, list[str]]:
+    """`python worker.py`, once it says it is ready (its output so far)."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "worker.py")], env=env, cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines = []
+    while True:
+        line = proc.stdout.readline()
+        assert line, "worker.py exited early:\n" + "".join(lines)
+        lines.append(line)
+        if " ready on " in line:
+            return proc, lines
+
+
+def _ui_codec_endpoint(ui_port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{ui_port}/api/v1/settings", timeout=10) as r:
+        return json.loads(r.read())["Codec"]["Endpoint"]
+
+
+async def _decodes(endpoint: str, ring: Keyring) -> int:
+    """The status of a decode through `endpoint` (the codec server's URL with a token in its path)."""
+    [sealed] = await EncryptionCodec(ring).encode([Payload(metadata={"encoding": b"json/plain"}, data=b'"x"')])
+    body = json.loads(json_format.MessageToJson(sealed))
+    status, opened, _ = await asyncio.to_thread(_post, endpoint + "/decode", {"payloads": [body]})
+    assert status != 200 or base64.b64decode(opened["payloads"][0]["data"]) == b'"x"'
+    return status
+
+
+async def _gone(pid: int) -> bool:
+    return not _running(pid)
+
+
+async def test_a_sigkilled_worker_py_takes_its_embedded_server_along_and_the_next_starts_a_fresh_one(tmp_path):
+    """Issue 25: a SIGKILLed worker.py left its dev server running; the next worker reused it, and
+    the UI kept the dead worker's codec endpoint (its token refused: 401). Now a leftover of the
+    home's database is replaced, the server dies with its worker, and a second worker on the same
+    home while the first lives is refused."""
+    ports = {"MAMBA_STREAM_TEMPORAL_PORT": _free_port(), "MAMBA_STREAM_UI_PORT": _free_port(),
+             "MAMBA_STREAM_CODEC_PORT": _free_port()}
+    env, home = _embedded_env(tmp_path, ports), tmp_path / "home"
+    home.mkdir(mode=0o700)
+    codec_url = f"http://127.0.0.1:{ports['MAMBA_STREAM_CODEC_PORT']}"
+    # a server of this home's database left by an older worker's crash (no record of it)
+    leftover = subprocess.Popen(
+        [str(Path(sys.executable).parent / "temporal"), "server", "start-dev", "--ip", "127.0.0.1",
+         "--port", str(ports["MAMBA_STREAM_TEMPORAL_PORT"]), "--ui-port", str(ports["MAMBA_STREAM_UI_PORT"]),
+         "--db-filename", str(home / "temporal.db"), "--log-level", "error",
+         "--ui-codec-endpoint", f"{codec_url}/t/a-dead-workers-token"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    first = second = None
+    try:
+        await eventually(lambda: _listening(ports["MAMBA_STREAM_UI_PORT"]), timeout=30)
+        assert _ui_codec_endpoint(ports["MAMBA_STREAM_UI_PORT"]).endswith("/t/a-dead-workers-token")
+        first, out = await asyncio.to_thread(_start_worker_py, env, tmp_path)
+        assert leftover.wait(timeout=10) is not None  # stopped, not reused
+        assert any("left by a worker that is gone" in line for line in out), "".join(out)
+        ring = Keyring.from_file(home / "keyring.json")
+        old = _ui_codec_endpoint(ports["MAMBA_STREAM_UI_PORT"])
+        assert old.startswith(codec_url + "/t/") and "a-dead-workers-token" not in old
+        assert await _decodes(old, ring) == 200
+        server = json.loads((home / "temporal.pid").read_text())
+        assert server["worker"] == first.pid and _running(server["server"])
+        # a second worker on this home while the first lives: told where the server is, not given a second one
+        busy = await asyncio.to_thread(subprocess.run, [sys.executable, str(ROOT / "worker.py")],
+                                       env=dict(env, MAMBA_STREAM_CODEC_PORT=str(_free_port())), cwd=tmp_path,
+                                       capture_output=True, text=True, timeout=60)
+        assert busy.returncode == 2 and f"worker {first.pid} runs this home's embedded Temporal server" in busy.stderr
+        assert f"TEMPORAL_ADDRESS=127.0.0.1:{ports['MAMBA_STREAM_TEMPORAL_PORT']}" in busy.stderr
+        first.kill()  # SIGKILL: no handler runs, no finally
+        first.wait()
+        await eventually(lambda: _gone(server["server"]), timeout=10)
+        assert not await _listening(ports["MAMBA_STREAM_TEMPORAL_PORT"])
+        # the next worker on the same home: a fresh server, whose UI takes the new token alone
+        second, _ = await asyncio.to_thread(_start_worker_py, env, tmp_path)
+        new = _ui_codec_endpoint(ports["MAMBA_STREAM_UI_PORT"])
+        assert new.startswith(codec_url + "/t/") and new != old
+        assert await _decodes(new, ring) == 200 and await _decodes(old, ring) == 401
+        restarted = json.loads((home / "temporal.pid").read_text())
+        assert restarted["worker"] == second.pid and restarted["server"] != server["server"]
+        second.send_signal(signal.SIGINT)
+        assert second.wait(timeout=30) == 0
+        assert not _running(restarted["server"]) and not (home / "temporal.pid").exists()
+    finally:
+        for proc in (first, second, leftover):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+async def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+async def test_worker_py_will_not_take_a_port_it_did_not_start_a_server_on(tmp_path):
+    ports = {"MAMBA_STREAM_TEMPORAL_PORT": _free_port(), "MAMBA_STREAM_UI_PORT": _free_port(),
+             "MAMBA_STREAM_CODEC_PORT": _free_port()}
+    with socket.socket() as other:  # someone else's server on the embedded server's port
+        other.bind(("127.0.0.1", ports["MAMBA_STREAM_TEMPORAL_PORT"]))
+        other.listen()
+        out = await asyncio.to_thread(subprocess.run, [sys.executable, str(ROOT / "worker.py")],
+                                      env=_embedded_env(tmp_path, ports), cwd=tmp_path, capture_output=True,
+                                      text=True, timeout=60)
+        assert await _listening(ports["MAMBA_STREAM_TEMPORAL_PORT"])  # left alone
+    lines = [line for line in out.stderr.splitlines() if " ERROR " in line]
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert f"127.0.0.1:{ports['MAMBA_STREAM_TEMPORAL_PORT']} (the embedded Temporal frontend's port) is taken" \
+        in lines[0] and "TEMPORAL_ADDRESS" in lines[0]
+    assert not (tmp_path / "home" / "temporal.pid").exists()
 
 
 async def _run(stack: Stack, keyfile: Path, *args: str) -> subprocess.CompletedProcess:
