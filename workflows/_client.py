@@ -19,7 +19,7 @@ from temporalio.client import (
 )
 from temporalio.api.common.v1 import WorkflowExecution
 from temporalio.api.enums.v1 import EventType, ResetReapplyExcludeType
-from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
+from temporalio.api.workflowservice.v1 import ResetStickyTaskQueueRequest, ResetWorkflowExecutionRequest
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
@@ -55,7 +55,8 @@ T = TypeVar("T")
 
 #: RPC statuses that say the server or the stream's worker could not answer now, not that the
 #: request is wrong: a loaded box times out workflow tasks, and while a stream's workflow task is
-#: retried the server refuses its updates with FAILED_PRECONDITION ("Workflow Task in failed state")
+#: retried the server refuses its updates with FAILED_PRECONDITION ("Workflow Task in failed state");
+#: it does too while no worker has polled the queue lately (all busy, or restarting)
 _TRANSIENT = {RPCStatusCode.UNAVAILABLE, RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.RESOURCE_EXHAUSTED,
               RPCStatusCode.ABORTED, RPCStatusCode.CANCELLED}
 
@@ -69,7 +70,8 @@ def transient(err: BaseException) -> bool:
     if isinstance(err, RPCError):
         if err.status in _TRANSIENT:
             return True
-        if err.status == RPCStatusCode.FAILED_PRECONDITION and "failed state" in str(err):
+        if err.status == RPCStatusCode.FAILED_PRECONDITION and any(
+                m in str(err) for m in ("failed state", "no poller seen")):
             return True
         # a query the stream's worker did not answer in time (its task expired in the queue)
         return err.status == RPCStatusCode.NOT_FOUND and "query task not found" in str(err)
@@ -136,7 +138,7 @@ class StreamClient:
         self.retry_s = retry_s
         self._epochs: dict[str, int] = {}  # stream -> the epoch this client last saw it in
 
-    async def _retrying(self, call: Callable[[], Awaitable[T]]) -> T:
+    async def _retrying(self, call: Callable[[], Awaitable[T]], stream_id: str | None = None) -> T:
         """`call()`, sent again with backoff while it fails transiently, for up to `retry_s`."""
         loop = asyncio.get_running_loop()
         deadline, delay = loop.time() + self.retry_s, 0.05
@@ -146,14 +148,27 @@ class StreamClient:
             except (RPCError, WorkflowUpdateRPCTimeoutOrCancelledError) as err:
                 if not transient(err) or loop.time() + delay > deadline:
                     raise
+                if stream_id is not None and "no poller seen" in str(err):
+                    await self._unstick(stream_id)
             await asyncio.sleep(delay * (0.5 + random.random()))  # jitter: many clients back off apart
             delay = min(delay * 2, 2.0)
 
+    async def _unstick(self, stream_id: str) -> None:
+        """Send the stream's next tasks to its task queue instead of the worker that last ran it.
+        A query goes to that worker's own (sticky) queue while the stream sits idle; when that
+        worker died, nothing polls it and every query fails "no poller seen" until the stream's
+        next workflow task, which an idle stream may never have."""
+        try:
+            await self.client.workflow_service.reset_sticky_task_queue(ResetStickyTaskQueueRequest(
+                namespace=self.client.namespace, execution=WorkflowExecution(workflow_id=stream_id)))
+        except RPCError:
+            pass  # the next attempt says what is wrong, if anything still is
+
     async def _update(self, handle: WorkflowHandle, update: Any, *args: Any, id: str) -> Any:
-        return await self._retrying(lambda: handle.execute_update(update, *args, id=id))
+        return await self._retrying(lambda: handle.execute_update(update, *args, id=id), handle.id)
 
     async def _query(self, stream_id: str, query: Any, *args: Any) -> Any:
-        return await self._retrying(lambda: self.handle(stream_id).query(query, *args))
+        return await self._retrying(lambda: self.handle(stream_id).query(query, *args), stream_id)
 
     def sign(self, kind: str, stream_id: str, request):  # noqa: ANN001, ANN201 - any signed request model
         """`request` with its signature, when this client signs (unchanged otherwise)."""
