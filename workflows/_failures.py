@@ -167,14 +167,18 @@ def catalogue() -> dict[str, type[Exception]]:
     return out
 
 
-def application_error(exc: BaseException) -> ApplicationError:
+def application_error(exc: BaseException, *, retryable: bool | None = None) -> ApplicationError:
     """The `ApplicationError` a typed failure crosses Temporal as: `type` is its reason; a
     permanent one is non-retryable. Any exception with a `reason` (this catalogue, state_codec's
-    rejections, the store's and the scan's errors) qualifies; others raise TypeError."""
+    rejections, the store's and the scan's errors) qualifies; others raise TypeError.
+
+    `retryable` overrides the class's flag where the caller waits out what would otherwise be
+    permanent (a cancel's dispose waits out a read-only store until an operator lifts it)."""
     reason = getattr(exc, "reason", None)
     if not isinstance(reason, str):
         raise TypeError(f"{type(exc).__name__} is not a typed failure") from exc
     details = exc.details() if callable(getattr(exc, "details", None)) else {}
     message = str(exc) or reason
-    return ApplicationError(message, *([details] if details else []), type=reason,
-                            non_retryable=not bool(getattr(exc, "retryable", False)))
+    if retryable is None:
+        retryable = bool(getattr(exc, "retryable", False))
+    return ApplicationError(message, *([details] if details else []), type=reason, non_retryable=not retryable)

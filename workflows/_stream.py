@@ -168,8 +168,39 @@ class MambaStreamWorkflow:
             for task in list(self._tasks):  # a handler stuck in a retrying activity must not hold up the end
                 task.cancel()
             await workflow.wait_condition(workflow.all_handlers_finished)
-            await self._call(ACTIVITY_DISPOSE, DisposeStreamRequest(stream_id=self._stream_id), DisposeStreamResult)
+            await self._dispose()
             raise
+
+    async def _dispose(self) -> None:
+        """The cancel's last step: the stream's blobs deleted, its hot states zeroed.
+
+        First on the worker that holds the hot states (one attempt: it zeroes them before it
+        touches the store), then on any worker until it passes. A cancel has no caller to send it
+        again, so nothing the store does may end it: the activity reports every store fault as
+        retryable (a read-only or unreachable store, a permission an operator restores), and the
+        attempts are not bounded by `retry_max_attempts` (a client's choice for its chunks).
+        Waiting costs no history: Temporal retries an activity without new events. Should the
+        dispose still fail for good (an unforeseen error, typed `InternalError`), the run ends
+        cancelled all the same, as a cancel does, and the orphan sweep deletes what is left."""
+        o, req = self._opts, DisposeStreamRequest(stream_id=self._stream_id)
+        common: dict[str, Any] = dict(start_to_close_timeout=timedelta(seconds=o.activity_timeout_s),
+                                      heartbeat_timeout=timedelta(seconds=o.heartbeat_timeout_s),
+                                      result_type=DisposeStreamResult)
+        if o.affinity and self._worker_queue:
+            try:
+                await workflow.execute_activity(
+                    ACTIVITY_DISPOSE, req, task_queue=self._worker_queue,
+                    schedule_to_start_timeout=timedelta(seconds=o.schedule_to_start_s),
+                    retry_policy=RetryPolicy(maximum_attempts=1), **common)
+                return
+            except ActivityError as err:
+                workflow.logger.warning("dispose on %s failed (%s); any worker disposes",
+                                        self._worker_queue, err.cause or err)
+        try:
+            await workflow.execute_activity(ACTIVITY_DISPOSE, req, retry_policy=_retry(0), **common)
+        except ActivityError as err:
+            workflow.logger.error("dispose of %s failed for good (%s); the orphan sweep deletes what is left",
+                                  self._stream_id, err.cause or err)
 
     async def _open(self) -> None:
         inp = self._inp
@@ -256,12 +287,7 @@ class MambaStreamWorkflow:
                                             name, self._worker_queue, err.cause or err)
                     self._worker_queue = None
                     self._stats = self._stats.model_copy(update={"migrations": self._stats.migrations + 1})
-            return await workflow.execute_activity(
-                name, arg,
-                retry_policy=RetryPolicy(initial_interval=timedelta(milliseconds=200), backoff_coefficient=2.0,
-                                         maximum_interval=timedelta(seconds=10),
-                                         maximum_attempts=o.retry_max_attempts),
-                **common)
+            return await workflow.execute_activity(name, arg, retry_policy=_retry(o.retry_max_attempts), **common)
         except ActivityError as err:
             raise self._failed(err.cause) or err from err
 
@@ -698,6 +724,12 @@ class _Shown:
     update_id: str | None
     tokens: list[int] = dataclasses.field(default_factory=list)
     text: str = ""
+
+
+def _retry(attempts: int) -> RetryPolicy:
+    """The regular path's retries: backoff from 200 ms to 10 s, `attempts` in all (0: unbounded)."""
+    return RetryPolicy(initial_interval=timedelta(milliseconds=200), backoff_coefficient=2.0,
+                       maximum_interval=timedelta(seconds=10), maximum_attempts=attempts)
 
 
 def _current_update_id() -> str | None:
