@@ -121,7 +121,9 @@ class UpdateIdMismatch(StreamFailure):
 
 
 class RewindPastWindow(StreamFailure):
-    """The stream was rewound (Temporal reset) to a chunk whose checkpoint is no longer kept.
+    """A rewind to a chunk outside the stream's rewind window: refused by `StreamClient.rewind`
+    before anything is reset; or, after a raw Temporal reset there (or a chain of rewinds deeper
+    than the store holds), the next chunk's refusal: its checkpoint is no longer stored.
 
     The stream stays usable: a `reset` signal starts a fresh epoch at position 0."""
 

@@ -112,9 +112,11 @@ class StreamOptions(_Strict):
     """Per-stream knobs, fixed at open time."""
 
     affinity: bool = Field(default=True, description="send activities to the worker holding the hot state")
-    checkpoints_kept: int = Field(default=4, ge=1, le=4096, description="recent checkpoints kept in the store: "
-                                  "the rewind window (a Temporal reset up to this many chunks back resumes from "
-                                  "a kept checkpoint); each costs one state (ModelInfo.state_bytes) in the store")
+    checkpoints_kept: int = Field(default=4, ge=1, le=4096, description="the rewind window: a rewind reaches "
+                                  "any of the stream's newest checkpoints_kept checkpoints, and a rewind after a "
+                                  "rewind any of its own window's; the store holds up to 2 x checkpoints_kept - 1 "
+                                  "of them (a checkpoint leaves it once out of the window for a whole window), "
+                                  "each one state (ModelInfo.state_bytes) and its result record")
     max_chunk_tokens: int = Field(default=65536, ge=1, le=2**24)
     max_text_bytes: int = Field(default=262144, ge=1, le=2**26)
     max_generate_tokens: int = Field(default=4096, ge=1, le=2**20)
@@ -357,7 +359,8 @@ class StreamCarry(_Model):
     info: ModelInfo
     stats: StreamStats
     recent: list[RecentResult] = Field(default_factory=list)
-    kept: list[str] = Field(default_factory=list, description="state keys of recent checkpoints")
+    kept: list[str] = Field(default_factory=list, description="state keys of the line's stored checkpoints "
+                            "(the rewind window and the window before it), oldest first")
     pinned: list[str] = Field(default_factory=list, description="state keys handed out by `checkpoint`")
     worker_queue: str | None = None
     token_log: list[TokenEvent] = Field(default_factory=list, description="the newest entries of the token log")

@@ -517,6 +517,12 @@ class MambaStreamWorkflow:
     def stats(self) -> StreamStats:
         return self._stats
 
+    @workflow.query
+    def rewind_window(self) -> list[str]:
+        """The state keys a rewind may go back to, oldest first: the line's newest
+        `checkpoints_kept` checkpoints (`StreamClient.rewind` refuses any other before it resets)."""
+        return self._kept[-self._opts.checkpoints_kept :]
+
     # --- the token log ---------------------------------------------------------------------------
 
     @workflow.update
@@ -677,9 +683,18 @@ class MambaStreamWorkflow:
                                                 field="chunk_seq", expected=expected, actual=chunk_seq))
 
     def _to_drop(self) -> list[str]:
-        """Checkpoints that fall out of retention once the next one is committed."""
-        keep = self._opts.checkpoints_kept
-        excess = len(self._kept) + 1 - keep
+        """Checkpoints that leave the store once the next one is committed: those that have been
+        out of the rewind window (the line's newest `checkpoints_kept`) for a whole window, so
+        the store holds up to 2 x checkpoints_kept - 1 of the line.
+
+        A rewind (a Temporal reset) restores this bookkeeping, never the store: the undone
+        chunks' drops stay done. Keeping the window before the window means they only ever took
+        checkpoints that no chunk of the window needs for its own window: a rewind lands on a
+        chunk whose whole window is stored, and a rewind after it reaches any chunk of that
+        window. A third step back may find a checkpoint the first line deleted (no bounded store
+        holds every chain's): its next chunk is refused `RewindPastWindow`."""
+        stored = 2 * self._opts.checkpoints_kept - 1
+        excess = len(self._kept) + 1 - stored
         return [k for k in self._kept[: max(excess, 0)] if k not in self._pinned]
 
     def _commit(self, receipt: Receipt, worker_queue: str | None, *, tokens: int = 0, generated: int = 0) -> None:
