@@ -44,6 +44,7 @@ __all__ = [
     "StreamOpening",
     "TokenOutOfRange",
     "TokensOutOfOrder",
+    "UnknownRequest",
     "UpdateIdMismatch",
     "application_error",
     "catalogue",
@@ -109,7 +110,14 @@ class EmptyContext(StreamFailure):
 
 
 class InvalidRequest(StreamFailure):
-    """A request the model cannot take (text for a model without an input transform, ...)."""
+    """A request the stream or the model cannot take: a payload that does not validate, a missing,
+    extra or null argument to an update or query, text for a model without an input transform."""
+
+
+class UnknownRequest(StreamFailure):
+    """An update, signal or query of a name the stream does not have. An update or query is
+    refused with it (an update leaves nothing in history); a signal, which has no caller to
+    answer, is counted (`StreamStats.unknown_signals`) and changes nothing."""
 
 
 class ConflictingChunk(StreamFailure):

@@ -189,7 +189,10 @@ class StreamStats(_Model):
     duplicates: int = Field(default=0, description="repeated update ids answered by this workflow "
                             "(after continue-as-new; within a run the server answers them itself)")
     resets: int = 0
-    rejected_resets: int = 0
+    rejected_resets: int = Field(default=0, description="reset signals refused: another principal, a stale "
+                                 "epoch, a missing or invalid argument, a bad signature")
+    unknown_signals: int = Field(default=0, description="signals of a name the stream does not have: "
+                                 "counted, nothing changed")
     migrations: int = 0
     local_chunks: int = Field(default=0, description="chunks committed by a local activity (the rest: regular ones)")
     local_fallbacks: int = Field(default=0, description="local attempts that failed and went the regular path")

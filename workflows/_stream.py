@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 from datetime import timedelta
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
+from temporalio.common import RawValue, RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError, CancelledError
 
 with workflow.unsafe.imports_passed_through():
@@ -34,6 +35,7 @@ with workflow.unsafe.imports_passed_through():
         ChunkTooLarge,
         ConflictingChunk,
         EmptyContext,
+        InvalidRequest,
         LocalTooSlow,
         OpenFailed,
         StreamCancelled,
@@ -41,6 +43,7 @@ with workflow.unsafe.imports_passed_through():
         StreamOpening,
         TokenOutOfRange,
         TokensOutOfOrder,
+        UnknownRequest,
         UpdateIdMismatch,
         application_error,
     )
@@ -94,6 +97,73 @@ T = TypeVar("T")
 _POLL_BYTES = 512 * 1024
 
 
+def _refused_arguments(model: type, args: tuple[Any, ...]) -> ApplicationError | None:
+    """Why `args` are not what a handler takes, typed `InvalidRequest` (None: they are): exactly
+    one `model`. A payload that does not validate as `model` is refused by the converter already;
+    this catches what it lets through: no argument, JSON null, one too many. (The SDK drops the
+    arguments of a handler that takes none.)"""
+    if len(args) == 1 and isinstance(args[0], model):
+        return None
+    got = ", ".join(type(a).__name__ for a in args) or "no argument"
+    return application_error(InvalidRequest(f"the request takes one {model.__name__}, not {got}",
+                                            expected=model.__name__, actual=got))
+
+
+def _takes(model: type) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """A validator's or a query's arguments, checked before it runs (`_refused_arguments`): a
+    refused update writes nothing to history, a refused query nothing at all. The signature stays
+    the handler's, so the SDK converts the payloads as before."""
+    def wrap(fn: Callable[..., T]) -> Callable[..., T]:
+        @functools.wraps(fn)
+        def checked(self: Any, *args: Any) -> T:
+            refused = _refused_arguments(model, args)
+            if refused is not None:
+                raise refused
+            return fn(self, *args)
+        return checked
+    return wrap
+
+
+def _signal_takes(model: type, refuse: Callable[[Any, str], None]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A signal's arguments, checked before it runs. A signal has no caller to answer, and an
+    exception in its handler would fail the workflow (a typed one) or its task (any other, on
+    every retry), not the sender: what `_refused_arguments` refuses goes to `refuse(workflow,
+    why)` instead (counted, nothing changed). A payload that does not validate is dropped by the
+    SDK before the handler, with a log line."""
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        async def checked(self: Any, *args: Any) -> None:
+            refused = _refused_arguments(model, args)
+            if refused is not None:
+                refuse(self, refused.message)
+                return
+            await fn(self, *args)
+        return checked
+    return wrap
+
+
+def _init_takes(fn: Callable[..., None]) -> Callable[..., None]:
+    """`__init__` of a start input that is not one OpenStreamInput (none, JSON null, one too
+    many): it initializes from a placeholder and keeps the refusal, which `run` raises at once
+    (`_run_takes`): the run fails typed `InvalidRequest`. An exception here would fail the first
+    workflow task instead, and every retry of it: a stream that neither ran nor ended."""
+    @functools.wraps(fn)
+    def checked(self: Any, *args: Any) -> None:
+        self._start_refused = _refused_arguments(OpenStreamInput, args)
+        fn(self, *(args if self._start_refused is None else (OpenStreamInput(principal="", model_id=""),)))
+    return checked
+
+
+def _run_takes(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`run`, which fails typed with the start input's refusal, if `__init__` kept one."""
+    @functools.wraps(fn)
+    async def checked(self: Any, *args: Any) -> Any:
+        if self._start_refused is not None:
+            raise self._start_refused
+        return await fn(self, *args)
+    return checked
+
+
 def _arithmetic(before: Receipt | None, receipt: Receipt, stats: StreamStats) -> dict[str, Any]:
     """The stats' arithmetic fields after `receipt` (which continues `before`) is committed."""
     return {"arithmetic": receipt.arithmetic.id if receipt.arithmetic else "",
@@ -105,6 +175,7 @@ def _arithmetic(before: Receipt | None, receipt: Receipt, stats: StreamStats) ->
 @workflow.defn(name="MambaStream")
 class MambaStreamWorkflow:
     @workflow.init
+    @_init_takes
     def __init__(self, inp: OpenStreamInput) -> None:
         self._inp = inp
         self._opts = inp.options
@@ -133,6 +204,7 @@ class MambaStreamWorkflow:
     # --- lifecycle -------------------------------------------------------------------------------
 
     @workflow.run
+    @_run_takes
     async def run(self, inp: OpenStreamInput) -> StreamStats:
         try:
             if self._receipt is None:
@@ -402,6 +474,7 @@ class MambaStreamWorkflow:
             max_chunk_tokens=self._opts.max_chunk_tokens, drop_keys=self._to_drop()))
 
     @advance.validator
+    @_takes(AdvanceRequest)
     def _validate_advance(self, req: AdvanceRequest) -> None:
         if self._known() is not None:
             return
@@ -426,6 +499,7 @@ class MambaStreamWorkflow:
             drop_keys=self._to_drop()))
 
     @generate.validator
+    @_takes(GenerateRequest)
     def _validate_generate(self, req: GenerateRequest) -> None:
         if self._known() is not None:
             return
@@ -454,6 +528,7 @@ class MambaStreamWorkflow:
             return CheckpointResult(stream_id=self._stream_id, receipt=out.receipt)
 
     @checkpoint.validator
+    @_takes(CheckpointRequest)
     def _validate_checkpoint(self, req: CheckpointRequest) -> None:
         if self._cancelled:
             raise application_error(StreamCancelled("the stream is cancelled"))
@@ -462,19 +537,19 @@ class MambaStreamWorkflow:
                                             field="principal", expected=self._inp.principal, actual=req.principal))
 
     @workflow.signal
+    @_signal_takes(ResetRequest, lambda wf, why: wf._refuse_reset(f"reset refused: {why}"))
     async def reset(self, req: ResetRequest) -> None:
-        """New epoch at position 0. From the wrong principal: nothing changes, it is counted."""
+        """New epoch at position 0. From the wrong principal, or with a missing or invalid
+        argument: nothing changes, it is counted."""
         if req.principal != self._inp.principal or self._cancelled:
-            self._stats = self._stats.model_copy(update={"rejected_resets": self._stats.rejected_resets + 1})
-            workflow.logger.warning("reset refused (principal %r, cancelled %s)", req.principal, self._cancelled)
+            self._refuse_reset(f"reset refused (principal {req.principal!r}, cancelled {self._cancelled})")
             return
         async with self._lock:
             await workflow.wait_condition(lambda: self._receipt is not None)
             assert self._receipt is not None
             if req.epoch is not None and req.epoch != self._receipt.epoch + 1:
                 # a reset meant for another epoch: a replayed or stale signal resets nothing
-                self._stats = self._stats.model_copy(update={"rejected_resets": self._stats.rejected_resets + 1})
-                workflow.logger.warning("reset for epoch %d refused at epoch %d", req.epoch, self._receipt.epoch)
+                self._refuse_reset(f"reset for epoch {req.epoch} refused at epoch {self._receipt.epoch}")
                 return
             try:
                 out = await self._cancellable(self._call(ACTIVITY_RESET, ResetStreamRequest(
@@ -484,8 +559,7 @@ class MambaStreamWorkflow:
                 return  # the stream is being cancelled: nothing to reset
             except ApplicationError as err:
                 # a signal has no caller to fail: refused (e.g. a bad signature), counted, nothing changed
-                self._stats = self._stats.model_copy(update={"rejected_resets": self._stats.rejected_resets + 1})
-                workflow.logger.warning("reset refused by the worker: %s (%s)", err.message, err.type)
+                self._refuse_reset(f"reset refused by the worker: {err.message} ({err.type})")
                 return
             self._receipt = out.receipt
             self._bind(out.worker_queue)
@@ -495,6 +569,31 @@ class MambaStreamWorkflow:
             self._stats = self._stats.model_copy(update={
                 "position": 0, "epoch": out.receipt.epoch, "resets": self._stats.resets + 1,
                 "last_backend": out.receipt.backend, **_arithmetic(None, out.receipt, self._stats)})
+
+    def _refuse_reset(self, why: str) -> None:
+        self._stats = self._stats.model_copy(update={"rejected_resets": self._stats.rejected_resets + 1})
+        workflow.logger.warning("%s", why)
+
+    # --- requests of no known name: refused typed, and a signal counted ---------------------------
+
+    @workflow.update(dynamic=True)
+    async def _unknown_update(self, name: str, args: Sequence[RawValue]) -> None:
+        raise application_error(UnknownRequest(f"the stream has no update {name!r}", name=name))
+
+    @_unknown_update.validator
+    def _refuse_unknown_update(self, name: str, args: Sequence[RawValue]) -> None:
+        # refused by the validator: nothing reaches history
+        raise application_error(UnknownRequest(f"the stream has no update {name!r}", name=name))
+
+    @workflow.signal(dynamic=True)
+    def _unknown_signal(self, name: str, args: Sequence[RawValue]) -> None:
+        # counted and dropped: without a handler the SDK would buffer it for the run's lifetime
+        self._stats = self._stats.model_copy(update={"unknown_signals": self._stats.unknown_signals + 1})
+        workflow.logger.warning("signal %r refused: the stream has no such signal", name)
+
+    @workflow.query(dynamic=True)
+    def _unknown_query(self, name: str, args: Sequence[RawValue]) -> None:
+        raise application_error(UnknownRequest(f"the stream has no query {name!r}", name=name))
 
     @workflow.update
     async def ready(self) -> Receipt:
@@ -536,6 +635,7 @@ class MambaStreamWorkflow:
         return PublishTokensResult(published=len(shown.tokens))
 
     @publish_tokens.validator
+    @_takes(PublishTokensRequest)
     def _validate_publish(self, req: PublishTokensRequest) -> None:
         # a refusal is not stored: a retried attempt's repeats, and a late publish, cost no history
         running = self._streaming.get(req.chunk_seq)
@@ -554,11 +654,13 @@ class MambaStreamWorkflow:
         return self._batch(req)
 
     @poll_tokens.validator
+    @_takes(PollTokensRequest)
     def _validate_poll(self, req: PollTokensRequest) -> None:
         if self._moving:
             raise application_error(StreamMoving("the stream is continuing as new; read again in a moment"))
 
     @workflow.query
+    @_takes(PollTokensRequest)
     def read_tokens(self, req: PollTokensRequest) -> TokenBatch:
         """The log's entries from `from_offset` now, without waiting."""
         return self._batch(req)
