@@ -142,6 +142,10 @@ def _signal_takes(model: type, refuse: Callable[[Any, str], None]) -> Callable[[
     return wrap
 
 
+def _unknown(kind: str, name: str) -> ApplicationError:
+    return application_error(UnknownRequest(f"the stream has no {kind} {name!r}", kind=kind, name=name))
+
+
 def _init_takes(fn: Callable[..., None]) -> Callable[..., None]:
     """`__init__` of a start input that is not one OpenStreamInput (none, JSON null, one too
     many): it initializes from a placeholder and keeps the refusal, which `run` raises at once
@@ -578,12 +582,12 @@ class MambaStreamWorkflow:
 
     @workflow.update(dynamic=True)
     async def _unknown_update(self, name: str, args: Sequence[RawValue]) -> None:
-        raise application_error(UnknownRequest(f"the stream has no update {name!r}", name=name))
+        raise _unknown("update", name)  # never reached: the validator refuses
 
     @_unknown_update.validator
     def _refuse_unknown_update(self, name: str, args: Sequence[RawValue]) -> None:
         # refused by the validator: nothing reaches history
-        raise application_error(UnknownRequest(f"the stream has no update {name!r}", name=name))
+        raise _unknown("update", name)
 
     @workflow.signal(dynamic=True)
     def _unknown_signal(self, name: str, args: Sequence[RawValue]) -> None:
@@ -593,7 +597,7 @@ class MambaStreamWorkflow:
 
     @workflow.query(dynamic=True)
     def _unknown_query(self, name: str, args: Sequence[RawValue]) -> None:
-        raise application_error(UnknownRequest(f"the stream has no query {name!r}", name=name))
+        raise _unknown("query", name)
 
     @workflow.update
     async def ready(self) -> Receipt:
@@ -791,8 +795,8 @@ class MambaStreamWorkflow:
 
         A rewind (a Temporal reset) restores this bookkeeping, never the store: the undone
         chunks' drops stay done. Keeping the window before the window means they only ever took
-        checkpoints that no chunk of the window needs for its own window: a rewind lands on a
-        chunk whose whole window is stored, and a rewind after it reaches any chunk of that
+        checkpoints that no chunk of the window needs for its own window: a first rewind lands on
+        a chunk whose whole window is stored, and a rewind after it reaches any chunk of that
         window. A third step back may find a checkpoint the first line deleted (no bounded store
         holds every chain's): its next chunk is refused `RewindPastWindow`."""
         stored = 2 * self._opts.checkpoints_kept - 1
