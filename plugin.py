@@ -45,7 +45,7 @@ from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxR
 
 from activities import agent_feed_stream
 from state_codec.keyring import Keyring
-from state_codec.payload import EncryptionCodec, SealedPayloadConverter, StreamPayloadConverter
+from state_codec.payload import EncryptionCodec, SealedPayloadConverter, StreamPayloadConverter, TypedFailureConverter
 from workflows import AgentWorkflow, ClientConfig, MambaStreamWorkflow, WorkerUnhealthy
 
 __all__ = ["MambaStreamPlugin", "data_converter"]
@@ -105,14 +105,15 @@ def _payload_converter_class(cls: type) -> type:
 def data_converter(keyring: Keyring, existing: DataConverter | None = None) -> DataConverter:
     """`existing` (default: Temporal's) with pydantic payloads and the keyring's encryption added,
     and failures' messages and stack traces moved into an encrypted payload (history keeps no
-    state key, store path or input text of a failure in clear)."""
+    state key, store path or input text of a failure in clear; the stand-in names the failure's
+    type: `state_codec.payload.TypedFailureConverter`)."""
     base = existing or DataConverter.default
     codec = base.payload_codec
     if not _has_encryption(codec):
         codec = EncryptionCodec(keyring) if codec is None else _Codecs(codec, EncryptionCodec(keyring))
     failures = base.failure_converter_class
-    if failures is DefaultFailureConverter:
-        failures = DefaultFailureConverterWithEncodedAttributes
+    if failures in (DefaultFailureConverter, DefaultFailureConverterWithEncodedAttributes):
+        failures = TypedFailureConverter
     elif not issubclass(failures, DefaultFailureConverterWithEncodedAttributes):
         log.warning("MambaStreamPlugin: keeping the failure converter %s; failure messages may reach history in "
                     "clear", failures.__name__)

@@ -693,11 +693,20 @@ class StreamActivities:
 
     @activity.defn(name=ACTIVITY_DISPOSE, no_thread_cancel_exception=True)
     def dispose_stream(self, req: DisposeStreamRequest) -> DisposeStreamResult:
-        """Delete every blob of the stream and zero its hot states."""
+        """Zero the stream's hot states and delete every blob of it.
+
+        The hot states go first: they are this worker's, and a store fault must not keep them.
+        A store fault is reported retryable whatever its kind (read-only, unreachable, a
+        permission): a cancel has no caller to send it again, so its dispose waits until the
+        store takes the delete (the workflow retries it without bound)."""
         with self._guarded(req.stream_id):
             check_name("stream id", req.stream_id)
-            deleted = self.store.delete_stream(stream_id=req.stream_id)
             evicted = self.release_stream(req.stream_id)
+            try:
+                deleted = self.store.delete_stream(stream_id=req.stream_id)
+            except StoreError as exc:
+                log.warning("dispose of stream %s waits for the store: %s", req.stream_id, exc)
+                raise application_error(exc, retryable=True) from exc
             log.info("disposed stream %s: %d blobs deleted, %d hot states zeroed", req.stream_id, deleted, evicted)
             return DisposeStreamResult(deleted=deleted, evicted=evicted)
 

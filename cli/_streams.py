@@ -228,7 +228,9 @@ def _run(fn):
             typed = exc if getattr(exc, "type", None) else getattr(exc, "cause", None)
             reason = getattr(typed, "type", None) or type(exc).__name__
             message = getattr(typed, "message", None) or str(exc)
-            if message == "Encoded failure":  # Temporal's stand-in: the message is encrypted, not for us
+            from state_codec.payload import ENCODED_FAILURE
+
+            if message.startswith(ENCODED_FAILURE):  # Temporal's stand-in: the message is encrypted, not for us
                 message = _undecodable(reason)
             print(f"error: {reason}: {message}", file=sys.stderr)
             return 2

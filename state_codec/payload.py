@@ -26,7 +26,9 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from pydantic import ValidationError
 from temporalio.api.common.v1 import Payload
 from temporalio.contrib.pydantic import PydanticJSONPlainPayloadConverter, PydanticPayloadConverter
+from temporalio.api.failure.v1 import Failure
 from temporalio.converter import (
+    DefaultFailureConverterWithEncodedAttributes,
     EncodingPayloadConverter,
     PayloadCodec,
     SerializationContext,
@@ -37,8 +39,8 @@ from temporalio.exceptions import ApplicationError
 from state_codec._errors import CorruptBlob, UnknownKeyId
 from state_codec.keyring import TAG, Keyring
 
-__all__ = ["ENCRYPTED_ENCODING", "UNDECRYPTABLE_ENCODING", "EncryptionCodec", "SealedPayloadConverter",
-           "StreamPayloadConverter", "stream_principal"]
+__all__ = ["ENCODED_FAILURE", "ENCRYPTED_ENCODING", "UNDECRYPTABLE_ENCODING", "EncryptionCodec",
+           "SealedPayloadConverter", "StreamPayloadConverter", "TypedFailureConverter", "stream_principal"]
 
 ENCRYPTED_ENCODING = b"binary/encrypted"
 UNDECRYPTABLE_ENCODING = b"binary/undecryptable"
@@ -202,3 +204,26 @@ class StreamPayloadConverter(PydanticPayloadConverter):
                            for c in self.converters.values()) + (SealedPayloadConverter(),)
             type(self)._shared = shared
         self._set_converters(*shared)
+
+
+#: the clear stand-in for a failure's encrypted message (Temporal's own words)
+ENCODED_FAILURE = "Encoded failure"
+
+
+class TypedFailureConverter(DefaultFailureConverterWithEncodedAttributes):
+    """Failures' messages and stack traces travel encrypted (Temporal's encoded attributes), and
+    the clear stand-in names the failure's type: `Encoded failure: UnknownRequest`.
+
+    The type is in clear beside it anyway (`application_failure_info.type`). A refused query is
+    the reason: the server hands a query's caller the failure's message and nothing else, so
+    without this a refused query would reach any client as "Encoded failure", untyped. A client
+    holding the key reads the real message, as before."""
+
+    def to_failure(self, exception: BaseException, payload_converter: Any, failure: Failure) -> None:
+        super().to_failure(exception, payload_converter, failure)
+        f: Failure | None = failure
+        while f is not None:
+            kind = f.application_failure_info.type if f.HasField("application_failure_info") else ""
+            if f.message == ENCODED_FAILURE and kind:
+                f.message = f"{ENCODED_FAILURE}: {kind}"
+            f = f.cause if f.HasField("cause") else None

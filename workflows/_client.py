@@ -26,7 +26,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from state_codec import Receipt
 from workflows._config import DEFAULT_TASK_QUEUE
-from workflows._failures import RewindUnavailable
+from workflows._failures import RewindPastWindow, RewindUnavailable
 from workflows._models import (
     ACTIVITY_OPEN,
     AdvanceRequest,
@@ -350,13 +350,23 @@ class StreamClient:
         checkpoint, with the same outputs and checksum as a fresh stream fed the same tokens.
         Returns the new run's id.
 
+        A rewind reaches any chunk of the stream's window (its newest `checkpoints_kept`
+        checkpoints), and a rewind after a rewind any chunk of the new window: the chunks a rewind
+        undoes do not count against it (`StreamOptions.checkpoints_kept` says what that costs).
+
         Raises:
+            RewindPastWindow: chunk `to_seq` is outside the window; nothing was reset. (A chain of
+                three or more rewinds back may still reach a chunk whose checkpoint an undone
+                line deleted: its next chunk fails `RewindPastWindow`; send a reset.)
             RewindUnavailable: chunk `to_seq` is not in the current run (never committed, or
                 before a continue-as-new), or no clean point follows it.
-        A chunk further back than the stream's window of kept checkpoints (`checkpoints_kept`)
-        rewinds, but its next chunk then fails `RewindPastWindow`: send a reset.
         """
-        run_id, point = await self.rewind_point(stream_id, to_seq)
+        run_id, point, key = await self._locate(stream_id, to_seq)
+        window = await self.client.get_workflow_handle_for(
+            MambaStreamWorkflow.run, stream_id, run_id=run_id).query(MambaStreamWorkflow.rewind_window)
+        if key not in window:
+            raise RewindPastWindow(f"chunk {to_seq} is outside the stream's rewind window (its newest {len(window)} "
+                                   f"checkpoints); nothing was reset", chunk_seq=to_seq, window=len(window))
         if point is None:
             return run_id  # chunk `to_seq` is the last thing that happened: already there
         resp = await self.client.workflow_service.reset_workflow_execution(ResetWorkflowExecutionRequest(
@@ -371,12 +381,19 @@ class StreamClient:
     async def rewind_point(self, stream_id: str, to_seq: int) -> tuple[str, int | None]:
         """(current run id, the id of the first WorkflowTaskCompleted event after chunk `to_seq`
         committed; None when nothing followed it): where `rewind` resets to, for an operator who
-        runs `temporal workflow reset --event-id` by hand."""
+        runs `temporal workflow reset --event-id` by hand (no window check: a raw reset past the
+        window leaves a run whose next chunk fails `RewindPastWindow`)."""
+        run_id, point, _ = await self._locate(stream_id, to_seq)
+        return run_id, point
+
+    async def _locate(self, stream_id: str, to_seq: int) -> tuple[str, int | None, str]:
+        """`rewind_point`, and the state key chunk `to_seq` committed."""
         desc = await self.handle(stream_id).describe()
         run_id = desc.run_id
         events = [e async for e in self.client.get_workflow_handle(stream_id, run_id=run_id).fetch_history_events()]
         decode = self.client.data_converter.decode
         committed: int | None = None  # the event after which chunk `to_seq` is committed
+        key = ""  # the state key it committed
         open_scheduled: set[int] = set()
         point: int | None = None
         for e in events:
@@ -388,6 +405,8 @@ class StreamClient:
                     elif e.HasField("activity_task_completed_event_attributes") and \
                             e.activity_task_completed_event_attributes.scheduled_event_id in open_scheduled:
                         committed = e.event_id
+                        [value] = await decode(e.activity_task_completed_event_attributes.result.payloads)
+                        key = _state_key(value)
                 elif e.HasField("workflow_execution_update_completed_event_attributes"):
                     outcome = e.workflow_execution_update_completed_event_attributes.outcome
                     if outcome.HasField("success") and outcome.success.payloads:
@@ -395,6 +414,7 @@ class StreamClient:
                         if isinstance(value, dict) and value.get("chunk_seq") == to_seq and "backend" in value \
                                 and not value.get("duplicate"):
                             committed = e.event_id
+                            key = _state_key(value)
                 continue
             if e.HasField("workflow_execution_update_accepted_event_attributes"):
                 accepted = e.workflow_execution_update_accepted_event_attributes.accepted_request.input
@@ -410,7 +430,7 @@ class StreamClient:
         if committed is None:
             raise RewindUnavailable(f"chunk {to_seq} is not committed in the stream's current run {run_id} (never "
                                     f"committed, or before a continue-as-new)", chunk_seq=to_seq)
-        return run_id, point
+        return run_id, point, key
 
     async def checkpoint(self, stream_id: str, principal: str) -> CheckpointResult:
         req = self.sign("checkpoint", stream_id, CheckpointRequest(principal=principal))
@@ -511,6 +531,12 @@ class GenerateStream:
                 if not work.done():
                     await _drop(work)
                 await reader.aclose()
+
+
+def _state_key(value: Any) -> str:
+    """The state key of a decoded result that carries a receipt (a chunk's, the open's)."""
+    receipt = value.get("receipt") if isinstance(value, dict) else None
+    return str(receipt.get("state_key", "")) if isinstance(receipt, dict) else ""
 
 
 async def _drop(task: asyncio.Future) -> None:

@@ -44,6 +44,7 @@ __all__ = [
     "StreamOpening",
     "TokenOutOfRange",
     "TokensOutOfOrder",
+    "UnknownRequest",
     "UpdateIdMismatch",
     "WorkerUnhealthy",
     "application_error",
@@ -110,7 +111,14 @@ class EmptyContext(StreamFailure):
 
 
 class InvalidRequest(StreamFailure):
-    """A request the model cannot take (text for a model without an input transform, ...)."""
+    """A request the stream or the model cannot take: a payload that does not validate, a missing,
+    extra or null argument to an update or query, text for a model without an input transform."""
+
+
+class UnknownRequest(StreamFailure):
+    """An update, signal or query of a name the stream does not have. An update or query is
+    refused with it (an update leaves nothing in history); a signal, which has no caller to
+    answer, is counted (`StreamStats.unknown_signals`) and changes nothing."""
 
 
 class ConflictingChunk(StreamFailure):
@@ -122,7 +130,9 @@ class UpdateIdMismatch(StreamFailure):
 
 
 class RewindPastWindow(StreamFailure):
-    """The stream was rewound (Temporal reset) to a chunk whose checkpoint is no longer kept.
+    """A rewind to a chunk outside the stream's rewind window: refused by `StreamClient.rewind`
+    before anything is reset; or, after a raw Temporal reset there (or a chain of rewinds deeper
+    than the store holds), the next chunk's refusal: its checkpoint is no longer stored.
 
     The stream stays usable: a `reset` signal starts a fresh epoch at position 0."""
 
@@ -177,14 +187,18 @@ def catalogue() -> dict[str, type[Exception]]:
     return out
 
 
-def application_error(exc: BaseException) -> ApplicationError:
+def application_error(exc: BaseException, *, retryable: bool | None = None) -> ApplicationError:
     """The `ApplicationError` a typed failure crosses Temporal as: `type` is its reason; a
     permanent one is non-retryable. Any exception with a `reason` (this catalogue, state_codec's
-    rejections, the store's and the scan's errors) qualifies; others raise TypeError."""
+    rejections, the store's and the scan's errors) qualifies; others raise TypeError.
+
+    `retryable` overrides the class's flag where the caller waits out what would otherwise be
+    permanent (a cancel's dispose waits out a read-only store until an operator lifts it)."""
     reason = getattr(exc, "reason", None)
     if not isinstance(reason, str):
         raise TypeError(f"{type(exc).__name__} is not a typed failure") from exc
     details = exc.details() if callable(getattr(exc, "details", None)) else {}
     message = str(exc) or reason
-    return ApplicationError(message, *([details] if details else []), type=reason,
-                            non_retryable=not bool(getattr(exc, "retryable", False)))
+    if retryable is None:
+        retryable = bool(getattr(exc, "retryable", False))
+    return ApplicationError(message, *([details] if details else []), type=reason, non_retryable=not retryable)

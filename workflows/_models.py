@@ -130,9 +130,11 @@ class StreamOptions(_Strict):
     """Per-stream knobs, fixed at open time. Timeouts have floors (`TIMEOUT_FLOORS`)."""
 
     affinity: bool = Field(default=True, description="send activities to the worker holding the hot state")
-    checkpoints_kept: int = Field(default=4, ge=1, le=4096, description="recent checkpoints kept in the store: "
-                                  "the rewind window (a Temporal reset up to this many chunks back resumes from "
-                                  "a kept checkpoint); each costs one state (ModelInfo.state_bytes) in the store")
+    checkpoints_kept: int = Field(default=4, ge=1, le=4096, description="the rewind window: a rewind reaches "
+                                  "any of the stream's newest checkpoints_kept checkpoints, and a rewind after a "
+                                  "rewind any of its own window's; the store holds up to 2 x checkpoints_kept - 1 "
+                                  "of them (a checkpoint leaves it once out of the window for a whole window), "
+                                  "each one state (ModelInfo.state_bytes) and its result record")
     max_chunk_tokens: int = Field(default=65536, ge=1, le=2**24)
     max_text_bytes: int = Field(default=262144, ge=1, le=2**26)
     max_generate_tokens: int = Field(default=4096, ge=1, le=2**20)
@@ -233,7 +235,10 @@ class StreamStats(_Model):
     duplicates: int = Field(default=0, description="repeated update ids answered by this workflow "
                             "(after continue-as-new; within a run the server answers them itself)")
     resets: int = 0
-    rejected_resets: int = 0
+    rejected_resets: int = Field(default=0, description="reset signals refused: another principal, a stale "
+                                 "epoch, a missing or invalid argument, a bad signature")
+    unknown_signals: int = Field(default=0, description="signals of a name the stream does not have: "
+                                 "counted, nothing changed")
     migrations: int = 0
     local_chunks: int = Field(default=0, description="chunks committed by a local activity (the rest: regular ones)")
     local_fallbacks: int = Field(default=0, description="local attempts that failed and went the regular path")
@@ -405,7 +410,8 @@ class StreamCarry(_Model):
     info: ModelInfo
     stats: StreamStats
     recent: list[RecentResult] = Field(default_factory=list)
-    kept: list[str] = Field(default_factory=list, description="state keys of recent checkpoints")
+    kept: list[str] = Field(default_factory=list, description="state keys of the line's stored checkpoints "
+                            "(the rewind window and the window before it), oldest first")
     pinned: list[str] = Field(default_factory=list, description="state keys handed out by `checkpoint`")
     worker_queue: str | None = None
     token_log: list[TokenEvent] = Field(default_factory=list, description="the newest entries of the token log")

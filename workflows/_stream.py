@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 from datetime import timedelta
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
+from temporalio.common import RawValue, RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError, CancelledError, FailureError
 from temporalio.exceptions import TimeoutError as ActivityTimeout
 
@@ -43,6 +44,7 @@ with workflow.unsafe.imports_passed_through():
         StreamOpening,
         TokenOutOfRange,
         TokensOutOfOrder,
+        UnknownRequest,
         UpdateIdMismatch,
         application_error,
     )
@@ -101,6 +103,77 @@ PATCH_LOCAL_PAUSE = "local-pause-after-timeout"
 _POLL_BYTES = 512 * 1024
 
 
+def _refused_arguments(model: type, args: tuple[Any, ...]) -> ApplicationError | None:
+    """Why `args` are not what a handler takes, typed `InvalidRequest` (None: they are): exactly
+    one `model`. A payload that does not validate as `model` is refused by the converter already;
+    this catches what it lets through: no argument, JSON null, one too many. (The SDK drops the
+    arguments of a handler that takes none.)"""
+    if len(args) == 1 and isinstance(args[0], model):
+        return None
+    got = ", ".join(type(a).__name__ for a in args) or "no argument"
+    return application_error(InvalidRequest(f"the request takes one {model.__name__}, not {got}",
+                                            expected=model.__name__, actual=got))
+
+
+def _takes(model: type) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """A validator's or a query's arguments, checked before it runs (`_refused_arguments`): a
+    refused update writes nothing to history, a refused query nothing at all. The signature stays
+    the handler's, so the SDK converts the payloads as before."""
+    def wrap(fn: Callable[..., T]) -> Callable[..., T]:
+        @functools.wraps(fn)
+        def checked(self: Any, *args: Any) -> T:
+            refused = _refused_arguments(model, args)
+            if refused is not None:
+                raise refused
+            return fn(self, *args)
+        return checked
+    return wrap
+
+
+def _signal_takes(model: type, refuse: Callable[[Any, str], None]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A signal's arguments, checked before it runs. A signal has no caller to answer, and an
+    exception in its handler would fail the workflow (a typed one) or its task (any other, on
+    every retry), not the sender: what `_refused_arguments` refuses goes to `refuse(workflow,
+    why)` instead (counted, nothing changed). A payload that does not validate is dropped by the
+    SDK before the handler, with a log line."""
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        async def checked(self: Any, *args: Any) -> None:
+            refused = _refused_arguments(model, args)
+            if refused is not None:
+                refuse(self, refused.message)
+                return
+            await fn(self, *args)
+        return checked
+    return wrap
+
+
+def _unknown(kind: str, name: str) -> ApplicationError:
+    return application_error(UnknownRequest(f"the stream has no {kind} {name!r}", kind=kind, name=name))
+
+
+def _init_takes(fn: Callable[..., None]) -> Callable[..., None]:
+    """`__init__` of a start input that is not one OpenStreamInput (none, JSON null, one too
+    many): it initializes from a placeholder and keeps the refusal, which `run` raises at once
+    (`_run_takes`): the run fails typed `InvalidRequest`. An exception here would fail the first
+    workflow task instead, and every retry of it: a stream that neither ran nor ended."""
+    @functools.wraps(fn)
+    def checked(self: Any, *args: Any) -> None:
+        self._start_refused = _refused_arguments(OpenStreamInput, args)
+        fn(self, *(args if self._start_refused is None else (OpenStreamInput(principal="", model_id=""),)))
+    return checked
+
+
+def _run_takes(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`run`, which fails typed with the start input's refusal, if `__init__` kept one."""
+    @functools.wraps(fn)
+    async def checked(self: Any, *args: Any) -> Any:
+        if self._start_refused is not None:
+            raise self._start_refused
+        return await fn(self, *args)
+    return checked
+
+
 def _arithmetic(before: Receipt | None, receipt: Receipt, stats: StreamStats) -> dict[str, Any]:
     """The stats' arithmetic fields after `receipt` (which continues `before`) is committed."""
     return {"arithmetic": receipt.arithmetic.id if receipt.arithmetic else "",
@@ -112,6 +185,7 @@ def _arithmetic(before: Receipt | None, receipt: Receipt, stats: StreamStats) ->
 @workflow.defn(name="MambaStream")
 class MambaStreamWorkflow:
     @workflow.init
+    @_init_takes
     def __init__(self, inp: OpenStreamInput) -> None:
         self._inp = inp
         self._opts = inp.options
@@ -140,6 +214,7 @@ class MambaStreamWorkflow:
     # --- lifecycle -------------------------------------------------------------------------------
 
     @workflow.run
+    @_run_takes
     async def run(self, inp: OpenStreamInput) -> StreamStats:
         try:
             if self._receipt is None:
@@ -175,8 +250,39 @@ class MambaStreamWorkflow:
             for task in list(self._tasks):  # a handler stuck in a retrying activity must not hold up the end
                 task.cancel()
             await workflow.wait_condition(workflow.all_handlers_finished)
-            await self._call(ACTIVITY_DISPOSE, DisposeStreamRequest(stream_id=self._stream_id), DisposeStreamResult)
+            await self._dispose()
             raise
+
+    async def _dispose(self) -> None:
+        """The cancel's last step: the stream's blobs deleted, its hot states zeroed.
+
+        First on the worker that holds the hot states (one attempt: it zeroes them before it
+        touches the store), then on any worker until it passes. A cancel has no caller to send it
+        again, so nothing the store does may end it: the activity reports every store fault as
+        retryable (a read-only or unreachable store, a permission an operator restores), and the
+        attempts are not bounded by `retry_max_attempts` (a client's choice for its chunks).
+        Waiting costs no history: Temporal retries an activity without new events. Should the
+        dispose still fail for good (an unforeseen error, typed `InternalError`), the run ends
+        cancelled all the same, as a cancel does, and the orphan sweep deletes what is left."""
+        o, req = self._opts, DisposeStreamRequest(stream_id=self._stream_id)
+        common: dict[str, Any] = dict(start_to_close_timeout=timedelta(seconds=o.activity_timeout_s),
+                                      heartbeat_timeout=timedelta(seconds=o.heartbeat_timeout_s),
+                                      result_type=DisposeStreamResult)
+        if o.affinity and self._worker_queue:
+            try:
+                await workflow.execute_activity(
+                    ACTIVITY_DISPOSE, req, task_queue=self._worker_queue,
+                    schedule_to_start_timeout=timedelta(seconds=o.schedule_to_start_s),
+                    retry_policy=RetryPolicy(maximum_attempts=1), **common)
+                return
+            except ActivityError as err:
+                workflow.logger.warning("dispose on %s failed (%s); any worker disposes",
+                                        self._worker_queue, err.cause or err)
+        try:
+            await workflow.execute_activity(ACTIVITY_DISPOSE, req, retry_policy=_retry(0), **common)
+        except ActivityError as err:
+            workflow.logger.error("dispose of %s failed for good (%s); the orphan sweep deletes what is left",
+                                  self._stream_id, err.cause or err)
 
     async def _open(self) -> None:
         inp = self._inp
@@ -271,12 +377,7 @@ class MambaStreamWorkflow:
                                             name, self._worker_queue, err.cause or err)
                     self._worker_queue = None
                     self._stats = self._stats.model_copy(update={"migrations": self._stats.migrations + 1})
-            return await workflow.execute_activity(
-                name, arg,
-                retry_policy=RetryPolicy(initial_interval=timedelta(milliseconds=200), backoff_coefficient=2.0,
-                                         maximum_interval=timedelta(seconds=10),
-                                         maximum_attempts=o.retry_max_attempts),
-                **common)
+            return await workflow.execute_activity(name, arg, retry_policy=_retry(o.retry_max_attempts), **common)
         except ActivityError as err:
             raise self._failed(err.cause) or err from err
 
@@ -410,6 +511,7 @@ class MambaStreamWorkflow:
             max_chunk_tokens=self._opts.max_chunk_tokens, drop_keys=self._to_drop()))
 
     @advance.validator
+    @_takes(AdvanceRequest)
     def _validate_advance(self, req: AdvanceRequest) -> None:
         if self._known() is not None:
             return
@@ -434,6 +536,7 @@ class MambaStreamWorkflow:
             drop_keys=self._to_drop()))
 
     @generate.validator
+    @_takes(GenerateRequest)
     def _validate_generate(self, req: GenerateRequest) -> None:
         if self._known() is not None:
             return
@@ -462,6 +565,7 @@ class MambaStreamWorkflow:
             return CheckpointResult(stream_id=self._stream_id, receipt=out.receipt)
 
     @checkpoint.validator
+    @_takes(CheckpointRequest)
     def _validate_checkpoint(self, req: CheckpointRequest) -> None:
         if self._cancelled:
             raise application_error(StreamCancelled("the stream is cancelled"))
@@ -470,19 +574,19 @@ class MambaStreamWorkflow:
                                             field="principal", expected=self._inp.principal, actual=req.principal))
 
     @workflow.signal
+    @_signal_takes(ResetRequest, lambda wf, why: wf._refuse_reset(f"reset refused: {why}"))
     async def reset(self, req: ResetRequest) -> None:
-        """New epoch at position 0. From the wrong principal: nothing changes, it is counted."""
+        """New epoch at position 0. From the wrong principal, or with a missing or invalid
+        argument: nothing changes, it is counted."""
         if req.principal != self._inp.principal or self._cancelled:
-            self._stats = self._stats.model_copy(update={"rejected_resets": self._stats.rejected_resets + 1})
-            workflow.logger.warning("reset refused (principal %r, cancelled %s)", req.principal, self._cancelled)
+            self._refuse_reset(f"reset refused (principal {req.principal!r}, cancelled {self._cancelled})")
             return
         async with self._lock:
             await workflow.wait_condition(lambda: self._receipt is not None)
             assert self._receipt is not None
             if req.epoch is not None and req.epoch != self._receipt.epoch + 1:
                 # a reset meant for another epoch: a replayed or stale signal resets nothing
-                self._stats = self._stats.model_copy(update={"rejected_resets": self._stats.rejected_resets + 1})
-                workflow.logger.warning("reset for epoch %d refused at epoch %d", req.epoch, self._receipt.epoch)
+                self._refuse_reset(f"reset for epoch {req.epoch} refused at epoch {self._receipt.epoch}")
                 return
             try:
                 out = await self._cancellable(self._call(ACTIVITY_RESET, ResetStreamRequest(
@@ -492,8 +596,7 @@ class MambaStreamWorkflow:
                 return  # the stream is being cancelled: nothing to reset
             except ApplicationError as err:
                 # a signal has no caller to fail: refused (e.g. a bad signature), counted, nothing changed
-                self._stats = self._stats.model_copy(update={"rejected_resets": self._stats.rejected_resets + 1})
-                workflow.logger.warning("reset refused by the worker: %s (%s)", err.message, err.type)
+                self._refuse_reset(f"reset refused by the worker: {err.message} ({err.type})")
                 return
             self._receipt = out.receipt
             self._bind(out.worker_queue)
@@ -503,6 +606,31 @@ class MambaStreamWorkflow:
             self._stats = self._stats.model_copy(update={
                 "position": 0, "epoch": out.receipt.epoch, "resets": self._stats.resets + 1,
                 "last_backend": out.receipt.backend, **_arithmetic(None, out.receipt, self._stats)})
+
+    def _refuse_reset(self, why: str) -> None:
+        self._stats = self._stats.model_copy(update={"rejected_resets": self._stats.rejected_resets + 1})
+        workflow.logger.warning("%s", why)
+
+    # --- requests of no known name: refused typed, and a signal counted ---------------------------
+
+    @workflow.update(dynamic=True)
+    async def _unknown_update(self, name: str, args: Sequence[RawValue]) -> None:
+        raise _unknown("update", name)  # never reached: the validator refuses
+
+    @_unknown_update.validator
+    def _refuse_unknown_update(self, name: str, args: Sequence[RawValue]) -> None:
+        # refused by the validator: nothing reaches history
+        raise _unknown("update", name)
+
+    @workflow.signal(dynamic=True)
+    def _unknown_signal(self, name: str, args: Sequence[RawValue]) -> None:
+        # counted and dropped: without a handler the SDK would buffer it for the run's lifetime
+        self._stats = self._stats.model_copy(update={"unknown_signals": self._stats.unknown_signals + 1})
+        workflow.logger.warning("signal %r refused: the stream has no such signal", name)
+
+    @workflow.query(dynamic=True)
+    def _unknown_query(self, name: str, args: Sequence[RawValue]) -> None:
+        raise _unknown("query", name)
 
     @workflow.update
     async def ready(self) -> Receipt:
@@ -525,6 +653,12 @@ class MambaStreamWorkflow:
     def stats(self) -> StreamStats:
         return self._stats
 
+    @workflow.query
+    def rewind_window(self) -> list[str]:
+        """The state keys a rewind may go back to, oldest first: the line's newest
+        `checkpoints_kept` checkpoints (`StreamClient.rewind` refuses any other before it resets)."""
+        return self._kept[-self._opts.checkpoints_kept :]
+
     # --- the token log ---------------------------------------------------------------------------
 
     @workflow.update
@@ -538,6 +672,7 @@ class MambaStreamWorkflow:
         return PublishTokensResult(published=len(shown.tokens))
 
     @publish_tokens.validator
+    @_takes(PublishTokensRequest)
     def _validate_publish(self, req: PublishTokensRequest) -> None:
         # a refusal is not stored: a retried attempt's repeats, and a late publish, cost no history
         running = self._streaming.get(req.chunk_seq)
@@ -556,11 +691,13 @@ class MambaStreamWorkflow:
         return self._batch(req)
 
     @poll_tokens.validator
+    @_takes(PollTokensRequest)
     def _validate_poll(self, req: PollTokensRequest) -> None:
         if self._moving:
             raise application_error(StreamMoving("the stream is continuing as new; read again in a moment"))
 
     @workflow.query
+    @_takes(PollTokensRequest)
     def read_tokens(self, req: PollTokensRequest) -> TokenBatch:
         """The log's entries from `from_offset` now, without waiting."""
         return self._batch(req)
@@ -685,9 +822,18 @@ class MambaStreamWorkflow:
                                                 field="chunk_seq", expected=expected, actual=chunk_seq))
 
     def _to_drop(self) -> list[str]:
-        """Checkpoints that fall out of retention once the next one is committed."""
-        keep = self._opts.checkpoints_kept
-        excess = len(self._kept) + 1 - keep
+        """Checkpoints that leave the store once the next one is committed: those that have been
+        out of the rewind window (the line's newest `checkpoints_kept`) for a whole window, so
+        the store holds up to 2 x checkpoints_kept - 1 of the line.
+
+        A rewind (a Temporal reset) restores this bookkeeping, never the store: the undone
+        chunks' drops stay done. Keeping the window before the window means they only ever took
+        checkpoints that no chunk of the window needs for its own window: a first rewind lands on
+        a chunk whose whole window is stored, and a rewind after it reaches any chunk of that
+        window. A third step back may find a checkpoint the first line deleted (no bounded store
+        holds every chain's): its next chunk is refused `RewindPastWindow`."""
+        stored = 2 * self._opts.checkpoints_kept - 1
+        excess = len(self._kept) + 1 - stored
         return [k for k in self._kept[: max(excess, 0)] if k not in self._pinned]
 
     def _commit(self, receipt: Receipt, worker_queue: str | None, *, tokens: int = 0, generated: int = 0) -> None:
@@ -732,6 +878,12 @@ class _Shown:
     update_id: str | None
     tokens: list[int] = dataclasses.field(default_factory=list)
     text: str = ""
+
+
+def _retry(attempts: int) -> RetryPolicy:
+    """The regular path's retries: backoff from 200 ms to 10 s, `attempts` in all (0: unbounded)."""
+    return RetryPolicy(initial_interval=timedelta(milliseconds=200), backoff_coefficient=2.0,
+                       maximum_interval=timedelta(seconds=10), maximum_attempts=attempts)
 
 
 def _current_update_id() -> str | None:

@@ -58,24 +58,38 @@ def test_a_trained_preset_on_the_chunked_backend_is_within_its_bound_and_a_misal
     assert tol.logits_excess(model.advance(behind, tokens[cut:]).logits, cont) > 20.0
 
 
-# --- every declared bound is tight on its own reference run (Issue 19, mutant 4) ----------------
+# --- every declared bound holds, and is tight, on its own reference run (Issue 19, mutant 4) ---
 #
 # A bound is only as good as its margin: one that drifted 100x loose still "holds". Each entry of
 # `scan.TOLERANCES` is re-measured on the run it was declared from (its `measured` note and
 # docs/results/drift-cpu-2026-11-30-normwise.md, drift-cpu-2026-12-01-exact.md): the trained
 # preset of its architecture, `bench/measure_drift.py`'s seeded tokens (17 warm-up tokens, then
 # 1,024 random bytes; Mamba-3's float32 reference and chunked bounds at 4,096), one call against
-# the float64 reference. The measured error must be within the bound and at least `TIGHT[dtype]`
-# of it.
+# the float64 reference.
 #
-# The docs claim about 4x headroom over the worst value measured (float32); a single call on one
-# machine measures a little less than the worst of a call and a partition, so a float32 bound
-# must be met to at least 1/25 (a bound 6x looser than declared already fails; 100x, by far).
-# The float64 bounds are declared floors of 1e-12 or so over errors near double rounding
-# (1e-15 on Mamba-1/2: about 500x headroom, by design), held to 1/5000 (100x looser fails). A
-# float64 backend whose logits, rounded to float32, equal the truth's measures 0: there the
-# logits bound is a floor no run can measure, and the test asserts the 0 instead.
+# Holds: the backend's own error is within the bound, on whatever CPU runs the test (that is
+# what a bound promises).
+#
+# Tight: measured on arithmetic whose error is the same on every CPU, in this run. The error of
+# the reference and chunked backends depends on the CPU's kernels (torch rounds differently under
+# AVX-512, AVX2 and its scalar build; mamba1/chunked/float32's state error is 2.2x smaller under
+# AVX2 than under ATEN_CPU_CAPABILITY=default), so a ratio pinned on one CPU failed on another
+# (Issue 25: "state bound 28x the measured error" on an AVX2 Zen 3). The exact backend performs
+# the same IEEE operations in the same order on every CPU (scan/_exact.py): its error on the same
+# tokens, held to the entry's bound, must reach `TIGHT[dtype]` of it. For an exact entry that is
+# its own error; for the others it says the bound is not far looser than a float32 (float64)
+# computation of the same model errs. A float32 bound must be met to 1/25 (the docs claim about
+# 4x headroom over the worst value measured): one 2.5x to 9x looser than declared already fails,
+# except Mamba-3's chunked bound, which the exact arithmetic's float32 angles exceed at 4,096
+# tokens (40x looser fails); 100x looser fails every entry. The float64 bounds are declared
+# floors of 1e-12 or so over errors near double rounding (1e-15 on Mamba-1/2: about 500x
+# headroom, by design), held to 1/5000: 5x to 8x looser fails on Mamba-1/2, 230x to 450x on
+# Mamba-3 (measured near its bound), 1000x looser every entry. A float64 run
+# whose logits, rounded to float32, equal the truth's measures 0: there the logits bound is a
+# floor no run can measure, and the test asserts the equality instead.
 TIGHT = {"float32": 1 / 25, "float64": 1 / 5000}
+#: how much looser than declared a bound must be for the tightness check to fail it, at most
+LOOSE = {"float32": 100.0, "float64": 1000.0}
 
 _DEFAULT_ORDER = [*PRESETS, *TRAINED_PRESETS]
 _LONG_ORDER = ["tiny-mamba3", "tiny-mamba3-mimo", "recall-mamba3"]  # the 4,096-token run's --presets
@@ -122,20 +136,47 @@ def _declared() -> list:
     return out
 
 
+def _run(preset: str, backend: str, dtype: str, n: int, order: list[str]) -> tuple[StepResult, StepResult]:
+    """(the backend's result, the truth's) on the entry's reference run."""
+    start, tokens, want = _truth(preset, n, order)
+    model = load_model(preset, backend=backend, dtype=getattr(torch, dtype))
+    return model.advance(model.advance(model.initial_state(), start).state, tokens), want
+
+
+def _excess(tol: Tolerance, got: StepResult, want: StepResult) -> tuple[float, float]:
+    """(logits, worst state tensor) as fractions of the bound."""
+    return (tol.logits_excess(got.logits, want.logits),
+            max(tol.state_excess(t, want.state.tensors[k]) for k, t in got.state.tensors.items()))
+
+
+def _tight(tol: Tolerance, got: StepResult, want: StepResult, dtype: str) -> str | None:
+    """Why `tol` is not tight on `got` (None: it is)."""
+    logits, state = _excess(tol, got, want)
+    if state < TIGHT[dtype]:
+        return f"state bound {1 / state:.0f}x the exact arithmetic's error"
+    if dtype == "float64" and logits == 0.0:
+        return None if torch.equal(got.logits, want.logits.to(got.logits.dtype)) else "logits differ"
+    if logits < TIGHT[dtype]:
+        return f"logits bound {1 / logits:.0f}x the exact arithmetic's error"
+    return None
+
+
+def _loosened(tol: Tolerance, k: float) -> Tolerance:
+    return Tolerance(tol.logits_atol * k, tol.logits_rtol * k, tol.state_atol * k, tol.state_rtol * k)
+
+
 @pytest.mark.parametrize("arch,backend,dtype", _declared())
-def test_a_declared_bound_is_tight_on_its_own_reference_run(arch, backend, dtype):
+def test_a_declared_bound_holds_and_is_tight_on_its_own_reference_run(arch, backend, dtype):
     tol = TOLERANCES[(arch, backend, dtype)]
     preset, n, order = _reference_run(arch, backend, dtype)
     assert TRAINED_PRESETS[preset] == arch
-    start, tokens, want = _truth(preset, n, order)
-    model = load_model(preset, backend=backend, dtype=getattr(torch, dtype))
-    got = model.advance(model.advance(model.initial_state(), start).state, tokens)
-    logits = tol.logits_excess(got.logits, want.logits)
-    state = max(tol.state_excess(t, want.state.tensors[k]) for k, t in got.state.tensors.items())
+    got, want = _run(preset, backend, dtype, n, order)
+    logits, state = _excess(tol, got, want)
     print(f"{arch}/{backend}/{dtype}: logits {logits:.3g}, state {state:.3g} of the bound")
     assert logits <= 1.0 and state <= 1.0
-    assert state >= TIGHT[dtype], f"state bound {1 / state:.0f}x the measured error"
-    if dtype == "float64" and logits == 0.0:
-        assert torch.equal(got.logits, want.logits.to(got.logits.dtype))
-    else:
-        assert logits >= TIGHT[dtype], f"logits bound {1 / logits:.0f}x the measured error"
+    exact = got if backend == "exact" else _run(preset, "exact", dtype, n, order)[0]
+    print("  the exact arithmetic: logits {:.3g}, state {:.3g} of the bound".format(*_excess(tol, exact, want)))
+    why = _tight(tol, exact, want, dtype)
+    assert why is None, why
+    # and the check can fail: the same bound, orders of magnitude looser, does
+    assert _tight(_loosened(tol, LOOSE[dtype]), exact, want, dtype) is not None

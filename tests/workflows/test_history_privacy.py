@@ -25,7 +25,9 @@ async def test_failure_messages_reach_history_encrypted_and_the_owner_reads_them
               and e.workflow_execution_update_completed_event_attributes.outcome.HasField("failure")]
     assert failed, "the update's failure is in history"
     failure = failed[-1].workflow_execution_update_completed_event_attributes.outcome.failure
-    assert failure.message == "Encoded failure" and failure.HasField("encoded_attributes")
+    # the clear stand-in names the type, which is in clear beside it anyway
+    assert failure.message == "Encoded failure: CheckpointNotFound" and failure.HasField("encoded_attributes")
+    assert failure.application_failure_info.type == "CheckpointNotFound"
     raw = b"".join(e.SerializeToString() for e in events)
     store_path = stack.store_url.removeprefix("file://").encode()
     assert key.encode() not in raw and store_path not in raw and b"Traceback" not in raw

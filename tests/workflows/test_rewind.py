@@ -16,7 +16,7 @@ from scan import load_model
 from state_codec.codec import plaintext_checksum
 from tests.workflows.conftest import FAST, Stack, address, eventually
 from worker import temporal_binary
-from workflows import StreamOptions
+from workflows import RewindPastWindow, StreamOptions
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -114,13 +114,16 @@ async def _settled(stack: Stack, sid: str):
 
 async def test_a_rewind_past_the_window_is_typed_and_a_reset_starts_afresh(stack: Stack):
     sid = await _fed(stack, kept=2)
-    await stack.streams.rewind(sid, 1)
+    run = (await stack.streams.handle(sid).describe()).run_id
+    # the client refuses a chunk outside the window before it resets anything
+    with pytest.raises(RewindPastWindow):
+        await stack.streams.rewind(sid, 3)
+    assert (await stack.streams.handle(sid).describe()).run_id == run
+    assert (await stack.streams.stats(sid)).chunk_seq == 5
+    # a raw Temporal reset there (an operator's, around the client): the next chunk says so, typed
+    await _raw_reset(stack, sid, 1)
     await eventually(lambda: _at(stack, sid, 1))
-    with pytest.raises(WorkflowUpdateFailedError) as err:
-        await stack.streams.advance(sid, "alice", tokens=[50])
-    assert reason(err.value) == "RewindPastWindow" and err.value.cause.non_retryable
-    stats = await stack.streams.stats(sid)
-    assert (stats.chunk_seq, stats.position) == (1, 3)  # nothing advanced
+    await _past_the_window(stack, sid, 1, 3)
     await stack.streams.reset(sid, "alice")
     await eventually(lambda: _epoch(stack, sid, 1))
     # the same chunk again, in the fresh epoch: a new update id, from the initial state
@@ -128,6 +131,70 @@ async def test_a_rewind_past_the_window_is_typed_and_a_reset_starts_afresh(stack
     full = truth([50])
     assert a.chunk_seq == 2 and a.position == 1 and a.receipt.epoch == 1
     assert a.receipt.checksum == plaintext_checksum(full.state.tensors) and a.output_digest == digest(full.logits)
+
+
+async def _past_the_window(stack: Stack, sid: str, seq: int, position: int) -> None:
+    with pytest.raises(WorkflowUpdateFailedError) as err:
+        await stack.streams.advance(sid, "alice", tokens=[50])
+    assert reason(err.value) == "RewindPastWindow" and err.value.cause.non_retryable
+    stats = await stack.streams.stats(sid)
+    assert (stats.chunk_seq, stats.position) == (seq, position)  # nothing advanced
+
+
+async def _raw_reset(stack: Stack, sid: str, seq: int) -> None:
+    run_id, event = await stack.streams.rewind_point(sid, seq)
+    out = await asyncio.to_thread(subprocess.run, [
+        temporal_binary(), "workflow", "reset", "--workflow-id", sid, "--run-id", run_id, "--event-id", str(event),
+        "--reapply-exclude", "All", "--reason", "test", "--address", address(stack.env), "--namespace", "default",
+        "--yes"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+
+
+def _tokens(chunks: list[list[int]]) -> list[int]:
+    return [t for c in chunks for t in c]
+
+
+async def test_a_rewind_after_a_rewind_reaches_any_chunk_of_its_window(stack: Stack):
+    """Issue 25: window 4, six chunks, rewind to 3, one chunk, rewind to 2: refused
+    `RewindPastWindow`, because the undone chunks 5 and 6 had deleted chunks 1 and 2 on their way."""
+    chunks = [*CHUNKS, [13, 14]]
+    sid = await stack.streams.open("alice", "tiny-mamba2", options=StreamOptions(
+        **{**FAST.model_dump(), "checkpoints_kept": 4}))
+    for c in chunks:
+        await stack.streams.advance(sid, "alice", tokens=c)
+    await stack.streams.rewind(sid, 3)
+    await eventually(lambda: _at(stack, sid, 3))
+    other = await stack.streams.advance(sid, "alice", tokens=[30, 31])
+    assert other.chunk_seq == 4
+    await stack.streams.rewind(sid, 2)
+    await _continues_like_a_fresh_stream(stack, sid, _tokens(chunks[:2]), 2)
+
+
+async def test_a_chain_of_rewinds_deeper_than_the_store_holds_ends_typed(stack: Stack):
+    """Window 2: the store holds the line's last 3 checkpoints, so a rewind, then a rewind into
+    its window, land where they should; a third step back reaches a chunk that the undone chunks
+    deleted (no bounded store can hold every chain's): refused, typed, nothing advanced."""
+    chunks = [*CHUNKS, [13, 14]]
+    sid = await stack.streams.open("alice", "tiny-mamba2", options=StreamOptions(
+        **{**FAST.model_dump(), "checkpoints_kept": 2}))
+    for c in chunks:
+        await stack.streams.advance(sid, "alice", tokens=c)
+    held = sorted(k for k in stack.acts.store.list_stream(stream_id=sid) if not k.endswith(".out"))
+    assert [k.split(".")[-2] for k in held] == ["c4", "c5", "c6"]  # 2 x 2 - 1 of the line
+    with pytest.raises(RewindPastWindow):
+        await stack.streams.rewind(sid, 4)  # out of the window (5, 6): refused before any reset
+    await stack.streams.rewind(sid, 5)
+    await eventually(lambda: _at(stack, sid, 5))
+    await stack.streams.rewind(sid, 4)
+    await eventually(lambda: _at(stack, sid, 4))
+    # chunk 4's window is (3, 4): the stream's own bookkeeping holds 3, the store no longer does
+    await stack.streams.rewind(sid, 3)
+    await eventually(lambda: _at(stack, sid, 3))
+    await _past_the_window(stack, sid, 3, len(_tokens(chunks[:3])))
+    await stack.streams.reset(sid, "alice")  # the stream still takes a fresh epoch
+    await eventually(lambda: _epoch(stack, sid, 1))
+    a = await stack.streams.advance(sid, "alice", tokens=[50])
+    assert a.receipt.checksum == plaintext_checksum(truth([50]).state.tensors) and a.chunk_seq == 4
 
 
 async def _epoch(stack: Stack, sid: str, epoch: int):
