@@ -24,16 +24,15 @@ from workflows._failures import (
     RewindUnavailable,
     StreamCancelled,
     StreamFailure,
-    StreamMoving,
     StreamOpening,
     TokenOutOfRange,
-    TokensOutOfOrder,
     UpdateIdMismatch,
     application_error,
     catalogue,
 )
 from workflows._config import DEFAULT_TASK_QUEUE, ClientConfig
 from workflows._models import (
+    PROGRESS_INTERVAL_S,
     AdvanceRequest,
     AdvanceResult,
     AgentInput,
@@ -50,6 +49,7 @@ from workflows._models import (
     TokenBatch,
     TokenEvent,
     TokenLogprob,
+    TokenProgress,
     chunk_digest,
     parse_update_id,
 )
@@ -58,6 +58,7 @@ from workflows._stream import MambaStreamWorkflow
 __all__ = [
     "DEFAULT_TASK_QUEUE",
     "NOT_THE_CHUNKS_FAULT",
+    "PROGRESS_INTERVAL_S",
     "ActivityFailed",
     "AdvanceRequest",
     "AdvanceResult",
@@ -87,7 +88,6 @@ __all__ = [
     "StreamCancelled",
     "StreamClient",
     "StreamFailure",
-    "StreamMoving",
     "StreamOpening",
     "StreamOptions",
     "StreamStats",
@@ -95,7 +95,7 @@ __all__ = [
     "TokenEvent",
     "TokenLogprob",
     "TokenOutOfRange",
-    "TokensOutOfOrder",
+    "TokenProgress",
     "UpdateIdMismatch",
     "application_error",
     "catalogue",
