@@ -20,7 +20,7 @@ from temporalio.client import (
 )
 from temporalio.api.common.v1 import WorkflowExecution
 from temporalio.api.enums.v1 import EventType, ResetReapplyExcludeType
-from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
+from temporalio.api.workflowservice.v1 import GetWorkflowExecutionHistoryRequest, ResetWorkflowExecutionRequest
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.converter import WorkflowSerializationContext
 from temporalio.exceptions import ApplicationError
@@ -225,23 +225,16 @@ class StreamClient:
         streamed generate still running shows its tokens as its activity heartbeats them (read
         with `describe`), with the offset its entry will take, and its committed entry then
         brings the rest (or, `restart`, all of them again if they differ from those shown). A
-        reader writes no history and holds no update: it polls, every `POLL_MIN_S` while tokens
-        flow and up to `POLL_MAX_S` when idle, and queries the log only when the stream's history
-        has grown. A reader that reconnects passes the offset of the last `done` event + 1 (or
+        reader writes no history and holds no update: it follows the stream's history with a
+        long-poll (an idle reader costs one request held by the server), queries the log when a
+        generate has finished, and polls `describe` while a streamed one runs (every
+        `POLL_MIN_S` while tokens flow, backing off to `POLL_MAX_S`). A reader that reconnects passes the offset of the last `done` event + 1 (or
         of an unfinished chunk's events, to see that chunk from its start). Entries older than
         the log's window (`StreamOptions.token_log_events`) are gone: reading starts at the
         oldest kept.
         """
-        reader = _Reader(self, stream_id, from_offset, chunk_seq, update_id)
-        pause = POLL_MIN_S
-        while True:
-            events, more = await reader.poll()
-            for ev in events:
-                yield ev
-            if not more:
-                return
-            pause = POLL_MIN_S if events else min(pause * _POLL_BACKOFF, POLL_MAX_S)
-            await asyncio.sleep(pause)
+        async for ev in _Reader(self, stream_id, from_offset, chunk_seq, update_id).events():
+            yield ev
 
     async def read_tokens(self, stream_id: str, *, from_offset: int = 0, chunk_seq: int | None = None,
                           update_id: str | None = None) -> TokenBatch:
@@ -517,54 +510,157 @@ class _Shown:
         return ev.model_copy(update={"restart": True})
 
 
+#: a reader's history long-poll: the server answers when the stream's history grows, or with
+#: nothing after its own long-poll interval (20 s by default)
+_LONG_POLL = timedelta(seconds=70)
+#: the update whose completion adds an entry to the token log
+_GENERATE = "generate"
+_CLOSING = {
+    EventType.EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED, EventType.EVENT_TYPE_WORKFLOW_EXECUTION_FAILED,
+    EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CANCELED, EventType.EVENT_TYPE_WORKFLOW_EXECUTION_TERMINATED,
+    EventType.EVENT_TYPE_WORKFLOW_EXECUTION_TIMED_OUT, EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW,
+}
+_ACTIVITY_ENDS = ("activity_task_completed_event_attributes", "activity_task_failed_event_attributes",
+                  "activity_task_timed_out_event_attributes", "activity_task_canceled_event_attributes")
+
+
 class _Reader:
-    """`StreamClient.tokens`' state between polls."""
+    """`StreamClient.tokens`: follows the stream's history without writing to it (a long-poll of
+    `GetWorkflowExecutionHistory`: an idle reader costs one request held by the server), reads the
+    token log (the `read_tokens` query, answered by a worker) only when a generate has finished,
+    and polls `describe` for a streamed generate's progress while one runs."""
 
     def __init__(self, client: StreamClient, stream_id: str, from_offset: int, chunk_seq: int | None,
                  update_id: str | None) -> None:
         self.c, self.sid, self.offset = client, stream_id, from_offset
         self.chunk_seq, self.update_id = chunk_seq, update_id
         self.handle = client.handle(stream_id)
-        self.seen: tuple[str, int] | None = None  # (run, history length) at the last read of the log
+        self.run_id: str | None = None
+        self.token = b""  # where this reader's history of the run ends (the server's page token)
+        self.names: dict[str, str] = {}  # update id -> update name, accepted in this run
+        self.live: int | None = None  # the scheduled event of a generate activity running now
         self.shown: _Shown | None = None
+        self._closed = False  # the last read said the stream is cancelled
         self.failures = 0
 
-    async def poll(self) -> tuple[list[TokenEvent], bool]:
-        """(new events, whether more may come)."""
+    async def events(self) -> AsyncIterator[TokenEvent]:
+        # history first, then the log: a generate that finishes in between is in the history
+        # that comes next, and read then
+        running = await self._follow()
+        for ev in await self._read(closing=not running):
+            yield ev
+        if not running or self._closed:
+            return
+        poll: asyncio.Future | None = None
+        pause = POLL_MIN_S
         try:
-            desc = await self.handle.describe()
-        except RPCError as err:
-            return [], self._failed(err)
-        running = desc.status == WorkflowExecutionStatus.RUNNING
-        out: list[TokenEvent] = []
-        # the log changes only with history: no query while nothing happened (a generate running)
-        if (desc.run_id, desc.history_length) != self.seen or not running:
-            try:
-                closed = await self._read(out)
-            except (RPCError, WorkflowQueryFailedError) as err:
-                if not running:
-                    return out, False  # closed, and no worker answers for it: nothing more will come
-                return out, self._failed(err)
-            if closed or not running:
-                return out, False
-            self.seen = (desc.run_id, desc.history_length)
-        got = await self.c.progress(self.sid, desc)
-        # its entry will be the next one this reader reads: else it is committed already, or
-        # before from_offset
-        if got is not None and got.offset == self.offset and self._wanted(got):
-            if self.shown is None or self.shown.key != _key(got):
-                self.shown = _Shown(got)
-            ev = self.shown.live(got)
-            if ev is not None:
-                out.append(ev)
-        self.failures = 0
-        return out, True
+            while True:
+                if poll is None:
+                    poll = asyncio.ensure_future(self._history())
+                if self.live is not None:
+                    await asyncio.wait({poll}, timeout=pause)
+                    if not poll.done():
+                        ev = await self._progress()
+                        if ev is not None:
+                            yield ev
+                        pause = POLL_MIN_S if ev is not None else min(pause * _POLL_BACKOFF, POLL_MAX_S)
+                        continue
+                else:
+                    await asyncio.wait({poll})
+                try:
+                    page = poll.result()
+                except RPCError as err:
+                    self._failed(err)
+                    poll = None
+                    await asyncio.sleep(0.05 * self.failures)
+                    continue
+                poll = None
+                self.failures = 0
+                read, over = self._take(page.history.events)
+                self.token = page.next_page_token
+                if over:
+                    running, read = await self._follow(), True
+                if read:
+                    for ev in await self._read(closing=not running):
+                        yield ev
+                if not running or self._closed:
+                    return
+                pause = POLL_MIN_S
+        finally:
+            if poll is not None:
+                await _drop(poll)
 
-    async def _read(self, out: list[TokenEvent]) -> bool:
-        """The log's new entries into `out`; whether the stream is closed."""
+    async def _follow(self) -> bool:
+        """Start on the stream's latest run: its history up to now; False if the stream is closed."""
+        desc = await self._call(self.handle.describe)
+        if desc.status != WorkflowExecutionStatus.RUNNING:
+            return False
+        self.run_id, self.token, self.names, self.live = desc.run_id, b"", {}, None
+        seen = 0
+        while seen < desc.history_length:
+            page = await self._call(lambda: self._page(False))
+            self._take(page.history.events)
+            self.token = page.next_page_token
+            if not page.history.events or not self.token:
+                break
+            seen = page.history.events[-1].event_id
+        return True
+
+    async def _history(self) -> Any:
+        """The run's next events, once there are some (or none, after the server's long-poll)."""
+        return await self._page(True)
+
+    async def _page(self, wait: bool) -> Any:
+        return await self.c.client.workflow_service.get_workflow_execution_history(
+            GetWorkflowExecutionHistoryRequest(
+                namespace=self.c.client.namespace, execution=WorkflowExecution(workflow_id=self.sid, run_id=self.run_id),
+                next_page_token=self.token, wait_new_event=True, skip_archival=True),
+            retry=not wait, timeout=_LONG_POLL if wait else None)
+
+    def _take(self, events: Sequence[Any]) -> tuple[bool, bool]:
+        """Track the run's updates and generate activities; (a generate finished, the run ended)."""
+        read = over = False
+        for e in events:
+            if e.HasField("workflow_execution_update_accepted_event_attributes"):
+                req = e.workflow_execution_update_accepted_event_attributes.accepted_request
+                self.names[req.meta.update_id] = req.input.name
+            elif e.HasField("workflow_execution_update_completed_event_attributes"):
+                uid = e.workflow_execution_update_completed_event_attributes.meta.update_id
+                read = read or self.names.get(uid) == _GENERATE
+            elif e.HasField("activity_task_scheduled_event_attributes"):
+                if e.activity_task_scheduled_event_attributes.activity_type.name == ACTIVITY_GENERATE:
+                    self.live = e.event_id
+            elif any(e.HasField(f) and getattr(e, f).scheduled_event_id == self.live for f in _ACTIVITY_ENDS):
+                self.live = None
+            elif e.event_type in _CLOSING:
+                over = True
+        return read, over
+
+    async def _progress(self) -> TokenEvent | None:
+        """The running generate's tokens this reader has not shown yet, if its entry is the next one
+        it reads (else it is committed already, or before from_offset)."""
+        try:
+            got = await self.c.progress(self.sid)
+        except RPCError:
+            return None  # the history long-poll says what became of the stream
+        if got is None or got.offset != self.offset or not self._wanted(got):
+            return None
+        if self.shown is None or self.shown.key != _key(got):
+            self.shown = _Shown(got)
+        return self.shown.live(got)
+
+    async def _read(self, *, closing: bool = False) -> list[TokenEvent]:
+        """The log's new entries (the query). `closing`: the stream is closed; a read no worker
+        answers ends the reader with what it has."""
+        out: list[TokenEvent] = []
+        self._closed = closing
         while True:
-            batch = await self.c.read_tokens(self.sid, from_offset=self.offset, chunk_seq=self.chunk_seq,
-                                             update_id=self.update_id)
+            try:
+                batch = await self._call(lambda: self.c.read_tokens(
+                    self.sid, from_offset=self.offset, chunk_seq=self.chunk_seq, update_id=self.update_id),
+                    give_up=closing)
+            except (RPCError, WorkflowQueryFailedError):
+                return out  # closed, and no worker answers for it: nothing more will come
             for ev in batch.events:
                 if self.shown is not None and ev.offset >= self.shown.offset:
                     if ev.offset == self.shown.offset:
@@ -572,19 +668,33 @@ class _Reader:
                     self.shown = None
                 out.append(ev)
             self.offset = batch.next_offset
+            self._closed = closing or batch.closed
             if batch.closed or not batch.more:
-                return batch.closed
+                return out
+
+    async def _call(self, fn: Callable[[], Any], *, give_up: bool = False) -> Any:
+        """`fn()`, again after a failure while the stream exists (a continue-as-new in between: the
+        next run answers queries once its first workflow task is done)."""
+        while True:
+            try:
+                out = await fn()
+                self.failures = 0
+                return out
+            except (RPCError, WorkflowQueryFailedError) as err:
+                if give_up:
+                    raise
+                self._failed(err)
+                await asyncio.sleep(0.05 * self.failures)
 
     def _wanted(self, p: TokenProgress) -> bool:
         return (self.chunk_seq is None or p.chunk_seq == self.chunk_seq) and \
             (self.update_id is None or p.update_id == self.update_id)
 
-    def _failed(self, err: Exception) -> bool:
-        """Whether to poll again after `err` (else it is raised): a stream that exists, a few times."""
+    def _failed(self, err: Exception) -> None:
+        """Count a failed call; raise `err` after too many in a row, or when the stream does not exist."""
         self.failures += 1
         if self.failures > _RPC_FAILURES or (isinstance(err, RPCError) and err.status == RPCStatusCode.NOT_FOUND):
             raise err
-        return True
 
 
 async def _drop(task: asyncio.Future) -> None:
