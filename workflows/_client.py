@@ -227,11 +227,11 @@ class StreamClient:
         brings the rest (or, `restart`, all of them again if they differ from those shown). A
         reader writes no history and holds no update: it follows the stream's history with a
         long-poll (an idle reader costs one request held by the server), queries the log when a
-        generate has finished, and polls `describe` while a streamed one runs (every
-        `POLL_MIN_S` while tokens flow, backing off to `POLL_MAX_S`). A reader that reconnects passes the offset of the last `done` event + 1 (or
-        of an unfinished chunk's events, to see that chunk from its start). Entries older than
-        the log's window (`StreamOptions.token_log_events`) are gone: reading starts at the
-        oldest kept.
+        generate has finished, and polls `describe` while a generate runs (every `POLL_MIN_S`
+        while tokens flow, backing off to `POLL_MAX_S`). A reader that reconnects passes the
+        offset of the last `done` event + 1 (or of an unfinished chunk's events, to see that
+        chunk from its start). Entries older than the log's window
+        (`StreamOptions.token_log_events`) are gone: reading starts at the oldest kept.
         """
         async for ev in _Reader(self, stream_id, from_offset, chunk_seq, update_id).events():
             yield ev
