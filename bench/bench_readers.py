@@ -59,8 +59,10 @@ class Counting(StreamClient):
         return await super().progress(stream_id, desc)
 
     async def read_tokens(self, stream_id, **kw):  # noqa: ANN001, ANN003, ANN201
-        self.queries += 1
-        return await super().read_tokens(stream_id, **kw)
+        try:
+            return await super().read_tokens(stream_id, **kw)
+        finally:
+            self.queries += 1  # once answered: a reader that has read the log has subscribed
 
 
 def _cpu(pid: int | str = "self") -> float:
@@ -168,8 +170,12 @@ async def _row(streams: StreamClient, n: int, args: argparse.Namespace, server: 
                 f"{server_cpu:.2f}", f"{worker_cpu:.2f}", f"{busy['cpu']:.2f}",
                 f"{idle['describes']:.0f}", f"{idle['queries']:.1f}", f"{idle_server:.2f}", f"{idle_worker:.2f}",
                 f"{idle['cpu']:.2f}"]
-    else:
-        row += ["", "0", "0", f"{server_cpu:.2f}", f"{worker_cpu:.2f}", "", "0", "0", "", "", ""]
+    else:  # the idle stream with no reader: what the server and the worker spend anyway
+        s0, c0, t0 = _cpu(server) if server else 0.0, _cpu(), time.perf_counter()
+        await asyncio.sleep(args.idle)
+        wall = time.perf_counter() - t0
+        row += ["", "0", "0", f"{server_cpu:.2f}", f"{worker_cpu:.2f}", "", "0", "0",
+                f"{((_cpu(server) - s0) / wall) if server else float('nan'):.2f}", f"{(_cpu() - c0) / wall:.2f}", ""]
     h1 = (await streams.handle(sid).describe()).history_length
     await streams.cancel(sid)
     return [*row, h1 - h0]

@@ -32,6 +32,7 @@ from workflows._failures import InvalidRequest, RewindUnavailable
 from workflows._models import (
     ACTIVITY_GENERATE,
     ACTIVITY_OPEN,
+    PROGRESS_INTERVAL_S,
     AdvanceRequest,
     chunk_digest,
     AdvanceResult,
@@ -410,7 +411,7 @@ class GenerateStream:
             uid = update_id("generate", req, epoch=epoch, attempt=self._attempt)
             work = asyncio.ensure_future(handle.execute_update(MambaStreamWorkflow.generate, req, id=uid))
             shown: _Shown | None = None
-            pause = POLL_MIN_S
+            pause, t0 = FIRST_POLL_S, asyncio.get_running_loop().time()
             try:
                 while True:
                     await asyncio.wait({work}, timeout=pause)
@@ -427,7 +428,10 @@ class GenerateStream:
                         ev = shown.live(got)
                     if ev is not None:
                         yield ev
-                    pause = POLL_MIN_S if ev is not None else min(pause * _POLL_BACKOFF, POLL_MAX_S)
+                    if ev is not None:
+                        pause = POLL_MIN_S
+                    elif shown is not None or asyncio.get_running_loop().time() - t0 > _FIRST_WAIT_S:
+                        pause = min(pause * _POLL_BACKOFF, POLL_MAX_S)
                 try:
                     self.result = work.result()  # a refused or failed chunk raises here
                 except WorkflowUpdateFailedError as err:
@@ -447,11 +451,16 @@ class GenerateStream:
                     await _drop(work)
 
 
-#: a token reader's poll interval while tokens flow; it grows by _POLL_BACKOFF per empty poll up to
-#: POLL_MAX_S. Heartbeats come every PROGRESS_INTERVAL_S at most, so a reader is about 0.1 s behind.
-POLL_MIN_S = 0.05
+#: a token reader's poll interval while tokens flow: the heartbeats' own pace (a shorter one finds
+#: nothing new every other time, and each poll is a `describe`); it grows by _POLL_BACKOFF per
+#: empty poll up to POLL_MAX_S. A reader shows tokens about 0.1-0.2 s after they are sampled.
+POLL_MIN_S = PROGRESS_INTERVAL_S
 POLL_MAX_S = 0.25
 _POLL_BACKOFF = 1.5
+#: a generate_stream's polls before its first token, for its first second: the first heartbeat
+#: goes at once, and the caller waits for it (then they back off like the others)
+FIRST_POLL_S = 0.05
+_FIRST_WAIT_S = 1.0
 #: failed calls in a row a reader of a running stream rides out (a continue-as-new: the next run
 #: answers queries once its first workflow task is done)
 _RPC_FAILURES = 10
@@ -513,6 +522,10 @@ class _Shown:
 #: a reader's history long-poll: the server answers when the stream's history grows, or with
 #: nothing after its own long-poll interval (20 s by default)
 _LONG_POLL = timedelta(seconds=70)
+#: the least time between two history reads of one reader that found events: a busy stream's
+#: events are read in batches, at most 1 / _HISTORY_GAP_S reads a second per reader, however many
+#: events a second the stream makes (each read wakes on the server and reads its store)
+_HISTORY_GAP_S = 0.5
 #: the update whose completion adds an entry to the token log
 _GENERATE = "generate"
 _CLOSING = {
@@ -539,6 +552,7 @@ class _Reader:
         self.token = b""  # where this reader's history of the run ends (the server's page token)
         self.names: dict[str, str] = {}  # update id -> update name, accepted in this run
         self.live: int | None = None  # the scheduled event of a generate activity running now
+        self.next_read = 0.0  # (event loop time) no history read before this
         self.shown: _Shown | None = None
         self._closed = False  # the last read said the stream is cancelled
         self.failures = 0
@@ -607,8 +621,14 @@ class _Reader:
         return True
 
     async def _history(self) -> Any:
-        """The run's next events, once there are some (or none, after the server's long-poll)."""
-        return await self._page(True)
+        """The run's next events, once there are some (or none, after the server's long-poll), no
+        sooner than `_HISTORY_GAP_S` after the last read that found some."""
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(max(0.0, self.next_read - loop.time()))
+        page = await self._page(True)
+        if page.history.events:
+            self.next_read = loop.time() + _HISTORY_GAP_S
+        return page
 
     async def _page(self, wait: bool) -> Any:
         return await self.c.client.workflow_service.get_workflow_execution_history(
