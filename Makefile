@@ -31,6 +31,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_scan.py
 	$(PY) bench/bench_codec.py
 	$(PY) bench/bench_temporal.py
+	$(PY) bench/bench_readers.py
 	$(PY) bench/bench_serving.py
 
 eval: $(STAMP)

@@ -21,11 +21,11 @@ A client imports nothing heavy here: no torch, no checkpoint codec, no worker.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from datetime import timedelta
 from typing import Any
 
 from temporalio.converter import (
@@ -40,15 +40,15 @@ from temporalio.converter import (
 )
 from temporalio.contrib.pydantic import PydanticPayloadConverter
 from temporalio.plugin import SimplePlugin
-from temporalio.worker import WorkflowRunner
+from temporalio.worker import WorkerConfig, WorkflowRunner
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
 from activities import agent_feed_stream
 from state_codec.keyring import Keyring
 from state_codec.payload import EncryptionCodec, SealedPayloadConverter, StreamPayloadConverter, TypedFailureConverter
-from workflows import AgentWorkflow, ClientConfig, MambaStreamWorkflow, WorkerUnhealthy
+from workflows import PROGRESS_INTERVAL_S, AgentWorkflow, ClientConfig, MambaStreamWorkflow, WorkerUnhealthy
 
-__all__ = ["MambaStreamPlugin", "data_converter"]
+__all__ = ["MambaStreamPlugin", "data_converter", "heartbeat_throttle"]
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +130,12 @@ def _runner(existing: WorkflowRunner | None) -> WorkflowRunner:
     return existing  # unsandboxed: nothing to let through
 
 
+def heartbeat_throttle(existing: timedelta | None = None) -> timedelta:
+    """A worker's `max_heartbeat_throttle_interval`: `PROGRESS_INTERVAL_S`, or less if it was less."""
+    ours = timedelta(seconds=PROGRESS_INTERVAL_S)
+    return ours if existing is None else min(existing, ours)
+
+
 class MambaStreamPlugin(SimplePlugin):
     """Args:
     keyring: encrypts payloads (and, through the activities, checkpoints). Default: the one
@@ -159,16 +165,21 @@ class MambaStreamPlugin(SimplePlugin):
             run_context=self._serving if activities is not None else None,
         )
 
+    def configure_worker(self, config: WorkerConfig) -> WorkerConfig:
+        """See base class. Heartbeats are throttled to `PROGRESS_INTERVAL_S` at most: a streaming
+        generate's tokens reach readers as its heartbeats (the SDK's default throttle is 0.8 x the
+        heartbeat timeout, up to 60 s)."""
+        config = super().configure_worker(config)
+        config["max_heartbeat_throttle_interval"] = heartbeat_throttle(config.get("max_heartbeat_throttle_interval"))
+        return config
+
     async def run_worker(self, worker: Any, next: Callable[[Any], Awaitable[None]]) -> None:
-        """See base class. The activities get the worker's client, to publish streamed tokens with.
+        """See base class. A worker whose activities' health trips is shut down.
 
         Raises:
             WorkerUnhealthy: the activities' health tripped; the worker was shut down for it.
         """
-        acts = self._activities
-        if acts is not None and hasattr(acts, "bind_client"):
-            acts.bind_client(worker.client, asyncio.get_running_loop())
-        health = getattr(acts, "health", None)
+        health = getattr(self._activities, "health", None)
         if health is None:
             await super().run_worker(worker, next)
             return

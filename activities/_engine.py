@@ -32,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 
 import torch
@@ -46,8 +47,11 @@ log = logging.getLogger(__name__)
 
 #: a stream that sent work this recently is expected to send more: a batch waits for it
 COMPANY_WINDOW_S = 0.1
-#: how often a caller waiting on its work runs its `on_wait` (a cancelled attempt notices there)
+#: how often a caller waiting on its work runs its `on_wait` when nothing wakes it sooner (a
+#: cancelled attempt notices there, and a dead engine is noticed)
 WAIT_SLICE_S = 0.2
+#: how often a waiting caller without news heartbeats (`on_wait` paces itself by it)
+WAIT_S = 1.0
 
 
 class EngineDead(RuntimeError):
@@ -319,18 +323,21 @@ class StreamEngine:
 
     def advance(self, stream_id: str, tokens: list[int], *, expected_key: str, epoch: int,
                 load: Callable[[], tuple[State, torch.Tensor | None]],
-                on_wait: Callable[[], None] | None = None) -> ChunkOutput:
+                on_wait: Callable[[], float | None] | None = None) -> ChunkOutput:
         """Advance a stream from its committed state `expected_key` by `tokens`; waits.
 
         `load` brings the committed state from the store when no slot holds it; `on_wait` runs
-        every `WAIT_SLICE_S` of waiting (activities check for cancellation and heartbeat there).
+        in the caller's thread while it waits (activities check for cancellation and heartbeat
+        there): every `WAIT_SLICE_S`, or when `wake` is set, or after the pause it returned (see
+        `_wait`).
         """
         return self._submit(lambda pre: _Work(stream_id, list(tokens), expected_key, epoch, pre),
-                            stream_id, expected_key, load, on_wait)
+                            stream_id, expected_key, load, on_wait, None)
 
     def generate(self, stream_id: str, sampler: Callable[[torch.Tensor], int | None], max_tokens: int, *,
                  expected_key: str, epoch: int, load: Callable[[], tuple[State, torch.Tensor | None]],
-                 on_wait: Callable[[], None] | None = None) -> ChunkOutput:
+                 on_wait: Callable[[], float | None] | None = None,
+                 wake: threading.Event | None = None) -> ChunkOutput:
         """Sample up to `max_tokens` tokens, each advancing the state; every step is batched with
         the other streams' single-token steps. `sampler(next_logits)` returns a token or None.
 
@@ -340,37 +347,55 @@ class StreamEngine:
         `generate(stream_id, SeededSampler(temperature, top_k, generator, proceed=..., taken=...),
         max_tokens, ...)`, `proceed` doing what its callback did before sampling (metrics, the
         stop-text check: False to stop) and `taken` recording the token.
+
+        `wake`: an event the caller sets (from `taken`, say) to have `on_wait` run at once, in the
+        caller's thread: a streaming generate heartbeats its newest tokens there, never from the
+        engine thread (a heartbeat waits for the worker's event loop).
         """
         return self._submit(lambda pre: _Work(stream_id, [], expected_key, epoch, pre, sampler=sampler,
                                               max_tokens=max_tokens),
-                            stream_id, expected_key, load, on_wait)
+                            stream_id, expected_key, load, on_wait, wake)
 
     def _submit(self, make: Callable[[object], _Work], stream_id: str, expected_key: str,
                 load: Callable[[], tuple[State, torch.Tensor | None]],
-                on_wait: Callable[[], None] | None) -> ChunkOutput:
-        from concurrent.futures import TimeoutError as FutureTimeout
-
+                on_wait: Callable[[], float | None] | None, wake: threading.Event | None) -> ChunkOutput:
         pre = None if self.holds(stream_id, expected_key) else load()
         for _ in range(3):
             work = make(pre)
             self._inbox.put(work)
             try:
-                while True:
-                    try:
-                        return work.future.result(timeout=WAIT_SLICE_S)
-                    except FutureTimeout:
-                        self._alive()
-                        if on_wait is not None:
-                            try:
-                                on_wait()
-                            except BaseException:
-                                # the attempt ends here (cancelled): the engine stops spending
-                                # rounds on it, and drops the half-advanced state it left
-                                work.abandoned = True
-                                raise
+                return self._wait(work, on_wait, wake)
             except NeedsLoad:  # evicted between the check and the run
                 pre = load()
         raise NeedsLoad(f"stream {stream_id} keeps being evicted; raise the engine's capacity")
+
+    def _wait(self, work: _Work, on_wait: Callable[[], float | None] | None,
+              wake: threading.Event | None) -> ChunkOutput:
+        """The work's output, running `on_wait` in this thread while it is not ready: after
+        `WAIT_SLICE_S`, or as soon as `wake` is set, or, when `on_wait` returned a pause (seconds),
+        once that pause has passed whatever `wake` says (a heartbeat paces itself this way, not per
+        token), and at least every `WAIT_SLICE_S` (a dead engine and a cancellation are noticed
+        within it). An exception from `on_wait` (the attempt was cancelled) abandons the work: the
+        engine stops spending rounds on it and drops the half-advanced state it left."""
+        future = work.future
+        event = wake if wake is not None else threading.Event()
+        future.add_done_callback(lambda _: event.set())
+        pause: float | None = None
+        while True:
+            if pause is None:
+                event.wait(WAIT_SLICE_S)
+            else:
+                futures_wait([future], timeout=min(pause, WAIT_SLICE_S))
+            event.clear()  # cleared before the check: a token or the end after it sets it again
+            if future.done():
+                return future.result()
+            self._alive()
+            if on_wait is not None:
+                try:
+                    pause = on_wait()
+                except BaseException:
+                    work.abandoned = True
+                    raise
 
     def expected_seconds(self, rounds: int) -> float | None:
         """About how long `rounds` rounds take now, at the engine's recent pace (a generate of n

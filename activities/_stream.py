@@ -49,7 +49,7 @@ from activities._commit import ChunkCommit, Committed, chunk_key
 from activities._engine import SeededSampler, StreamBusy, StreamEngine, _multinomial_form_holds
 from activities._health import WorkerHealth
 from activities._metrics import StreamMetrics
-from activities._publish import TokenPublisher
+from activities._live import LiveTokens
 from activities._registry import ModelRegistry, UnknownModel
 from activities._store import StateStore, StoreError, check_name
 from scan import Model, ScanError, State
@@ -101,6 +101,7 @@ from workflows._models import (
     ResetStreamRequest,
     StateResult,
     TokenLogprob,
+    TokenProgress,
 )
 
 __all__ = ["StreamActivities"]
@@ -186,6 +187,14 @@ def _beat(*details: Any) -> None:
             activity.heartbeat(*details)
 
 
+def _live_wait(live: LiveTokens) -> Callable[[], float | None]:
+    """A streaming generate's wait: a safe point, then its progress heartbeated at its own pace."""
+    def wait() -> float | None:
+        _cancel_point()
+        return live.on_wait()
+    return wait
+
+
 def _digest(logits: torch.Tensor) -> str:
     return "sha256:" + hashlib.sha256(logits.to(torch.float32).contiguous().numpy().tobytes()).hexdigest()
 
@@ -242,14 +251,9 @@ class StreamActivities:
         # the edge callback late-bound, so that a subclass's `_edge` (the crash tests') is the one called
         self.commits = ChunkCommit(store, keyring, self.metrics,
                                    edge=lambda name, sid, seq: self._edge(name, sid, seq))
-        self.publisher: TokenPublisher | None = None  # bound by the worker (MambaStreamPlugin)
         #: whether this worker's failures are its own; the plugin stops a tripped worker
         self.health = WorkerHealth()
         self.health.on_trip(lambda why: self.metrics.worker_unhealthy.add(1))
-
-    def bind_client(self, client: Any, loop: Any) -> None:
-        """The worker's Temporal client and event loop: streaming generates publish through them."""
-        self.publisher = TokenPublisher(client, loop)
 
     def engine(self, model: Model) -> StreamEngine:
         with self._engines_lock:
@@ -581,14 +585,14 @@ class StreamActivities:
             self._edge("admitted", req.stream_id, ask.chunk_seq)
             gen = torch.Generator().manual_seed(seed)
             transform = model.transform
-            shown = None
-            if ask.stream:
-                if self.publisher is None:
-                    log.warning("chunk %d of %s asks to stream, but this worker has no client to publish "
-                                "with; its tokens come whole", ask.chunk_seq, req.stream_id)
-                else:
-                    shown = self.publisher.chunk(req.stream_id, ask.chunk_seq,
-                                                 transform.decode if transform is not None else None)
+            live = None
+            if ask.stream and activity.in_activity() and not activity.info().is_local:
+                # its tokens go out as this activity's heartbeats (a local activity has none: its
+                # tokens come whole, with its result)
+                live = LiveTokens(TokenProgress(chunk_seq=ask.chunk_seq, epoch=req.receipt.epoch,
+                                                update_id=req.update_id, offset=req.log_offset,
+                                                attempt=activity.info().attempt),
+                                  transform.decode if transform is not None else None)
             sampled: list[int] = []
             finish = "length"
             step_labels = {"model": model.model_id}
@@ -610,8 +614,8 @@ class StreamActivities:
 
             def taken(tok: int) -> None:
                 sampled.append(tok)
-                if shown is not None:
-                    shown.push(tok)
+                if live is not None:
+                    live.take(tok)
 
             # the engine samples the streams of one round together (same tokens as one by one)
             sampler = SeededSampler(ask.temperature, ask.top_k, gen, proceed=proceed, taken=taken)
@@ -619,12 +623,9 @@ class StreamActivities:
                 out = self.engine(model).generate(
                     req.stream_id, sampler, ask.max_tokens, expected_key=req.receipt.state_key,
                     epoch=req.receipt.epoch, load=lambda: self._fetch(model, req.receipt, req.principal),
-                    on_wait=_beat)
+                    on_wait=_beat if live is None else _live_wait(live), wake=live.wake if live is not None else None)
             except ValueError as exc:
                 raise EmptyContext(str(exc)) from None
-            finally:
-                if shown is not None:
-                    shown.close()
             tokens, state, logits, rows = out.tokens, out.state, out.last_logits, [out.logits]
             if ask.stop and transform is not None and finish == "length" and \
                     any(s_ and s_ in transform.decode(tokens) for s_ in ask.stop):

@@ -40,7 +40,8 @@ from state_codec._errors import CorruptBlob, UnknownKeyId
 from state_codec.keyring import TAG, Keyring
 
 __all__ = ["ENCODED_FAILURE", "ENCRYPTED_ENCODING", "UNDECRYPTABLE_ENCODING", "EncryptionCodec",
-           "SealedPayloadConverter", "StreamPayloadConverter", "TypedFailureConverter", "stream_principal"]
+           "SealedPayloadConverter", "StreamPayloadConverter", "TypedFailureConverter", "sealed_for_stream",
+           "stream_principal"]
 
 ENCRYPTED_ENCODING = b"binary/encrypted"
 UNDECRYPTABLE_ENCODING = b"binary/undecryptable"
@@ -55,6 +56,17 @@ def stream_principal(workflow_id: str) -> str | None:
     if len(parts) == 3 and parts[0] == "ms" and TAG.match(parts[1]) and len(parts[2]) == 32:
         return parts[1]
     return None
+
+
+def sealed_for_stream(payload: Payload, workflow_id: str) -> bool:
+    """Whether `payload` is encrypted as the workers write the stream's payloads: under the
+    history key of the principal its id names (the master key for an id that names none). A
+    payload in clear, or under another principal's key, did not come from the workers (anyone
+    who reaches the frontend can write an activity's heartbeat details by its id, say)."""
+    if payload.metadata.get("encoding") != ENCRYPTED_ENCODING:
+        return False
+    tag = stream_principal(workflow_id)
+    return payload.metadata.get(_TAG) == (tag.encode() if tag is not None else None)
 
 
 class EncryptionCodec(PayloadCodec, WithSerializationContext):

@@ -100,6 +100,23 @@ async def test_the_activities_close_when_the_last_worker_stops():
         await env.shutdown()
 
 
+def test_a_worker_throttles_heartbeats_to_the_progress_interval():
+    """A streaming generate's tokens reach readers as its heartbeats: the SDK's default throttle
+    (0.8 x the heartbeat timeout, up to 60 s) would show them seconds late."""
+    from datetime import timedelta
+
+    from plugin import heartbeat_throttle
+    from workflows import PROGRESS_INTERVAL_S
+
+    plugin = MambaStreamPlugin(keyring=Keyring.generate())
+    ours = timedelta(seconds=PROGRESS_INTERVAL_S)
+    assert plugin.configure_worker({"max_heartbeat_throttle_interval": timedelta(seconds=60)})[
+        "max_heartbeat_throttle_interval"] == ours == heartbeat_throttle()
+    shorter = timedelta(milliseconds=20)  # a worker that asked for less keeps it
+    assert plugin.configure_worker({"max_heartbeat_throttle_interval": shorter})["max_heartbeat_throttle_interval"] == shorter
+    assert plugin.configure_worker({})["max_heartbeat_throttle_interval"] == ours
+
+
 # --- every payload kind leaves encrypted (Issue 19, mutant 5) -----------------------------------
 
 #: in every plaintext value below, so that a payload that leaves in clear is seen in its bytes

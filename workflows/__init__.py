@@ -24,10 +24,8 @@ from workflows._failures import (
     RewindUnavailable,
     StreamCancelled,
     StreamFailure,
-    StreamMoving,
     StreamOpening,
     TokenOutOfRange,
-    TokensOutOfOrder,
     UnknownRequest,
     UpdateIdMismatch,
     WorkerUnhealthy,
@@ -36,6 +34,7 @@ from workflows._failures import (
 )
 from workflows._config import DEFAULT_TASK_QUEUE, ClientConfig
 from workflows._models import (
+    PROGRESS_INTERVAL_S,
     AdvanceRequest,
     AdvanceResult,
     AgentInput,
@@ -52,6 +51,7 @@ from workflows._models import (
     TokenBatch,
     TokenEvent,
     TokenLogprob,
+    TokenProgress,
     chunk_digest,
     parse_update_id,
 )
@@ -60,6 +60,7 @@ from workflows._stream import MambaStreamWorkflow
 __all__ = [
     "DEFAULT_TASK_QUEUE",
     "NOT_THE_CHUNKS_FAULT",
+    "PROGRESS_INTERVAL_S",
     "ActivityFailed",
     "AdvanceRequest",
     "AdvanceResult",
@@ -89,7 +90,6 @@ __all__ = [
     "StreamCancelled",
     "StreamClient",
     "StreamFailure",
-    "StreamMoving",
     "StreamOpening",
     "StreamOptions",
     "StreamStats",
@@ -97,7 +97,7 @@ __all__ = [
     "TokenEvent",
     "TokenLogprob",
     "TokenOutOfRange",
-    "TokensOutOfOrder",
+    "TokenProgress",
     "UnknownRequest",
     "UpdateIdMismatch",
     "WorkerUnhealthy",

@@ -40,10 +40,8 @@ __all__ = [
     "RewindUnavailable",
     "StreamCancelled",
     "StreamFailure",
-    "StreamMoving",
     "StreamOpening",
     "TokenOutOfRange",
-    "TokensOutOfOrder",
     "UnknownRequest",
     "UpdateIdMismatch",
     "WorkerUnhealthy",
@@ -78,17 +76,6 @@ class StreamOpening(StreamFailure):
     """The stream has no first receipt yet. Refused, not failed: the same update id can come again."""
 
     retryable = True
-
-
-class StreamMoving(StreamFailure):
-    """The stream is continuing as new; a token reader reads again, from the same offset, in a moment."""
-
-    retryable = True
-
-
-class TokensOutOfOrder(StreamFailure):
-    """A publish of tokens that does not start where the chunk's published tokens end, or for a chunk
-    that is not streaming. Refused, not stored; `published` says where the chunk's tokens end."""
 
 
 class LocalTooSlow(StreamFailure):

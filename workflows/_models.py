@@ -298,9 +298,10 @@ class GenerateRequest(_Signed):
                              description="None: derived from the stream and chunk_seq; else in [0, 2**63)")
     stop: list[Annotated[str, Field(max_length=1024)]] = Field(default_factory=list, max_length=64,
                                                                 description="stop after any of these texts")
-    stream: bool = Field(default=False, description="publish the tokens to the stream's token log as they are "
-                         "sampled (`StreamClient.generate_stream`). Presentation only: not part of the chunk's "
-                         "content, its digest or its state key, and the chunk still commits once, whole")
+    stream: bool = Field(default=False, description="show the tokens as they are sampled: the activity "
+                         "heartbeats them (`TokenProgress`) and readers poll (`StreamClient.generate_stream`, "
+                         "`tokens`). Presentation only: not part of the chunk's content, its digest or its "
+                         "state key, and the chunk still commits once, whole")
 
 
 class GenerateResult(_Model):
@@ -350,15 +351,17 @@ class RecentResult(_Model):
 
 
 class TokenEvent(_Model):
-    """One entry of a stream's token log: tokens of one generate chunk, as they were sampled.
+    """Tokens of one generate chunk, as a reader sees them: an entry of the stream's token log, or
+    a piece of a streamed generate shown live (from its activity's heartbeats).
 
-    A chunk's entries are its tokens in order, `index` counting from 0 within the chunk; the last
+    A chunk's events are its tokens in order, `index` counting from 0 within the chunk; the last
     one has `done` set (with the finish reason, or the failure's reason in `error`). `restart`:
-    the tokens published while the chunk ran were not the ones it committed (a retry on an
-    approximate backend sampled others); this entry holds all of them, from index 0.
+    the tokens shown while the chunk ran were not the ones it committed (a retry on an
+    approximate backend sampled others); this event holds all of them, from index 0.
     """
 
-    offset: int = Field(default=0, description="position in the stream's log, over its whole life")
+    offset: int = Field(default=0, description="the log entry that holds (or, shown live, will hold) the chunk; "
+                        "-1: not known to the reader")
     chunk_seq: int
     epoch: int = 0
     index: int = 0
@@ -371,21 +374,38 @@ class TokenEvent(_Model):
     update_id: str | None = Field(default=None, description="the generate update that made these tokens")
 
 
-class PublishTokensRequest(_Strict):
-    """A generate activity's newest tokens of a streaming chunk (the `publish_tokens` update)."""
-
-    chunk_seq: int = Field(ge=1, le=MAX_INDEX)
-    index: int = Field(ge=0, le=2**20, description="the first token's index within the chunk")
-    tokens: list[Annotated[int, Field(ge=0, lt=2**31)]] = Field(min_length=1, max_length=2**20)
-    text: str | None = Field(default=None, max_length=2**22)
-
-
-class PublishTokensResult(_Model):
-    published: int = Field(description="tokens of the chunk in the log after this publish")
+#: how often a streaming generate's activity heartbeats its newest tokens (at most), and the
+#: worker's heartbeat throttle (`MambaStreamPlugin`): readers see tokens about this late
+PROGRESS_INTERVAL_S = 0.1
+#: the most a streaming generate's progress holds, in JSON bytes: its newest tokens and text that
+#: fit (a heartbeat's details live in the server's mutable state and every describe returns them)
+PROGRESS_BYTES = 64 * 1024
 
 
-class PollTokensRequest(_Strict):
-    """Read a stream's token log from `from_offset` (the `poll_tokens` update waits for entries)."""
+class TokenProgress(_Model):
+    """A streaming generate's newest tokens, as its activity heartbeats them (presentation only).
+
+    Not history: heartbeat details live in the server's record of the pending activity, and a
+    reader gets them from `describe` (encrypted under the stream's principal's history key, like
+    every payload). Each heartbeat replaces the last one. It holds the newest tokens and stable
+    text that fit `PROGRESS_BYTES`: `start` is the index of tokens[0] within the chunk and
+    `text_start` the index of text[0] within the chunk's text, so a reader that fell further
+    behind gets the rest from the committed result.
+    """
+
+    chunk_seq: int
+    epoch: int
+    update_id: str | None = None
+    offset: int | None = Field(default=None, description="the log entry the chunk will take")
+    attempt: int = 1
+    start: int = 0
+    tokens: list[int] = Field(default_factory=list)
+    text_start: int = 0
+    text: str | None = Field(default=None, description="stable text: no trailing incomplete character")
+
+
+class ReadTokensRequest(_Strict):
+    """Read a stream's token log from `from_offset` (the `read_tokens` query)."""
 
     from_offset: int = Field(default=0, ge=0, le=MAX_INDEX)
     chunk_seq: int | None = Field(default=None, ge=1, le=MAX_INDEX, description="only this chunk's entries")
@@ -399,8 +419,8 @@ class TokenBatch(_Model):
     next_offset: int = Field(description="where the next read starts")
     base_offset: int = Field(default=0, description="the oldest entry still kept (older ones were truncated)")
     closed: bool = Field(default=False, description="the stream is cancelled: nothing more will come")
-    moving: bool = Field(default=False, description="the stream is continuing as new: read again from "
-                         "next_offset (the log moves with it)")
+    more: bool = Field(default=False, description="entries were held back (the read's count or byte limit): "
+                       "read again from next_offset")
 
 
 class StreamCarry(_Model):
@@ -474,6 +494,9 @@ class GenerateChunkRequest(_Model):
     receipt: Receipt
     request: GenerateRequest
     drop_keys: list[str] = Field(default_factory=list)
+    update_id: str | None = Field(default=None, description="the generate update that runs it (a streaming "
+                                  "generate names it in its progress)")
+    log_offset: int | None = Field(default=None, description="the token log entry the chunk will take")
 
 
 class GenerateChunkResult(_Model):

@@ -18,7 +18,6 @@ Sandbox-safe: the standard library, temporalio, pydantic and the record half of 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 from datetime import timedelta
 from collections.abc import Callable, Sequence
@@ -40,10 +39,8 @@ with workflow.unsafe.imports_passed_through():
         LocalTooSlow,
         OpenFailed,
         StreamCancelled,
-        StreamMoving,
         StreamOpening,
         TokenOutOfRange,
-        TokensOutOfOrder,
         UnknownRequest,
         UpdateIdMismatch,
         application_error,
@@ -73,9 +70,7 @@ with workflow.unsafe.imports_passed_through():
         OpenStreamInput,
         OpenStreamRequest,
         OpenStreamResult,
-        PollTokensRequest,
-        PublishTokensRequest,
-        PublishTokensResult,
+        ReadTokensRequest,
         RecallResultRequest,
         RecallResultResult,
         RecentResult,
@@ -99,8 +94,11 @@ T = TypeVar("T")
 LOCAL_PAUSE_CHUNKS = 8
 PATCH_LOCAL_PAUSE = "local-pause-after-timeout"
 
-#: the most a token read returns, in JSON bytes (an update's result is limited to 2 MiB)
-_POLL_BYTES = 512 * 1024
+#: the most a token read returns, in JSON bytes, past its first entry (a query's answer is one payload)
+_READ_BYTES = 512 * 1024
+#: the most the token log holds, in JSON bytes, past its newest entry (it is workflow memory, on
+#: every worker that caches the stream)
+_LOG_BYTES = 2 * 1024 * 1024
 
 
 def _refused_arguments(model: type, args: tuple[Any, ...]) -> ApplicationError | None:
@@ -204,12 +202,14 @@ class MambaStreamWorkflow:
         self._in_flight: dict[int, str] = {}  # chunk_seq -> digest, of handlers started, not finished
         self._tasks: set[asyncio.Task] = set()  # handlers running activities: cancelled with the stream
         self._open_error: ApplicationError | None = None
-        # the token log: generate chunks' tokens for readers (`poll_tokens`); presentation, kept
-        # in memory and carried across continue-as-new in part, never in history event by event
-        self._log: list[TokenEvent] = list(carry.token_log) if carry else []
+        # the token log: each finished generate's tokens, for readers (`read_tokens`, a query);
+        # kept in memory and carried across continue-as-new in part, never in history. Tokens of a
+        # generate still running reach readers as its activity's heartbeats, not through here.
+        self._log: list[TokenEvent] = []
+        self._log_sizes: list[int] = []  # each entry's JSON bytes
         self._log_base = carry.token_base if carry else 0
-        self._streaming: dict[int, _Shown] = {}  # chunk_seq -> what is published of it, while it runs
-        self._moving = False  # continuing as new: readers are let go, and read again from the next run
+        for ev in carry.token_log if carry else []:
+            self._keep(ev)
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -233,7 +233,6 @@ class MambaStreamWorkflow:
             await workflow.wait_condition(
                 lambda: (workflow.info().is_continue_as_new_suggested() or self._version_changed())
                 and not self._lock.locked())
-            self._moving = True  # waiting readers return now, and read on from the next run
             await workflow.wait_condition(workflow.all_handlers_finished)
             moving = self._version_changed()
             self._stats = self._stats.model_copy(update={
@@ -332,8 +331,8 @@ class MambaStreamWorkflow:
             kept.append(rec)
         log: list[TokenEvent] = []
         room = self._opts.carry_bytes // 4
-        for ev in reversed(self._log):
-            room -= len(ev.model_dump_json())
+        for ev, size in zip(reversed(self._log), reversed(self._log_sizes)):
+            room -= size
             if room < 0:
                 break
             log.append(ev)
@@ -533,7 +532,7 @@ class MambaStreamWorkflow:
         """Sample up to max_tokens (seeded); the generated tokens advance the state like input."""
         return await self._chunk(req, "generate", ACTIVITY_GENERATE, GenerateChunkResult, lambda: GenerateChunkRequest(
             stream_id=self._stream_id, principal=req.principal, receipt=self._receipt, request=req,
-            drop_keys=self._to_drop()))
+            drop_keys=self._to_drop(), update_id=_current_update_id(), log_offset=self._log_base + len(self._log)))
 
     @generate.validator
     @_takes(GenerateRequest)
@@ -661,45 +660,10 @@ class MambaStreamWorkflow:
 
     # --- the token log ---------------------------------------------------------------------------
 
-    @workflow.update
-    async def publish_tokens(self, req: PublishTokensRequest) -> PublishTokensResult:
-        """The newest tokens of a streaming generate, from its activity, appended to the log."""
-        shown = self._streaming[req.chunk_seq]
-        shown.tokens.extend(req.tokens)
-        shown.text += req.text or ""
-        self._append(TokenEvent(chunk_seq=req.chunk_seq, epoch=self._epoch, index=req.index, tokens=req.tokens,
-                                text=req.text, update_id=shown.update_id))
-        return PublishTokensResult(published=len(shown.tokens))
-
-    @publish_tokens.validator
-    @_takes(PublishTokensRequest)
-    def _validate_publish(self, req: PublishTokensRequest) -> None:
-        # a refusal is not stored: a retried attempt's repeats, and a late publish, cost no history
-        running = self._streaming.get(req.chunk_seq)
-        if running is None:
-            raise application_error(TokensOutOfOrder(f"chunk {req.chunk_seq} is not streaming", published=None))
-        if req.index != len(running.tokens):
-            raise application_error(TokensOutOfOrder(
-                f"chunk {req.chunk_seq} has {len(running.tokens)} tokens published, not {req.index}",
-                published=len(running.tokens)))
-
-    @workflow.update
-    async def poll_tokens(self, req: PollTokensRequest) -> TokenBatch:
-        """The log's entries from `from_offset` (of one chunk, if named): waits until there are some,
-        the stream is cancelled (`closed`), or it continues as new (`moving`: read on from there)."""
-        await workflow.wait_condition(lambda: self._cancelled or self._moving or bool(self._entries(req, 1)))
-        return self._batch(req)
-
-    @poll_tokens.validator
-    @_takes(PollTokensRequest)
-    def _validate_poll(self, req: PollTokensRequest) -> None:
-        if self._moving:
-            raise application_error(StreamMoving("the stream is continuing as new; read again in a moment"))
-
     @workflow.query
-    @_takes(PollTokensRequest)
-    def read_tokens(self, req: PollTokensRequest) -> TokenBatch:
-        """The log's entries from `from_offset` now, without waiting."""
+    @_takes(ReadTokensRequest)
+    def read_tokens(self, req: ReadTokensRequest) -> TokenBatch:
+        """The log's entries from `from_offset` (of one chunk or update, if named), now."""
         return self._batch(req)
 
     @workflow.query
@@ -707,30 +671,30 @@ class MambaStreamWorkflow:
         """Where the token log ends: a reader that starts here gets what comes next."""
         return self._log_base + len(self._log)
 
-    def _batch(self, req: PollTokensRequest) -> TokenBatch:
+    def _batch(self, req: ReadTokensRequest) -> TokenBatch:
         """The entries a read gets: at least one if there are any, then as many as `max_events` and
-        `_POLL_BYTES` allow (an update's result is limited); the next read starts after the last
-        one returned, or at the log's end when none were held back."""
+        `_READ_BYTES` allow; the next read starts after the last one returned, or at the log's end
+        when none were held back."""
         events: list[TokenEvent] = []
         size, full = 0, False
-        for ev in self._entries(req, req.max_events):
-            size += len(ev.model_dump_json())
-            if events and size > _POLL_BYTES:
+        for ev, n in self._entries(req, req.max_events):
+            size += n
+            if events and size > _READ_BYTES:
                 full = True
                 break
             events.append(ev)
         full = full or len(events) == req.max_events
         nxt = events[-1].offset + 1 if full else max(req.from_offset, self._log_base + len(self._log))
         return TokenBatch(events=events, next_offset=nxt, base_offset=self._log_base,
-                          closed=self._cancelled and not events, moving=self._moving and not events)
+                          closed=self._cancelled and not events, more=full)
 
-    def _entries(self, req: PollTokensRequest, limit: int) -> list[TokenEvent]:
+    def _entries(self, req: ReadTokensRequest, limit: int) -> list[tuple[TokenEvent, int]]:
         start = max(req.from_offset - self._log_base, 0)
         out = []
-        for ev in self._log[start:]:
+        for ev, n in zip(self._log[start:], self._log_sizes[start:]):
             if (req.chunk_seq is None or ev.chunk_seq == req.chunk_seq) and \
                     (req.update_id is None or ev.update_id == req.update_id):
-                out.append(ev)
+                out.append((ev, n))
                 if len(out) >= limit:
                     break
         return out
@@ -740,30 +704,34 @@ class MambaStreamWorkflow:
         return self._receipt.epoch if self._receipt is not None else 0
 
     def _append(self, ev: TokenEvent) -> None:
-        self._log.append(ev.model_copy(update={"offset": self._log_base + len(self._log)}))
-        excess = len(self._log) - self._opts.token_log_events
+        self._keep(ev.model_copy(update={"offset": self._log_base + len(self._log)}))
+
+    def _keep(self, ev: TokenEvent) -> None:
+        """Add an entry (its offset set), then drop the oldest past `token_log_events` or `_LOG_BYTES`."""
+        self._log.append(ev)
+        self._log_sizes.append(len(ev.model_dump_json()))
+        excess = max(len(self._log) - self._opts.token_log_events, 0)
+        total = sum(self._log_sizes[excess:])
+        while excess < len(self._log) - 1 and total > _LOG_BYTES:
+            total -= self._log_sizes[excess]
+            excess += 1
         if excess > 0:
-            del self._log[:excess]
+            del self._log[:excess], self._log_sizes[:excess]
             self._log_base += excess
 
     def _log_result(self, result: GenerateResult) -> None:
-        """A committed generate's last entry: its tokens not yet published (all of them, unstreamed)."""
-        shown = self._streaming.pop(result.chunk_seq, None) or _Shown(_current_update_id())
-        same = result.tokens[: len(shown.tokens)] == shown.tokens and (result.text or "").startswith(shown.text)
-        # what was shown is not what was committed: the chunk's tokens again, whole (`restart`)
-        n, chars = (len(shown.tokens), len(shown.text)) if same else (0, 0)
-        self._append(TokenEvent(chunk_seq=result.chunk_seq, epoch=result.receipt.epoch, index=n,
-                                tokens=result.tokens[n:], text=None if result.text is None else result.text[chars:],
-                                done=True, finish_reason=result.finish_reason, restart=not same,
-                                update_id=shown.update_id))
+        """A committed generate's entry: all its tokens and text (a reader that showed some of them
+        live yields the rest, or all of them again as a `restart` if they differ)."""
+        self._append(TokenEvent(chunk_seq=result.chunk_seq, epoch=result.receipt.epoch, tokens=result.tokens,
+                                text=result.text, done=True, finish_reason=result.finish_reason,
+                                update_id=_current_update_id()))
 
     def _log_failed(self, kind: str, chunk_seq: int, reason: str) -> None:
         """A generate that failed: its readers are told, and stop."""
         if kind != "generate":
             return
-        shown = self._streaming.pop(chunk_seq, None) or _Shown(_current_update_id())
-        self._append(TokenEvent(chunk_seq=chunk_seq, epoch=self._epoch, index=len(shown.tokens), done=True,
-                                error=reason, update_id=shown.update_id))
+        self._append(TokenEvent(chunk_seq=chunk_seq, epoch=self._epoch, done=True, error=reason,
+                                update_id=_current_update_id()))
 
     # --- bookkeeping -----------------------------------------------------------------------------
 
@@ -786,11 +754,9 @@ class MambaStreamWorkflow:
                     return await self._answer(same, kind)  # the same chunk, sent again under another id
                 self._recheck(req.principal, req.chunk_seq)
                 streamed = isinstance(req, GenerateRequest) and req.stream
-                if streamed:
-                    self._streaming[req.chunk_seq] = _Shown(_current_update_id())
                 try:
-                    # a streamed generate publishes through this workflow while it runs: not from
-                    # inside one of its workflow tasks, as a local activity would
+                    # a streamed generate heartbeats its tokens while it runs: a regular activity
+                    # (a local one has no heartbeat)
                     out = await self._cancellable(self._run_chunk(activity, make_request(), result_type,
                                                                   _size(req), req.chunk_seq, local=not streamed))
                 except asyncio.CancelledError:
@@ -869,15 +835,6 @@ class MambaStreamWorkflow:
     def _duplicate(self, result: Any) -> Any:
         self._stats = self._stats.model_copy(update={"duplicates": self._stats.duplicates + 1})
         return result.model_copy(update={"duplicate": True})
-
-
-@dataclasses.dataclass
-class _Shown:
-    """A streaming generate's tokens and text in the log so far, and the update that runs it."""
-
-    update_id: str | None
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    text: str = ""
 
 
 def _retry(attempts: int) -> RetryPolicy:

@@ -90,3 +90,16 @@ def test_temporal_latency_table_on_a_small_run():
         cells = [c.strip() for c in r.split("|")[2:6]]
         assert all(float(c) > 0 for c in cells), r
     assert "1-token advance, local:" in text and "generate 4, first token:" in text
+
+
+def test_readers_table_on_a_small_run():
+    mod = _load("bench_readers")
+    with pytest.raises(SystemExit):
+        mod.parse_args(["--tokens", "0"])
+    text = mod.run(mod.parse_args(["--tokens", "8", "--readers", "0,2", "--idle", "0.3"]))
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()
+            if line.startswith("| ") and not line.startswith("| readers")]
+    assert [r[0] for r in rows] == ["0", "2"]
+    assert float(rows[1][1]) > 0 and float(rows[1][3]) >= 0 and float(rows[1][4]) > 0  # the readers read the log
+    assert rows[0][-1] == rows[1][-1]  # the same history events over the generate, readers or not
+

@@ -22,7 +22,7 @@ from activities import open_store
 from activities._registry import ModelRegistry
 from activities._stream import StreamActivities
 from activities._agent import agent_feed_stream
-from plugin import MambaStreamPlugin, _runner, data_converter
+from plugin import MambaStreamPlugin, _runner, data_converter, heartbeat_throttle
 from state_codec.codec import Keyring
 from worker import dev_server_args, temporal_binary, worker_slots
 from workflows import AgentWorkflow, MambaStreamWorkflow, StreamClient, StreamOptions
@@ -92,7 +92,7 @@ class Stack:
             client = await Client.connect(self.address, data_converter=data_converter(self.keyring))
             kw = {"workflows": [MambaStreamWorkflow, AgentWorkflow] if workflows else [],
                   "activities": [*acts.activities(), agent_feed_stream] if activities else [],
-                  "workflow_runner": _runner(None)}
+                  "workflow_runner": _runner(None), "max_heartbeat_throttle_interval": heartbeat_throttle()}
         await self.exits.enter_async_context(Worker(client, task_queue=self.queue, **kw,
                                                     **worker_slots(workflows=workflows, activities=8, locals_=8)))
         if own_queue and activities and acts.worker_queue:
