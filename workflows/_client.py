@@ -321,12 +321,12 @@ class StreamClient:
     async def read_tokens(self, stream_id: str, *, from_offset: int = 0, chunk_seq: int | None = None,
                           update_id: str | None = None) -> TokenBatch:
         """What the token log holds from `from_offset` now (a query: no history)."""
-        return await self.handle(stream_id).query(MambaStreamWorkflow.read_tokens, ReadTokensRequest(
+        return await self._query(stream_id, MambaStreamWorkflow.read_tokens, ReadTokensRequest(
             from_offset=from_offset, chunk_seq=chunk_seq, update_id=update_id))
 
     async def token_offset(self, stream_id: str) -> int:
         """Where the stream's token log ends now."""
-        return await self.handle(stream_id).query(MambaStreamWorkflow.token_offset)
+        return await self._query(stream_id, MambaStreamWorkflow.token_offset)
 
     async def progress(self, stream_id: str, desc: WorkflowExecutionDescription | None = None
                        ) -> TokenProgress | None:
@@ -514,7 +514,7 @@ class GenerateStream:
             if epoch is None or resend:
                 epoch = (await c._position(sid))[1]
             uid = update_id("generate", req, epoch=epoch, attempt=self._attempt)
-            work = asyncio.ensure_future(handle.execute_update(MambaStreamWorkflow.generate, req, id=uid))
+            work = asyncio.ensure_future(c._update(handle, MambaStreamWorkflow.generate, req, id=uid))
             shown: _Shown | None = None
             pause, t0 = FIRST_POLL_S, asyncio.get_running_loop().time()
             try:
