@@ -21,9 +21,10 @@ A client imports nothing heavy here: no torch, no checkpoint codec, no worker.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from datetime import timedelta
 from typing import Any

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import random
 from pathlib import Path
@@ -15,7 +14,7 @@ from activities._stream import StreamActivities
 from scan import load_model, tolerance
 from state_codec.codec import plaintext_checksum, unseal
 from tests.workflows.conftest import FAST, Stack, eventually, make_stack
-from workflows import StreamOptions, update_id
+from workflows import StreamOptions
 from workflows._models import AdvanceRequest
 from workflows._stream import MambaStreamWorkflow
 
