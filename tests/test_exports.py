@@ -46,7 +46,7 @@ EXPECTED = {
         "ChunkTooLarge", "ClientConfig", "ConflictingChunk", "EmptyContext", "GenerateRequest",
         "GenerateResult", "GenerateStream", "InternalError", "InvalidRequest", "LocalTooSlow", "MambaStreamWorkflow", "ModelInfo",
         "OpenFailed", "OpenStreamInput", "ResetRequest", "ResultExpired", "RewindPastWindow", "RewindUnavailable", "StreamCancelled",
-        "StreamClient", "StreamFailure", "StreamOpening", "StreamOptions", "StreamStats",
+        "StreamClient", "StreamFailure", "StreamMoving", "StreamOpening", "StreamOptions", "StreamStats",
         "TokenBatch", "TokenEvent", "TokenLogprob", "TokenOutOfRange", "TokenProgress", "UnknownRequest", "UpdateIdMismatch", "WorkerUnhealthy", "application_error", "catalogue", "chunk_digest",
         "new_stream_id", "parse_update_id", "update_id",
     ],

@@ -34,7 +34,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from state_codec import Receipt
 from workflows._config import DEFAULT_TASK_QUEUE
-from workflows._failures import InvalidRequest, RewindPastWindow, RewindUnavailable
+from workflows._failures import InvalidRequest, RewindPastWindow, RewindUnavailable, StreamMoving
 from workflows._models import (
     ACTIVITY_GENERATE,
     ACTIVITY_OPEN,
@@ -75,9 +75,14 @@ _TRANSIENT = {RPCStatusCode.UNAVAILABLE, RPCStatusCode.DEADLINE_EXCEEDED, RPCSta
 def transient(err: BaseException) -> bool:
     """Whether `err` is a client call that may pass if sent again unchanged: an update or query
     RPC that timed out, a server that could not take it now, a stream whose workflow task is being
-    retried. A chunk's own failure, or a refusal, is never transient."""
+    retried, a stream moving to a new run (`StreamMoving`). A chunk's own failure, or a refusal,
+    is never transient."""
     if isinstance(err, WorkflowUpdateRPCTimeoutOrCancelledError):
         return True
+    if isinstance(err, WorkflowUpdateFailedError):
+        # the stream moved to a new run before its time, with this request in flight or waiting:
+        # nothing of it was committed, and the next run takes the same update id
+        return isinstance(err.cause, ApplicationError) and err.cause.type == StreamMoving.reason
     if isinstance(err, RPCError):
         if err.status in _TRANSIENT:
             return True
@@ -158,7 +163,7 @@ class StreamClient:
         while True:
             try:
                 return await call()
-            except (RPCError, WorkflowUpdateRPCTimeoutOrCancelledError) as err:
+            except (RPCError, WorkflowUpdateRPCTimeoutOrCancelledError, WorkflowUpdateFailedError) as err:
                 if not transient(err) or loop.time() + delay > deadline:
                     raise
                 if stream_id is not None and "no poller seen" in str(err):

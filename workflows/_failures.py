@@ -40,6 +40,7 @@ __all__ = [
     "RewindUnavailable",
     "StreamCancelled",
     "StreamFailure",
+    "StreamMoving",
     "StreamOpening",
     "TokenOutOfRange",
     "UnknownRequest",
@@ -74,6 +75,15 @@ class StreamCancelled(StreamFailure):
 
 class StreamOpening(StreamFailure):
     """The stream has no first receipt yet. Refused, not failed: the same update id can come again."""
+
+    retryable = True
+
+
+class StreamMoving(StreamFailure):
+    """The stream is continuing as new before its time: its history neared the server's limits (a
+    flood of signals or updates while a chunk ran). The chunk or checkpoint in flight, or waiting,
+    was stopped before it committed anything; send it again, under the same update id: the next
+    run takes it."""
 
     retryable = True
 

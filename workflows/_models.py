@@ -245,6 +245,8 @@ class StreamStats(_Model):
     regular_until: int = Field(default=0, description="chunks up to this sequence take the regular path: a local "
                                "attempt of the stream timed out (a loaded worker), so the next few do not try")
     continued_as_new: int = 0
+    forced_moves: int = Field(default=0, description="continue-as-new forced by a history near the server's "
+                              "limits while a chunk ran (the chunk was stopped and sent again to the next run)")
     version_moves: int = Field(default=0, description="continue-as-new onto a new worker deployment version")
     last_backend: str = ""
     arithmetic: str = Field(default="", description="the current state's arithmetic id (what decided its bits)")

@@ -39,6 +39,7 @@ with workflow.unsafe.imports_passed_through():
         LocalTooSlow,
         OpenFailed,
         StreamCancelled,
+        StreamMoving,
         StreamOpening,
         TokenOutOfRange,
         UnknownRequest,
@@ -89,6 +90,14 @@ with workflow.unsafe.imports_passed_through():
 __all__ = ["MambaStreamWorkflow"]
 
 T = TypeVar("T")
+
+#: a history this large or this long moves the stream to a new run at once, a chunk in flight or not.
+#: The server terminates a workflow at 50 MiB or 51,200 events and suggests continue-as-new at
+#: 4 MiB or 4,096; every signal is written before the workflow sees it (up to 2 MiB each), and
+#: continue-as-new otherwise waits for the chunk that holds the lock, which a flood of signals or
+#: updates can outrun. These leave room for about 20 more of the largest payloads.
+HISTORY_CRITICAL_BYTES = 8 * 1024 * 1024
+HISTORY_CRITICAL_EVENTS = 10_240
 
 #: chunks of a stream sent the regular way after one of its local attempts timed out (a loaded worker)
 LOCAL_PAUSE_CHUNKS = 8
@@ -200,7 +209,8 @@ class MambaStreamWorkflow:
         self._pinned: list[str] = list(carry.pinned) if carry else []
         self._worker_queue: str | None = carry.worker_queue if carry else None
         self._in_flight: dict[int, str] = {}  # chunk_seq -> digest, of handlers started, not finished
-        self._tasks: set[asyncio.Task] = set()  # handlers running activities: cancelled with the stream
+        self._tasks: dict[asyncio.Task, bool] = {}  # handlers running activities -> whether a forced move stops them
+        self._moving = False  # continuing as new before its time (`_history_critical`): chunks go to the next run
         self._open_error: ApplicationError | None = None
         # the token log: each finished generate's tokens, for readers (`read_tokens`, a query);
         # kept in memory and carried across continue-as-new in part, never in history. Tokens of a
@@ -231,8 +241,21 @@ class MambaStreamWorkflow:
             # its history is long. The next chunk's activity validates the carried receipt
             # against the new workers' model: another revision or schema is refused, typed.
             await workflow.wait_condition(
-                lambda: (workflow.info().is_continue_as_new_suggested() or self._version_changed())
-                and not self._lock.locked())
+                lambda: ((workflow.info().is_continue_as_new_suggested() or self._version_changed())
+                         and not self._lock.locked()) or self._history_critical())
+            if self._lock.locked():
+                # the history nears the server's limits while a chunk holds the lock: waiting for
+                # it could end the stream (terminated), so the chunk is stopped uncommitted and its
+                # caller sends it again to the next run (StreamMoving); a reset signal, which
+                # nobody would send again, is let finish
+                self._moving = True
+                self._stats = self._stats.model_copy(update={"forced_moves": self._stats.forced_moves + 1})
+                workflow.logger.warning("history at %d events, %d bytes: moving to a new run now",
+                                        workflow.info().get_current_history_length(),
+                                        workflow.info().get_current_history_size())
+                for task, movable in list(self._tasks.items()):
+                    if movable:
+                        task.cancel()
             await workflow.wait_condition(workflow.all_handlers_finished)
             moving = self._version_changed()
             self._stats = self._stats.model_copy(update={
@@ -304,6 +327,18 @@ class MambaStreamWorkflow:
         self._stats = self._stats.model_copy(update={"position": res.receipt.position,
                                                      "last_backend": res.receipt.backend,
                                                      **_arithmetic(None, res.receipt, self._stats)})
+
+    @staticmethod
+    def _history_critical() -> bool:
+        info = workflow.info()
+        return info.get_current_history_size() >= HISTORY_CRITICAL_BYTES or \
+            info.get_current_history_length() >= HISTORY_CRITICAL_EVENTS
+
+    def _interrupted(self, what: str) -> ApplicationError:
+        """A handler's activity was cancelled under it: by the stream's cancel, or a forced move."""
+        if self._moving and not self._cancelled:
+            return application_error(StreamMoving(f"the stream moved to a new run while {what}; send it again"))
+        return application_error(StreamCancelled(f"the stream was cancelled while {what}"))
 
     @staticmethod
     def _version_changed() -> bool:
@@ -382,15 +417,15 @@ class MambaStreamWorkflow:
 
     def _final(self, cause: BaseException | None) -> bool:
         """A failure no other path may retry: the chunk's own (non-retryable), or a cancellation by
-        the stream's own cancel."""
+        the stream's own cancel or a forced move."""
         return (isinstance(cause, ApplicationError) and cause.non_retryable) or \
-            (self._cancelled and isinstance(cause, CancelledError))
+            ((self._cancelled or self._moving) and isinstance(cause, CancelledError))
 
     def _failed(self, cause: BaseException | None) -> BaseException | None:
         """An activity's final failure as the handler's, typed by the activity's reason and
         non-retryable; None if `cause` is not final (the chunk may be tried another way)."""
-        if self._cancelled and isinstance(cause, CancelledError):
-            return application_error(StreamCancelled("the stream was cancelled while the activity ran"))
+        if (self._cancelled or self._moving) and isinstance(cause, CancelledError):
+            return self._interrupted("the activity ran")
         if isinstance(cause, ApplicationError):
             details = list(cause.details) if cause.details else []
             return ApplicationError(cause.message, *details, type=cause.type or ActivityFailed.reason,
@@ -442,16 +477,17 @@ class MambaStreamWorkflow:
                 self._stats = self._stats.model_copy(update=update)
         return await self._call(name, arg, result_type)
 
-    async def _cancellable(self, work: Any) -> Any:
-        """Await a handler's activity; the stream's cancellation cancels it (`run`)."""
+    async def _cancellable(self, work: Any, *, movable: bool = True) -> Any:
+        """Await a handler's activity; the stream's cancellation cancels it, and a forced move does
+        when `movable` (`run`)."""
         task = asyncio.current_task()
         if task is not None:
-            self._tasks.add(task)
+            self._tasks[task] = movable
         try:
             return await work
         finally:
             if task is not None:
-                self._tasks.discard(task)
+                self._tasks.pop(task, None)
 
     # --- admission (validators: no side effects) --------------------------------------------------
 
@@ -460,6 +496,8 @@ class MambaStreamWorkflow:
         its handler answers it with the first result)."""
         if self._cancelled:
             raise application_error(StreamCancelled("the stream is cancelled"))
+        if self._moving:  # refused, not stored: the same id goes to the next run
+            raise application_error(StreamMoving("the stream is moving to a new run; send it again"))
         if self._receipt is None:
             # Refused, not failed: a refused update is not stored, so the same id can come again.
             raise application_error(StreamOpening("the stream is still opening; try again"))
@@ -551,14 +589,14 @@ class MambaStreamWorkflow:
         """A portable receipt: verified in the store, kept until the stream is cancelled."""
         async with self._lock:
             await workflow.wait_condition(lambda: self._receipt is not None)
-            if self._cancelled:
-                raise application_error(StreamCancelled("the stream is cancelled"))
+            if self._cancelled or self._moving:
+                raise self._interrupted("the checkpoint waited")
             try:
                 out = await self._cancellable(self._call(ACTIVITY_CHECKPOINT, CheckpointStreamRequest(
                     stream_id=self._stream_id, principal=req.principal, receipt=self._receipt, request=req),
                     StateResult))
             except asyncio.CancelledError:
-                raise application_error(StreamCancelled("the stream was cancelled")) from None
+                raise self._interrupted("the checkpoint ran") from None
             if out.receipt.state_key not in self._pinned:
                 self._pinned.append(out.receipt.state_key)
             return CheckpointResult(stream_id=self._stream_id, receipt=out.receipt)
@@ -568,6 +606,8 @@ class MambaStreamWorkflow:
     def _validate_checkpoint(self, req: CheckpointRequest) -> None:
         if self._cancelled:
             raise application_error(StreamCancelled("the stream is cancelled"))
+        if self._moving:
+            raise application_error(StreamMoving("the stream is moving to a new run; send it again"))
         if req.principal != self._inp.principal:
             raise application_error(PrincipalMismatch(f"principal {req.principal!r} does not own this stream",
                                             field="principal", expected=self._inp.principal, actual=req.principal))
@@ -590,7 +630,7 @@ class MambaStreamWorkflow:
             try:
                 out = await self._cancellable(self._call(ACTIVITY_RESET, ResetStreamRequest(
                     stream_id=self._stream_id, principal=req.principal, receipt=self._receipt,
-                    epoch=self._receipt.epoch + 1, request=req), StateResult))
+                    epoch=self._receipt.epoch + 1, request=req), StateResult), movable=False)
             except asyncio.CancelledError:
                 return  # the stream is being cancelled: nothing to reset
             except ApplicationError as err:
@@ -760,8 +800,9 @@ class MambaStreamWorkflow:
                     out = await self._cancellable(self._run_chunk(activity, make_request(), result_type,
                                                                   _size(req), req.chunk_seq, local=not streamed))
                 except asyncio.CancelledError:
-                    self._log_failed(kind, req.chunk_seq, StreamCancelled.reason)
-                    raise application_error(StreamCancelled("the stream was cancelled while the chunk ran")) from None
+                    err = self._interrupted("the chunk ran")
+                    self._log_failed(kind, req.chunk_seq, err.type or StreamCancelled.reason)
+                    raise err from None
                 except ApplicationError as err:
                     self._log_failed(kind, req.chunk_seq, err.type or ActivityFailed.reason)
                     raise
@@ -779,9 +820,10 @@ class MambaStreamWorkflow:
                 self._in_flight.pop(req.chunk_seq, None)
 
     def _recheck(self, principal: str, chunk_seq: int) -> None:
-        """Validators ran at admission; by the time a handler holds the lock, an earlier one may have failed."""
-        if self._cancelled:
-            raise application_error(StreamCancelled("the stream is cancelled"))
+        """Validators ran at admission; by the time a handler holds the lock, an earlier one may have
+        failed, or the stream may be cancelled or moving."""
+        if self._cancelled or self._moving:
+            raise self._interrupted("the chunk waited")
         expected = self._stats.chunk_seq + 1
         if chunk_seq != expected:
             raise application_error(ChunkSequenceMismatch(f"chunk_seq {chunk_seq} does not follow the committed {expected - 1}",
