@@ -22,7 +22,9 @@ run: $(STAMP)
 	$(VENV)/bin/mamba-stream demo
 
 test: $(STAMP)
-	MAMBA_STREAM_REQUIRE_CROSSCHECK=1 $(PY) -m pytest -q
+	# two test processes (pytest-xdist), a file each at a time: the suite is mostly one busy
+	# core at a time (Temporal round trips, subprocess workers), and two fill a 2-core machine
+	MAMBA_STREAM_REQUIRE_CROSSCHECK=1 $(PY) -m pytest -q -n 2 --dist loadfile
 	# the generated release packet must come out the same on any x86-64 CPU: again, as the
 	# scalar build of torch's kernels would compute it (a stand-in for another instruction set)
 	ATEN_CPU_CAPABILITY=default $(PY) -m pytest -q tests/cli/test_release_packet.py

@@ -46,7 +46,14 @@ from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxR
 
 from activities import agent_feed_stream
 from state_codec.keyring import Keyring
-from state_codec.payload import EncryptionCodec, SealedPayloadConverter, StreamPayloadConverter, TypedFailureConverter
+from state_codec import SEALER_KEY
+from state_codec.payload import (
+    EncryptionCodec,
+    SealedPayloadConverter,
+    StreamPayloadConverter,
+    TypedFailureConverter,
+    with_sealer,
+)
 from workflows import PROGRESS_INTERVAL_S, AgentWorkflow, ClientConfig, MambaStreamWorkflow, WorkerUnhealthy
 
 __all__ = ["MambaStreamPlugin", "data_converter", "heartbeat_throttle"]
@@ -74,8 +81,14 @@ class _Codecs(PayloadCodec, WithSerializationContext):
         return list(payloads)
 
     async def decode(self, payloads):  # noqa: ANN001, ANN201
+        sealers = None
         for c in reversed(self.codecs):
             payloads = await c.decode(payloads)
+            if _has_encryption(c):  # who sealed each payload, in our codec's word
+                sealers = [p.metadata.get(SEALER_KEY, b"").decode() for p in payloads]
+            elif sealers is not None and len(sealers) == len(payloads):
+                # a codec inside ours decodes what the sender wrote: it cannot say who sealed it
+                payloads = [with_sealer(p, s) for p, s in zip(payloads, sealers)]
         return list(payloads)
 
 

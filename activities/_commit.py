@@ -27,9 +27,9 @@ in-memory store (tests/activities/test_commit.py) and through `ActivityEnvironme
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,22 +41,16 @@ import torch
 from activities._metrics import StreamMetrics
 from activities._store import StateStore
 from scan import Model, State
-from state_codec import CheckpointNotFound, Receipt, arithmetic_moved, continue_arithmetic
+from state_codec import CheckpointNotFound, Receipt, arithmetic_moved, continue_arithmetic, parse_state_key
 from state_codec.codec import Keyring, open_bytes, open_checkpoint, seal, seal_bytes, unseal
 from workflows import RewindPastWindow
 
-__all__ = ["ChunkCommit", "Committed", "Prior", "chunk_key", "record_key"]
+__all__ = ["ChunkCommit", "Committed", "Prior", "record_key"]
 
 log = logging.getLogger(__name__)
 
-_CHUNK_KEY = re.compile(r"\.e(\d+)\.c(\d+)\.[0-9a-f]{32}$")
-
-
-def chunk_key(stream_id: str, receipt: Receipt, chunk_seq: int, chunk_digest: str) -> str:
-    """The key of a chunk's new state: deterministic in the input state and the chunk, so every
-    attempt of a chunk derives it, and another chunk (other content) derives another."""
-    h = hashlib.sha256(f"{receipt.state_key}|{chunk_digest}".encode()).hexdigest()[:32]
-    return f"{stream_id}.e{receipt.epoch}.c{chunk_seq}.{h}"
+#: what keys a state key's digest (`Keyring.subkey`)
+_KEY_LABEL = "mamba-stream/state-key/v1"
 
 
 def record_key(state_key: str) -> str:
@@ -102,6 +96,23 @@ class ChunkCommit:
         self.keyring = keyring
         self.metrics = metrics or StreamMetrics()
         self.edge = edge
+        self._key_secret = keyring.subkey(_KEY_LABEL)
+
+    # --- keys ----------------------------------------------------------------------------------
+
+    def state_key(self, stream_id: str, epoch: int, chunk_seq: int, what: str) -> str:
+        """The key of the state `what` describes (its input and chunk, or "open|..."/"reset|..."):
+        deterministic, so every attempt derives the same key and put-if-absent makes it exactly
+        once; keyed (HMAC under a workers' key), so the key says nothing of the content, and no
+        one without the keyring can name another stream's checkpoint."""
+        digest = hmac.new(self._key_secret, f"{stream_id}|{epoch}|{chunk_seq}|{what}".encode(),
+                          hashlib.sha256).hexdigest()[:32]
+        return f"{stream_id}.e{epoch}.c{chunk_seq}.{digest}"
+
+    def chunk_key(self, stream_id: str, receipt: Receipt, chunk_seq: int, chunk_digest: str) -> str:
+        """The key of a chunk's new state, from its input state and its content: another chunk
+        (other content, another input state) derives another."""
+        return self.state_key(stream_id, receipt.epoch, chunk_seq, f"{receipt.state_key}|{chunk_digest}")
 
     # --- records -------------------------------------------------------------------------------
 
@@ -155,23 +166,24 @@ class ChunkCommit:
             raise
 
     def _checkpoints(self, stream_id: str) -> list[tuple[str, int, int]]:
-        """(key, epoch, chunk_seq) of every checkpoint the store holds for the stream."""
+        """(key, epoch, chunk_seq) of every checkpoint the store holds for the stream: open, reset
+        and chunk states alike."""
         out = []
         for key in self.store.list_stream(stream_id=stream_id):
-            m = _CHUNK_KEY.search(key)
-            if m:
-                out.append((key, int(m.group(1)), int(m.group(2))))
+            parsed = parse_state_key(key)
+            if parsed is not None and parsed.stream_id == stream_id:
+                out.append((key, parsed.epoch, parsed.chunk_seq))
         return out
 
     def later_chunks(self, receipt: Receipt) -> list[tuple[int, int]]:
         """(epoch, chunk_seq) of the stream's stored checkpoints that come after `receipt`'s."""
         return [(e, c) for _, e, c in self._checkpoints(receipt.stream_id) if (e, c) > (receipt.epoch, receipt.chunk_seq)]
 
-    def revoke_before(self, stream_id: str, epoch: int) -> int:
-        """Delete every stored checkpoint (and record) of the stream from an epoch before `epoch`;
-        how many checkpoints."""
+    def revoke_before(self, stream_id: str, principal: str, epoch: int) -> int:
+        """Delete every stored checkpoint (and record) of the stream from an epoch before `epoch`,
+        the open one and pinned ones included; how many checkpoints."""
         old = [key for key, e, _ in self._checkpoints(stream_id) if e < epoch]
-        self.drop(old)
+        self.drop(old, stream_id=stream_id, principal=principal)
         return len(old)
 
     def commit(self, model: Model, state: State, *, stream_id: str, principal: str, chunk_seq: int, epoch: int,
@@ -225,11 +237,17 @@ class ChunkCommit:
         self.edge("written", stream_id, chunk_seq)
         self.write_record(done.receipt, result.model_dump(mode="json"), last)
         self.edge("recorded", stream_id, chunk_seq)
-        self.drop(drop_keys)
+        self.drop(drop_keys, stream_id=stream_id, principal=principal)
         return result
 
-    def drop(self, keys: list[str]) -> None:
-        """Delete checkpoints (and their records) that left the retention window."""
+    def drop(self, keys: list[str], *, stream_id: str, principal: str) -> None:
+        """Delete checkpoints (and their records) of the stream that left the retention window.
+        Only the stream's own: a key that names another stream is skipped, and the store deletes
+        nothing of another stream or principal whatever the key says."""
         for k in keys:
-            self.store.delete(key=k)
-            self.store.delete(key=record_key(k))
+            parsed = parse_state_key(k)
+            if parsed is None or parsed.stream_id != stream_id:
+                log.warning("stream %s: not dropping %r, which is not one of its checkpoints", stream_id, k)
+                continue
+            self.store.delete(key=k, stream_id=stream_id, principal=principal)
+            self.store.delete(key=record_key(k), stream_id=stream_id, principal=principal)

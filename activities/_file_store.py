@@ -185,20 +185,21 @@ class FileStateStore(StateStore):
             return None
         return found[1]
 
-    def delete(self, *, key: str) -> bool:
+    def delete(self, *, key: str, stream_id: str, principal: str) -> bool:
         check_name("key", key)
         found = self._read_header(key)
+        if found is None or (found.get("stream_id"), found.get("principal")) != (stream_id, principal):
+            return False  # absent, or another stream's (an unreadable header: the stream's dispose takes it)
         try:
             self._object(key).unlink()
         except FileNotFoundError:
             return False
         except OSError as exc:
             raise _os_error(exc, f"cannot delete {key}") from exc
-        if found is not None:
-            try:
-                self._marker(found["stream_id"], key).unlink(missing_ok=True)
-            except OSError as exc:  # the object is gone, which is what was asked; the index lags
-                log.warning("deleted %s but not its stream marker: %s", key, exc)
+        try:
+            self._marker(stream_id, key).unlink(missing_ok=True)
+        except OSError as exc:  # the object is gone, which is what was asked; the index lags
+            log.warning("deleted %s but not its stream marker: %s", key, exc)
         return True
 
     def _read_header(self, key: str) -> dict | None:

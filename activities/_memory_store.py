@@ -39,10 +39,14 @@ class MemoryStateStore(StateStore):
             hit = self._blobs.get(key)
         return hit[0] if hit is not None and hit[2] == principal else None
 
-    def delete(self, *, key: str) -> bool:
+    def delete(self, *, key: str, stream_id: str, principal: str) -> bool:
         check_name("key", key)
         with self._lock:
-            return self._blobs.pop(key, None) is not None
+            hit = self._blobs.get(key)
+            if hit is None or (hit[1], hit[2]) != (stream_id, principal):
+                return False
+            del self._blobs[key]
+            return True
 
     def delete_stream(self, *, stream_id: str) -> int:
         check_name("stream id", stream_id)

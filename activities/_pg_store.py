@@ -214,10 +214,11 @@ class PostgresStateStore(StateStore):
             raise StoreCorrupt(f"{key}: content does not match its digest")
         return data
 
-    def delete(self, *, key: str) -> bool:
+    def delete(self, *, key: str, stream_id: str, principal: str) -> bool:
         check_name("key", key)
         with self._conn() as conn:
-            return conn.execute(f"DELETE FROM {self.table} WHERE key = %s", (key,)).rowcount == 1
+            return conn.execute(f"DELETE FROM {self.table} WHERE key = %s AND stream_id = %s AND principal = %s",
+                                (key, stream_id, principal)).rowcount == 1
 
     def delete_stream(self, *, stream_id: str) -> int:
         check_name("stream id", stream_id)

@@ -130,8 +130,9 @@ class StateStore(ABC):
         """The blob under `key` if it exists and belongs to `principal`; None otherwise."""
 
     @abstractmethod
-    def delete(self, *, key: str) -> bool:
-        """Remove one object. True if it existed."""
+    def delete(self, *, key: str, stream_id: str, principal: str) -> bool:
+        """Remove one object of `stream_id` and `principal`. True if it existed and was theirs: an
+        object of another stream or principal is left alone (False), whatever the key says."""
 
     @abstractmethod
     def delete_stream(self, *, stream_id: str) -> int:

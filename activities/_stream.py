@@ -32,6 +32,7 @@ registry's lock, which nothing interrupts now.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import itertools
 import json
 import logging
@@ -43,9 +44,10 @@ from typing import Any
 
 import torch
 from temporalio import activity
+from temporalio.client import WorkflowHistoryEventFilterType
 from temporalio.exceptions import ApplicationError, CancelledError
 
-from activities._commit import ChunkCommit, Committed, chunk_key
+from activities._commit import ChunkCommit, Committed
 from activities._engine import SeededSampler, StreamBusy, StreamEngine, _multinomial_form_holds
 from activities._health import WorkerHealth
 from activities._metrics import StreamMetrics
@@ -56,13 +58,18 @@ from scan import Model, ScanError, State
 from state_codec import (
     BadSignature,
     EpochMismatch,
+    ForgedCarry,
     InputTransformMismatch,
+    PrincipalMismatch,
     Receipt,
     RequestRejected,
     StateRejected,
+    StreamMismatch,
+    parse_state_key,
+    stream_tag,
     validate_resume,
 )
-from state_codec.codec import Keyring, default_state_key, unseal
+from state_codec.codec import Keyring, unseal
 from state_codec.signing import PrincipalKeys
 from workflows import (
     ChunkTooLarge,
@@ -71,9 +78,12 @@ from workflows import (
     InvalidRequest,
     LocalTooSlow,
     ResultExpired,
+    RewindUnavailable,
     StreamFailure,
+    UpdateIdMismatch,
     WorkerUnhealthy,
     application_error,
+    parse_update_id,
 )
 from workflows._models import (
     ACTIVITY_ADVANCE,
@@ -82,10 +92,16 @@ from workflows._models import (
     ACTIVITY_GENERATE,
     ACTIVITY_OPEN,
     ACTIVITY_RECALL,
+    ACTIVITY_OPEN_CARRY,
     ACTIVITY_RESET,
+    ACTIVITY_REWIND,
+    ACTIVITY_SEAL_CARRY,
+    ACTIVITY_VERIFY,
     AdvanceChunkRequest,
     AdvanceChunkResult,
     AdvanceResult,
+    CarrySeal,
+    CarrySealRequest,
     CheckpointStreamRequest,
     DisposeStreamRequest,
     DisposeStreamResult,
@@ -99,9 +115,12 @@ from workflows._models import (
     RecallResultRequest,
     RecallResultResult,
     ResetStreamRequest,
+    RewindStreamRequest,
     StateResult,
     TokenLogprob,
     TokenProgress,
+    VerifyRequest,
+    id_digest,
 )
 
 __all__ = ["StreamActivities"]
@@ -199,6 +218,15 @@ def _digest(logits: torch.Tensor) -> str:
     return "sha256:" + hashlib.sha256(logits.to(torch.float32).contiguous().numpy().tobytes()).hexdigest()
 
 
+def _own_key(stream_id: str, state_key: str) -> None:
+    """A checkpoint key a request names is one of its stream's own (a forged carry or a recorded
+    result could name any), else StreamMismatch."""
+    owner = parse_state_key(state_key)
+    if owner is None or owner.stream_id != stream_id:
+        raise StreamMismatch(f"{state_key!r} is not a checkpoint of stream {stream_id}", field="state_key",
+                             expected=stream_id, actual=owner.stream_id if owner else None)
+
+
 def _top_k(last: torch.Tensor | None, k: int) -> list[TokenLogprob]:
     if last is None or k == 0:
         return []
@@ -251,6 +279,7 @@ class StreamActivities:
         # the edge callback late-bound, so that a subclass's `_edge` (the crash tests') is the one called
         self.commits = ChunkCommit(store, keyring, self.metrics,
                                    edge=lambda name, sid, seq: self._edge(name, sid, seq))
+        self._carry_key = keyring.subkey("mamba-stream/carry/v1")
         #: whether this worker's failures are its own; the plugin stops a tripped worker
         self.health = WorkerHealth()
         self.health.on_trip(lambda why: self.metrics.worker_unhealthy.add(1))
@@ -271,7 +300,8 @@ class StreamActivities:
 
     def activities(self) -> list[Callable[..., Any]]:
         return [self.open_stream, self.advance_chunk, self.generate_tokens, self.reset_stream,
-                self.checkpoint_stream, self.dispose_stream, self.recall_result]
+                self.checkpoint_stream, self.dispose_stream, self.recall_result, self.rewind_stream,
+                self.verify_request, self.seal_carry, self.open_carry]
 
     def _edge(self, name: str, stream_id: str, chunk_seq: int) -> None:
         """A commit edge (see the module docstring). Does nothing; tests kill a worker here."""
@@ -309,6 +339,14 @@ class StreamActivities:
         why = self.health.tripped
         if why is not None:
             raise application_error(WorkerUnhealthy(f"this worker stopped taking work: {why}"))
+        if activity.in_activity():
+            # Only the stream's own workflow schedules its activities: the server says which
+            # workflow did (a standalone activity, started by any caller of the frontend, names none)
+            caller = activity.info().workflow_id
+            if caller != stream_id:
+                raise application_error(StreamMismatch(
+                    f"an activity of stream {stream_id} scheduled by {caller or 'no workflow'}",
+                    field="workflow_id", expected=stream_id, actual=caller))
 
         def worker_fault(exc: BaseException) -> bool:
             self.metrics.untyped_failures.add(1, {"exception": type(exc).__name__})
@@ -348,6 +386,16 @@ class StreamActivities:
             raise BadSignature(f"the {kind} request is signed for {claims.get('principal')!r}, sent for {principal!r}",
                                field="principal", expected=principal, actual=claims.get("principal"))
         self.principal_keys.verify(kind, stream_id, claims, request.signature if request is not None else None)
+
+    def _check_update_id(self, kind: str, stream_id: str, update_id: str | None, request: Any) -> None:
+        """An update id made by `workflows.update_id` names this chunk's content: its digest is the
+        content's, keyed by the stream's id key (which only the principal and the workers hold)."""
+        named = parse_update_id(update_id) if update_id else None
+        if named is None:
+            return
+        want = id_digest(self.keyring.id_key(stream_tag(stream_id)), kind, request)
+        if not hmac.compare_digest(named[3], want):
+            raise UpdateIdMismatch(f"update id {update_id!r} does not name this {kind}'s content", update_id=update_id)
 
     def _model(self, model_id: str) -> Model:
         # loaded under the registry's lock, which no cancellation interrupts (the module docstring);
@@ -480,6 +528,13 @@ class StreamActivities:
         with self._guarded(req.stream_id, req.model_id):
             check_name("stream id", req.stream_id)
             self._verify("open", req.stream_id, req.principal, req)
+            tag = stream_tag(req.stream_id)
+            if tag is not None and tag != self.keyring.principal_tag(req.principal):
+                # the id names another principal than the stream is opened for: its payloads
+                # would be under that principal's key
+                raise PrincipalMismatch(f"stream {req.stream_id} is tagged for another principal than "
+                                        f"{req.principal!r}", field="principal", expected=tag,
+                                        actual=req.principal)
             model = self._model(req.model_id)
             info = self._info(model)
             if req.input_transform not in (None, info.input_transform):
@@ -494,11 +549,11 @@ class StreamActivities:
                 validate_resume(req.resume, model.identity(), req.principal)
                 state, last = self._fetch(model, req.resume, req.principal, current=False)
             origin = req.resume.checksum if req.resume else "initial"
-            key = default_state_key(req.stream_id, 0, 0, hashlib.sha256(f"open|{origin}".encode()).hexdigest())
+            key = self.commits.state_key(req.stream_id, 0, 0, f"open|{origin}")
             receipt = self._commit(model, req.stream_id, req.principal, state, chunk_seq=0, epoch=0, key=key,
                                    backend=f"{model.backend}:open", before=req.resume, last=last)
-            if last is not None:
-                self.commits.write_record(receipt, {"kind": "open"}, last)
+            # its receipt recorded beside it, as a chunk's is: what a rewind to it goes back to
+            self.commits.write_record(receipt, {"kind": "open", "receipt": receipt.model_dump(mode="json")}, last)
             self._gauge()
             return OpenStreamResult(receipt=receipt, info=info, worker_queue=self.worker_queue)
 
@@ -508,6 +563,7 @@ class StreamActivities:
         t0 = time.perf_counter()
         with self._guarded(req.stream_id, req.receipt.model_id):
             self._verify("advance", req.stream_id, req.principal, req.request)
+            self._check_update_id("advance", req.stream_id, req.update_id, req.request)
             model = self._model(req.receipt.model_id)
             self._check(model, req.receipt, req.principal, req.stream_id)
             ask = req.request
@@ -523,11 +579,12 @@ class StreamActivities:
             model.check_tokens(tokens)  # typed InvalidInput before any work
             digest = hashlib.sha256(f"advance|{ask.top_k}|".encode() + torch.tensor(tokens, dtype=torch.int64)
                                     .numpy().tobytes()).hexdigest()
-            key = chunk_key(req.stream_id, req.receipt, ask.chunk_seq, digest)
+            key = self.commits.chunk_key(req.stream_id, req.receipt, ask.chunk_seq, digest)
             prior = self.commits.prior(key, req.principal)
             if prior is not None:  # an earlier attempt finished: its result, not a second advance
                 self.metrics.duplicate_chunks.add(1, {"model": model.model_id})
-                self.commits.drop(req.drop_keys)  # that attempt may have died before its bookkeeping
+                # that attempt may have died before its bookkeeping
+                self.commits.drop(req.drop_keys, stream_id=req.stream_id, principal=req.principal)
                 return AdvanceChunkResult(result=AdvanceResult.model_validate(prior.result),
                                           worker_queue=self.worker_queue)
             self._local_fits(model, 1 + len(tokens) // max(self._engine_args["prefill_piece"], 1))
@@ -564,6 +621,7 @@ class StreamActivities:
         t0 = time.perf_counter()
         with self._guarded(req.stream_id, req.receipt.model_id):
             self._verify("generate", req.stream_id, req.principal, req.request)
+            self._check_update_id("generate", req.stream_id, req.update_id, req.request)
             model = self._model(req.receipt.model_id)
             self._check(model, req.receipt, req.principal, req.stream_id)
             ask = req.request
@@ -573,11 +631,11 @@ class StreamActivities:
                 json.dumps(ask.model_dump(mode="json", exclude={"principal", *PRESENTATION}) | {"seed": seed},
                            sort_keys=True).encode()
             ).hexdigest()
-            key = chunk_key(req.stream_id, req.receipt, ask.chunk_seq, digest)
+            key = self.commits.chunk_key(req.stream_id, req.receipt, ask.chunk_seq, digest)
             prior = self.commits.prior(key, req.principal)
             if prior is not None:
                 self.metrics.duplicate_chunks.add(1, {"model": model.model_id})
-                self.commits.drop(req.drop_keys)
+                self.commits.drop(req.drop_keys, stream_id=req.stream_id, principal=req.principal)
                 return GenerateChunkResult(result=GenerateResult.model_validate(prior.result),
                                            worker_queue=self.worker_queue)
             self._local_fits(model, ask.max_tokens)
@@ -658,13 +716,13 @@ class StreamActivities:
             if req.epoch <= req.receipt.epoch:
                 raise EpochMismatch(f"epoch {req.epoch} does not follow {req.receipt.epoch}",
                                     field="epoch", expected=req.receipt.epoch + 1, actual=req.epoch)
-            key = default_state_key(req.stream_id, req.epoch, req.receipt.chunk_seq,
-                                    hashlib.sha256(b"reset|initial").hexdigest())
+            key = self.commits.state_key(req.stream_id, req.epoch, req.receipt.chunk_seq, "reset|initial")
             receipt = self._commit(model, req.stream_id, req.principal, model.initial_state(),
                                    chunk_seq=req.receipt.chunk_seq, epoch=req.epoch, key=key,
                                    backend=f"{model.backend}:reset", before=None)
+            self.commits.write_record(receipt, {"kind": "reset", "receipt": receipt.model_dump(mode="json")}, None)
             if req.request is not None and req.request.revoke:
-                n = self.commits.revoke_before(req.stream_id, req.epoch)
+                n = self.commits.revoke_before(req.stream_id, req.principal, req.epoch)
                 log.info("reset of %s revoked %d checkpoints of the epochs before %d", req.stream_id, n, req.epoch)
             self.metrics.resets.add(1, {"model": model.model_id})
             self._gauge()
@@ -685,12 +743,94 @@ class StreamActivities:
         """A committed chunk's recorded result (a repeated update id whose full result was not
         carried across continue-as-new)."""
         with self._guarded(req.stream_id):
+            _own_key(req.stream_id, req.state_key)  # never another stream's record
             prior = self.commits.prior(req.state_key, req.principal)
             if prior is None:
                 raise ResultExpired(f"chunk result {req.state_key} is no longer kept (its checkpoint left the window)",
                                     state_key=req.state_key)
             model = AdvanceResult if req.kind == "advance" else GenerateResult
             return RecallResultResult(**{req.kind: model.model_validate(prior.result)})
+
+    @activity.defn(name=ACTIVITY_REWIND, no_thread_cancel_exception=True)
+    def rewind_stream(self, req: RewindStreamRequest) -> StateResult:
+        """The receipt of one of the stream's earlier checkpoints (its recorded receipt), checked
+        to be stored and authentic: what the stream goes back to. The undone chunks' checkpoints
+        (`drop_keys`) are deleted."""
+        with self._guarded(req.stream_id, req.receipt.model_id):
+            self._verify("rewind", req.stream_id, req.principal, req.request)
+            model = self._model(req.receipt.model_id)
+            self._check(model, req.receipt, req.principal, req.stream_id)
+            _own_key(req.stream_id, req.state_key)
+            prior = self.commits.prior(req.state_key, req.principal)
+            if prior is None or "receipt" not in prior.result:
+                raise RewindUnavailable(f"checkpoint {req.state_key} has no recorded receipt (gone, or written "
+                                        f"before rewinds recorded one)", state_key=req.state_key)
+            target = Receipt.model_validate(prior.result["receipt"])
+            self._check(model, target, req.principal, req.stream_id)
+            self.commits.fetch_current(model, target, req.principal)  # there, authentic, this stream's
+            self.commits.drop(req.drop_keys, stream_id=req.stream_id, principal=req.principal)
+            log.info("stream %s rewound to chunk %d (position %d)", req.stream_id, target.chunk_seq, target.position)
+            return StateResult(receipt=target, worker_queue=self.worker_queue)
+
+    @activity.defn(name=ACTIVITY_VERIFY, no_thread_cancel_exception=True)
+    def verify_request(self, req: VerifyRequest) -> VerifyRequest:
+        """A request's signature, verified (no-op when requests are not signed here)."""
+        with self._guarded(req.stream_id):
+            self._verify(req.kind, req.stream_id, req.principal, req.request)
+            return req
+
+    # --- continue-as-new: the carry, sealed by the workers ------------------------------------
+
+    def _carry_mac(self, stream_id: str, run_id: str, digest: str) -> str:
+        return hmac.new(self._carry_key, f"{stream_id}|{run_id}|{digest}".encode(), hashlib.sha256).hexdigest()
+
+    @activity.defn(name=ACTIVITY_SEAL_CARRY, no_thread_cancel_exception=True)
+    def seal_carry(self, req: CarrySealRequest) -> CarrySeal:
+        """Seal what the stream carries to its next run, for its stream and this run (the run
+        that schedules it, as the server says)."""
+        with self._guarded(req.stream_id):
+            run_id = activity.info().workflow_run_id if activity.in_activity() else None
+            if not run_id:
+                raise InvalidRequest("a carry is sealed by the run that continues as new")
+            return CarrySeal(run_id=run_id, mac=self._carry_mac(req.stream_id, run_id, req.digest))
+
+    @activity.defn(name=ACTIVITY_OPEN_CARRY)
+    async def open_carry(self, req: CarrySealRequest) -> CarrySeal:
+        """Verify a carry before the run that received it trusts any of it: sealed by the workers,
+        for this stream, by the run this one continues. Raises ForgedCarry otherwise.
+
+        A carry with no seal at all is one a version that did not seal carries made (a versioned
+        rollout continues its streams as new onto this one): it is taken when the server's
+        history says the run this one continues ended by continuing as new into this very run,
+        which only the workflow's own code can do."""
+        with self._guarded(req.stream_id):
+            seal = req.seal
+            if seal is None and req.continued_run_id and await self._continued_into_this_run(req):
+                return CarrySeal(run_id=req.continued_run_id, mac="")
+            if seal is None or not req.continued_run_id or seal.run_id != req.continued_run_id:
+                raise ForgedCarry("the start input carries a carry, but this run does not continue the run that "
+                                  "sealed it", field="run_id", expected=req.continued_run_id,
+                                  actual=seal.run_id if seal else None)
+            if not hmac.compare_digest(seal.mac, self._carry_mac(req.stream_id, seal.run_id, req.digest)):
+                raise ForgedCarry("the carry's seal does not verify: not the workers' carry of this stream",
+                                  field="mac")
+            return seal
+
+    @staticmethod
+    async def _continued_into_this_run(req: CarrySealRequest) -> bool:
+        """Whether run `continued_run_id` of the stream ended by continuing as new into the run
+        that scheduled this activity (the server's history: its close event)."""
+        try:
+            client = activity.client()
+        except RuntimeError:  # not in a worker: nothing to ask
+            return False
+        handle = client.get_workflow_handle(req.stream_id, run_id=req.continued_run_id)
+        async for event in handle.fetch_history_events(event_filter_type=WorkflowHistoryEventFilterType.CLOSE_EVENT):
+            if event.HasField("workflow_execution_continued_as_new_event_attributes"):
+                moved = event.workflow_execution_continued_as_new_event_attributes
+                return moved.new_execution_run_id == activity.info().workflow_run_id
+            return False
+        return False
 
     @activity.defn(name=ACTIVITY_DISPOSE, no_thread_cancel_exception=True)
     def dispose_stream(self, req: DisposeStreamRequest) -> DisposeStreamResult:

@@ -182,16 +182,14 @@ async def _row(streams: StreamClient, n: int, args: argparse.Namespace, server: 
 
 
 async def _measure(args: argparse.Namespace, tmp: Path) -> list[list]:
-    from temporalio.testing import WorkflowEnvironment
     from temporalio.worker import Worker
 
     from activities import open_store
     from activities._registry import ModelRegistry
     from activities._stream import StreamActivities
-    from worker import dev_server_args, temporal_binary
+    from worker import start_dev_server
 
-    env = await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(), ip="127.0.0.1",
-                                                dev_server_extra_args=dev_server_args(), dev_server_log_level="error")
+    env = await start_dev_server()
     server = _server_pid()
     ring = Keyring.generate()
     queue = f"bench-{uuid.uuid4().hex[:8]}"

@@ -141,7 +141,6 @@ def _bench_model(tmp: Path) -> Path:
 
 async def _throughput(levels: list[int], steps: int, gen_tokens: int, tmp: Path, backend: str = "exact") -> list[str]:
     from temporalio.client import Client
-    from temporalio.testing import WorkflowEnvironment
     from temporalio.worker import Worker
 
     from activities import open_store
@@ -149,11 +148,10 @@ async def _throughput(levels: list[int], steps: int, gen_tokens: int, tmp: Path,
     from activities._stream import StreamActivities
     from plugin import MambaStreamPlugin
     from state_codec.codec import Keyring
-    from worker import dev_server_args, temporal_binary
+    from worker import start_dev_server
     from workflows import StreamClient, StreamOptions
 
-    env = await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(), ip="127.0.0.1",
-                                                dev_server_extra_args=dev_server_args(), dev_server_log_level="error")
+    env = await start_dev_server()
     ring = Keyring.generate()
     queue = f"bench-{uuid.uuid4().hex[:8]}"
     _bench_model(tmp)

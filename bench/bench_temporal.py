@@ -30,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from temporalio.client import Client  # noqa: E402
-from temporalio.testing import WorkflowEnvironment  # noqa: E402
 from temporalio.worker import Worker  # noqa: E402
 
 from _noop_workflow import NoopWorkflow  # noqa: E402
@@ -40,7 +39,7 @@ from activities._stream import StreamActivities  # noqa: E402
 from plugin import MambaStreamPlugin  # noqa: E402
 from scan import ModelConfig, init_model, save_checkpoint  # noqa: E402
 from state_codec.codec import Keyring  # noqa: E402
-from worker import DEV_SERVER_DYNAMIC_CONFIG, dev_server_args, temporal_binary  # noqa: E402
+from worker import DEV_SERVER_DYNAMIC_CONFIG, start_dev_server  # noqa: E402
 from workflows import StreamClient, StreamOptions  # noqa: E402
 
 RPS = "history.transferProcessorMaxPollRPS"
@@ -86,9 +85,7 @@ async def _measure(rps: int, args: argparse.Namespace, tmp: Path) -> dict[str, C
     """Every row of the table on a dev server whose transfer queue reads `rps` times a second."""
     cells: dict[str, Cell] = {}
     config = {**DEV_SERVER_DYNAMIC_CONFIG, RPS: rps}
-    env = await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(), ip="127.0.0.1",
-                                                dev_server_extra_args=dev_server_args(config),
-                                                dev_server_log_level="error")
+    env = await start_dev_server(config)
     ring = Keyring.generate()
     queue = f"bench-{uuid.uuid4().hex[:8]}"
     acts = StreamActivities(models=ModelRegistry({"bench-mamba2": str(tmp / "model")}, backend=args.backend),

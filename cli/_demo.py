@@ -57,8 +57,7 @@ async def _demo(args: argparse.Namespace) -> int:
     from plugin import MambaStreamPlugin
     from scan import load_model
     from state_codec.codec import plaintext_checksum
-    from state_codec.codec_server import CodecServer
-    from worker import EmbeddedTemporal, WorkerConfig, load_keyring, private_home
+    from worker import WorkerConfig, load_keyring, private_home, start_embedded
     from workflows import StreamClient
 
     cfg = WorkerConfig()
@@ -66,10 +65,7 @@ async def _demo(args: argparse.Namespace) -> int:
     keyring = load_keyring(cfg)
     server = codec = None
     if cfg.address is None:
-        codec = CodecServer(keyring, port=cfg.codec_port,
-                            token=os.environ.get("MAMBA_STREAM_CODEC_TOKEN") or None).start()
-        server = EmbeddedTemporal(cfg.home, port=cfg.temporal_port, ui_port=cfg.ui_port,
-                                  codec_endpoint=codec.endpoint).start()
+        server, codec = start_embedded(cfg, keyring)
         cfg.address = server.address
     queue = f"mamba-stream-demo-{uuid.uuid4().hex[:8]}"
     env = dict(os.environ, TEMPORAL_ADDRESS=cfg.address, MAMBA_STREAM_HOME=str(cfg.home),

@@ -21,7 +21,8 @@ async def _streams(args: argparse.Namespace):
 
     cfg = ClientConfig()
     keyring = cfg.load_keyring()  # found, never made: KeyringNotFound says where it looked
-    client = await Client.connect(args.address or cfg.target, plugins=[MambaStreamPlugin(keyring=keyring)])
+    client = await Client.connect(args.address or cfg.target, **cfg.connect_args(),
+                                  plugins=[MambaStreamPlugin(keyring=keyring)])
     signer = None
     if cfg.signing_key:
         from state_codec.signing import RequestSigner
@@ -121,10 +122,17 @@ async def _reset(args: argparse.Namespace) -> int:
 
 async def _rewind(args: argparse.Namespace) -> int:
     streams = await _streams(args)
-    run_id = await streams.rewind(args.stream, args.to_seq, reason=args.reason)
+    run_id = await streams.rewind(args.stream, args.to_seq, principal=args.principal)
     stats = await streams.stats(args.stream)
     _emit(args, {"stream_id": args.stream, "run_id": run_id, "chunk_seq": stats.chunk_seq, "position": stats.position},
           f"{args.stream} rewound to chunk {stats.chunk_seq} (position {stats.position}), run {run_id}")
+    return 0
+
+
+async def _cancel(args: argparse.Namespace) -> int:
+    streams = await _streams(args)
+    await streams.cancel(args.stream, args.principal, wait=not args.no_wait)
+    _emit(args, {"stream_id": args.stream, "cancelled": True}, f"{args.stream} cancelled")
     return 0
 
 
@@ -180,23 +188,34 @@ async def _sweep(args: argparse.Namespace) -> int:
 
 def _codec_server(args: argparse.Namespace) -> int:
     from state_codec.codec_server import CodecServer, principal_tokens_from_env
-    from state_codec.keyring import KeyringError
+    from state_codec.keyring import KeyringError, default_home
     from workflows import ClientConfig
 
     origins = tuple(o for o in args.origins.split(",") if o)
-    token = args.token or os.environ.get("MAMBA_STREAM_CODEC_TOKEN") or None
     try:
+        # never from the command line, which every user of the machine can read (/proc/<pid>/cmdline)
+        token = (Path(args.token_file).read_text().strip() if args.token_file else None) or \
+            os.environ.get("MAMBA_STREAM_CODEC_TOKEN") or None
         keyring = ClientConfig().load_keyring()
-    except KeyringError as exc:
+    except (KeyringError, OSError) as exc:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     server = CodecServer(keyring, host=args.host, port=args.port, origins=origins, token=token,
                          principal_tokens=principal_tokens_from_env())
-    # a token that was not given was made here: say it, or nobody could use the server
-    shown = "<the token given>" if token else server.token
-    print(f"codec server on {server.url} (origins {', '.join(origins)}); every request needs the token {shown}: "
-          f"'Authorization: Bearer <token>' (temporal --codec-auth), or the endpoint {server.url}/t/<token> "
-          f"(the UI's codec endpoint)", flush=True)
+    where = "the token given"
+    if not token:
+        # made here: kept where only this user reads it, not in the output (which logs keep)
+        out = Path(args.endpoint_file) if args.endpoint_file else default_home() / "codec-endpoint"
+        out.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            os.fchmod(fh.fileno(), 0o600)
+            fh.write(server.endpoint + "\n")
+        where = f"the token in the endpoint written to {out}"
+    print(f"codec server on {server.url} (origins {', '.join(origins)}); every request needs {where}: "
+          f"'Authorization: Bearer <token>' (the Temporal CLI's TEMPORAL_CODEC_AUTH), or the endpoint "
+          f"{server.url}/t/<token> (the UI's Codec Server setting in the browser, TEMPORAL_CODEC_ENDPOINT)",
+          flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -293,11 +312,19 @@ def add_stream_commands(sub: argparse._SubParsersAction) -> None:
                    help="also delete every checkpoint of the earlier epochs, pinned ones included (default: kept)")
     p.set_defaults(func=_run(_reset), hard_exit=True)
 
-    p = common(sub.add_parser("rewind", help="undo the chunks after --to-seq (a Temporal reset of the stream's run)"))
+    p = common(sub.add_parser("rewind", help="undo the chunks after --to-seq (the stream continues, in a new run, "
+                                             "from that chunk's checkpoint)"))
     p.add_argument("stream")
     p.add_argument("--to-seq", type=int, required=True, help="the last chunk to keep (0: back to the opened state)")
-    p.add_argument("--reason", default="", help="recorded with the reset")
+    p.add_argument("--principal", default=None, help="the stream's principal (default: read from the stream)")
     p.set_defaults(func=_run(_rewind), hard_exit=True)
+
+    p = common(sub.add_parser("cancel", help="end the stream and destroy its state (the sealed cancel signal, "
+                                             "then Temporal's cancel request)"))
+    p.add_argument("stream")
+    p.add_argument("--principal", default=None, help="the stream's principal (default: read from the stream)")
+    p.add_argument("--no-wait", action="store_true", help="return once the cancel is sent")
+    p.set_defaults(func=_run(_cancel), hard_exit=True)
 
     p = common(sub.add_parser("checkpoint", help="a portable receipt of the stream's state"))
     p.add_argument("stream")
@@ -324,5 +351,8 @@ def add_stream_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8081)
     p.add_argument("--origins", default="http://localhost:8233,http://127.0.0.1:8233")
-    p.add_argument("--token", default=None, help="require this bearer token (or $MAMBA_STREAM_CODEC_TOKEN)")
+    p.add_argument("--token-file", default=None, help="a file holding the token every request must carry "
+                   "(default $MAMBA_STREAM_CODEC_TOKEN, else a random one); never a token on the command line")
+    p.add_argument("--endpoint-file", default=None, help="where a random token's endpoint is written (0600; "
+                   "default $MAMBA_STREAM_HOME/codec-endpoint)")
     p.set_defaults(func=_codec_server)

@@ -16,15 +16,18 @@ from state_codec._errors import (
     CorruptBlob,
     DTypeMismatch,
     EpochMismatch,
+    ForgedCarry,
     InputTransformMismatch,
     ModelRevisionMismatch,
     PositionMismatch,
     PrincipalMismatch,
     SchemaMismatch,
+    SealerMismatch,
     StateRejected,
     StreamMismatch,
     TruncatedBlob,
     UnknownKeyId,
+    UnsealedRequest,
     UnsupportedEnvelopeVersion,
 )
 from state_codec._receipt import (
@@ -37,11 +40,16 @@ from state_codec._receipt import (
     schema_diff,
     validate_resume,
 )
+from state_codec._sealing import CLEAR, MASTER, SEALED_ATTR, SEALER_KEY, StateKey, parse_state_key, sealer_of, stream_tag
 from state_codec._schema import SCHEMA_VERSION, Discretization, StateSchema, TensorSpec
 
 __all__ = [
+    "CLEAR",
+    "MASTER",
     "RECEIPT_VERSION",
     "SCHEMA_VERSION",
+    "SEALED_ATTR",
+    "SEALER_KEY",
     "Arithmetic",
     "BadSignature",
     "CheckpointNotFound",
@@ -51,6 +59,7 @@ __all__ = [
     "DTypeMismatch",
     "Discretization",
     "EpochMismatch",
+    "ForgedCarry",
     "InputTransformMismatch",
     "ModelIdentity",
     "ModelRevisionMismatch",
@@ -59,6 +68,8 @@ __all__ = [
     "Receipt",
     "RequestRejected",
     "SchemaMismatch",
+    "SealerMismatch",
+    "StateKey",
     "StateRejected",
     "StateSchema",
     "StreamMismatch",
@@ -66,10 +77,14 @@ __all__ = [
     "TruncatedBlob",
     "UnknownKeyId",
     "UnknownSigner",
+    "UnsealedRequest",
     "UnsignedRequest",
     "UnsupportedEnvelopeVersion",
     "arithmetic_moved",
     "continue_arithmetic",
+    "parse_state_key",
     "schema_diff",
+    "sealer_of",
+    "stream_tag",
     "validate_resume",
 ]

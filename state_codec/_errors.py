@@ -30,6 +30,9 @@ __all__ = [
     "UnsignedRequest",
     "UnknownSigner",
     "BadSignature",
+    "UnsealedRequest",
+    "SealerMismatch",
+    "ForgedCarry",
 ]
 
 
@@ -157,3 +160,24 @@ class BadSignature(RequestRejected):
     """Malformed, made with another key, or over other bytes: tampered, or meant for another stream."""
 
     reason = "BadSignature"
+
+
+class UnsealedRequest(RequestRejected):
+    """A request in clear: not encrypted under any key of this deployment. Only a client holding
+    the stream's principal's history key (or the operator) can change a stream."""
+
+    reason = "UnsealedRequest"
+
+
+class SealerMismatch(RequestRejected):
+    """A request sealed under another key than the one it needs: another principal's history key
+    on this stream, or the operator's where only the principal may act (feeding a stream)."""
+
+    reason = "SealerMismatch"
+
+
+class ForgedCarry(RequestRejected):
+    """A start input carrying a continue-as-new carry the workers did not seal for this stream's
+    previous run: a client-made carry, or one moved from another stream or run."""
+
+    reason = "ForgedCarry"

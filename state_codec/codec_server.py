@@ -22,12 +22,13 @@ from collections.abc import Mapping
 from urllib.parse import urlsplit
 
 from google.protobuf import json_format
-from temporalio.api.common.v1 import Payloads
+from temporalio.api.common.v1 import Payload, Payloads
 
+from state_codec._sealing import SEALER_KEY
 from state_codec.codec import Keyring
 from state_codec.payload import EncryptionCodec
 
-__all__ = ["CodecServer", "principal_tokens_from_env"]
+__all__ = ["CodecServer", "principal_tokens_from_env", "ui_origins"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,19 @@ def _match(given: str | None, tokens: Mapping[str, str | None]) -> tuple[bool, s
         if given is not None and hmac.compare_digest(given.encode(), tok.encode()):
             found, who = True, principal
     return found, who
+
+
+def _without_sealer(payload: Payload) -> Payload:
+    """What a UI or CLI is handed: the payload as its sender wrote it (who sealed it is the
+    workers' converter's business, not a display's)."""
+    if SEALER_KEY in payload.metadata:
+        del payload.metadata[SEALER_KEY]
+    return payload
+
+
+def ui_origins(ui_port: int) -> tuple[str, ...]:
+    """The origins a Temporal UI on `ui_port` of this machine calls the codec server from."""
+    return (f"http://localhost:{ui_port}", f"http://127.0.0.1:{ui_port}")
 
 
 def principal_tokens_from_env(var: str = "MAMBA_STREAM_CODEC_PRINCIPAL_TOKENS") -> dict[str, str]:
@@ -78,7 +92,7 @@ class CodecServer:
     """
 
     def __init__(self, keyring: Keyring, *, host: str = "127.0.0.1", port: int = 8081,
-                 origins: tuple[str, ...] = ("http://localhost:8233", "http://127.0.0.1:8233"),
+                 origins: tuple[str, ...] = ui_origins(8233),
                  token: str | None = None, principal_tokens: Mapping[str, str] | None = None) -> None:
         allowed = set(origins)
         self.token = token = token or secrets.token_urlsafe(24)
@@ -119,7 +133,7 @@ class CodecServer:
                     payloads = json_format.Parse(body, Payloads())
                     codec = codecs[who]
                     fn = codec.encode if path == "/encode" else codec.decode
-                    out = Payloads(payloads=asyncio.run(fn(list(payloads.payloads))))
+                    out = Payloads(payloads=[_without_sealer(p) for p in asyncio.run(fn(list(payloads.payloads)))])
                     data = json_format.MessageToJson(out).encode()
                 except Exception as exc:  # noqa: BLE001 - report, never crash the server
                     self.send_response(400)

@@ -36,13 +36,13 @@ import hashlib
 import hmac
 import json
 import os
-import re
 import secrets
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 from state_codec._errors import UnknownKeyId
+from state_codec._sealing import TAG
 
 __all__ = ["KEYRING_FILE", "Keyring", "KeyringError", "KeyringNotFound", "default_home", "find_keyring"]
 
@@ -51,8 +51,8 @@ _KEY_BYTES = 32
 KEYRING_FILE = "keyring.json"
 _HISTORY_SALT = b"mamba-stream/history-key/v1"
 _TAG_SALT = b"mamba-stream/principal-tag/v1"
-#: a principal's tag: 32 hex digits
-TAG = re.compile(r"^[0-9a-f]{32}$")
+_SUBKEY_SALT = b"mamba-stream/worker-subkey/v1"
+_ID_SALT = b"mamba-stream/update-id/v1"
 
 
 def history_key(master: bytes, tag: str) -> bytes:
@@ -122,6 +122,30 @@ class Keyring:
         oldest = next(iter(self._keys.values()))
         secret = hmac.new(_TAG_SALT, oldest, hashlib.sha256).digest()
         return hmac.new(secret, principal.encode(), hashlib.sha256).hexdigest()[:32]
+
+    def subkey(self, label: str) -> bytes:
+        """A 32-byte key for one purpose (`label`), derived from the master keyring's oldest key:
+        the same on every worker that holds the keyring, before and after rotation. Workers key
+        what must be deterministic yet unguessable with it (state keys, carry seals)."""
+        if self.principal is not None:
+            raise KeyringError(f"only the master keyring derives the workers' keys (this one is {self.principal!r}'s)")
+        oldest = next(iter(self._keys.values()))
+        return hmac.new(hmac.new(_SUBKEY_SALT, oldest, hashlib.sha256).digest(), label.encode(),
+                        hashlib.sha256).digest()
+
+    def id_key(self, tag: str | None) -> bytes:
+        """The key of the update ids of a stream whose id names `tag` (None: a stream under the
+        master key): from that principal's history key under the oldest key id, so the principal's
+        own keyring and the master derive the same, before and after a rotation."""
+        kid = self.ids[0]
+        if tag is None:
+            if self.principal is not None:
+                raise UnknownKeyId("a principal's keyring holds no key for a stream under the master key",
+                                   field="tag", expected=self.tag, actual=None)
+            base = self.key(kid)
+        else:
+            base = self.history_key(kid, tag)
+        return hmac.new(base, _ID_SALT, hashlib.sha256).digest()
 
     def for_principal(self, principal: str) -> Keyring:
         """The keyring of one principal: its history key under every master key id, nothing else."""

@@ -3,7 +3,13 @@
 Encoded payloads carry `encoding: binary/encrypted` and the key id; their data is the 12-byte
 nonce followed by the AES-256-GCM ciphertext of the original serialized payload. Payloads
 without that encoding (plain JSON typed into the Temporal CLI, say) pass through decoding as
-they are, so operators can still signal and query with the stock CLI.
+they are, marked as sealed by nobody: a stream refuses them as requests (`state_codec._sealing`).
+
+Every payload the codec decodes says who sealed it (`SEALER_KEY` in its metadata: the tag of the
+principal whose history key opened it, "master" for the workers' key, "clear" for none), written
+by the codec over anything the sender put there; the payload converter hands it to the request
+model, and the stream workflow acts only on what its own principal's key (or the operator's)
+sealed.
 
 A payload this keyring cannot open (another keyring's key id, or altered bytes) is not an error
 in the codec: the codec runs before the workflow code, where an error either fails the workflow
@@ -37,11 +43,12 @@ from temporalio.converter import (
 from temporalio.exceptions import ApplicationError
 
 from state_codec._errors import CorruptBlob, UnknownKeyId
-from state_codec.keyring import TAG, Keyring
+from state_codec._sealing import CLEAR, FAILURE_SEALER_ATTR, MASTER, SEALED_ATTR, SEALER_KEY, stream_tag
+from state_codec.keyring import Keyring
 
 __all__ = ["ENCODED_FAILURE", "ENCRYPTED_ENCODING", "UNDECRYPTABLE_ENCODING", "EncryptionCodec",
            "SealedPayloadConverter", "StreamPayloadConverter", "TypedFailureConverter", "sealed_for_stream",
-           "stream_principal"]
+           "stream_principal", "with_sealer"]
 
 ENCRYPTED_ENCODING = b"binary/encrypted"
 UNDECRYPTABLE_ENCODING = b"binary/undecryptable"
@@ -50,12 +57,16 @@ _KID = "encryption-key-id"
 _TAG = "encryption-tag"  # set when the payload is under the history key of the principal with that tag
 
 
-def stream_principal(workflow_id: str) -> str | None:
-    """The principal tag a stream id names (`ms.<tag>.<32 hex>`, `workflows.new_stream_id`), or None."""
-    parts = workflow_id.split(".")
-    if len(parts) == 3 and parts[0] == "ms" and TAG.match(parts[1]) and len(parts[2]) == 32:
-        return parts[1]
-    return None
+#: the principal tag a stream id names (`state_codec._sealing.stream_tag`)
+stream_principal = stream_tag
+
+
+def with_sealer(payload: Payload, sealer: str) -> Payload:
+    """`payload` marked as sealed by `sealer` (a tag, MASTER or CLEAR), whatever it said before."""
+    out = Payload()
+    out.CopyFrom(payload)
+    out.metadata[SEALER_KEY] = sealer.encode()
+    return out
 
 
 def sealed_for_stream(payload: Payload, workflow_id: str) -> bool:
@@ -118,6 +129,9 @@ class EncryptionCodec(PayloadCodec, WithSerializationContext):
         return c
 
     def encrypt(self, payload: Payload) -> Payload:
+        if SEALER_KEY in payload.metadata:  # a decoded payload sent on: who sealed it is the decoder's word
+            payload = Payload(metadata={k: v for k, v in payload.metadata.items() if k != SEALER_KEY},
+                              data=payload.data)
         kid = self._keyring.active_id
         tag = self._tag if self._keyring.tag is None else self._keyring.tag
         nonce = os.urandom(12)
@@ -133,9 +147,11 @@ class EncryptionCodec(PayloadCodec, WithSerializationContext):
         return Payload(metadata=meta, data=data)
 
     def decrypt(self, payload: Payload) -> Payload:
-        """The original payload, or (when this keyring cannot open it) a `binary/undecryptable` one."""
+        """The original payload marked with who sealed it, or (when this keyring cannot open it) a
+        `binary/undecryptable` one."""
         if payload.metadata.get("encoding") != ENCRYPTED_ENCODING:
-            return payload
+            return with_sealer(payload, CLEAR) if payload.metadata.get("encoding") != UNDECRYPTABLE_ENCODING \
+                else payload
         kid = payload.metadata.get(_KID, b"").decode(errors="replace")
         tag = payload.metadata[_TAG].decode(errors="replace") if _TAG in payload.metadata else None
         cipher = self._cipher(kid, tag)
@@ -153,7 +169,7 @@ class EncryptionCodec(PayloadCodec, WithSerializationContext):
             plain = cipher.decrypt(payload.data[:12], payload.data[12:], aad)
         except InvalidTag:
             return _undecryptable(CorruptBlob.reason, kid, f"the payload under key id {kid!r} fails authentication")
-        return Payload.FromString(plain)
+        return with_sealer(Payload.FromString(plain), tag if tag is not None else MASTER)
 
     async def encode(self, payloads: Sequence[Payload]) -> list[Payload]:
         return [self.encrypt(p) for p in payloads]
@@ -185,11 +201,12 @@ class SealedPayloadConverter(EncodingPayloadConverter):
 
 class _TypedJSONPayloadConverter(PydanticJSONPlainPayloadConverter):
     """Pydantic JSON, where a payload that does not validate is refused typed: a non-retryable
-    `InvalidRequest` naming the fields, not an untyped, retryable ValidationError."""
+    `InvalidRequest` naming the fields, not an untyped, retryable ValidationError. A request model
+    (one with the private attribute `SEALED_ATTR`) is told who sealed it."""
 
     def from_payload(self, payload: Payload, type_hint: type | None = None) -> Any:
         try:
-            return super().from_payload(payload, type_hint)
+            value = super().from_payload(payload, type_hint)
         except ValidationError as exc:
             from workflows._failures import InvalidRequest, application_error
 
@@ -197,6 +214,12 @@ class _TypedJSONPayloadConverter(PydanticJSONPlainPayloadConverter):
             name = getattr(type_hint, "__name__", "value")
             first = "; ".join(f"{e['loc'] or name}: {e['msg']}" for e in errors[:3])
             raise application_error(InvalidRequest(f"invalid {name}: {first}", errors=errors)) from None
+        private = getattr(value, "__private_attributes__", None)
+        if private and SEALED_ATTR in private:
+            # who sealed the request, as the codec found (None: it did not pass through one)
+            sealer = payload.metadata.get(SEALER_KEY)
+            setattr(value, SEALED_ATTR, sealer.decode(errors="replace") if sealer is not None else None)
+        return value
 
 
 class StreamPayloadConverter(PydanticPayloadConverter):
@@ -230,6 +253,46 @@ class TypedFailureConverter(DefaultFailureConverterWithEncodedAttributes):
     the reason: the server hands a query's caller the failure's message and nothing else, so
     without this a refused query would reach any client as "Encoded failure", untyped. A client
     holding the key reads the real message, as before."""
+
+    def from_failure(self, failure: Failure, payload_converter: Any) -> BaseException:
+        """The failure as an exception; one whose details this keyring cannot open (another
+        principal's stream, a refusal sealed under its key, a failure forged in clear) keeps its
+        type, in clear anyway, and its clear stand-in for a message, without the details: the
+        caller learns why it was refused, typed, and nothing else. Never raises: in a workflow, a
+        failure that does not convert would fail the workflow task on every retry."""
+        exc = self._from_failure(failure, payload_converter)
+        # who sealed the failure (its encoded attributes, as the codec found them): a failure of a
+        # stream's activity that the workers did not seal was put there by someone else
+        sealer = failure.encoded_attributes.metadata.get(SEALER_KEY) if failure.HasField("encoded_attributes") \
+            else None
+        try:
+            setattr(exc, FAILURE_SEALER_ATTR, sealer.decode(errors="replace") if sealer is not None else None)
+        except AttributeError:  # an exception type that takes no attributes
+            pass
+        return exc
+
+    def _from_failure(self, failure: Failure, payload_converter: Any) -> BaseException:
+        try:
+            return super().from_failure(failure, payload_converter)
+        except Exception:  # noqa: BLE001 - details nobody can decode here (another key, a forged failure's)
+            pass
+        bare = Failure()
+        bare.CopyFrom(failure)
+        f: Failure | None = bare
+        while f is not None:
+            for info in ("application_failure_info", "canceled_failure_info", "reset_workflow_failure_info"):
+                if f.HasField(info):
+                    getattr(f, info).ClearField("details" if info != "reset_workflow_failure_info"
+                                                else "last_heartbeat_details")
+            if f.HasField("timeout_failure_info"):
+                f.timeout_failure_info.ClearField("last_heartbeat_details")
+            f = f.cause if f.HasField("cause") else None
+        try:
+            return super().from_failure(bare, payload_converter)
+        except Exception:  # noqa: BLE001 - a failure made to break the converter: its type and message only
+            info = failure.application_failure_info if failure.HasField("application_failure_info") else None
+            return ApplicationError(failure.message or "undecodable failure", type=info.type if info else None,
+                                    non_retryable=info.non_retryable if info else False)
 
     def to_failure(self, exception: BaseException, payload_converter: Any, failure: Failure) -> None:
         super().to_failure(exception, payload_converter, failure)

@@ -34,12 +34,18 @@ def config(*args: str, **env: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, env={**full, **env}, cwd=ROOT)
 
 
+#: what the deployer must give: the keyring, and who may call the frontend (an identity provider's keys)
+REQUIRED = {"MAMBA_STREAM_KEYRING": '{"active": "k1", "keys": {"k1": "x"}}',
+            "TEMPORAL_JWKS_URL": "https://idp.example/jwks.json", "MAMBA_STREAM_WORKER_TOKEN": "a.jwt.token",
+            "TEMPORAL_UI_OIDC_URL": "https://idp.example", "TEMPORAL_UI_OIDC_CLIENT_ID": "ui",
+            "TEMPORAL_UI_OIDC_CLIENT_SECRET": "s"}
+
+
 def test_the_compose_file_validates_with_the_services_of_a_deployment():
-    ring = '{"active": "k1", "keys": {"k1": "x"}}'
-    out = config("--services", MAMBA_STREAM_KEYRING=ring)
+    out = config("--services", **REQUIRED)
     assert out.returncode == 0, out.stderr
     assert set(out.stdout.split()) == {"postgresql", "temporal", "temporal-ui", "codec-server", "worker-1", "worker-2"}
-    full = config(MAMBA_STREAM_KEYRING=ring, MAMBA_STREAM_BACKEND="chunked")
+    full = config(**REQUIRED, MAMBA_STREAM_BACKEND="chunked")
     assert full.returncode == 0, full.stderr
     text = full.stdout
     # both replicas share the PostgreSQL state store and the keyring; the UI decrypts through the codec server
@@ -51,6 +57,18 @@ def test_the_compose_file_validates_with_the_services_of_a_deployment():
     assert "/etc/temporal/config/dynamicconfig/mamba-stream.yaml" in text
 
 
-def test_the_shared_keyring_is_required():
-    out = config("-q")
-    assert out.returncode != 0 and "MAMBA_STREAM_KEYRING" in out.stderr
+    # Temporal's own authorization: every call to the frontend carries a token it checks
+    assert "TEMPORAL_AUTH_AUTHORIZER: default" in text and "TEMPORAL_AUTH_CLAIM_MAPPER: default" in text
+    assert "TEMPORAL_JWT_KEY_SOURCE1: https://idp.example/jwks.json" in text
+    assert text.count("TEMPORAL_API_KEY: a.jwt.token") == 2 and "TEMPORAL_AUTH_ENABLED: \"true\"" in text
+    # the operator's codec token is in nothing the UI serves: its codec endpoint is the address alone
+    import yaml
+
+    ui = yaml.safe_load(text)["services"]["temporal-ui"]["environment"]
+    assert ui["TEMPORAL_CODEC_ENDPOINT"] == "http://localhost:8081" and not any("/t/" in str(v) for v in ui.values())
+
+
+@pytest.mark.parametrize("missing", sorted(REQUIRED))
+def test_the_keyring_and_the_frontends_authorization_are_required(missing: str):
+    out = config("-q", **{k: v for k, v in REQUIRED.items() if k != missing})
+    assert out.returncode != 0 and missing in out.stderr

@@ -11,14 +11,13 @@ import pytest
 from temporalio.api.common.v1 import Payload
 from temporalio.client import Client
 from temporalio.converter import DataConverter, PayloadCodec
-from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
 from plugin import PASSTHROUGH, MambaStreamPlugin, _runner, data_converter
 from state_codec.keyring import Keyring, KeyringNotFound
 from state_codec.payload import ENCRYPTED_ENCODING, EncryptionCodec, StreamPayloadConverter
-from worker import dev_server_args, temporal_binary
+from worker import start_dev_server
 
 
 class Tagging(PayloadCodec):
@@ -82,8 +81,7 @@ class _Acts:
 
 
 async def test_the_activities_close_when_the_last_worker_stops():
-    env = await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(), ip="127.0.0.1",
-                                                dev_server_extra_args=dev_server_args(), dev_server_log_level="error")
+    env = await start_dev_server()
     try:
         acts = _Acts()
         client = await Client.connect(env.client.service_client.config.target_host,

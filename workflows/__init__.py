@@ -8,7 +8,7 @@
 """
 
 from workflows._agent import AgentWorkflow
-from workflows._client import GenerateStream, StreamClient, new_stream_id, update_id
+from workflows._client import GenerateStream, StreamClient, id_key, new_stream_id, update_id
 from workflows._failures import (
     NOT_THE_CHUNKS_FAULT,
     ActivityFailed,
@@ -40,6 +40,7 @@ from workflows._models import (
     AdvanceResult,
     AgentInput,
     AgentResult,
+    CancelRequest,
     CheckpointRequest,
     CheckpointResult,
     GenerateRequest,
@@ -47,6 +48,8 @@ from workflows._models import (
     ModelInfo,
     OpenStreamInput,
     ResetRequest,
+    RewindRequest,
+    RewindResult,
     StreamOptions,
     StreamStats,
     TokenBatch,
@@ -68,6 +71,7 @@ __all__ = [
     "AgentInput",
     "AgentResult",
     "AgentWorkflow",
+    "CancelRequest",
     "CheckpointRequest",
     "CheckpointResult",
     "ChunkTooLarge",
@@ -87,6 +91,8 @@ __all__ = [
     "ResetRequest",
     "ResultExpired",
     "RewindPastWindow",
+    "RewindRequest",
+    "RewindResult",
     "RewindUnavailable",
     "StreamCancelled",
     "StreamClient",
@@ -106,6 +112,7 @@ __all__ = [
     "application_error",
     "catalogue",
     "chunk_digest",
+    "id_key",
     "new_stream_id",
     "parse_update_id",
     "update_id",

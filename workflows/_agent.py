@@ -2,8 +2,9 @@
 
 Each turn is fed through an activity that sends the `advance` update to the child with the
 update id of its turn number, so a retried turn is answered from the first result instead of
-being fed twice. When the conversation ends the child is asked to cancel, which disposes of its
-state.
+being fed twice. When the conversation ends the agent sends the child its `cancel` signal (sealed
+by the workers, as the agent's principal) and its parent close policy the Temporal cancel request:
+the child disposes of its state.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ with workflow.unsafe.imports_passed_through():
         AgentFeedRequest,
         AgentInput,
         AgentResult,
+        CancelRequest,
         OpenStreamInput,
     )
     from workflows._stream import MambaStreamWorkflow
@@ -48,4 +50,8 @@ class AgentWorkflow:
                 retry_policy=RetryPolicy(maximum_attempts=inp.options.retry_max_attempts),
                 result_type=AdvanceResult,
             ))
+        # the stream's own cancel (sealed by the workers, as the agent's principal), then the
+        # parent close policy's Temporal cancel request ends it as cancelled
+        await workflow.get_external_workflow_handle(stream_id).signal(
+            MambaStreamWorkflow.cancel, CancelRequest(principal=inp.principal))
         return AgentResult(stream_id=stream_id, turns=turns)

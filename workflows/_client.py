@@ -21,27 +21,26 @@ from temporalio.client import (
     WorkflowUpdateRPCTimeoutOrCancelledError,
 )
 from temporalio.api.common.v1 import WorkflowExecution
-from temporalio.api.enums.v1 import EventType, ResetReapplyExcludeType
+from temporalio.api.enums.v1 import EventType
 from temporalio.api.workflowservice.v1 import (
     GetWorkflowExecutionHistoryRequest,
     ResetStickyTaskQueueRequest,
-    ResetWorkflowExecutionRequest,
 )
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.converter import WorkflowSerializationContext
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
-from state_codec import Receipt
+from state_codec import Receipt, stream_tag
 from workflows._config import DEFAULT_TASK_QUEUE
-from workflows._failures import InvalidRequest, RewindPastWindow, RewindUnavailable, StreamMoving
+from workflows._failures import InvalidRequest, RewindPastWindow, RewindUnavailable, StreamMoving, StreamOpening
 from workflows._models import (
     ACTIVITY_GENERATE,
     ACTIVITY_OPEN,
     PROGRESS_INTERVAL_S,
     AdvanceRequest,
-    chunk_digest,
     AdvanceResult,
+    CancelRequest,
     CheckpointRequest,
     CheckpointResult,
     GenerateRequest,
@@ -49,18 +48,20 @@ from workflows._models import (
     OpenStreamInput,
     ReadTokensRequest,
     ResetRequest,
+    RewindRequest,
     StreamOptions,
     StreamStats,
     TokenBatch,
     TokenEvent,
     TokenProgress,
+    id_digest,
 )
 from workflows._stream import MambaStreamWorkflow
 
 if TYPE_CHECKING:
     from state_codec.signing import RequestSigner
 
-__all__ = ["GenerateStream", "StreamClient", "new_stream_id", "transient", "update_id"]
+__all__ = ["GenerateStream", "StreamClient", "id_key", "new_stream_id", "transient", "update_id"]
 
 T = TypeVar("T")
 
@@ -80,9 +81,11 @@ def transient(err: BaseException) -> bool:
     if isinstance(err, WorkflowUpdateRPCTimeoutOrCancelledError):
         return True
     if isinstance(err, WorkflowUpdateFailedError):
-        # the stream moved to a new run before its time, with this request in flight or waiting:
-        # nothing of it was committed, and the next run takes the same update id
-        return isinstance(err.cause, ApplicationError) and err.cause.type == StreamMoving.reason
+        # the stream moved to a new run before its time, with this request in flight or waiting
+        # (nothing of it was committed, and the next run takes the same update id), or its new run
+        # is still checking what it carried over
+        return isinstance(err.cause, ApplicationError) and err.cause.type in (StreamMoving.reason,
+                                                                               StreamOpening.reason)
     if isinstance(err, RPCError):
         if err.status in _TRANSIENT:
             return True
@@ -104,34 +107,59 @@ def new_stream_id(tag: str | None = None) -> str:
     return f"ms.{tag}.{uuid.uuid4().hex}" if tag else "ms-" + uuid.uuid4().hex
 
 
-def _principal_tag(client: Client, principal: str) -> str | None:
-    """The principal's tag, from the keyring of the client's payload codec (None: no such codec,
-    or a principal's keyring opening a stream for someone else)."""
+def _keyring(client: Client) -> Any:
+    """The keyring of the client's payload codec (`state_codec.keyring.Keyring`), or None."""
     todo = [client.data_converter.payload_codec]
     while todo:
         codec = todo.pop()
         ring = getattr(codec, "keyring", None)
         if ring is not None and hasattr(ring, "principal_tag"):
-            try:
-                return ring.principal_tag(principal)
-            except Exception:  # noqa: BLE001 - KeyringError: not this keyring's principal
-                return None
+            return ring
         todo.extend(getattr(codec, "codecs", ()))
     return None
 
 
-def update_id(kind: str, request: AdvanceRequest | GenerateRequest, *, epoch: int, attempt: int = 0) -> str:
+def _principal_tag(client: Client, principal: str) -> str | None:
+    """The principal's tag, from the keyring of the client's payload codec (None: no such codec,
+    or a principal's keyring opening a stream for someone else)."""
+    ring = _keyring(client)
+    if ring is None:
+        return None
+    try:
+        return ring.principal_tag(principal)
+    except Exception:  # noqa: BLE001 - KeyringError: not this keyring's principal
+        return None
+
+
+def id_key(client: Client, stream_id: str) -> bytes:
+    """The key of a stream's update ids (`Keyring.id_key`), from the client's keyring. Raises
+    LookupError when it holds none for the stream (no keyring, another principal's stream)."""
+    ring = _keyring(client)
+    if ring is None:
+        raise LookupError("the client has no keyring (a payload codec of MambaStreamPlugin): it cannot name "
+                          "a stream's updates, nor seal them")
+    try:
+        return ring.id_key(stream_tag(stream_id))
+    except Exception as exc:  # noqa: BLE001 - UnknownKeyId: another principal's stream
+        raise LookupError(f"this client's keyring holds no key for stream {stream_id}: {exc}") from exc
+
+
+def update_id(kind: str, request: AdvanceRequest | GenerateRequest, *, epoch: int, key: bytes,
+              attempt: int = 0) -> str:
     """The idempotency key of a chunk: `<kind>-<chunk_seq>-e<epoch>-<digest>[-a<attempt>]`.
 
-    Re-sending the same chunk (same sequence, epoch and content) returns the first result; other
-    content under the same sequence is another id, which the stream refuses as `ConflictingChunk`
-    instead of answering it with the first writer's result. A signed chunk's id also names its
-    signature, so a forged request refused under one id cannot take the id of the real one. The
-    epoch (the stream's reset count) and `attempt` let a chunk whose update failed for a reason
-    that was not its own (`workflows.NOT_THE_CHUNKS_FAULT`: a store fault, a rewind past the
-    window) be sent again once the cause is gone: a failed update id keeps its failure.
+    The digest is the chunk's content (`chunk_digest`) keyed by the stream's id key (`id_key`):
+    update ids are in clear in history, and an unkeyed digest of a short text is a dictionary
+    search away from the text. Re-sending the same chunk (same sequence, epoch and content) from
+    any client of the stream's principal derives the same id and returns the first result; other
+    content under the same sequence is another id, which the stream refuses as
+    `ConflictingChunk` instead of answering it with the first writer's result. A signed chunk's id
+    also names its signature, so a forged request refused under one id cannot take the id of the
+    real one. The epoch (the stream's reset count) and `attempt` let a chunk whose update failed
+    for a reason that was not its own (`workflows.NOT_THE_CHUNKS_FAULT`: a store fault, a rewind
+    past the window) be sent again once the cause is gone: a failed update id keeps its failure.
     """
-    uid = f"{kind}-{request.chunk_seq}-e{epoch}-{chunk_digest(kind, request)[:16]}"
+    uid = f"{kind}-{request.chunk_seq}-e{epoch}-{id_digest(key, kind, request)}"
     if request.signature is not None:
         uid += "-s" + hashlib.sha256(request.signature.encode()).hexdigest()[:16]
     return uid + (f"-a{attempt}" if attempt else "")
@@ -155,6 +183,7 @@ class StreamClient:
         self.signer = signer
         self.retry_s = retry_s
         self._epochs: dict[str, int] = {}  # stream -> the epoch this client last saw it in
+        self._id_keys: dict[str, bytes] = {}  # stream -> the key of its update ids
 
     async def _retrying(self, call: Callable[[], Awaitable[T]], stream_id: str | None = None) -> T:
         """`call()`, sent again with backoff while it fails transiently, for up to `retry_s`."""
@@ -193,6 +222,14 @@ class StreamClient:
         if self.signer is None:
             return request
         return request.model_copy(update={"signature": self.signer.sign(kind, stream_id, request.claims())})
+
+    def update_id(self, kind: str, stream_id: str, request: AdvanceRequest | GenerateRequest, epoch: int,
+                  attempt: int = 0) -> str:
+        """`update_id` of a chunk of `stream_id`, keyed by this client's key for it (`id_key`)."""
+        key = self._id_keys.get(stream_id)
+        if key is None:
+            key = self._id_keys[stream_id] = id_key(self.client, stream_id)
+        return update_id(kind, request, epoch=epoch, key=key, attempt=attempt)
 
     def handle(self, stream_id: str) -> WorkflowHandle:
         return self.client.get_workflow_handle_for(MambaStreamWorkflow.run, stream_id)
@@ -266,12 +303,12 @@ class StreamClient:
         req = self.sign(kind, stream_id, make(seq))
         handle = self.handle(stream_id)
         try:
-            out = await self._update(handle, update, req, id=update_id(kind, req, epoch=epoch, attempt=attempt))
+            out = await self._update(handle, update, req, id=self.update_id(kind, stream_id, req, epoch, attempt))
         except WorkflowUpdateFailedError as err:
             if not (isinstance(err.cause, ApplicationError) and err.cause.type == "EpochMismatch"):
                 raise
             epoch = (await self._position(stream_id))[1]  # reset since we last looked: once more
-            out = await self._update(handle, update, req, id=update_id(kind, req, epoch=epoch, attempt=attempt))
+            out = await self._update(handle, update, req, id=self.update_id(kind, stream_id, req, epoch, attempt))
         self._epochs[stream_id] = out.receipt.epoch
         return out
 
@@ -380,40 +417,46 @@ class StreamClient:
         await (self._retrying(send) if epoch is not None else send())
         self._epochs.pop(stream_id, None)  # the next chunk asks the stream for its epoch
 
-    async def rewind(self, stream_id: str, to_seq: int, *, reason: str = "") -> str:
-        """Rewind the stream to just after chunk `to_seq` (0: just after it opened): a Temporal
-        reset of its current run to the first workflow task after that chunk committed, with the
-        later chunks and signals not reapplied. The next chunk continues from chunk `to_seq`'s
-        checkpoint, with the same outputs and checksum as a fresh stream fed the same tokens.
-        Returns the new run's id.
+    async def rewind(self, stream_id: str, to_seq: int, *, principal: str | None = None,
+                     timeout_s: float = 60.0) -> str:
+        """Rewind the stream to just after chunk `to_seq` (0: just after it opened), as its
+        principal (default: the stream's own, from its stats; sealed under this client's key, so
+        only a client holding that principal's keys, or the operator, can). The stream moves to a
+        new run that continues from chunk `to_seq`'s checkpoint, with the same outputs and
+        checksum as a fresh stream fed the same tokens; returns the new run's id.
 
         A rewind reaches any chunk of the stream's window (its newest `checkpoints_kept`
-        checkpoints), and a rewind after a rewind any chunk of the new window: the chunks a rewind
-        undoes do not count against it (`StreamOptions.checkpoints_kept` says what that costs).
+        checkpoints), and a rewind after a rewind any chunk of the new window: the undone chunks'
+        checkpoints are deleted and do not count against it.
 
         Raises:
-            RewindPastWindow: chunk `to_seq` is outside the window; nothing was reset. (A chain of
-                three or more rewinds back may still reach a chunk whose checkpoint an undone
-                line deleted: its next chunk fails `RewindPastWindow`; send a reset.)
-            RewindUnavailable: chunk `to_seq` is not in the current run (never committed, or
-                before a continue-as-new), or no clean point follows it.
+            RewindPastWindow: chunk `to_seq` is outside the window; nothing was rewound.
+            RewindUnavailable: chunk `to_seq` was never committed, or its checkpoint has no
+                recorded receipt (written before rewinds recorded one).
         """
-        run_id, point, key = await self._locate(stream_id, to_seq)
-        window = await self.client.get_workflow_handle_for(
-            MambaStreamWorkflow.run, stream_id, run_id=run_id).query(MambaStreamWorkflow.rewind_window)
-        if key not in window:
-            raise RewindPastWindow(f"chunk {to_seq} is outside the stream's rewind window (its newest {len(window)} "
-                                   f"checkpoints); nothing was reset", chunk_seq=to_seq, window=len(window))
-        if point is None:
-            return run_id  # chunk `to_seq` is the last thing that happened: already there
-        resp = await self.client.workflow_service.reset_workflow_execution(ResetWorkflowExecutionRequest(
-            namespace=self.client.namespace, workflow_execution=WorkflowExecution(workflow_id=stream_id, run_id=run_id),
-            reason=reason or f"mamba-stream rewind to chunk {to_seq}", workflow_task_finish_event_id=point,
-            request_id=uuid.uuid4().hex,
-            reset_reapply_exclude_types=[ResetReapplyExcludeType.RESET_REAPPLY_EXCLUDE_TYPE_SIGNAL,
-                                         ResetReapplyExcludeType.RESET_REAPPLY_EXCLUDE_TYPE_UPDATE]))
+        if principal is None:
+            principal = (await self.stats(stream_id)).principal
+        before = (await self.handle(stream_id).describe()).run_id
+        req = self.sign("rewind", stream_id, RewindRequest(principal=principal, to_seq=to_seq))
+        try:
+            await self._update(self.handle(stream_id), MambaStreamWorkflow.rewind, req,
+                               id=f"rewind-{to_seq}-{uuid.uuid4().hex}")
+        except WorkflowUpdateFailedError as err:
+            cause = err.cause
+            if isinstance(cause, ApplicationError) and cause.type in (RewindPastWindow.reason,
+                                                                      RewindUnavailable.reason):
+                cls = RewindPastWindow if cause.type == RewindPastWindow.reason else RewindUnavailable
+                details = cause.details[0] if cause.details and isinstance(cause.details[0], dict) else {}
+                raise cls(cause.message, **details) from err
+            raise
         self._epochs.pop(stream_id, None)
-        return resp.run_id
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:  # the stream continues as new once the rewind's update is done
+            run = (await self.handle(stream_id).describe()).run_id
+            if run != before or loop.time() > deadline:
+                return run
+            await asyncio.sleep(0.05)
 
     async def rewind_point(self, stream_id: str, to_seq: int) -> tuple[str, int | None]:
         """(current run id, the id of the first WorkflowTaskCompleted event after chunk `to_seq`
@@ -480,10 +523,17 @@ class StreamClient:
     async def stats(self, stream_id: str) -> StreamStats:
         return await self._query(stream_id, MambaStreamWorkflow.stats)
 
-    async def cancel(self, stream_id: str, *, wait: bool = True) -> None:
-        """Cancel the stream; with `wait`, return once it has disposed of its state and ended."""
+    async def cancel(self, stream_id: str, principal: str | None = None, *, wait: bool = True) -> None:
+        """Cancel the stream as its principal (default: the stream's own, from its stats): the
+        `cancel` signal, sealed under this client's key (a Temporal cancel request alone carries
+        no key, and the stream refuses it), then the Temporal cancel request that ends its run as
+        cancelled. With `wait`, return once it has disposed of its state and ended."""
+        if principal is None:
+            principal = (await self.stats(stream_id)).principal
         h = self.handle(stream_id)
-        await h.cancel()
+        req = self.sign("cancel", stream_id, CancelRequest(principal=principal))
+        await self._retrying(lambda: h.signal(MambaStreamWorkflow.cancel, req), stream_id)
+        await self._retrying(h.cancel, stream_id)
         if wait:
             try:
                 await h.result()
@@ -518,7 +568,7 @@ class GenerateStream:
         for resend in (False, True):
             if epoch is None or resend:
                 epoch = (await c._position(sid))[1]
-            uid = update_id("generate", req, epoch=epoch, attempt=self._attempt)
+            uid = c.update_id("generate", sid, req, epoch, self._attempt)
             work = asyncio.ensure_future(c._update(handle, MambaStreamWorkflow.generate, req, id=uid))
             shown: _Shown | None = None
             pause, t0 = FIRST_POLL_S, asyncio.get_running_loop().time()

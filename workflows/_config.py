@@ -9,6 +9,9 @@ alone and never load the worker, the engine or the checkpoint codec.
                               (default: the per-user data directory, never the current one)
     MAMBA_STREAM_KEYRING      keyring JSON, or the path of a 0600 keyring file
     MAMBA_STREAM_SIGNING_KEY  this client's signing key, when the workers verify signatures
+    TEMPORAL_API_KEY          the bearer token (a JWT) this process presents to a frontend that
+                              authorizes callers (Temporal's authorizer and claim mapper:
+                              docs/deploying.md); TEMPORAL_TLS=1 also uses TLS
 """
 
 from __future__ import annotations
@@ -35,10 +38,16 @@ class ClientConfig:
     keyring: str | None = field(default_factory=lambda: _env("MAMBA_STREAM_KEYRING"))
     task_queue: str = field(default_factory=lambda: os.environ.get("MAMBA_STREAM_TASK_QUEUE", DEFAULT_TASK_QUEUE))
     signing_key: str | None = field(default_factory=lambda: _env("MAMBA_STREAM_SIGNING_KEY"))
+    api_key: str | None = field(default_factory=lambda: _env("TEMPORAL_API_KEY"), repr=False)
+    tls: bool = field(default_factory=lambda: os.environ.get("TEMPORAL_TLS", "") in ("1", "true", "yes"))
 
     @property
     def target(self) -> str:
         return self.address or "127.0.0.1:7233"
+
+    def connect_args(self) -> dict:
+        """`Client.connect` keywords: the bearer token (when set) and whether to use TLS."""
+        return {"api_key": self.api_key, "tls": self.tls}
 
     def load_keyring(self) -> Keyring:
         """The workers' keyring, found, never made (`KeyringNotFound` names where it looked)."""

@@ -7,10 +7,11 @@ optional, so histories written by an older version still decode.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from state_codec import Receipt
 
@@ -23,6 +24,10 @@ __all__ = [
     "ACTIVITY_OPEN",
     "ACTIVITY_RECALL",
     "ACTIVITY_RESET",
+    "ACTIVITY_OPEN_CARRY",
+    "ACTIVITY_REWIND",
+    "ACTIVITY_SEAL_CARRY",
+    "ACTIVITY_VERIFY",
     "AdvanceChunkRequest",
     "AdvanceChunkResult",
     "AdvanceRequest",
@@ -30,6 +35,9 @@ __all__ = [
     "AgentFeedRequest",
     "AgentInput",
     "AgentResult",
+    "CancelRequest",
+    "CarrySeal",
+    "CarrySealRequest",
     "CheckpointRequest",
     "CheckpointResult",
     "CheckpointStreamRequest",
@@ -48,13 +56,19 @@ __all__ = [
     "RecentResult",
     "ResetRequest",
     "ResetStreamRequest",
+    "RewindRequest",
+    "RewindResult",
+    "RewindStreamRequest",
     "StateResult",
     "StreamCarry",
     "StreamOptions",
     "StreamStats",
     "TIMEOUT_FLOORS",
     "TokenLogprob",
+    "VerifyRequest",
+    "carry_digest",
     "chunk_digest",
+    "id_digest",
     "parse_update_id",
 ]
 
@@ -65,15 +79,39 @@ ACTIVITY_RESET = "reset_stream"
 ACTIVITY_CHECKPOINT = "checkpoint_stream"
 ACTIVITY_DISPOSE = "dispose_stream"
 ACTIVITY_RECALL = "recall_result"
+ACTIVITY_SEAL_CARRY = "seal_carry"
+ACTIVITY_OPEN_CARRY = "open_carry"
+ACTIVITY_REWIND = "rewind_stream"
+ACTIVITY_VERIFY = "verify_request"
 
 
 class _Model(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class _Strict(_Model):
+class _Sealed(BaseModel):
+    """Who sealed a decoded value travels beside it (`state_codec.sealer_of`), never serialized:
+    the payload converter sets it. It is not part of the value: two values equal field for field
+    are equal, whoever sealed them."""
+
+    _sealer: str | None = PrivateAttr(default=None)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, BaseModel) and type(other) is type(self):
+            return self.__dict__ == other.__dict__
+        return NotImplemented
+
+
+class _ActivityResult(_Sealed, _Model):
+    """An activity's result. Who sealed it travels beside it, as a request's does: the workers seal
+    it under the stream's key, and anyone who reaches the frontend can complete a running activity
+    by its id with a result of their own (`MambaStreamWorkflow._call` takes only the workers')."""
+
+
+class _Strict(_Sealed, _Model):
     """A request from a caller: no coercion ("7" is not 7, true is not 1), no NaN or infinity,
-    every number bounded. A request that does not validate is refused before it reaches history."""
+    every number bounded. A request that does not validate is refused before it reaches history.
+    Who sealed it (the key that opened its payload) travels beside it (`_Sealed`)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
 
@@ -235,8 +273,11 @@ class StreamStats(_Model):
     duplicates: int = Field(default=0, description="repeated update ids answered by this workflow "
                             "(after continue-as-new; within a run the server answers them itself)")
     resets: int = 0
+    operator_resets: int = Field(default=0, description="resets the operator sent (sealed under the workers' key)")
     rejected_resets: int = Field(default=0, description="reset signals refused: another principal, a stale "
                                  "epoch, a missing or invalid argument, a bad signature")
+    last_refusal: str = Field(default="", description="the newest refused signal or cancel: its kind, reason "
+                              "and message (a refused update tells its caller instead)")
     unknown_signals: int = Field(default=0, description="signals of a name the stream does not have: "
                                  "counted, nothing changed")
     migrations: int = 0
@@ -253,6 +294,13 @@ class StreamStats(_Model):
     arithmetic_changes: int = Field(default=0, description="chunks that continued the state under another "
                                     "arithmetic (a move to a worker whose bits differ)")
     cancelled: bool = False
+    cancelled_by: Literal["", "principal", "operator"] = Field(
+        default="", description="who cancelled the stream: its principal or the operator (a sealed `cancel`)")
+    refused_cancels: int = Field(default=0, description="cancellations refused: a bare Temporal cancel request "
+                                 "(it carries no key) or a `cancel` sealed by someone else")
+    rewinds: int = Field(default=0, description="rewinds to an earlier chunk (each moved the stream to a new run)")
+    forged_results: int = Field(default=0, description="activity results the workers did not seal (an activity "
+                                "completed by its id from outside): dropped, and the activity run again")
 
 
 class TokenLogprob(_Model):
@@ -338,6 +386,28 @@ class CheckpointRequest(_Signed):
 class CheckpointResult(_Model):
     stream_id: str
     receipt: Receipt
+
+
+class CancelRequest(_Signed):
+    """Payload of the `cancel` signal: the stream's principal (or the operator) ends it, and its
+    state is destroyed. A Temporal cancel request alone carries no key and is refused; the one
+    that follows this signal ends the run as cancelled (`StreamClient.cancel` sends both)."""
+
+    principal: str
+
+
+class RewindRequest(_Signed):
+    """The `rewind` update: go back to just after chunk `to_seq` (0: the opened state)."""
+
+    principal: str
+    to_seq: int = Field(ge=0, le=MAX_INDEX)
+
+
+class RewindResult(_Model):
+    stream_id: str
+    chunk_seq: int
+    position: int
+    receipt: Receipt = Field(description="the state the stream continues from, in its next run")
 
 
 class RecentResult(_Model):
@@ -440,6 +510,26 @@ class StreamCarry(_Model):
     token_base: int = Field(default=0, description="the offset of the log's first entry carried (or the next one)")
 
 
+class CarrySeal(_Model):
+    """The workers' seal on a continue-as-new carry: an HMAC under a key only they hold over
+    (stream id, the run that continued as new, `carry_digest`). The next run accepts the carry only
+    with a seal that verifies for its own stream and its `continued_run_id`: a client cannot make
+    one, nor move one to another stream or run."""
+
+    run_id: str
+    mac: str
+
+
+class CarrySealRequest(_Model):
+    """`seal_carry` (the run about to continue as new) and `open_carry` (the run it started)."""
+
+    stream_id: str
+    digest: str = Field(description="carry_digest of the carry")
+    seal: CarrySeal | None = Field(default=None, description="open_carry: the seal to verify")
+    continued_run_id: str | None = Field(default=None, description="open_carry: the run this one continues, "
+                                         "as the server says (workflow.info().continued_run_id)")
+
+
 class OpenStreamInput(_Strict):
     """Start input of MambaStreamWorkflow."""
 
@@ -448,7 +538,9 @@ class OpenStreamInput(_Strict):
     input_transform: str | None = Field(default=None, description="transform id; None: the model's own")
     resume: Receipt | None = Field(default=None, description="a checkpoint to continue from")
     options: StreamOptions = Field(default_factory=StreamOptions)
-    carry: StreamCarry | None = None
+    carry: StreamCarry | None = Field(default=None, description="what a continue-as-new carries over; "
+                                      "accepted only with the workers' `carry_seal` for this stream's previous run")
+    carry_seal: CarrySeal | None = None
     signature: str | None = _SIGNATURE
 
     def claims(self) -> dict:
@@ -470,7 +562,7 @@ class OpenStreamRequest(_Model):
         return open_claims(self.principal, self.model_id, self.input_transform, self.resume)
 
 
-class OpenStreamResult(_Model):
+class OpenStreamResult(_ActivityResult):
     receipt: Receipt
     info: ModelInfo
     worker_queue: str | None = None
@@ -483,9 +575,11 @@ class AdvanceChunkRequest(_Model):
     request: AdvanceRequest
     max_chunk_tokens: int = 65536
     drop_keys: list[str] = Field(default_factory=list, description="older checkpoints to delete once committed")
+    update_id: str | None = Field(default=None, description="the advance update that runs it (its keyed "
+                                  "content digest is checked)")
 
 
-class AdvanceChunkResult(_Model):
+class AdvanceChunkResult(_ActivityResult):
     result: AdvanceResult
     worker_queue: str | None = None
 
@@ -501,7 +595,7 @@ class GenerateChunkRequest(_Model):
     log_offset: int | None = Field(default=None, description="the token log entry the chunk will take")
 
 
-class GenerateChunkResult(_Model):
+class GenerateChunkResult(_ActivityResult):
     result: GenerateResult
     worker_queue: str | None = None
 
@@ -514,7 +608,7 @@ class ResetStreamRequest(_Model):
     request: ResetRequest | None = Field(default=None, description="the signal's payload, for its signature")
 
 
-class StateResult(_Model):
+class StateResult(_ActivityResult):
     """A receipt produced by reset or verified by checkpoint."""
 
     receipt: Receipt
@@ -537,7 +631,7 @@ class RecallResultRequest(_Model):
     kind: Literal["advance", "generate"]
 
 
-class RecallResultResult(_Model):
+class RecallResultResult(_ActivityResult):
     advance: AdvanceResult | None = None
     generate: GenerateResult | None = None
 
@@ -546,7 +640,26 @@ class DisposeStreamRequest(_Model):
     stream_id: str
 
 
-class DisposeStreamResult(_Model):
+class VerifyRequest(_Model):
+    """A request's signature checked by the workers (`verify_request`), for what the workflow
+    decides without an activity of its own (a cancel)."""
+
+    stream_id: str
+    principal: str
+    kind: str
+    request: CancelRequest
+
+
+class RewindStreamRequest(_Model):
+    stream_id: str
+    principal: str
+    receipt: Receipt = Field(description="the stream's current state (for its model)")
+    state_key: str = Field(description="the checkpoint to go back to")
+    drop_keys: list[str] = Field(default_factory=list, description="the undone chunks' checkpoints, deleted")
+    request: RewindRequest
+
+
+class DisposeStreamResult(_ActivityResult):
     deleted: int
     evicted: int
 
@@ -577,6 +690,12 @@ class AgentResult(_Model):
     turns: list[AdvanceResult]
 
 
+def carry_digest(carry: StreamCarry) -> str:
+    """sha256 of the carry's JSON, fields at their defaults left out (so a field added later with
+    a default does not change the digest of a carry sealed before it)."""
+    return hashlib.sha256(carry.model_dump_json(exclude_defaults=True).encode()).hexdigest()
+
+
 #: request fields that decide how a chunk is shown, not what it is: left out of its digest and key
 PRESENTATION = frozenset({"stream"})
 
@@ -587,6 +706,13 @@ def chunk_digest(kind: str, request: AdvanceRequest | GenerateRequest) -> str:
     claims = {k: v for k, v in request.claims().items() if k not in PRESENTATION}
     body = json.dumps({"kind": kind, **claims}, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(body.encode()).hexdigest()[:32]
+
+
+def id_digest(key: bytes, kind: str, request: AdvanceRequest | GenerateRequest) -> str:
+    """The content digest an update id carries (`workflows.update_id`): `chunk_digest` keyed by
+    the stream's id key (`Keyring.id_key`), so that the id says nothing of the content to anyone
+    without the key."""
+    return hmac.new(key, chunk_digest(kind, request).encode(), hashlib.sha256).hexdigest()[:16]
 
 
 def parse_update_id(uid: str) -> tuple[str, int, int, str] | None:

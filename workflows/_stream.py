@@ -29,7 +29,20 @@ from temporalio.exceptions import ActivityError, ApplicationError, CancelledErro
 from temporalio.exceptions import TimeoutError as ActivityTimeout
 
 with workflow.unsafe.imports_passed_through():
-    from state_codec import ChunkSequenceMismatch, EpochMismatch, PrincipalMismatch, Receipt, arithmetic_moved
+    from state_codec import (
+        CLEAR,
+        MASTER,
+        ChunkSequenceMismatch,
+        EpochMismatch,
+        PrincipalMismatch,
+        Receipt,
+        SealerMismatch,
+        UnsealedRequest,
+        arithmetic_moved,
+        parse_state_key,
+        sealer_of,
+        stream_tag,
+    )
     from workflows._failures import (
         ActivityFailed,
         ChunkTooLarge,
@@ -38,6 +51,8 @@ with workflow.unsafe.imports_passed_through():
         InvalidRequest,
         LocalTooSlow,
         OpenFailed,
+        RewindPastWindow,
+        RewindUnavailable,
         StreamCancelled,
         StreamMoving,
         StreamOpening,
@@ -52,12 +67,19 @@ with workflow.unsafe.imports_passed_through():
         ACTIVITY_DISPOSE,
         ACTIVITY_GENERATE,
         ACTIVITY_OPEN,
+        ACTIVITY_OPEN_CARRY,
         ACTIVITY_RECALL,
         ACTIVITY_RESET,
+        ACTIVITY_REWIND,
+        ACTIVITY_SEAL_CARRY,
+        ACTIVITY_VERIFY,
         AdvanceChunkRequest,
         AdvanceChunkResult,
         AdvanceRequest,
         AdvanceResult,
+        CancelRequest,
+        CarrySeal,
+        CarrySealRequest,
         CheckpointRequest,
         CheckpointResult,
         CheckpointStreamRequest,
@@ -77,12 +99,17 @@ with workflow.unsafe.imports_passed_through():
         RecentResult,
         ResetRequest,
         ResetStreamRequest,
+        RewindRequest,
+        RewindResult,
+        RewindStreamRequest,
         StateResult,
         StreamCarry,
         StreamStats,
         TIMEOUT_FLOORS,
         TokenBatch,
         TokenEvent,
+        VerifyRequest,
+        carry_digest,
         chunk_digest,
         parse_update_id,
     )
@@ -99,9 +126,19 @@ T = TypeVar("T")
 HISTORY_CRITICAL_BYTES = 8 * 1024 * 1024
 HISTORY_CRITICAL_EVENTS = 10_240
 
+#: regular activities completed with results the workers did not seal, in a row, before the call fails
+FORGED_RESULTS = 5
+
+#: how long a stream its principal cancelled (the `cancel` signal) waits for the Temporal cancel request
+#: that follows it, so that its run ends cancelled; past it, the stream disposes and completes
+CANCEL_GRACE_S = 10.0
+
 #: chunks of a stream sent the regular way after one of its local attempts timed out (a loaded worker)
 LOCAL_PAUSE_CHUNKS = 8
 PATCH_LOCAL_PAUSE = "local-pause-after-timeout"
+#: histories recorded before requests were taken by their sealer, carries sealed and bare cancel
+#: requests refused replay as they ran (`workflow.patched`: false only when replaying such a history)
+PATCH_SEALED = "requests-by-sealer"
 
 #: the most a token read returns, in JSON bytes, past its first entry (a query's answer is one payload)
 _READ_BYTES = 512 * 1024
@@ -137,20 +174,31 @@ def _takes(model: type) -> Callable[[Callable[..., T]], Callable[..., T]]:
     return wrap
 
 
-def _signal_takes(model: type, refuse: Callable[[Any, str], None]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """A signal's arguments, checked before it runs. A signal has no caller to answer, and an
-    exception in its handler would fail the workflow (a typed one) or its task (any other, on
-    every retry), not the sender: what `_refused_arguments` refuses goes to `refuse(workflow,
-    why)` instead (counted, nothing changed). A payload that does not validate is dropped by the
-    SDK before the handler, with a log line."""
+def _signal_takes(model: type, refuse: Callable[[Any, ApplicationError], None]
+                  ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A signal's arguments, decoded and checked before it runs. A signal has no caller to answer,
+    and an exception in its handler would fail the workflow (a typed one) or its task (any other,
+    on every retry), not the sender; and the SDK drops a signal whose payload does not convert,
+    with a log line only. So the handler takes its payloads raw (the SDK converts nothing) and
+    converts them here: what does not convert (not valid, under a key the workers do not hold)
+    or is not exactly one `model` goes to `refuse(workflow, typed error)` instead: counted,
+    recorded in the stats, nothing changed."""
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         async def checked(self: Any, *args: Any) -> None:
-            refused = _refused_arguments(model, args)
-            if refused is not None:
-                refuse(self, refused.message)
+            try:
+                values = tuple(workflow.payload_converter().from_payload(a.payload, model)
+                               if isinstance(a, RawValue) else a for a in args)
+            except ApplicationError as err:
+                refuse(self, err)
                 return
-            await fn(self, *args)
+            refused = _refused_arguments(model, values)
+            if refused is not None:
+                refuse(self, refused)
+                return
+            await fn(self, *values)
+        # the SDK reads the handler's hints: raw payloads, converted above
+        checked.__annotations__ = {**fn.__annotations__, **{k: RawValue for k in fn.__annotations__ if k != "return"}}
         return checked
     return wrap
 
@@ -199,6 +247,9 @@ class MambaStreamWorkflow:
         self._lock = asyncio.Lock()
         self._cancelled = False
         carry = inp.carry
+        # what a carry says is trusted once the workers verified it (`_verify_carry`, first in `run`):
+        # until then no request is admitted, and queries show it as it came
+        self._verified = carry is None
         self._receipt: Receipt | None = carry.receipt if carry else None
         self._info: ModelInfo | None = carry.info if carry else None
         self._stats = carry.stats if carry else StreamStats(
@@ -211,6 +262,11 @@ class MambaStreamWorkflow:
         self._in_flight: dict[int, str] = {}  # chunk_seq -> digest, of handlers started, not finished
         self._tasks: dict[asyncio.Task, bool] = {}  # handlers running activities -> whether a forced move stops them
         self._moving = False  # continuing as new before its time (`_history_critical`): chunks go to the next run
+        self._cancel_by: str | None = None  # who sent a `cancel` that passed: "principal" or "operator"
+        self._cancel_requested = False  # a Temporal cancel request came (bare, or after `cancel`)
+        self._cancel_checks = 0  # `cancel` signals whose signature the workers are checking
+        self._rewound: tuple[Receipt, int] | None = None  # a rewind's target and chunk, for the next run
+        self._leaving = False  # settled what moves to the next run: continuing as new
         self._open_error: ApplicationError | None = None
         # the token log: each finished generate's tokens, for readers (`read_tokens`, a query);
         # kept in memory and carried across continue-as-new in part, never in history. Tokens of a
@@ -226,54 +282,133 @@ class MambaStreamWorkflow:
     @workflow.run
     @_run_takes
     async def run(self, inp: OpenStreamInput) -> StreamStats:
-        try:
-            if self._receipt is None:
-                try:
-                    await self._open()
-                except ApplicationError as err:
-                    # e.g. a resume from an incompatible checkpoint: the run fails with the reason,
-                    # after telling whoever waits in `ready`
-                    self._open_error = err
-                    await workflow.wait_condition(workflow.all_handlers_finished)
-                    raise
-            # Pinned to the worker deployment version it started on; it moves (continue-as-new
-            # onto the current version) at a chunk boundary once that version changes, or when
-            # its history is long. The next chunk's activity validates the carried receipt
-            # against the new workers' model: another revision or schema is refused, typed.
-            await workflow.wait_condition(
-                lambda: ((workflow.info().is_continue_as_new_suggested() or self._version_changed())
-                         and not self._lock.locked()) or self._history_critical())
-            if self._lock.locked():
-                # the history nears the server's limits while a chunk holds the lock: waiting for
-                # it could end the stream (terminated), so the chunk is stopped uncommitted and its
-                # caller sends it again to the next run (StreamMoving); a reset signal, which
-                # nobody would send again, is let finish
-                self._moving = True
-                self._stats = self._stats.model_copy(update={"forced_moves": self._stats.forced_moves + 1})
-                workflow.logger.warning("history at %d events, %d bytes: moving to a new run now",
-                                        workflow.info().get_current_history_length(),
-                                        workflow.info().get_current_history_size())
-                for task, movable in list(self._tasks.items()):
-                    if movable:
-                        task.cancel()
+        # the start input is the principal's (or the operator's), as its key says: a stream tagged
+        # for bob that alice's client started fails here, before any activity
+        self._sealed_by(inp, "open", replayable=True)
+        while True:
+            try:
+                await self._live(inp)
+                break  # cancelled by its principal or the operator (the `cancel` signal)
+            except asyncio.CancelledError:
+                # A Temporal cancel request carries no key: anyone who reaches the frontend can
+                # send one. It ends the stream only after its principal's or the operator's
+                # `cancel` (sent first: `StreamClient.cancel`); a bare one is refused, counted, and
+                # the stream goes on where it was.
+                self._cancel_requested = True
+                # a `cancel` that came first may still be having its signature checked
+                await workflow.wait_condition(lambda: not self._cancel_checks)
+                if self._cancel_by is not None:
+                    break
+                if not workflow.patched(PATCH_SEALED):  # replaying a run that took a bare cancel
+                    self._cancel_by, self._cancelled = "operator", True
+                    break
+                self._refuse("cancel", application_error(UnsealedRequest(
+                    "a Temporal cancel request carries no key: the stream's principal or the operator sends "
+                    "`cancel` first (StreamClient.cancel, `mamba-stream cancel`)")))
+        return await self._end()
+
+    async def _live(self, inp: OpenStreamInput) -> None:
+        """The stream's life in this run: its carry verified, or its first state opened; then
+        until it moves on (continue-as-new: raised) or its principal or the operator cancels it
+        (returns). Interrupted by a refused Temporal cancel, it is entered again and goes on from
+        where it was."""
+        if not self._verified:
+            if workflow.patched(PATCH_SEALED):
+                await self._verify_carry(inp)
+            else:
+                self._verified = True  # replaying a run that took its carry as it came
+        if self._receipt is None:
+            try:
+                await self._open()
+            except ApplicationError as err:
+                # e.g. a resume from an incompatible checkpoint: the run fails with the reason,
+                # after telling whoever waits in `ready`
+                self._open_error = err
+                await workflow.wait_condition(workflow.all_handlers_finished)
+                raise
+        if not self._leaving:
+            await self._until_it_moves()
+            if self._cancel_by is not None:
+                return
+        moving = self._version_changed()
+        while True:
+            carry = self._carry()
+            seal = await self._seal_carry(carry)
+            if self._cancel_by is not None:
+                return
+            if workflow.all_handlers_finished():
+                break
+            # a signal came while the carry was sealed (a reset): it goes in the carry too
             await workflow.wait_condition(workflow.all_handlers_finished)
-            moving = self._version_changed()
-            self._stats = self._stats.model_copy(update={
-                "continued_as_new": self._stats.continued_as_new + 1,
-                "version_moves": self._stats.version_moves + int(moving)})
-            workflow.continue_as_new(
-                self._inp.model_copy(update={"resume": None, "carry": self._carry()}),
-                initial_versioning_behavior=workflow.ContinueAsNewVersioningBehavior.AUTO_UPGRADE if moving else None)
-        except asyncio.CancelledError:
-            # No further advancement: validators refuse from now on, admitted work completes,
-            # then the stream's blobs and hot states are destroyed and the run ends cancelled.
-            self._cancelled = True
-            self._stats = self._stats.model_copy(update={"cancelled": True})
-            for task in list(self._tasks):  # a handler stuck in a retrying activity must not hold up the end
-                task.cancel()
-            await workflow.wait_condition(workflow.all_handlers_finished)
-            await self._dispose()
-            raise
+        workflow.continue_as_new(
+            self._inp.model_copy(update={"resume": None, "carry": carry, "carry_seal": seal}),
+            initial_versioning_behavior=workflow.ContinueAsNewVersioningBehavior.AUTO_UPGRADE if moving else None)
+
+    async def _until_it_moves(self) -> None:
+        """Wait for the stream to move to a new run (or to be cancelled: `_cancel_by`), then settle
+        what moves with it (`_leaving`: entered again after a refused cancel, `_live` goes on to
+        the move at once)."""
+        # Pinned to the worker deployment version it started on; it moves (continue-as-new
+        # onto the current version) at a chunk boundary once that version changes, or when
+        # its history is long, or after a rewind. The next chunk's activity validates the carried
+        # receipt against the new workers' model: another revision or schema is refused, typed.
+        await workflow.wait_condition(
+            lambda: self._cancel_by is not None or self._rewound is not None or
+            ((workflow.info().is_continue_as_new_suggested() or self._version_changed())
+             and not self._lock.locked()) or self._history_critical())
+        if self._cancel_by is not None:
+            return
+        if self._lock.locked() and self._rewound is None:
+            # the history nears the server's limits while a chunk holds the lock: waiting for
+            # it could end the stream (terminated), so the chunk is stopped uncommitted and its
+            # caller sends it again to the next run (StreamMoving); a reset signal, which
+            # nobody would send again, is let finish
+            self._moving = True
+            self._stats = self._stats.model_copy(update={"forced_moves": self._stats.forced_moves + 1})
+            workflow.logger.warning("history at %d events, %d bytes: moving to a new run now",
+                                    workflow.info().get_current_history_length(),
+                                    workflow.info().get_current_history_size())
+            for task, movable in list(self._tasks.items()):
+                if movable:
+                    task.cancel()
+        await workflow.wait_condition(workflow.all_handlers_finished)
+        if self._cancel_by is not None:
+            return
+        self._moving = True  # from here the stream takes nothing more in this run
+        if self._rewound is not None:
+            self._rewind_line()
+        self._stats = self._stats.model_copy(update={
+            "continued_as_new": self._stats.continued_as_new + 1,
+            "version_moves": self._stats.version_moves + int(self._version_changed())})
+        self._leaving = True
+
+    async def _end(self) -> StreamStats:
+        """The stream's principal or the operator cancelled it: no further advancement
+        (validators refuse from now on), admitted work is stopped, then the stream's blobs and hot
+        states are destroyed. The run ends cancelled when a Temporal cancel request came (the one
+        `StreamClient.cancel` sends after the signal; it is waited for a moment), else completed,
+        its stats saying who cancelled it."""
+        if not self._cancel_requested:
+            try:
+                await workflow.wait_condition(lambda: False, timeout=timedelta(seconds=CANCEL_GRACE_S))
+            except asyncio.TimeoutError:
+                pass
+            except asyncio.CancelledError:
+                self._cancel_requested = True
+        self._cancelled = True
+        self._stats = self._stats.model_copy(update={"cancelled": True, "cancelled_by": self._cancel_by or ""})
+        for task in list(self._tasks):  # a handler stuck in a retrying activity must not hold up the end
+            task.cancel()
+        while True:  # the Temporal cancel request may come in the middle: it changes nothing here
+            try:
+                await workflow.wait_condition(workflow.all_handlers_finished)
+                await self._dispose()
+                break
+            except asyncio.CancelledError:
+                self._cancel_requested = True
+        if self._cancel_requested:
+            raise asyncio.CancelledError()
+        return self._stats
 
     async def _dispose(self) -> None:
         """The cancel's last step: the stream's blobs deleted, its hot states zeroed.
@@ -289,22 +424,33 @@ class MambaStreamWorkflow:
         o, req = self._opts, DisposeStreamRequest(stream_id=self._stream_id)
         common: dict[str, Any] = dict(start_to_close_timeout=timedelta(seconds=o.activity_timeout_s),
                                       heartbeat_timeout=timedelta(seconds=o.heartbeat_timeout_s),
-                                      result_type=DisposeStreamResult)
+                                      result_type=RawValue)
         if o.affinity and self._worker_queue:
             try:
-                await workflow.execute_activity(
+                await _converted(DisposeStreamResult, self._mine, workflow.execute_activity(
                     ACTIVITY_DISPOSE, req, task_queue=self._worker_queue,
                     schedule_to_start_timeout=timedelta(seconds=o.schedule_to_start_s),
-                    retry_policy=RetryPolicy(maximum_attempts=1), **common)
+                    retry_policy=RetryPolicy(maximum_attempts=1), **common))
                 return
-            except ActivityError as err:
+            except (ActivityError, _Unconverted) as err:
                 workflow.logger.warning("dispose on %s failed (%s); any worker disposes",
-                                        self._worker_queue, err.cause or err)
-        try:
-            await workflow.execute_activity(ACTIVITY_DISPOSE, req, retry_policy=_retry(0), **common)
-        except ActivityError as err:
-            workflow.logger.error("dispose of %s failed for good (%s); the orphan sweep deletes what is left",
-                                  self._stream_id, err.cause or err)
+                                        self._worker_queue, getattr(err, "cause", None) or err)
+        for _ in range(FORGED_RESULTS):
+            try:
+                out = await _converted(DisposeStreamResult, self._mine, workflow.execute_activity(
+                    ACTIVITY_DISPOSE, req, retry_policy=_retry(0), **common))
+                if sealer_of(out) == self._mine:
+                    return
+            except _Unconverted:
+                pass
+            except ActivityError as err:
+                workflow.logger.error("dispose of %s failed for good (%s); the orphan sweep deletes what is left",
+                                      self._stream_id, err.cause or err)
+                return
+            # an outcome the workers did not seal (the activity completed by its id): run it again
+            self._stats = self._stats.model_copy(update={"forged_results": self._stats.forged_results + 1})
+        workflow.logger.error("dispose of %s ended %d times with outcomes the workers did not seal; the orphan "
+                              "sweep deletes what is left", self._stream_id, FORGED_RESULTS)
 
     async def _open(self) -> None:
         inp = self._inp
@@ -327,6 +473,53 @@ class MambaStreamWorkflow:
         self._stats = self._stats.model_copy(update={"position": res.receipt.position,
                                                      "last_backend": res.receipt.backend,
                                                      **_arithmetic(None, res.receipt, self._stats)})
+
+    @property
+    def _mine(self) -> str:
+        """Who seals this stream's payloads: the tag of the principal its id names (the workers
+        encode for the stream under that principal's history key), or the master key's."""
+        tag = stream_tag(self._stream_id)
+        return tag if tag is not None else MASTER
+
+    @property
+    def _open_now(self) -> bool:
+        """The stream has a receipt it may trust: opened, or carried over and verified."""
+        return self._receipt is not None and self._verified
+
+    async def _verify_carry(self, inp: OpenStreamInput) -> None:
+        """The carry is the workers' own, sealed by the run this one continues (`seal_carry`),
+        or the run fails `ForgedCarry` before anything of it is used: a client can start a
+        stream with any input, a carry included."""
+        assert inp.carry is not None
+        await self._quick(ACTIVITY_OPEN_CARRY, CarrySealRequest(
+            stream_id=self._stream_id, digest=carry_digest(inp.carry), seal=inp.carry_seal,
+            continued_run_id=workflow.info().continued_run_id), CarrySeal)
+        self._verified = True
+
+    async def _seal_carry(self, carry: StreamCarry) -> CarrySeal | None:
+        """The workers' seal on what this run carries to the next (None: replaying a run that
+        continued as new before carries were sealed)."""
+        if not workflow.patched(PATCH_SEALED):
+            return None
+        return await self._quick(ACTIVITY_SEAL_CARRY, CarrySealRequest(
+            stream_id=self._stream_id, digest=carry_digest(carry)), CarrySeal)
+
+    async def _quick(self, name: str, req: Any, result_type: type[T]) -> T:
+        """A short activity of the stream's own bookkeeping (a carry sealed or verified, a
+        request's signature checked): on this worker when chunks run locally (where the stream's
+        workflow is, with no task queue in between), else on the shared queue; its refusal is
+        raised typed."""
+        timeout = timedelta(seconds=self._opts.local_deadline_s if self._opts.local_chunks
+                            else self._opts.activity_timeout_s)
+        try:
+            if self._opts.local_chunks:
+                return await workflow.execute_local_activity(
+                    name, req, result_type=result_type, start_to_close_timeout=timeout, retry_policy=_retry(0))
+            return await workflow.execute_activity(name, req, result_type=result_type,
+                                                   start_to_close_timeout=timeout, retry_policy=_retry(0))
+        except FailureError as err:
+            cause = err.cause if isinstance(err, ActivityError) else err
+            raise self._failed(cause) or err from err
 
     @staticmethod
     def _history_critical() -> bool:
@@ -387,19 +580,41 @@ class MambaStreamWorkflow:
             self._worker_queue = queue
 
     async def _call(self, name: str, arg: Any, result_type: type[T], *, affine: bool = True) -> T:
+        """A regular activity (`_attempt`), its outcome taken only when the workers sealed it:
+        anyone who reaches the frontend can complete or fail a running activity by its id, with a
+        result or failure of their own. Such an outcome is dropped and the activity run again,
+        which the commit protocol makes harmless (a chunk's second run returns its first result)."""
+        for _ in range(FORGED_RESULTS):
+            try:
+                out = await self._attempt(name, arg, result_type, affine=affine)
+            except _Unconverted as err:  # a result that does not even convert is no worker's
+                sealer: str | None = f"unconverted ({err.args[0]})"
+            else:
+                sealer = sealer_of(out)
+                if sealer == self._mine:
+                    return out
+            self._stats = self._stats.model_copy(update={"forged_results": self._stats.forged_results + 1})
+            workflow.logger.warning("activity %s completed with a result the workers did not seal (sealer %s): "
+                                    "dropped, run again", name, sealer)
+        raise application_error(ActivityFailed(f"activity {name} ended {FORGED_RESULTS} times with outcomes the "
+                                               f"workers did not seal"))
+
+    async def _attempt(self, name: str, arg: Any, result_type: type[T], *, affine: bool = True) -> T:
         o = self._opts
         common: dict[str, Any] = dict(
             start_to_close_timeout=timedelta(seconds=o.activity_timeout_s),
             heartbeat_timeout=timedelta(seconds=o.heartbeat_timeout_s),
-            result_type=result_type,
+            # taken raw and converted here (`_converted`): a result the SDK failed to convert
+            # would fail the workflow task itself, again on every retry
+            result_type=RawValue,
         )
         try:
             if affine and o.affinity and self._worker_queue:
                 try:
-                    return await workflow.execute_activity(
+                    return await _converted(result_type, self._mine, workflow.execute_activity(
                         name, arg, task_queue=self._worker_queue,
                         schedule_to_start_timeout=timedelta(seconds=o.schedule_to_start_s),
-                        retry_policy=RetryPolicy(maximum_attempts=1), **common)
+                        retry_policy=RetryPolicy(maximum_attempts=1), **common))
                 except ActivityError as err:
                     # an activity the stream's cancellation cancelled is not retried elsewhere; any
                     # other failure of the affine worker (gone, failing) is, dispose included
@@ -411,7 +626,8 @@ class MambaStreamWorkflow:
                                             name, self._worker_queue, err.cause or err)
                     self._worker_queue = None
                     self._stats = self._stats.model_copy(update={"migrations": self._stats.migrations + 1})
-            return await workflow.execute_activity(name, arg, retry_policy=_retry(o.retry_max_attempts), **common)
+            return await _converted(result_type, self._mine, workflow.execute_activity(
+                name, arg, retry_policy=_retry(o.retry_max_attempts), **common))
         except ActivityError as err:
             raise self._failed(err.cause) or err from err
 
@@ -494,21 +710,17 @@ class MambaStreamWorkflow:
     def _admit(self, kind: str, req: AdvanceRequest | GenerateRequest) -> None:
         """Refuse what cannot be this stream's next chunk, or the same chunk again (a duplicate passes:
         its handler answers it with the first result)."""
-        if self._cancelled:
-            raise application_error(StreamCancelled("the stream is cancelled"))
-        if self._moving:  # refused, not stored: the same id goes to the next run
-            raise application_error(StreamMoving("the stream is moving to a new run; send it again"))
-        if self._receipt is None:
+        self._taking()
+        if not self._open_now:
             # Refused, not failed: a refused update is not stored, so the same id can come again.
             raise application_error(StreamOpening("the stream is still opening; try again"))
-        if req.principal != self._inp.principal:
-            raise application_error(PrincipalMismatch(f"principal {req.principal!r} does not own this stream",
-                                            field="principal", expected=self._inp.principal, actual=req.principal))
         seq, digest = req.chunk_seq, chunk_digest(kind, req)
         info = workflow.current_update_info()
         named = parse_update_id(info.id) if info is not None else None
         if named is not None:
-            if (named[0], named[1]) != (kind, seq) or not digest.startswith(named[3]):
+            # the id's content digest is keyed (`workflows.update_id`): the workers check it, here
+            # the kind and the chunk
+            if (named[0], named[1]) != (kind, seq):
                 raise application_error(UpdateIdMismatch(f"update id {info.id!r} does not name this {kind} of chunk {seq}",
                                                update_id=info.id))
             if named[2] != self._receipt.epoch:
@@ -533,23 +745,34 @@ class MambaStreamWorkflow:
             raise application_error(ChunkSequenceMismatch(f"chunk_seq {seq} is not the next one ({expected})",
                                                 field="chunk_seq", expected=expected, actual=seq))
 
+    def _taking(self) -> None:
+        """A validator's first refusals: a cancelled stream takes nothing more, and one moving to a
+        new run refuses without storing (the same update id goes to the next run)."""
+        if self._cancelled:
+            raise application_error(StreamCancelled("the stream is cancelled"))
+        if self._moving:
+            raise application_error(StreamMoving("the stream is moving to a new run; send it again"))
+
     def _next_seq(self) -> int:
         return max(self._stats.chunk_seq, *self._in_flight) + 1 if self._in_flight else self._stats.chunk_seq + 1
 
     def _known(self) -> RecentResult | None:
+        """The recent result of the current update's id, if it has one (a carry's only once verified)."""
         info = workflow.current_update_info()
-        return self._recent.get(info.id) if info is not None else None
+        return self._recent.get(info.id) if info is not None and self._verified else None
 
     @workflow.update
     async def advance(self, req: AdvanceRequest) -> AdvanceResult:
         """Feed a chunk (tokens or text); returns the new receipt and an output summary."""
         return await self._chunk(req, "advance", ACTIVITY_ADVANCE, AdvanceChunkResult, lambda: AdvanceChunkRequest(
             stream_id=self._stream_id, principal=req.principal, receipt=self._receipt, request=req,
-            max_chunk_tokens=self._opts.max_chunk_tokens, drop_keys=self._to_drop()))
+            max_chunk_tokens=self._opts.max_chunk_tokens, drop_keys=self._to_drop(),
+            update_id=_current_update_id()))
 
     @advance.validator
     @_takes(AdvanceRequest)
     def _validate_advance(self, req: AdvanceRequest) -> None:
+        self._sealed_by(req, "advance")
         if self._known() is not None:
             return
         self._admit("advance", req)
@@ -575,6 +798,7 @@ class MambaStreamWorkflow:
     @generate.validator
     @_takes(GenerateRequest)
     def _validate_generate(self, req: GenerateRequest) -> None:
+        self._sealed_by(req, "generate")
         if self._known() is not None:
             return
         self._admit("generate", req)
@@ -588,7 +812,7 @@ class MambaStreamWorkflow:
     async def checkpoint(self, req: CheckpointRequest) -> CheckpointResult:
         """A portable receipt: verified in the store, kept until the stream is cancelled."""
         async with self._lock:
-            await workflow.wait_condition(lambda: self._receipt is not None)
+            await workflow.wait_condition(lambda: self._open_now)
             if self._cancelled or self._moving:
                 raise self._interrupted("the checkpoint waited")
             try:
@@ -604,28 +828,33 @@ class MambaStreamWorkflow:
     @checkpoint.validator
     @_takes(CheckpointRequest)
     def _validate_checkpoint(self, req: CheckpointRequest) -> None:
-        if self._cancelled:
-            raise application_error(StreamCancelled("the stream is cancelled"))
-        if self._moving:
-            raise application_error(StreamMoving("the stream is moving to a new run; send it again"))
-        if req.principal != self._inp.principal:
-            raise application_error(PrincipalMismatch(f"principal {req.principal!r} does not own this stream",
-                                            field="principal", expected=self._inp.principal, actual=req.principal))
+        self._sealed_by(req, "checkpoint")
+        self._taking()
 
     @workflow.signal
-    @_signal_takes(ResetRequest, lambda wf, why: wf._refuse_reset(f"reset refused: {why}"))
+    @_signal_takes(ResetRequest, lambda wf, err: wf._refuse("reset", err))
     async def reset(self, req: ResetRequest) -> None:
-        """New epoch at position 0. From the wrong principal, or with a missing or invalid
-        argument: nothing changes, it is counted."""
-        if req.principal != self._inp.principal or self._cancelled:
-            self._refuse_reset(f"reset refused (principal {req.principal!r}, cancelled {self._cancelled})")
+        """New epoch at position 0: by the stream's principal, or the operator (the workers' key).
+        Anything else (sealed by another key or by none, naming another principal, for another
+        epoch, a missing or invalid argument, a bad signature) changes nothing: it is counted
+        (`rejected_resets`), the stats say why (`last_refusal`), and the workers' metric
+        `mamba_stream_refused_requests` counts it."""
+        try:
+            who = self._sealed_by(req, "reset", replayable=True)
+        except ApplicationError as err:
+            self._refuse("reset", err)
+            return
+        if self._cancelled:
+            self._refuse("reset", application_error(StreamCancelled("the stream is cancelled")))
             return
         async with self._lock:
-            await workflow.wait_condition(lambda: self._receipt is not None)
+            await workflow.wait_condition(lambda: self._open_now)
             assert self._receipt is not None
             if req.epoch is not None and req.epoch != self._receipt.epoch + 1:
                 # a reset meant for another epoch: a replayed or stale signal resets nothing
-                self._refuse_reset(f"reset for epoch {req.epoch} refused at epoch {self._receipt.epoch}")
+                self._refuse("reset", application_error(EpochMismatch(
+                    f"the reset is for epoch {req.epoch}; the stream is at epoch {self._receipt.epoch}",
+                    field="epoch", expected=self._receipt.epoch + 1, actual=req.epoch)))
                 return
             try:
                 out = await self._cancellable(self._call(ACTIVITY_RESET, ResetStreamRequest(
@@ -635,7 +864,7 @@ class MambaStreamWorkflow:
                 return  # the stream is being cancelled: nothing to reset
             except ApplicationError as err:
                 # a signal has no caller to fail: refused (e.g. a bad signature), counted, nothing changed
-                self._refuse_reset(f"reset refused by the worker: {err.message} ({err.type})")
+                self._refuse("reset", err)
                 return
             self._receipt = out.receipt
             self._bind(out.worker_queue)
@@ -644,11 +873,147 @@ class MambaStreamWorkflow:
             self._kept.append(out.receipt.state_key)
             self._stats = self._stats.model_copy(update={
                 "position": 0, "epoch": out.receipt.epoch, "resets": self._stats.resets + 1,
+                "operator_resets": self._stats.operator_resets + int(who == "operator"),
                 "last_backend": out.receipt.backend, **_arithmetic(None, out.receipt, self._stats)})
 
-    def _refuse_reset(self, why: str) -> None:
-        self._stats = self._stats.model_copy(update={"rejected_resets": self._stats.rejected_resets + 1})
-        workflow.logger.warning("%s", why)
+    @workflow.signal
+    @_signal_takes(CancelRequest, lambda wf, err: wf._refuse("cancel", err))
+    async def cancel(self, req: CancelRequest) -> None:
+        """End the stream and destroy its state: by its principal, or the operator. The workers
+        check the request's signature first (where they verify signatures); then validators
+        refuse new work, admitted work is stopped, and the stream disposes (`_end`). Anything
+        else is refused as `reset` refusals are: counted (`refused_cancels`), `last_refusal`."""
+        try:
+            who = self._sealed_by(req, "cancel", replayable=True)
+        except ApplicationError as err:
+            self._refuse("cancel", err)
+            return
+        if self._cancel_by is not None:
+            return  # already cancelled
+        self._cancel_checks += 1
+        try:
+            await self._quick(ACTIVITY_VERIFY, VerifyRequest(stream_id=self._stream_id, principal=req.principal,
+                                                             kind="cancel", request=req), VerifyRequest)
+        except ApplicationError as err:
+            self._refuse("cancel", err)
+            return
+        finally:
+            self._cancel_checks -= 1
+        if self._cancel_by is None:
+            self._cancel_by = who
+            self._cancelled = True  # validators refuse from now on; `_end` stops what was admitted
+
+    @workflow.update
+    async def rewind(self, req: RewindRequest) -> RewindResult:
+        """Go back to just after chunk `to_seq` (0: the opened state), by the stream's principal or
+        the operator: the stream continues, in a new run, from that chunk's checkpoint, with the
+        same outputs and checksum as a fresh stream fed the same tokens. Any chunk of the rewind
+        window (`rewind_window`: the line's newest `checkpoints_kept` checkpoints) can be reached,
+        and after a rewind any of the new window's; the undone chunks' checkpoints are deleted."""
+        async with self._lock:
+            await workflow.wait_condition(lambda: self._open_now)
+            if self._cancelled or self._moving:
+                raise self._interrupted("the rewind waited")
+            assert self._receipt is not None
+            key, index = self._rewind_target(req.to_seq)
+            undone = [k for k in self._kept[index + 1:] if k not in self._pinned]
+            try:
+                out = await self._cancellable(self._call(ACTIVITY_REWIND, RewindStreamRequest(
+                    stream_id=self._stream_id, principal=req.principal, receipt=self._receipt, state_key=key,
+                    drop_keys=undone, request=req), StateResult))
+            except asyncio.CancelledError:
+                raise self._interrupted("the rewind ran") from None
+            # the undone line is gone from the store: the stream takes no more chunks in this run
+            # (StreamMoving: they are sent again to the next, which continues from here)
+            self._rewound = (out.receipt, index)
+            self._moving = True
+            return RewindResult(stream_id=self._stream_id, chunk_seq=req.to_seq, position=out.receipt.position,
+                                receipt=out.receipt)
+
+    @rewind.validator
+    @_takes(RewindRequest)
+    def _validate_rewind(self, req: RewindRequest) -> None:
+        self._sealed_by(req, "rewind")
+        self._taking()
+        if not self._open_now:
+            raise application_error(StreamOpening("the stream is still opening; try again"))
+        self._rewind_target(req.to_seq)
+
+    def _rewind_target(self, to_seq: int) -> tuple[str, int]:
+        """The checkpoint a rewind to `to_seq` goes back to (the first of the window committed at
+        that chunk: the chunk's own, before any reset at it) and its index in the line."""
+        if to_seq > self._stats.chunk_seq:
+            raise application_error(RewindUnavailable(f"chunk {to_seq} is not committed (the stream is at chunk "
+                                                      f"{self._stats.chunk_seq})", chunk_seq=to_seq))
+        window = self._kept[-self._opts.checkpoints_kept:]
+        for key in window:
+            parsed = parse_state_key(key)
+            if parsed is not None and parsed.chunk_seq == to_seq:
+                return key, self._kept.index(key)
+        raise application_error(RewindPastWindow(
+            f"chunk {to_seq} is outside the stream's rewind window (its newest {len(window)} checkpoints); "
+            f"nothing was rewound", chunk_seq=to_seq, window=len(window)))
+
+    def _rewind_line(self) -> None:
+        """The bookkeeping of the line a rewind went back to, for the next run: its receipt, its
+        stored checkpoints up to the target, the results of its chunks up to it."""
+        assert self._rewound is not None
+        receipt, index = self._rewound
+        self._kept = self._kept[: index + 1]
+        self._recent = {u: r for u, r in self._recent.items() if _line(r) <= (receipt.epoch, receipt.chunk_seq)}
+        self._by_seq = {_seq(r): r for r in self._recent.values()}
+        self._receipt = receipt
+        self._stats = self._stats.model_copy(update={
+            "position": receipt.position, "chunk_seq": receipt.chunk_seq, "epoch": receipt.epoch,
+            "rewinds": self._stats.rewinds + 1, "last_backend": receipt.backend,
+            "arithmetic": receipt.arithmetic.id if receipt.arithmetic else ""})
+        self._rewound = None
+
+    def _sealed_by(self, req: Any, what: str, *, replayable: bool = False) -> str:
+        """Who sent `req`, by the key that sealed it (`state_codec.sealer_of`): "principal" (the
+        stream's principal's history key; on a stream whose id names no principal, the workers'
+        key) or "operator" (the workers' key, on a stream whose id names a principal: the codec
+        server's operator token, say). Refused typed otherwise: `UnsealedRequest` (in clear),
+        `SealerMismatch` (another principal's key). The body's `principal` must name the stream's
+        principal either way (`PrincipalMismatch`). `replayable`: a signal's or the start input's
+        check, which a history recorded before requests were taken by their sealer replays."""
+        sealer, mine = sealer_of(req), self._mine
+        if replayable and sealer != mine and not workflow.patched(PATCH_SEALED):
+            # replaying a run that took what it was sent by what it said (a signal, a start input:
+            # they replay; an update's validator does not, and may not mark history)
+            sealer = mine
+        if sealer is None or sealer == CLEAR:
+            raise application_error(UnsealedRequest(
+                f"the {what} request is not encrypted: only the stream's principal or the operator may send it",
+                field="sealer", expected=mine, actual=sealer))
+        if sealer == mine:
+            who = "principal"
+        elif sealer == MASTER:
+            who = "operator"
+        else:
+            raise application_error(SealerMismatch(
+                f"the {what} request is sealed under another principal's key: only the stream's principal or the "
+                f"operator may send it", field="sealer", expected=mine, actual=sealer))
+        if req.principal != self._inp.principal:
+            raise application_error(PrincipalMismatch(f"principal {req.principal!r} does not own this stream",
+                                                      field="principal", expected=self._inp.principal,
+                                                      actual=req.principal))
+        return who
+
+    def _refuse(self, kind: str, err: ApplicationError) -> None:
+        """A signal refused (it has no caller to tell): counted, its reason in the stats, logged,
+        and counted by the workers' metric."""
+        reason = err.type or InvalidRequest.reason
+        update: dict[str, Any] = {"last_refusal": f"{kind}: {reason}: {err.message}"[:512]}
+        if kind == "reset":
+            update["rejected_resets"] = self._stats.rejected_resets + 1
+        elif kind == "cancel":
+            update["refused_cancels"] = self._stats.refused_cancels + 1
+        self._stats = self._stats.model_copy(update=update)
+        workflow.logger.warning("%s refused: %s (%s)", kind, err.message, reason)
+        workflow.metric_meter().create_counter(
+            "mamba_stream_refused_requests", "requests a stream refused that had no caller to tell").add(
+            1, {"kind": kind, "reason": reason})
 
     # --- requests of no known name: refused typed, and a signal counted ---------------------------
 
@@ -675,7 +1040,7 @@ class MambaStreamWorkflow:
     async def ready(self) -> Receipt:
         """Returns once the stream is open (its first receipt exists)."""
         await workflow.wait_condition(
-            lambda: self._receipt is not None or self._cancelled or self._open_error is not None)
+            lambda: self._open_now or self._cancelled or self._open_error is not None)
         if self._open_error is not None:
             err = self._open_error
             raise ApplicationError(err.message, *(list(err.details) if err.details else []),
@@ -787,7 +1152,7 @@ class MambaStreamWorkflow:
             self._in_flight[req.chunk_seq] = digest
         try:
             async with self._lock:
-                await workflow.wait_condition(lambda: self._receipt is not None)
+                await workflow.wait_condition(lambda: self._open_now)
                 same = self._by_seq.get(req.chunk_seq)
                 if same is not None and same.digest == digest and (getattr(same, kind) is not None
                                                                     or same.kind == kind):
@@ -879,6 +1244,31 @@ class MambaStreamWorkflow:
         return result.model_copy(update={"duplicate": True})
 
 
+class _Unconverted(Exception):
+    """An activity's outcome no worker of the stream made (`_converted`)."""
+
+
+async def _converted(result_type: type[T], mine: str, work: Any) -> T:
+    """`await work` (an activity, its result raw), converted to `result_type`. What no worker of
+    the stream made is `_Unconverted`: a result that does not convert (plaintext of another shape,
+    another keyring's, none at all), or a failure the workers did not seal (`mine`: who seals the
+    stream's payloads). Anyone can put either there, by completing or failing the activity by its
+    id. (The SDK would have converted the result while applying the activation, where its refusal
+    fails the workflow task, on every retry.)"""
+    try:
+        raw = await work
+    except ActivityError as err:
+        if isinstance(err.cause, ApplicationError) and sealer_of(err.cause) != mine:
+            raise _Unconverted(f"a failure sealed by {sealer_of(err.cause)}") from err
+        raise
+    if not isinstance(raw, RawValue):
+        raise _Unconverted("no result")
+    try:
+        return workflow.payload_converter().from_payload(raw.payload, result_type)
+    except Exception as err:  # noqa: BLE001 - any refusal to convert: not the workers' result
+        raise _Unconverted(getattr(err, "type", None) or type(err).__name__) from err
+
+
 def _retry(attempts: int) -> RetryPolicy:
     """The regular path's retries: backoff from 200 ms to 10 s, `attempts` in all (0: unbounded)."""
     return RetryPolicy(initial_interval=timedelta(milliseconds=200), backoff_coefficient=2.0,
@@ -895,6 +1285,15 @@ def _seq(rec: RecentResult) -> int:
         return rec.chunk_seq
     res = rec.advance or rec.generate
     return res.chunk_seq if res is not None else -1
+
+
+def _line(rec: RecentResult) -> tuple[int, int]:
+    """(epoch, chunk_seq) of the chunk a recent result is for."""
+    res = rec.advance or rec.generate
+    if res is not None:
+        return res.receipt.epoch, res.chunk_seq
+    parsed = parse_state_key(rec.state_key) if rec.state_key else None
+    return (parsed.epoch if parsed else 0), _seq(rec)
 
 
 def _digest_only(rec: RecentResult) -> RecentResult:

@@ -8,15 +8,23 @@ import hashlib
 import pytest
 import torch
 from temporalio.exceptions import ApplicationError
-from temporalio.testing import ActivityEnvironment
+
+
 
 from activities import MemoryStateStore, ModelRegistry, StreamActivities
-from activities._commit import ChunkCommit, chunk_key, record_key
+from activities._commit import ChunkCommit, record_key
 from scan import State, load_model
-from state_codec import CheckpointNotFound
+from state_codec import CheckpointNotFound, parse_state_key
 from state_codec.codec import Keyring, default_state_key, plaintext_checksum
 from workflows import AdvanceRequest, GenerateRequest
-from workflows._models import AdvanceChunkRequest, AdvanceResult, GenerateChunkRequest, OpenStreamRequest
+from workflows._models import (
+    AdvanceChunkRequest,
+    AdvanceResult,
+    GenerateChunkRequest,
+    OpenStreamRequest,
+    RecallResultRequest,
+)
+from tests.activities._env import stream_env
 
 MODEL = "tiny-mamba2"
 
@@ -48,7 +56,7 @@ def _result(n: int):
 def test_a_chunk_commits_its_state_and_record_and_a_retry_finds_the_record(commits, model):
     r0 = _first(commits, model)
     out = model.advance(model.initial_state(), [3, 4, 5])
-    key = chunk_key("s1", r0, 1, "d1")
+    key = commits.chunk_key("s1", r0, 1, "d1")
     assert commits.prior(key, "alice") is None
     res = commits.complete(model, out.state, stream_id="s1", principal="alice", before=r0, chunk_seq=1, key=key,
                            path="reference", last=out.logits[-1], make_result=_result(3), drop_keys=[])
@@ -63,15 +71,19 @@ def test_a_chunk_commits_its_state_and_record_and_a_retry_finds_the_record(commi
 
 def test_keys_name_input_state_and_content(commits, model):
     r0 = _first(commits, model)
-    assert chunk_key("s1", r0, 1, "d1") == chunk_key("s1", r0, 1, "d1")
-    assert len({chunk_key("s1", r0, 1, "d1"), chunk_key("s1", r0, 1, "d2"), chunk_key("s1", r0, 2, "d1"),
-                chunk_key("s2", r0, 1, "d1")}) == 4
+    k = commits.chunk_key
+    assert k("s1", r0, 1, "d1") == k("s1", r0, 1, "d1")
+    assert len({k("s1", r0, 1, "d1"), k("s1", r0, 1, "d2"), k("s1", r0, 2, "d1"), k("s2", r0, 1, "d1")}) == 4
     assert record_key("k") == "k.out"
+    # keyed: another deployment's keyring derives other keys, and the key says nothing of the content
+    other = ChunkCommit(MemoryStateStore(), Keyring.generate())
+    assert other.chunk_key("s1", r0, 1, "d1") != k("s1", r0, 1, "d1")
+    assert k("s1", r0, 1, "d1").startswith("s1.e0.c1.") and parse_state_key(k("s1", r0, 1, "d1")).chunk_seq == 1
 
 
 def test_a_second_attempt_adopts_the_first_attempts_bytes(commits, model):
     r0 = _first(commits, model)
-    key = chunk_key("s1", r0, 1, "d1")
+    key = commits.chunk_key("s1", r0, 1, "d1")
     first = model.advance(model.initial_state(), [3, 4, 5]).state
     a = commits.commit(model, first, stream_id="s1", principal="alice", chunk_seq=1, epoch=0, key=key,
                        backend="reference:reference", before=r0)
@@ -97,10 +109,11 @@ def test_a_crash_at_any_edge_leaves_what_the_next_attempt_finishes(model, edge):
             raise Crash(name)
 
     r0 = _first(ChunkCommit(store, ring), model)
-    old = chunk_key("s1", r0, 0, "old")
+    commits = ChunkCommit(store, ring)
+    old = commits.chunk_key("s1", r0, 0, "old")
     store.put_if_absent(key=old, data=b"old checkpoint", stream_id="s1", principal="alice")
     out = model.advance(model.initial_state(), [9, 8])
-    key = chunk_key("s1", r0, 1, "d")
+    key = commits.chunk_key("s1", r0, 1, "d")
     kw = dict(stream_id="s1", principal="alice", before=r0, chunk_seq=1, key=key, path="reference",
               last=out.logits[-1], make_result=_result(2), drop_keys=[old])
     with pytest.raises(Crash):
@@ -115,7 +128,7 @@ def test_a_crash_at_any_edge_leaves_what_the_next_attempt_finishes(model, edge):
         res = retry.complete(model, out.state, **kw)
     else:
         res = AdvanceResult.model_validate(prior.result)
-        retry.drop([old])
+        retry.drop([old], stream_id="s1", principal="alice")
     assert res.receipt.checksum == plaintext_checksum(out.state.tensors)
     assert store.get(key=old, principal="alice") is None
     assert store.list_stream(stream_id="s1") == sorted([r0.state_key, key, record_key(key)])
@@ -123,7 +136,7 @@ def test_a_crash_at_any_edge_leaves_what_the_next_attempt_finishes(model, edge):
 
 def test_fetch_of_a_missing_checkpoint_is_typed(commits, model):
     r0 = _first(commits, model)
-    commits.drop([r0.state_key])
+    commits.drop([r0.state_key], stream_id="s1", principal="alice")
     with pytest.raises(CheckpointNotFound):
         commits.fetch(model, r0, "alice")
 
@@ -146,7 +159,7 @@ def _activities(cls=StreamActivities):
 def test_the_activities_run_on_a_memory_store_and_untyped_failures_are_bounded():
     acts = _activities(Flaky)
     try:
-        env = ActivityEnvironment()
+        env = stream_env()
         opened = env.run(acts.open_stream, OpenStreamRequest(stream_id="s1", principal="alice", model_id=MODEL))
         req = AdvanceRequest(principal="alice", chunk_seq=1, tokens=[1, 2, 3])
         done = env.run(acts.advance_chunk, AdvanceChunkRequest(stream_id="s1", principal="alice",
@@ -165,7 +178,8 @@ def test_the_activities_run_on_a_memory_store_and_untyped_failures_are_bounded()
             env.run(acts.generate_tokens, gen)
         assert err.value.type == "InternalError" and err.value.non_retryable and "a bug" in err.value.message
         assert acts.store.list_stream(stream_id="s1") == sorted(
-            [opened.receipt.state_key, done.result.receipt.state_key, record_key(done.result.receipt.state_key)])
+            [opened.receipt.state_key, record_key(opened.receipt.state_key), done.result.receipt.state_key,
+             record_key(done.result.receipt.state_key)])
     finally:
         acts.close()
 
@@ -173,9 +187,9 @@ def test_the_activities_run_on_a_memory_store_and_untyped_failures_are_bounded()
 def test_a_missing_checkpoint_is_a_typed_permanent_failure_through_the_activity():
     acts = _activities()
     try:
-        env = ActivityEnvironment()
+        env = stream_env()
         opened = env.run(acts.open_stream, OpenStreamRequest(stream_id="s1", principal="alice", model_id=MODEL))
-        acts.store.delete(key=opened.receipt.state_key)
+        acts.store.delete(key=opened.receipt.state_key, stream_id="s1", principal="alice")
         acts.release_stream("s1")  # not hot either: the state must come from the store
         req = AdvanceRequest(principal="alice", chunk_seq=1, tokens=[1])
         with pytest.raises(ApplicationError) as err:
@@ -223,7 +237,7 @@ def test_a_retry_that_computes_other_bits_adopts_the_stored_state_and_the_stream
     retry = StreamActivities(models=ModelRegistry([MODEL], backend="reference"), store=store, keyring=ring)
     chunked, reference = load_model(MODEL, backend="chunked"), load_model(MODEL, backend="reference")
     try:
-        env = ActivityEnvironment()
+        env = stream_env()
         opened = env.run(retry.open_stream, OpenStreamRequest(stream_id="s1", principal="alice", model_id=MODEL))
         req = AdvanceChunkRequest(stream_id="s1", principal="alice", receipt=opened.receipt,
                                   request=AdvanceRequest(principal="alice", chunk_seq=1, tokens=[3, 4, 5]))
@@ -233,7 +247,8 @@ def test_a_retry_that_computes_other_bits_adopts_the_stored_state_and_the_stream
         b = reference.advance(reference.initial_state(), [3, 4, 5])
         # the premise: the two attempts' states differ, else adopting would be invisible
         assert plaintext_checksum(a.state.tensors) != plaintext_checksum(b.state.tensors)
-        [written] = [k for k in store.list_stream(stream_id="s1") if k != opened.receipt.state_key]
+        [written] = [k for k in store.list_stream(stream_id="s1")
+                     if k not in (opened.receipt.state_key, record_key(opened.receipt.state_key))]
 
         done = env.run(retry.advance_chunk, req).result
         assert done.receipt.state_key == written and done.receipt.checksum == plaintext_checksum(a.state.tensors)
@@ -268,7 +283,7 @@ def test_a_different_chunk_at_the_same_sequence_from_the_same_state_gets_its_own
     acts = _activities()
     model = load_model(MODEL, backend="reference")
     try:
-        env = ActivityEnvironment()
+        env = stream_env()
         opened = env.run(acts.open_stream, OpenStreamRequest(stream_id="s1", principal="alice", model_id=MODEL))
 
         def advance(tokens: list[int]) -> AdvanceResult:
@@ -286,5 +301,48 @@ def test_a_different_chunk_at_the_same_sequence_from_the_same_state_gets_its_own
         # the first chunk sent again is still answered from its record, unchanged
         again = advance([3, 4, 5])
         assert again == first
+    finally:
+        acts.close()
+
+
+def test_recall_and_drops_touch_only_the_streams_own_keys():
+    """Issue 26: a forged carry made `recall_result` return bob's text for alice's stream, and its
+    `kept` made alice's next chunk's drops delete bob's checkpoint."""
+    acts = _activities()
+    try:
+        bob = stream_env("s-bob").run(acts.open_stream, OpenStreamRequest(stream_id="s-bob", principal="bob",
+                                                                          model_id=MODEL))
+        fed = stream_env("s-bob").run(acts.advance_chunk, AdvanceChunkRequest(
+            stream_id="s-bob", principal="bob", receipt=bob.receipt,
+            request=AdvanceRequest(principal="bob", chunk_seq=1, tokens=[7, 7, 7])))
+        alice = stream_env("s-alice").run(acts.open_stream, OpenStreamRequest(stream_id="s-alice", principal="alice",
+                                                                              model_id=MODEL))
+        before = acts.store.list_stream(stream_id="s-bob")
+        # alice's stream asks for bob's chunk's record: refused, whoever it names as principal
+        for principal in ("alice", "bob"):
+            with pytest.raises(ApplicationError) as err:
+                stream_env("s-alice").run(acts.recall_result, RecallResultRequest(
+                    stream_id="s-alice", principal=principal, state_key=fed.result.receipt.state_key, kind="advance"))
+            assert err.value.type == "StreamMismatch" and err.value.non_retryable
+        # alice's chunk drops bob's checkpoints: they stay
+        stream_env("s-alice").run(acts.advance_chunk, AdvanceChunkRequest(
+            stream_id="s-alice", principal="alice", receipt=alice.receipt,
+            request=AdvanceRequest(principal="alice", chunk_seq=1, tokens=[1]),
+            drop_keys=[bob.receipt.state_key, fed.result.receipt.state_key]))
+        assert acts.store.list_stream(stream_id="s-bob") == before
+        # and a key that names alice's stream but is bob's object in the store: left alone too
+        planted = f"s-alice.e0.c9.{'0' * 32}"
+        assert acts.store.put_if_absent(key=planted, data=b"bob's", stream_id="s-bob", principal="bob")
+        acts.commits.drop([planted], stream_id="s-alice", principal="alice")
+        assert acts.store.get(key=planted, principal="bob") == b"bob's"
+        acts.store.delete(key=planted, stream_id="s-bob", principal="bob")
+        assert acts.store.list_stream(stream_id="s-bob") == before
+        # an activity of one stream scheduled by another stream's workflow: refused before anything
+        with pytest.raises(ApplicationError) as err:
+            stream_env("s-alice").run(acts.advance_chunk, AdvanceChunkRequest(
+                stream_id="s-bob", principal="bob", receipt=fed.result.receipt,
+                request=AdvanceRequest(principal="bob", chunk_seq=2, tokens=[1])))
+        assert err.value.type == "StreamMismatch"
+        assert acts.store.list_stream(stream_id="s-bob") == before
     finally:
         acts.close()

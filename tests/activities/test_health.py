@@ -12,7 +12,9 @@ from temporalio.exceptions import ApplicationError, CancelledError
 from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 from temporalio.testing import ActivityEnvironment
 
+
 import activities._registry as registry_module
+from activities._commit import record_key
 from activities import MemoryStateStore, ModelRegistry, StreamActivities, StreamMetrics, WorkerHealth
 from activities._health import FAILURES_TO_TRIP
 from activities._stream import UNTYPED_ATTEMPTS, WORKER_FAULT_ATTEMPTS
@@ -21,6 +23,7 @@ from state_codec.codec import Keyring, plaintext_checksum
 from tests.workflows.test_metrics import free_port, scrape, total
 from workflows import AdvanceRequest
 from workflows._models import AdvanceChunkRequest, OpenStreamRequest
+from tests.activities._env import stream_env
 
 MODEL = "tiny-mamba2"
 BUG = AttributeError("module 'sympy' has no attribute 'core'")
@@ -99,13 +102,13 @@ def test_a_cancellation_never_interrupts_a_models_first_load(monkeypatch):
     monkeypatch.setattr(registry_module, "load_model", slow_load)
     acts = _acts()
     try:
-        env = ActivityEnvironment()
+        env = stream_env()
         timer = _cancel_after(env, 0.3)
         with pytest.raises(CancelledError):
             env.run(acts.open_stream, OpenStreamRequest(stream_id="s1", principal="alice", model_id=MODEL))
         timer.join()
         assert loads == [MODEL] and acts.store.list_stream(stream_id="s1") == []  # loaded; nothing committed
-        opened = ActivityEnvironment().run(acts.open_stream,
+        opened = stream_env().run(acts.open_stream,
                                            OpenStreamRequest(stream_id="s1", principal="alice", model_id=MODEL))
         assert loads == [MODEL] and opened.receipt.position == 0
     finally:
@@ -120,7 +123,7 @@ def test_a_cancelled_chunk_ends_at_its_next_safe_point_commits_nothing_and_the_n
     acts = _acts(prefill_piece=2)
     model = load_model(MODEL, backend="reference")
     try:
-        env = ActivityEnvironment()
+        env = stream_env()
         opened = env.run(acts.open_stream, OpenStreamRequest(stream_id="s1", principal="alice", model_id=MODEL))
         served = acts.models.get(MODEL)
         real = served.advance
@@ -133,21 +136,21 @@ def test_a_cancelled_chunk_ends_at_its_next_safe_point_commits_nothing_and_the_n
             return real(state, tokens)
 
         served.advance = slow
-        env = ActivityEnvironment()
+        env = stream_env()
         timer = _cancel_after(env, 0.3)
         t0 = time.monotonic()
         with pytest.raises(CancelledError, match="cancelled"):
             _advance(env, acts, "s1", opened, [3, 4, 5, 6, 7, 8])
         assert time.monotonic() - t0 < 2.4  # at the next wait on the engine, not when the piece is done
         timer.join()
-        assert acts.store.list_stream(stream_id="s1") == [opened.receipt.state_key]
+        assert acts.store.list_stream(stream_id="s1") == [opened.receipt.state_key, record_key(opened.receipt.state_key)]
         engine = acts.engine(served)
         deadline = time.monotonic() + 10
         while engine.slots.handle("s1") is not None and time.monotonic() < deadline:
             time.sleep(0.05)  # the piece in progress ends; then the engine drops the chunk and its slot
         assert pieces == [[3, 4]] and engine.slots.handle("s1") is None
         del served.advance
-        done = _advance(ActivityEnvironment(), acts, "s1", opened, [3, 4, 5, 6, 7, 8]).result
+        done = _advance(stream_env(), acts, "s1", opened, [3, 4, 5, 6, 7, 8]).result
         truth = model.advance(model.initial_state(), [3, 4, 5, 6, 7, 8])
         assert done.receipt.checksum == plaintext_checksum(truth.state.tensors) and done.position == 6
     finally:
@@ -159,13 +162,13 @@ def test_a_failure_judged_the_workers_is_retried_and_a_tripped_worker_refuses_wo
     runtime = Runtime(telemetry=TelemetryConfig(metrics=PrometheusConfig(bind_address=f"127.0.0.1:{port}")))
     acts = _acts(Breakable, metrics=StreamMetrics(runtime.metric_meter))
     try:
-        env = ActivityEnvironment()
-        opened = {s: env.run(acts.open_stream, OpenStreamRequest(stream_id=s, principal="alice", model_id=MODEL))
-                  for s in ("s1", "s2")}
+        env = stream_env()
+        opened = {s: stream_env(s).run(acts.open_stream, OpenStreamRequest(stream_id=s, principal="alice",
+                                                                           model_id=MODEL)) for s in ("s1", "s2")}
         acts.broken = True
 
         def attempt(sid: str, n: int):  # noqa: ANN202
-            env.info = dataclasses.replace(env.info, attempt=n)
+            env.info = dataclasses.replace(env.info, attempt=n, workflow_id=sid)
             return _advance(env, acts, sid, opened[sid], [1])
 
         # one stream's bug: its last attempt fails for good, typed
@@ -193,6 +196,7 @@ def test_a_failure_judged_the_workers_is_retried_and_a_tripped_worker_refuses_wo
             attempt("s1", 1)
         assert err.value.type == "WorkerUnhealthy" and not err.value.non_retryable
         assert acts.health.tripped in err.value.message
-        assert acts.store.list_stream(stream_id="s1") == [opened["s1"].receipt.state_key]
+        assert acts.store.list_stream(stream_id="s1") == [opened["s1"].receipt.state_key,
+                                                           record_key(opened["s1"].receipt.state_key)]
     finally:
         acts.close()

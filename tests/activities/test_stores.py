@@ -71,12 +71,18 @@ def test_put_get_list_delete_usage(store):
     assert store.stream_ids() == ["s1", "s2"]
     u = store.usage()
     assert (u.objects, u.bytes, u.streams) == (3, 3 + 4 + 5, 2)
-    assert store.delete(key="s1.k2") and not store.delete(key="s1.k2")
+    # a delete names the object's stream and principal: another's is left alone, whatever the key
+    assert not store.delete(key="s2.k1", stream_id="s1", principal="alice")
+    assert not store.delete(key="s2.k1", stream_id="s2", principal="alice")
+    assert not store.delete(key="s1.k2", stream_id="s1", principal="bob")
+    assert store.get(key="s2.k1", principal="bob") == b"three" and store.get(key="s1.k2", principal="alice")
+    assert store.delete(key="s1.k2", stream_id="s1", principal="alice")
+    assert not store.delete(key="s1.k2", stream_id="s1", principal="alice")
     assert store.delete_stream(stream_id="s2") == 1
     assert store.get(key="s2.k1", principal="bob") is None
     assert store.list_stream(stream_id="s1") == ["s1.k1"]
     assert store.stream_ids() == ["s1"]
-    store.delete(key="s1.k1")
+    store.delete(key="s1.k1", stream_id="s1", principal="alice")
     assert store.stream_ids() == []
 
 

@@ -31,7 +31,7 @@ from activities import (
 from activities._sweep import MISSING_KIND, store_owner
 from tests.activities.test_stores import store  # noqa: F401 - the file and PostgreSQL stores, as a fixture
 from state_codec.codec import Keyring
-from worker import WorkerConfig, dev_server_args, run_worker, temporal_binary
+from worker import WorkerConfig, run_worker, start_dev_server
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -39,8 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 async def _server() -> WorkflowEnvironment:
-    return await WorkflowEnvironment.start_local(dev_server_existing_path=temporal_binary(), ip="127.0.0.1",
-                                                 dev_server_extra_args=dev_server_args(), dev_server_log_level="error")
+    return await start_dev_server()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")

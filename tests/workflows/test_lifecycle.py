@@ -20,10 +20,10 @@ from workflows import AgentInput, AgentWorkflow
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 
-async def cli(stack: Stack, *args: str) -> subprocess.CompletedProcess:
+async def cli(stack: Stack, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """The real `temporal` CLI, in a thread so the test's worker keeps running."""
     return await asyncio.to_thread(subprocess.run, [temporal_binary(), "workflow", *args, "--address", stack.address],
-                                   capture_output=True, text=True, timeout=60)
+                                   capture_output=True, text=True, timeout=60, env=env)
 
 
 async def _stats(stack: Stack, sid: str):
@@ -31,34 +31,65 @@ async def _stats(stack: Stack, sid: str):
 
 
 async def test_reset_and_cancel_from_the_temporal_cli(stack: Stack):
+    """The README's commands: the stock CLI through the codec endpoint (the operator's token, from
+    the environment), so the request is sealed and the principal's name never reaches history."""
+    import os
+
+    from state_codec.codec_server import CodecServer
+
     model = local("tiny-mamba2")
     sid = await stack.streams.open("alice", "tiny-mamba2")
     await stack.streams.advance(sid, "alice", text="a prefix that would colour what follows")
-    # a reset from the wrong principal: counted, nothing changes
-    out = await cli(stack, "signal", "--workflow-id", sid, "--name", "reset", "--input", json.dumps({"principal": "bob"}))
-    assert out.returncode == 0, out.stderr
-    s = await eventually(lambda: _if(stack, sid, lambda st: st.rejected_resets == 1))
-    assert (s.epoch, s.position, s.resets) == (0, 39, 0)
-    out = await cli(stack, "signal", "--workflow-id", sid, "--name", "reset", "--input", json.dumps({"principal": "alice"}))
-    assert out.returncode == 0, out.stderr
-    s = await eventually(lambda: _if(stack, sid, lambda st: st.epoch == 1))
-    assert (s.position, s.resets) == (0, 1)
-    after = await stack.streams.advance(sid, "alice", text="B")
-    fresh = model.advance(model.initial_state(), model.transform.encode("B"))
-    assert after.output_digest == digest(fresh.logits) and after.receipt.epoch == 1 and after.position == 1
-    assert after.receipt.checksum == plaintext_checksum(fresh.state.tensors)
+    codec = CodecServer(stack.keyring, port=0).start()
+    env = dict(os.environ, TEMPORAL_CODEC_ENDPOINT=codec.endpoint)
+    try:
+        # a reset naming the wrong principal: counted, and the stats say why; nothing changes
+        out = await cli(stack, "signal", "--workflow-id", sid, "--name", "reset",
+                        "--input", json.dumps({"principal": "bob"}), env=env)
+        assert out.returncode == 0, out.stderr
+        s = await eventually(lambda: _if(stack, sid, lambda st: st.rejected_resets == 1))
+        assert (s.epoch, s.position, s.resets) == (0, 39, 0) and "PrincipalMismatch" in s.last_refusal
+        # in clear (no codec endpoint): refused too, whatever it names
+        out = await cli(stack, "signal", "--workflow-id", sid, "--name", "reset", "--input",
+                        json.dumps({"principal": "alice"}))
+        assert out.returncode == 0, out.stderr
+        s = await eventually(lambda: _if(stack, sid, lambda st: st.rejected_resets == 2))
+        assert s.epoch == 0 and "UnsealedRequest" in s.last_refusal
+        out = await cli(stack, "signal", "--workflow-id", sid, "--name", "reset",
+                        "--input", json.dumps({"principal": "alice"}), env=env)
+        assert out.returncode == 0, out.stderr
+        s = await eventually(lambda: _if(stack, sid, lambda st: st.epoch == 1))
+        assert (s.position, s.resets, s.operator_resets) == (0, 1, 1)
+        after = await stack.streams.advance(sid, "alice", text="B")
+        fresh = model.advance(model.initial_state(), model.transform.encode("B"))
+        assert after.output_digest == digest(fresh.logits) and after.receipt.epoch == 1 and after.position == 1
+        assert after.receipt.checksum == plaintext_checksum(fresh.state.tensors)
 
-    assert stack.acts.store.list_stream(stream_id=sid)
-    out = await cli(stack, "cancel", "--workflow-id", sid)
-    assert out.returncode == 0, out.stderr
-    with pytest.raises(WorkflowFailureError):
-        await stack.streams.handle(sid).result()
+        assert stack.acts.store.list_stream(stream_id=sid)
+        # a bare `temporal workflow cancel` carries no key: refused, the stream goes on
+        out = await cli(stack, "cancel", "--workflow-id", sid)
+        assert out.returncode == 0, out.stderr
+        s = await eventually(lambda: _if(stack, sid, lambda st: st.refused_cancels == 1))
+        assert not s.cancelled and stack.acts.store.list_stream(stream_id=sid)
+        # the sealed `cancel` signal: the stream disposes and ends cancelled (the cancel request it
+        # refused before counts now)
+        out = await cli(stack, "signal", "--workflow-id", sid, "--name", "cancel",
+                        "--input", json.dumps({"principal": "alice"}), env=env)
+        assert out.returncode == 0, out.stderr
+        with pytest.raises(WorkflowFailureError):
+            await stack.streams.handle(sid).result()
+    finally:
+        codec.stop()
     assert stack.acts.store.list_stream(stream_id=sid) == []
     assert all(eng.slots.handle(sid) is None for eng in stack.acts.engines.values())
     with pytest.raises(Exception):
         await stack.streams.advance(sid, "alice", text="after cancel", chunk_seq=3)
-    # the query still answers: cancelled, as the receipt left it
-    assert (await stack.streams.stats(sid)).cancelled
+    # the query still answers: cancelled, by the operator, as the receipt left it
+    s = await stack.streams.stats(sid)
+    assert s.cancelled and s.cancelled_by == "operator"
+    events = [e async for e in stack.streams.handle(sid).fetch_history_events()]
+    raw = b"".join(e.SerializeToString() for e in events)
+    assert b"bob" not in raw  # the sealed signals' principal is not in history in clear
 
 
 async def _if(stack: Stack, sid: str, pred):

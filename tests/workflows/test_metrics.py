@@ -115,6 +115,14 @@ async def test_a_lifecycle_scenario_moves_each_meter_by_exactly_its_amount(tempo
         assert m.delta("mamba_stream_checkpoints_written") == 2  # the generate's and the reset's
         m.mark()
 
+        # a refused reset (naming another principal) has no caller to tell: the stream's stats
+        # say why, and the workers count it
+        await streams.reset(sid, "bob")
+        await eventually(lambda: _refused(streams, sid))
+        await eventually(lambda: _counted(m, "mamba_stream_refused_requests", kind="reset", reason="PrincipalMismatch"))
+        assert m.delta("mamba_stream_refused_requests") == 1 and m.delta("mamba_stream_resets") == 0
+        m.mark()
+
         # a stale resume: chunk 1's receipt, whose checkpoint retention dropped when chunk 2 committed
         with pytest.raises(WorkflowFailureError):
             await streams.open("alice", "tiny-mamba2", resume=first.receipt, options=opts)
@@ -162,6 +170,14 @@ async def test_a_lifecycle_scenario_moves_each_meter_by_exactly_its_amount(tempo
             await streams.cancel(s)
         assert total(scrape(port), "mamba_stream_active_states") == 0
         assert m.delta("mamba_stream_resets") == 0 and m.delta("mamba_stream_duplicate_chunks") == 0
+
+
+async def _refused(streams: StreamClient, sid: str) -> bool:
+    return (await streams.stats(sid)).rejected_resets == 1
+
+
+async def _counted(m: Meter, name: str, **labels: str) -> bool:
+    return m.delta(name, **labels) == 1
 
 
 async def _epoch(streams: StreamClient, sid: str, n: int) -> bool:

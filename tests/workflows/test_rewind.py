@@ -1,6 +1,9 @@
-"""Rewind (Issue 15, finding 1): a Temporal reset of a stream's run resumes from the chunk it goes
-back to, bit for bit as a fresh stream fed the same tokens; past the window of kept checkpoints
-the stream says so, typed, and a reset signal starts it afresh."""
+"""Rewind (Issue 15, finding 1; Issue 26): the stream's principal (or the operator) sends the
+sealed `rewind` update, and the stream continues, in a new run, from the chunk it goes back to,
+bit for bit as a fresh stream fed the same tokens; past the window of kept checkpoints it is
+refused, typed, with nothing changed. A raw Temporal reset (an operator's, which Temporal's own
+authorization decides) past the window: the next chunk says so, typed, and a reset signal starts
+the stream afresh."""
 
 from __future__ import annotations
 
@@ -170,31 +173,34 @@ async def test_a_rewind_after_a_rewind_reaches_any_chunk_of_its_window(stack: St
     await _continues_like_a_fresh_stream(stack, sid, _tokens(chunks[:2]), 2)
 
 
-async def test_a_chain_of_rewinds_deeper_than_the_store_holds_ends_typed(stack: Stack):
-    """Window 2: the store holds the line's last 3 checkpoints, so a rewind, then a rewind into
-    its window, land where they should; a third step back reaches a chunk that the undone chunks
-    deleted (no bounded store can hold every chain's): refused, typed, nothing advanced."""
+async def test_a_chain_of_rewinds_lands_only_on_stored_checkpoints(stack: Stack):
+    """Window 2: the store holds the line's last 3 checkpoints. Each rewind reaches its own
+    window, and deletes the chunks it undoes; one step further back than the store holds is
+    refused, typed, before anything changes (a raw Temporal reset there would leave a stream whose
+    next chunk is refused)."""
     chunks = [*CHUNKS, [13, 14]]
     sid = await stack.streams.open("alice", "tiny-mamba2", options=StreamOptions(
         **{**FAST.model_dump(), "checkpoints_kept": 2}))
     for c in chunks:
         await stack.streams.advance(sid, "alice", tokens=c)
-    held = sorted(k for k in stack.acts.store.list_stream(stream_id=sid) if not k.endswith(".out"))
-    assert [k.split(".")[-2] for k in held] == ["c4", "c5", "c6"]  # 2 x 2 - 1 of the line
+
+    def held() -> list[str]:
+        return sorted(k.split(".")[-2] for k in stack.acts.store.list_stream(stream_id=sid) if not k.endswith(".out"))
+
+    assert held() == ["c4", "c5", "c6"]  # 2 x 2 - 1 of the line
     with pytest.raises(RewindPastWindow):
-        await stack.streams.rewind(sid, 4)  # out of the window (5, 6): refused before any reset
+        await stack.streams.rewind(sid, 4)  # out of the window (5, 6): refused before anything changes
+    assert (await stack.streams.stats(sid)).chunk_seq == 6
     await stack.streams.rewind(sid, 5)
     await eventually(lambda: _at(stack, sid, 5))
+    assert held() == ["c4", "c5"]  # chunk 6 undone, and gone
     await stack.streams.rewind(sid, 4)
     await eventually(lambda: _at(stack, sid, 4))
-    # chunk 4's window is (3, 4): the stream's own bookkeeping holds 3, the store no longer does
-    await stack.streams.rewind(sid, 3)
-    await eventually(lambda: _at(stack, sid, 3))
-    await _past_the_window(stack, sid, 3, len(_tokens(chunks[:3])))
-    await stack.streams.reset(sid, "alice")  # the stream still takes a fresh epoch
-    await eventually(lambda: _epoch(stack, sid, 1))
-    a = await stack.streams.advance(sid, "alice", tokens=[50])
-    assert a.receipt.checksum == plaintext_checksum(truth([50]).state.tensors) and a.chunk_seq == 4
+    with pytest.raises(RewindPastWindow):  # chunk 3 left the store long ago
+        await stack.streams.rewind(sid, 3)
+    stats = await stack.streams.stats(sid)
+    assert (stats.chunk_seq, stats.position, stats.rewinds) == (4, len(_tokens(chunks[:4])), 2)
+    await _continues_like_a_fresh_stream(stack, sid, _tokens(chunks[:4]), 4)
 
 
 async def _epoch(stack: Stack, sid: str, epoch: int):
@@ -239,6 +245,7 @@ async def test_after_a_rewind_another_chunk_at_the_same_seq_gets_its_own_result(
         **{**FAST.model_dump(), "checkpoints_kept": 8}))
     await stack.streams.advance(sid, "alice", tokens=[1, 2, 3])
     lost = await stack.streams.advance(sid, "alice", tokens=[4, 5, 6])
+    await stack.streams.checkpoint(sid, "alice")  # handed out: the rewind keeps it in the store
     await stack.streams.rewind(sid, 1)
     await eventually(lambda: _at(stack, sid, 1))
     # the lost chunk's record is still there to be (wrongly) found

@@ -13,7 +13,7 @@ from scan import load_model
 from state_codec.codec import plaintext_checksum
 from state_codec.signing import PrincipalKeys, RequestSigner
 from tests.workflows.conftest import FAST, eventually, make_stack
-from workflows import StreamClient, update_id
+from workflows import StreamClient
 from workflows._models import AdvanceRequest, GenerateRequest, ResetRequest
 from workflows._stream import MambaStreamWorkflow
 
@@ -97,7 +97,7 @@ async def test_signed_requests_run_and_forged_ones_change_nothing(temporal_env, 
         # re-sending it signs to the same bytes, so the same update id: the first result, once
         again = await signing.advance(a, "alice", tokens=[8, 9], chunk_seq=2)
         assert again.receipt == second.receipt
-        assert update_id("advance", good, epoch=0) == update_id("advance", signing.sign("advance", a, good), epoch=0)
+        assert signing.update_id("advance", a, good, 0) == signing.update_id("advance", a, signing.sign("advance", a, good), 0)
 
         gen = signing.sign("generate", a, GenerateRequest(principal="alice", chunk_seq=3, max_tokens=2, seed=1))
         with pytest.raises(WorkflowUpdateFailedError) as err:
@@ -133,7 +133,23 @@ async def test_resets_unsigned_or_replayed_reset_nothing(temporal_env, tmp_path)
         await eventually(lambda: _rejected(signing, sid, 2))
         s = await signing.stats(sid)
         assert (s.epoch, s.position, s.resets) == (1, 0, 1)
-        await signing.cancel(sid)
+        # an unsigned cancel (and the Temporal cancel request after it): refused, the stream goes on
+        await stack.streams.cancel(sid, "alice", wait=False)
+        s = await eventually(lambda: _cancels_refused(signing, sid, 2))
+        assert "UnsignedRequest" in s.last_refusal or "UnsealedRequest" in s.last_refusal
+        assert not s.cancelled and stack.acts.store.list_stream(stream_id=sid)
+        assert (await signing.advance(sid, "alice", tokens=[4])).position == 1
+        with pytest.raises(WorkflowUpdateFailedError) as err:  # an unsigned rewind: refused by the worker
+            await stack.streams.rewind(sid, 0)
+        assert reason(err.value) == "UnsignedRequest"
+        await signing.cancel(sid)  # signed: it ends
+        s = await signing.stats(sid)
+        assert s.cancelled and s.cancelled_by == "principal" and stack.acts.store.list_stream(stream_id=sid) == []
+
+
+async def _cancels_refused(streams: StreamClient, sid: str, n: int):
+    s = await streams.stats(sid)
+    return s if s.refused_cancels == n else None
 
 
 async def _rejected(streams: StreamClient, sid: str, n: int) -> bool:

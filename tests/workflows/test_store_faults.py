@@ -106,12 +106,12 @@ async def test_a_cancel_while_postgres_is_read_only_completes_once_it_is_back_wi
         for chunk in ([1, 2, 3], [4, 5]):
             await stack.streams.advance(sid, "alice", tokens=chunk)
         held = stack.acts.store.list_stream(stream_id=sid)
-        assert len(held) == 5 and sid in stack.acts.hot_stream_ids()  # the opened state, 2 chunks and their records
+        assert len(held) == 6 and sid in stack.acts.hot_stream_ids()  # the opened state, 2 chunks, and their records
         admin.execute(f"ALTER ROLE {role} SET default_transaction_read_only = on")
         admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s", (role,))
         chunk = asyncio.create_task(stack.streams.advance(sid, "alice", tokens=[6]))  # in flight at the cancel
         handle = stack.streams.handle(sid)
-        await handle.cancel()
+        await stack.streams.cancel(sid, "alice", wait=False)
         with pytest.raises(WorkflowUpdateFailedError) as refused:
             await asyncio.wait_for(chunk, 60)
         assert refused.value.cause.type in ("StreamCancelled", "StoreUnavailable")
@@ -142,9 +142,9 @@ async def test_a_cancel_waits_out_a_store_fault_that_is_permanent_for_a_chunk(te
         store.delete_stream = delete_stream
         assert not _os_error(OSError(errno.EROFS, ""), "").retryable
         handle = stack.streams.handle(sid)
-        await handle.cancel()
+        await stack.streams.cancel(sid, "alice", wait=False)
         await eventually(lambda: _dispose_attempts(stack, sid, 3), timeout=60)
         assert (await handle.describe()).status == WorkflowExecutionStatus.RUNNING
-        assert len(store.list_stream(stream_id=sid)) == 3
+        assert len(store.list_stream(stream_id=sid)) == 4  # the opened state, the chunk, and their records
         read_only = False
         await _cancelled_with_nothing_left(stack, sid)

@@ -1,11 +1,14 @@
-"""The Temporal UI shows a stream's history decrypted: the embedded dev server is started with
-`--ui-codec-endpoint` pointing at our codec server, a stream takes a few chunks, and headless
-Chromium opens the stream's history page. The receipts are on the page as text; a screenshot is
-saved to docs/."""
+"""The Temporal UI shows a stream's history decrypted, for the operator only: the embedded dev
+server (its UI on a port that is not the default one) is told the codec server's address, not its
+token; a browser that has not been given the operator's endpoint sees ciphertext (the codec server
+refuses it), and the operator's browser, whose Codec Server setting holds the endpoint with the
+token (what the UI's settings dialog stores, in the browser alone), sees the receipts as text. A
+screenshot is saved to docs/."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import shutil
 import socket
 import uuid
@@ -20,7 +23,7 @@ from activities._registry import ModelRegistry
 from activities._stream import StreamActivities
 from plugin import MambaStreamPlugin
 from state_codec.codec import Keyring
-from state_codec.codec_server import CodecServer
+from state_codec.codec_server import CodecServer, ui_origins
 from worker import EmbeddedTemporal
 from workflows import StreamClient
 
@@ -48,8 +51,8 @@ async def test_the_ui_shows_the_decrypted_receipts_of_a_stream(tmp_path):
     ring = Keyring.generate()
     port, ui_port = free_port(), free_port()
     ui = f"http://127.0.0.1:{ui_port}"
-    codec = CodecServer(ring, port=0, origins=(ui, f"http://localhost:{ui_port}")).start()
-    server = EmbeddedTemporal(tmp_path / "home", port=port, ui_port=ui_port, codec_endpoint=codec.endpoint).start()
+    codec = CodecServer(ring, port=0, origins=ui_origins(ui_port)).start()
+    server = EmbeddedTemporal(tmp_path / "home", port=port, ui_port=ui_port, codec_endpoint=codec.url).start()
     acts = StreamActivities(models=ModelRegistry(["tiny-mamba2"], backend="reference"),
                             store=open_store(f"file://{tmp_path / 'states'}"), keyring=ring)
     queue = f"ui-{uuid.uuid4().hex[:8]}"
@@ -67,10 +70,25 @@ async def test_the_ui_shows_the_decrypted_receipts_of_a_stream(tmp_path):
             blob = b"".join(e.SerializeToString() for e in raw)
             assert last.receipt.checksum.encode() not in blob and b"colour is teal" not in blob
 
+            history = f"{ui}/namespaces/default/workflows/{sid}/{run_id}/history"
             async with pw.async_playwright() as p:
                 browser = await p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-                page = await browser.new_page(viewport={"width": 1400, "height": 1800})
-                await page.goto(f"{ui}/namespaces/default/workflows/{sid}/{run_id}/history", wait_until="load")
+                # a browser that only reached the UI: the UI's settings name the codec server, which
+                # refuses it (no token), so the page shows no request in clear
+                stranger = await browser.new_page(viewport={"width": 1400, "height": 1800})
+                await stranger.goto(history, wait_until="load")
+                await stranger.get_by_text("Workflow Execution Update Completed").first.wait_for(timeout=30_000)
+                await stranger.wait_for_timeout(3000)
+                assert "what was the key?" not in await stranger.inner_text("body")
+                await stranger.close()
+                # the operator's browser: its Codec Server setting holds the endpoint with the token
+                # (the keys the UI's dialog writes; "override" makes the browser's endpoint win)
+                operator = await browser.new_context(viewport={"width": 1400, "height": 1800})
+                await operator.add_init_script(
+                    f"localStorage.setItem('endpoint', {json.dumps(json.dumps(codec.endpoint))});"
+                    "localStorage.setItem('overrideRemoteCodecConfiguration', 'true');")
+                page = await operator.new_page()
+                await page.goto(history, wait_until="load")
                 # the newest event first: the last chunk's update, whose outcome holds its receipt
                 # the outcome's code view renders only the lines in view, and the receipt's checksum is
                 # below them: wait for the receipt's first bound field, the model revision

@@ -23,10 +23,17 @@ from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureEr
 from temporalio.exceptions import ApplicationError
 
 from plugin import MambaStreamPlugin
+from state_codec import CLEAR, MASTER
 from state_codec.codec import Keyring
 from state_codec.codec_server import CodecServer
 from state_codec.keyring import KeyringNotFound, find_keyring
-from state_codec.payload import ENCRYPTED_ENCODING, UNDECRYPTABLE_ENCODING, EncryptionCodec, StreamPayloadConverter
+from state_codec.payload import (
+    ENCRYPTED_ENCODING,
+    UNDECRYPTABLE_ENCODING,
+    EncryptionCodec,
+    StreamPayloadConverter,
+    with_sealer,
+)
 from tests.workflows.conftest import Stack, eventually
 from worker import WorkerConfig, _running, load_keyring
 from workflows import ClientConfig, StreamClient
@@ -47,9 +54,15 @@ async def test_payload_codec_round_trip_rotation_and_passthrough():
     plain = Payload(metadata={"encoding": b"json/plain"}, data=b'{"principal":"alice"}')
     [enc] = await codec.encode([plain])
     assert enc.metadata["encoding"] == ENCRYPTED_ENCODING and b"alice" not in enc.data
-    assert (await codec.decode([enc]))[0] == plain
-    assert (await codec.decode([plain]))[0] == plain  # plain JSON from the CLI passes through
-    assert (await EncryptionCodec(ring.rotate()).decode([enc]))[0] == plain
+    # decoded, each payload says who sealed it (the workers' key here; nobody's for plain JSON,
+    # which passes through), over whatever it said before
+    assert (await codec.decode([enc]))[0] == with_sealer(plain, MASTER)
+    assert (await codec.decode([plain]))[0] == with_sealer(plain, CLEAR)
+    claims = with_sealer(plain, ring.principal_tag("alice"))  # a plaintext payload claiming a key
+    assert (await codec.decode([claims]))[0] == with_sealer(plain, CLEAR)
+    assert (await EncryptionCodec(ring.rotate()).decode([enc]))[0] == with_sealer(plain, MASTER)
+    [alices] = await EncryptionCodec(ring.for_principal("alice")).encode([claims])  # the claim is not sealed in
+    assert (await codec.decode([alices]))[0] == with_sealer(plain, ring.principal_tag("alice"))
     # another keyring cannot open it: a sealed payload that refuses, typed, to become a value
     [sealed] = await EncryptionCodec(Keyring.generate()).decode([enc])
     assert sealed.metadata["encoding"] == UNDECRYPTABLE_ENCODING and b"alice" not in sealed.data
@@ -182,8 +195,26 @@ async def test_worker_py_runs_the_embedded_stack_and_stops_cleanly(tmp_path):
         # every stream's history is in that database: the user's alone, like the home around it
         assert stat.S_IMODE((home / "temporal.db").stat().st_mode) == 0o600
         assert stat.S_IMODE(home.stat().st_mode) == 0o700
-        # the embedded codec server decodes only for its token (it used to ignore it)
+        # the operator's token (it decodes every tenant) is in no process's command line, and the
+        # UI's settings, which any browser that reaches the UI reads, name the codec server only;
+        # the endpoint with the token is the operator's file, for their browser and CLI
         codec = f"http://127.0.0.1:{ports['MAMBA_STREAM_CODEC_PORT']}"
+        assert _cmdlines_holding("s3cr3t-token") == []
+        settings = await asyncio.to_thread(_ui_settings, ports["MAMBA_STREAM_UI_PORT"])
+        assert "s3cr3t-token" not in json.dumps(settings) and settings["Codec"]["Endpoint"] == codec
+        endpoint = home / "codec-endpoint"
+        assert endpoint.read_text().strip() == f"{codec}/t/s3cr3t-token"
+        assert stat.S_IMODE(endpoint.stat().st_mode) == 0o600
+        # CORS for the UI's own port, which is not the default one here
+        ui_origin = f"http://127.0.0.1:{ports['MAMBA_STREAM_UI_PORT']}"
+        _, _, headers = await asyncio.to_thread(_post, codec + "/decode", {"payloads": []},
+                                                {"Authorization": "Bearer s3cr3t-token", "Origin": ui_origin})
+        assert headers.get("Access-Control-Allow-Origin") == ui_origin
+        _, _, headers = await asyncio.to_thread(_post, codec + "/decode", {"payloads": []},
+                                                {"Authorization": "Bearer s3cr3t-token",
+                                                 "Origin": "http://127.0.0.1:8233"})
+        assert "Access-Control-Allow-Origin" not in headers
+        # the embedded codec server decodes only for its token (it used to ignore it)
         events = [e async for e in client.get_workflow_handle(sid).fetch_history_events()]
         sealed = json_format.MessageToDict(
             events[0].workflow_execution_started_event_attributes.input)  # the start input, encrypted
@@ -240,9 +271,27 @@ def _start_worker_py(env: dict[str, str], cwd: Path) -> tuple[subprocess.Popen, 
             return proc, lines
 
 
-def _ui_codec_endpoint(ui_port: int) -> str:
+def _ui_settings(ui_port: int) -> dict:
+    """What the Temporal UI hands any browser that asks (no login on the dev server's UI)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{ui_port}/api/v1/settings", timeout=10) as r:
-        return json.loads(r.read())["Codec"]["Endpoint"]
+        return json.loads(r.read())
+
+
+def _ui_codec_endpoint(ui_port: int) -> str:
+    return _ui_settings(ui_port)["Codec"]["Endpoint"]
+
+
+def _cmdlines_holding(secret: str) -> list[int]:
+    """Pids whose command line (world-readable in /proc) holds `secret`."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if secret.encode() in (d / "cmdline").read_bytes():
+                    found.append(int(d.name))
+            except OSError:
+                pass
+    return found
 
 
 async def _decodes(endpoint: str, ring: Keyring) -> int:
@@ -262,7 +311,8 @@ async def test_a_sigkilled_worker_py_takes_its_embedded_server_along_and_the_nex
     """Issue 25: a SIGKILLed worker.py left its dev server running; the next worker reused it, and
     the UI kept the dead worker's codec endpoint (its token refused: 401). Now a leftover of the
     home's database is replaced, the server dies with its worker, and a second worker on the same
-    home while the first lives is refused."""
+    home while the first lives is refused. The UI names the codec server's address only; the
+    operator's endpoint, token included, is the home's `codec-endpoint` file, made anew."""
     ports = {"MAMBA_STREAM_TEMPORAL_PORT": _free_port(), "MAMBA_STREAM_UI_PORT": _free_port(),
              "MAMBA_STREAM_CODEC_PORT": _free_port()}
     env, home = _embedded_env(tmp_path, ports), tmp_path / "home"
@@ -283,9 +333,10 @@ async def test_a_sigkilled_worker_py_takes_its_embedded_server_along_and_the_nex
         assert leftover.wait(timeout=10) is not None  # stopped, not reused
         assert any("left by a worker that is gone" in line for line in out), "".join(out)
         ring = Keyring.from_file(home / "keyring.json")
-        old = _ui_codec_endpoint(ports["MAMBA_STREAM_UI_PORT"])
+        assert _ui_codec_endpoint(ports["MAMBA_STREAM_UI_PORT"]) == codec_url  # the address, no token
+        old = (home / "codec-endpoint").read_text().strip()
         assert old.startswith(codec_url + "/t/") and "a-dead-workers-token" not in old
-        assert await _decodes(old, ring) == 200
+        assert await _decodes(old, ring) == 200 and await _decodes(codec_url, ring) == 401
         server = json.loads((home / "temporal.pid").read_text())
         assert server["worker"] == first.pid and _running(server["server"])
         # a second worker on this home while the first lives: told where the server is, not given a second one
@@ -300,7 +351,8 @@ async def test_a_sigkilled_worker_py_takes_its_embedded_server_along_and_the_nex
         assert not await _listening(ports["MAMBA_STREAM_TEMPORAL_PORT"])
         # the next worker on the same home: a fresh server, whose UI takes the new token alone
         second, _ = await asyncio.to_thread(_start_worker_py, env, tmp_path)
-        new = _ui_codec_endpoint(ports["MAMBA_STREAM_UI_PORT"])
+        assert _ui_codec_endpoint(ports["MAMBA_STREAM_UI_PORT"]) == codec_url
+        new = (home / "codec-endpoint").read_text().strip()
         assert new.startswith(codec_url + "/t/") and new != old
         assert await _decodes(new, ring) == 200 and await _decodes(old, ring) == 401
         restarted = json.loads((home / "temporal.pid").read_text())

@@ -1,0 +1,84 @@
+"""Who sealed a request: the key that opened a payload, as the workers' codec saw it.
+
+Anyone who reaches the Temporal frontend can send any workflow an update, a signal or a start
+input. What a request says about itself (its `principal` field) proves nothing; the key that
+encrypted it does. The workers' payload codec (`state_codec.payload.EncryptionCodec`) writes, on
+every payload it decodes, which key opened it, under `SEALER_KEY` in the decoded payload's
+metadata, overwriting whatever the sender put there:
+
+    <32 hex digits>   the history key of the principal with that tag (`state_codec.keyring`)
+    "master"          the workers' own key: the operator (the codec server's operator token, or
+                      a master keyring encoding for no stream)
+    "clear"           nobody's: the payload was not encrypted
+
+The payload converter copies it onto the request model it decodes (`SEALED_ATTR`, a private
+attribute, never serialized), and the stream workflow compares it with the tag its own id names
+(`stream_tag`): a stream tagged for bob acts only on what bob's key or the workers' sealed.
+
+Standard library only: the workflow sandbox imports this.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["CLEAR", "FAILURE_SEALER_ATTR", "MASTER", "SEALED_ATTR", "SEALER_KEY", "TAG", "StateKey",
+           "parse_state_key", "sealer_of", "stream_tag"]
+
+#: the metadata key the workers' codec writes on each payload it decodes
+SEALER_KEY = "mamba-stream-sealer"
+#: sealed under the workers' master key: the operator's act
+MASTER = "master"
+#: not encrypted at all
+CLEAR = "clear"
+#: the private attribute of a request model that holds its sealer
+SEALED_ATTR = "_sealer"
+#: the attribute of a failure's exception that holds who sealed the failure (its encoded attributes):
+#: a stream's activity can be failed by its id from outside, with a failure of the caller's own
+FAILURE_SEALER_ATTR = "mamba_stream_sealer"
+#: a principal's tag: 32 hex digits (`state_codec.keyring`)
+TAG = re.compile(r"^[0-9a-f]{32}$")
+
+
+def stream_tag(workflow_id: str) -> str | None:
+    """The principal tag a stream id names (`ms.<tag>.<32 hex>`, `workflows.new_stream_id`), or None
+    (an id of another form: its payloads are under the master key)."""
+    parts = workflow_id.split(".")
+    if len(parts) == 3 and parts[0] == "ms" and TAG.match(parts[1]) and len(parts[2]) == 32:
+        return parts[1]
+    return None
+
+
+def sealer_of(value: Any) -> str | None:
+    """Who sealed `value` (a tag, `MASTER` or `CLEAR`): a request or an activity's result, as its
+    payload converter recorded; a failure's exception, as the failure converter did. None for one
+    that did not come through the workers' codec (built in code, a failure with no encoded
+    attributes)."""
+    if isinstance(value, BaseException):
+        found = getattr(value, FAILURE_SEALER_ATTR, None)
+    else:
+        found = (getattr(value, "__pydantic_private__", None) or {}).get(SEALED_ATTR)
+    return found if isinstance(found, str) else None
+
+
+#: every checkpoint key, the open, reset and chunk states' alike:
+#: `<stream id>.e<epoch>.c<chunk seq>.<32 hex>` (keys written before the digest was keyed may end
+#: in an empty one: `<stream id>.e0.c0.`); a result record is its checkpoint's key + `.out`
+_STATE_KEY = re.compile(r"^(?P<stream>.+)\.e(?P<epoch>\d+)\.c(?P<seq>\d+)\.(?P<digest>[0-9a-f]{32}|)$")
+
+
+@dataclass(frozen=True)
+class StateKey:
+    """A checkpoint key, parsed (`parse_state_key`)."""
+
+    stream_id: str
+    epoch: int
+    chunk_seq: int
+
+
+def parse_state_key(key: str) -> StateKey | None:
+    """The stream, epoch and chunk a checkpoint key names; None for any other key (a record's)."""
+    m = _STATE_KEY.match(key)
+    return StateKey(m.group("stream"), int(m.group("epoch")), int(m.group("seq"))) if m else None
