@@ -46,7 +46,7 @@ async def set_current(client: Client, deployment: str, build_id: str) -> None:
             return False
 
     try:
-        await eventually(attempt, timeout=30, interval=0.2)
+        await eventually(attempt, timeout=120, interval=0.2)
     except AssertionError:
         raise AssertionError(f"could not make {build_id} current: {errors[-3:]}") from None
 
@@ -57,7 +57,8 @@ async def set_current(client: Client, deployment: str, build_id: str) -> None:
         return (info.routing_config.current_deployment_version.build_id == build_id
                 and info.routing_config_update_state == RoutingConfigUpdateState.ROUTING_CONFIG_UPDATE_STATE_COMPLETED)
 
-    await eventually(propagated, timeout=30, interval=0.2)
+    # the server propagates it through its own system workflows: slow on a loaded machine
+    await eventually(propagated, timeout=120, interval=0.2)
 
 
 async def build_of(client: Client, sid: str) -> str:
