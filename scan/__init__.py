@@ -21,7 +21,15 @@ from scan._errors import (
 )
 from scan._forward import embed, forward, zero_states
 from scan._init import init_weights
-from scan._loading import init_model, load_model, save_checkpoint, weights_revision
+from scan._loading import (
+    WEIGHT_FORMATS,
+    config_from_json,
+    init_model,
+    load_model,
+    parameter_shapes,
+    save_checkpoint,
+    weights_revision,
+)
 from scan._model import BACKENDS, Model
 from scan._presets import PRESETS, TRAINED_PRESETS
 from scan._state import State, StepResult
@@ -33,6 +41,7 @@ __all__ = [
     "PRESETS",
     "TOLERANCES",
     "TRAINED_PRESETS",
+    "WEIGHT_FORMATS",
     "ByteTransform",
     "CheckpointError",
     "ConfigError",
@@ -51,11 +60,13 @@ __all__ = [
     "TokenOutOfRange",
     "Tolerance",
     "UnsupportedBackend",
+    "config_from_json",
     "embed",
     "forward",
     "init_model",
     "init_weights",
     "load_model",
+    "parameter_shapes",
     "save_checkpoint",
     "tolerance",
     "weights_revision",

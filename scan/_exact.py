@@ -203,7 +203,12 @@ def unary_twin(x: Tensor, op: str) -> Tensor:
 def linear_twin(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """x (..., K) @ weight (N, K)^T in the kernel's order: 16 lanes (lane j sums k = j, j + 16, ...
     in order from 0; zeros past K), then the lanes by the fixed tree (j, j + 8), (j, j + 4),
-    (j, j + 2), (0, 1); then + bias."""
+    (j, j + 2), (0, 1); then + bias. A weight stored narrower (bfloat16, float16) is widened to
+    x's dtype first, which is exact: the kernel widens each value as it reads it."""
+    if weight.dtype != x.dtype:
+        if weight.dtype not in (torch.bfloat16, torch.float16):
+            raise TypeError(f"no exact product of {x.dtype} inputs with {weight.dtype} weights")
+        weight = weight.to(x.dtype)
     lead, k = x.shape[:-1], x.shape[-1]
     pad = (-k) % 16
     rows = torch.nn.functional.pad(x.reshape(-1, k), (0, pad)).reshape(-1, 1, (k + pad) // 16, 16)
@@ -370,7 +375,6 @@ def build_kernels() -> tuple[Any, str]:
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 #: every kernel of _exact.c and its arguments (each exists as name_f32 and name_f64)
 _SIGNATURES = {
-    "linear": [_P, _I, _I, _P, _I, _P, _P, _I, _I],
     "unary": [_P, _P, _I, ctypes.c_int],
     "mean_rows": [_P, _P, _I, _I],
     "rms_norm": [_P, _P, _P, _I, _I, _D],
@@ -382,6 +386,10 @@ _SIGNATURES = {
     "trapezoid_scan": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I],
 }
 _SUFFIX = {torch.float32: "_f32", torch.float64: "_f64"}
+#: the products by the format their weights are stored in: linear_same_f32 reads weights of the
+#: computation's dtype, linear_bf16_f32 bfloat16 ones, ...
+_WEIGHT_FORMATS = {"same": None, "bf16": torch.bfloat16, "f16": torch.float16}
+_LINEAR = [_P, _I, _I, _P, _I, _P, _P, _I, _I]
 
 
 def _declare(lib: Any) -> None:
@@ -389,6 +397,11 @@ def _declare(lib: Any) -> None:
         for suf in _SUFFIX.values():
             fn = getattr(lib, name + suf)
             fn.argtypes = args
+            fn.restype = None
+    for fmt in _WEIGHT_FORMATS:
+        for suf in _SUFFIX.values():
+            fn = getattr(lib, f"linear_{fmt}{suf}")
+            fn.argtypes = _LINEAR
             fn.restype = None
 
 _pool: ThreadPoolExecutor | None = None
@@ -419,6 +432,9 @@ class _Kernels:
 
     def __init__(self, lib: Any) -> None:
         self.fn = {(name, dt): getattr(lib, name + suf) for name in _SIGNATURES for dt, suf in _SUFFIX.items()}
+        #: (compute dtype, weight dtype) -> the product
+        self.linears = {(dt, wdt or dt): getattr(lib, f"linear_{fmt}{suf}")
+                        for fmt, wdt in _WEIGHT_FORMATS.items() for dt, suf in _SUFFIX.items()}
 
     @staticmethod
     def _cached(weight: Tensor, what: str, make: Callable[[], Tensor]) -> Tensor:
@@ -439,7 +455,10 @@ class _Kernels:
         out = x.new_empty((*x.shape[:-1], n))
         if m:
             w = weight if weight.is_contiguous() else self._cached(weight, "contiguous", weight.contiguous)
-            fn, xp, wp, op = self.fn["linear", x.dtype], x.data_ptr(), w.data_ptr(), out.data_ptr()
+            fn = self.linears.get((x.dtype, w.dtype))
+            if fn is None:
+                raise TypeError(f"no exact product of {x.dtype} inputs with {w.dtype} weights")
+            xp, wp, op = x.data_ptr(), w.data_ptr(), out.data_ptr()
             bp = None if bias is None else bias.data_ptr()
             if m * k * n < _PARALLEL_WORK:
                 fn(xp, m, k, wp, n, bp, op, 0, n)
@@ -763,8 +782,25 @@ class Probe:
         return "exact" if self.kernels else "exact-twin"
 
 
+#: rows of the head the probe runs: past two blocks of outputs, with a remainder for every tile width
+_PROBE_HEAD_ROWS = 213
+
+
+def _probe_view(lm: torch.nn.Module) -> Any:
+    """What the probe runs of a model: its first two layers (every layer has the same shapes, the
+    same code and the same weight format) and the first rows of its head. The twins take minutes
+    over a billion-parameter model's every layer; two layers check the same kernels."""
+    from types import SimpleNamespace
+
+    bb = lm.backbone
+    return SimpleNamespace(cfg=lm.cfg, backbone=SimpleNamespace(layers=list(bb.layers)[:2], norm_f=bb.norm_f,
+                                                                embedding=bb.embedding),
+                           lm_head=SimpleNamespace(weight=lm.lm_head.weight[:_PROBE_HEAD_ROWS]))
+
+
 def probe(lm: torch.nn.Module, dtype: torch.dtype) -> Probe:
-    """Run the model's own layers, shapes, dtype and threads through the kernels and the twins.
+    """Run the model's layers, shapes, weight format, dtype and threads through the kernels and
+    the twins (`_probe_view`: its first two layers and a slice of its head).
 
     Two streams of three tokens, from random states: the kernels must give the twins' bits, one
     stream alone must give its bits in the pair, and the three tokens one at a time must give
@@ -777,6 +813,7 @@ def probe(lm: torch.nn.Module, dtype: torch.dtype) -> Probe:
     prims = _kernel_primitives()
     if prims is None:
         return Probe(False, build_kernels()[1], time.perf_counter() - t0)
+    lm = _probe_view(lm)
     kernels, twins = FixedBackend(prims), FixedBackend(TWIN_PRIMITIVES)
     g = torch.Generator().manual_seed(0)
     states = [tuple((torch.randn((2, *shape), generator=g) * 0.5).to(dtype) for _, shape in blk.mixer.state_shapes())
@@ -866,6 +903,7 @@ def exact_step_backend(lm: torch.nn.Module, dtype: torch.dtype) -> Backend:
 def _in_place_agrees(lm: torch.nn.Module, dtype: torch.dtype, plain: Backend, in_place: Backend) -> bool:
     from scan._forward import forward
 
+    lm = _probe_view(lm)
     g = torch.Generator().manual_seed(1)
     states = [tuple((torch.randn((3, *shape), generator=g) * 0.5).to(dtype) for _, shape in blk.mixer.state_shapes())
               for blk in lm.backbone.layers]

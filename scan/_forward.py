@@ -24,8 +24,9 @@ LayerStates = list[States]
 
 
 def embed(lm: MambaLM, tokens: Tensor) -> Tensor:
-    """(B, L) token ids -> (B, L, D) embeddings (a gather: exact on every backend)."""
-    return F.embedding(tokens, lm.backbone.embedding.weight)
+    """(B, L) token ids -> (B, L, D) embeddings in the compute dtype (a gather, then an exact
+    widening where the embedding is held narrower: exact on every backend)."""
+    return F.embedding(tokens, lm.backbone.embedding.weight).to(lm.compute_dtype)
 
 
 def zero_states(lm: MambaLM, batch: int, like: Tensor) -> LayerStates:

@@ -68,5 +68,15 @@ class MambaLM(nn.Module):
             self.lm_head.weight = self.backbone.embedding.weight
 
     @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of the computation: the norms' (the matrices may be held narrower)."""
+        return self.backbone.norm_f.weight.dtype
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        """The dtype the matrices are held in (`scan.load_model(weights=...)`)."""
+        return self.lm_head.weight.dtype
+
+    @property
     def mixers(self) -> list[Mixer]:
         return [blk.mixer for blk in self.backbone.layers]  # type: ignore[misc]

@@ -6,23 +6,26 @@ import hashlib
 import json
 import logging
 import math
+import mmap
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from scan._config import ModelConfig
-from scan._errors import CheckpointError, ConfigError
+from scan._errors import CheckpointError, ConfigError, UnsupportedBackend
 from scan._lm import MambaLM
 from scan._model import Model
 from scan._presets import PRESETS, TRAINED_PRESETS, build_preset, initial_weights, trained_preset_dir
 from scan._transforms import ByteTransform, HFTokenizerTransform
 
 __all__ = [
+    "WEIGHT_FORMATS",
     "config_from_json",
     "init_model",
     "load_model",
     "mamba_ssm_config",
+    "parameter_shapes",
     "save_checkpoint",
     "weights_revision",
 ]
@@ -49,6 +52,18 @@ _UNDERSTOOD = {
                "is_outproj_norm": "is_outproj_norm", "mimo_rank": "mimo_rank"},
 }
 _ARCH_OF_LAYER = {"Mamba1": "mamba1", "Mamba2": "mamba2", "Mamba3": "mamba3"}
+
+#: The formats a model's matrices (the projections, the embedding, the head) can be held in, by
+#: `load_model(weights=...)`: the exact backend reads them as they are; the other parameters
+#: (norms, conv taps, A, D, biases: a few MB) are held in the compute dtype.
+WEIGHT_FORMATS: dict[str, torch.dtype] = {
+    "float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16,
+}
+_NARROW = (torch.bfloat16, torch.float16)
+#: safetensors' dtype names
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
 
 
 def _is_inf(v: Any) -> bool:
@@ -156,21 +171,52 @@ def config_from_json(cfg: dict[str, Any]) -> tuple[ModelConfig, str]:
                       field="config.json")
 
 
+def _map_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file as views of one private (copy-on-write) mapping of it:
+    nothing is read until it is used, and the pages are the file's, shared with the page cache."""
+    size = path.stat().st_size
+    with path.open("rb") as fh:
+        if size < 8:
+            raise CheckpointError(f"{path}: {size} bytes is not a safetensors file")
+        mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+    n = int.from_bytes(mapped[:8], "little")
+    if n > size - 8:
+        raise CheckpointError(f"{path}: a header of {n} bytes does not fit a {size}-byte file")
+    try:
+        header = json.loads(bytes(mapped[8 : 8 + n]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: the header is not JSON: {exc}") from exc
+    base, out = 8 + n, {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (b, e) = _ST_DTYPES[info["dtype"]], [int(d) for d in info["shape"]], info["data_offsets"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{path}: tensor {name!r} has an unreadable entry ({exc})") from exc
+        count = math.prod(shape)
+        if not (0 <= b <= e <= size - base) or e - b != count * dtype.itemsize:
+            raise CheckpointError(f"{path}: tensor {name!r} does not fit its byte range [{b}, {e})")
+        if count == 0:
+            out[name] = torch.empty(shape, dtype=dtype)
+        elif (base + b) % dtype.itemsize:  # a misaligned tensor (files written by hand): a copy
+            out[name] = torch.frombuffer(bytearray(mapped[base + b : base + e]), dtype=dtype).reshape(shape)
+        else:
+            out[name] = torch.frombuffer(mapped, dtype=dtype, count=count, offset=base + b).reshape(shape)
+    return out
+
+
 def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
     st = directory / "model.safetensors"
     index = directory / "model.safetensors.index.json"
     binf = directory / "pytorch_model.bin"
     if st.exists() or index.exists():
-        from safetensors import safe_open
-
         files = [st] if st.exists() else sorted(
             {directory / f for f in json.loads(index.read_text())["weight_map"].values()}
         )
         out: dict[str, torch.Tensor] = {}
         for f in files:
-            with safe_open(str(f), framework="pt", device="cpu") as fh:  # memory-mapped
-                for key in fh.keys():
-                    out[key] = fh.get_tensor(key)
+            out.update(_map_safetensors(f))
         return out
     if binf.exists():
         try:
@@ -183,6 +229,16 @@ def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
     raise CheckpointError(f"{directory} holds no model.safetensors or pytorch_model.bin")
 
 
+def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter a checkpoint of `cfg` holds, with its shape, by mamba-ssm name (a tied head
+    is left out: the embedding is the head)."""
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in MambaLM(cfg).state_dict().items()}
+    if cfg.tie_embeddings:
+        shapes.pop("lm_head.weight", None)
+    return shapes
+
+
 def _canonical_weights(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Rename to mamba-ssm names, fold the tied head, check names and shapes against `cfg`."""
     sd = {("backbone.embedding.weight" if k == "backbone.embeddings.weight" else k): v for k, v in sd.items()}
@@ -191,10 +247,7 @@ def _canonical_weights(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
         emb = sd.get("backbone.embedding.weight")
         if emb is not None and not (head.shape == emb.shape and torch.equal(head, emb)):
             raise CheckpointError("tie_embeddings is set but lm_head.weight differs from the embedding")
-    with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in MambaLM(cfg).state_dict().items()}
-    if cfg.tie_embeddings:
-        expected.pop("lm_head.weight", None)
+    expected = parameter_shapes(cfg)
     missing = sorted(set(expected) - set(sd))
     unexpected = sorted(set(sd) - set(expected))
     if missing:
@@ -215,17 +268,55 @@ def weights_revision(sd: dict[str, torch.Tensor]) -> str:
     for name in sorted(sd):
         t = sd[name].detach().to("cpu").contiguous()
         h.update(f"{name}|{str(t.dtype).removeprefix('torch.')}|{tuple(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())  # the buffer itself: no copy of a mapped file
     return "sha256:" + h.hexdigest()
 
 
-def _build(cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> MambaLM:
+def _matrices(lm: MambaLM) -> set[str]:
+    """The names of the parameters held in the weight format: every product's weight and the embedding."""
+    return {f"{name}.weight" for name, mod in lm.named_modules() if isinstance(mod, (torch.nn.Linear, torch.nn.Embedding))}
+
+
+def _weight_format(weights: str | None, sd: dict[str, torch.Tensor], cfg: ModelConfig, dtype: torch.dtype,
+                   reads_stored: bool) -> torch.dtype:
+    """The dtype the matrices are held in. None: as stored when that is bfloat16 or float16 and the
+    backend reads stored weights (exact), else the compute dtype."""
+    if weights is None:
+        with torch.device("meta"):
+            names = _matrices(MambaLM(cfg))
+        stored = {sd[k].dtype for k in names if k in sd}
+        if reads_stored and len(stored) == 1 and next(iter(stored)) in _NARROW:
+            return next(iter(stored))
+        return dtype
+    if weights not in WEIGHT_FORMATS:
+        raise UnsupportedBackend(f"unknown weight format {weights!r}; expected one of {sorted(WEIGHT_FORMATS)}")
+    fmt = WEIGHT_FORMATS[weights]
+    if fmt != dtype and fmt not in _NARROW:
+        raise UnsupportedBackend(f"{weights} weights with {dtype} computation: weights are held in the compute "
+                                 "dtype or narrower (bfloat16, float16)")
+    if fmt != dtype and not reads_stored:
+        raise UnsupportedBackend(f"{weights} weights are read as they are by the exact backend only")
+    return fmt
+
+
+def _build(cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+           weights: torch.dtype | None = None, *, mapped: bool = False) -> MambaLM:
+    """The module, its matrices in `weights` (default `dtype`), its other parameters in `dtype`.
+
+    `mapped`: `sd` holds views of the checkpoint's files, which a tensor already in its target
+    dtype and device keeps (no copy); otherwise every tensor is copied, so that the module never
+    shares storage with a caller's dict."""
     with torch.device("meta"):
         lm = MambaLM(cfg)
+    matrices = _matrices(lm)
     full = dict(sd)
     if cfg.tie_embeddings:
         full["lm_head.weight"] = full["backbone.embedding.weight"]
-    params = {k: v.to(device=device, dtype=dtype).clone() for k, v in full.items()}
+    params = {}
+    for k, v in full.items():
+        want = (weights or dtype) if k in matrices else dtype
+        kept = mapped and v.dtype == want and v.device == device
+        params[k] = v if kept else v.to(device=device, dtype=want, copy=True)
     if cfg.tie_embeddings:
         params["lm_head.weight"] = params["backbone.embedding.weight"]
     lm.load_state_dict(params, assign=True, strict=True)
@@ -243,6 +334,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     state_dtype: torch.dtype | None = None,
+    weights: str | None = None,
 ) -> Model:
     """Load a preset by name, or a checkpoint directory (mamba-ssm or Hugging Face layout).
 
@@ -255,6 +347,13 @@ def load_model(
         device: where the weights and states live.
         state_dtype: the dtype of the state; by default `dtype`. bfloat16 or float16 round the
             state after every token (reference backend only) and are recorded in the schema.
+        weights: the format the matrices are held and read in (`WEIGHT_FORMATS`): "bfloat16" or
+            "float16" keep (or round to) 2 bytes a weight, which the exact kernels widen as they
+            read (exactly: the bits of the same values held in float32); "float32"/"float64" the
+            compute dtype. By default a bfloat16 or float16 checkpoint is kept as stored on the
+            exact backend (memory-mapped, no copy) and widened for the others. A format narrower
+            than the computation is recorded in the schema and the arithmetic: a receipt made
+            under one format does not resume under another.
 
     Raises:
         ConfigError naming the offending config field; CheckpointError for missing or
@@ -287,7 +386,11 @@ def load_model(
         model_id = directory.resolve().name
         log.info("loaded %s checkpoint %s (%s)", layout, directory, cfg.architecture)
     revision = weights_revision(sd)
-    lm = _build(cfg, sd, dtype, device)
+    reads_stored = backend == "exact" or (backend == "auto" and device.type == "cpu")
+    fmt = _weight_format(weights, sd, cfg, dtype, reads_stored)
+    # the exact kernels' bits do not depend on where a weight lies; torch's kernels may (a vector
+    # loop peels to alignment), so the other backends get fresh, aligned copies as they always did
+    lm = _build(cfg, sd, dtype, device, fmt, mapped=name not in PRESETS and reads_stored)
     return Model(lm, model_id=model_id, revision=revision, backend=backend, transform=transform,
                  state_dtype=state_dtype)
 
@@ -301,10 +404,14 @@ def init_model(
     device: str | torch.device = "cpu",
     model_id: str | None = None,
     state_dtype: torch.dtype | None = None,
+    weights: str | None = None,
 ) -> Model:
-    """A freshly initialized model (mamba-ssm-style init, deterministic in `seed`)."""
+    """A freshly initialized model (mamba-ssm-style init, deterministic in `seed`); `weights` as
+    for `load_model` (the initial weights are float32: "bfloat16" rounds them)."""
     sd = initial_weights(config, seed)
-    built = _build(config, sd, dtype, torch.device(device))
+    device = torch.device(device)
+    reads_stored = backend == "exact" or (backend == "auto" and device.type == "cpu")
+    built = _build(config, sd, dtype, device, _weight_format(weights, sd, config, dtype, reads_stored))
     transform = ByteTransform() if config.padded_vocab_size >= 256 else None
     return Model(built, model_id=model_id or f"init-{config.architecture}-seed{seed}",
                  revision=weights_revision(sd), backend=backend, transform=transform, state_dtype=state_dtype)

@@ -119,6 +119,33 @@ def test_products_norms_and_conv_give_their_twins_bits(dtype):
     assert _equal(*_both("conv", state, xs, cw, cb)) and _equal(*_both("conv", state, xs, cw, None))
 
 
+@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_products_read_narrow_weights_as_stored_with_the_bits_of_their_widened_copies(dtype, stored):
+    """A bfloat16 or float16 weight read as it is stored gives the bits of the same product over
+    its values widened to the computation's dtype, on the kernels and the twins: every shape class
+    (tile remainders in k and n, one row and many), float16's subnormals and extremes included."""
+    g = torch.Generator().manual_seed(7)
+    ops = E._kernel_ops()
+    for m, k, n in [(1, 7, 5), (1, 64, 200), (2, 64, 130), (3, 37, 97), (5, 40, 129), (1, 1000, 33), (9, 256, 200),
+                    (33, 16, 1000)]:
+        x, b = _r(g, m, k, dtype=dtype), _r(g, n, dtype=dtype)
+        w = _r(g, n, k, dtype=torch.float32, scale=0.2).to(stored)
+        if stored == torch.float16:
+            special = [6e-8, -6e-8, 1e-5, -3e-6, 65504.0, -65504.0, 6.1e-5, 0.0, -0.0]
+            w.view(-1)[: len(special)] = torch.tensor(special, dtype=torch.float16)
+        wide = w.to(dtype)
+        for bias in (b, None):
+            got, twin, want = ops.linear(x, w, bias), E.TWIN_OPS.linear(x, w, bias), ops.linear(x, wide, bias)
+            assert _equal(got, want) and _equal(twin, want), (m, k, n, stored)
+            assert torch.equal(want, E.TWIN_OPS.linear(x, wide, bias))
+        assert torch.equal(ops.linear(x[:1], w, b)[0], ops.linear(x, w, b)[0])
+    with pytest.raises(TypeError, match="no exact product"):
+        ops.linear(_r(g, 2, 16, dtype=torch.float32), _r(g, 4, 16, dtype=torch.float64))
+    with pytest.raises(TypeError, match="no exact product"):
+        E.TWIN_OPS.linear(_r(g, 2, 16, dtype=torch.float32), _r(g, 4, 16, dtype=torch.float64))
+
+
 @pytest.mark.parametrize("length", [1, 2, 6])  # the kernels take another loop for decode (<= 2 tokens)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_scans_give_their_twins_bits(dtype, length):
@@ -165,7 +192,11 @@ def _schedules(draw: st.DrawFn) -> list[tuple[int, list[int]]]:
     return [(draw(st.integers(0, 20)), draw(st.integers(0, 9))) for _ in range(n)]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
+#: the computation, or the computation and the format its weights are read in
+COMPUTE = ["float32", "float64", "float32/bfloat16", "float32/float16"]
+
+
+@pytest.mark.parametrize("dtype", COMPUTE)
 @pytest.mark.parametrize("preset", ARCH_PRESETS)
 @settings(max_examples=25, suppress_health_check=[HealthCheck.too_slow], deadline=None)
 @given(schedule=_schedules())
@@ -186,7 +217,7 @@ def test_any_co_scheduled_batch_gives_each_stream_its_solo_bits(preset, dtype, s
         assert all(torch.equal(buffers[k][r], solo.state.tensors[k]) for k in buffers)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("dtype", COMPUTE)
 @pytest.mark.parametrize("preset", ARCH_PRESETS)
 def test_the_in_place_step_gives_the_steps_bits_and_touches_only_its_rows(preset, dtype):
     """`step_rows(in_place=True)`: the layers write the slot buffers as they run, on a span of rows
@@ -207,9 +238,10 @@ def test_the_in_place_step_gives_the_steps_bits_and_touches_only_its_rows(preset
             assert all(torch.equal(fast[k][r], stacked[k][r]) for k in fast)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float32/bfloat16", "float32/float16"])
 @pytest.mark.parametrize("preset", ARCH_PRESETS)
-def test_decode_token_by_token_equals_the_prefill_of_the_same_tokens(preset):
-    model = model_for(preset, "exact", "float32")
+def test_decode_token_by_token_equals_the_prefill_of_the_same_tokens(preset, dtype):
+    model = model_for(preset, "exact", dtype)
     start = model.advance(model.initial_state(), tokens(9, 4)).state
     toks = tokens(40, 5)
     chunk = model.advance(start, toks)
@@ -222,13 +254,14 @@ import hashlib, json, sys, torch
 from scan import load_model
 from tests.scan._helpers import tokens
 out = {}
-for name in sys.argv[1].split(","):
-    m = load_model(name, backend="exact")
+for entry in sys.argv[1].split(","):
+    name, _, weights = entry.partition("@")
+    m = load_model(name, backend="exact", weights=weights or None)
     r = m.advance(m.advance(m.initial_state(), tokens(30, 1)).state, tokens(17, 2))
     h = hashlib.sha256(r.logits.numpy().tobytes())
     for t in r.state.tensors.values():
         h.update(t.contiguous().numpy().tobytes())
-    out[name] = [h.hexdigest(), r.path, m.arithmetic(r.path).id]
+    out[entry] = [h.hexdigest(), r.path, m.arithmetic(r.path).id]
 print(json.dumps(out))
 """
 
@@ -243,7 +276,7 @@ def _checksums(env: dict[str, str], presets: list[str]) -> dict[str, list[str]]:
 def test_the_same_bits_for_every_instruction_set_thread_count_and_without_kernels(tmp_path):
     """Kernels built for plain x86-64 (SSE2), for AVX2 and for this machine, on one or two threads,
     and the twins alone, under torch's scalar build: one checksum per preset."""
-    presets = ["tiny-mamba1", "tiny-mamba2", "tiny-mamba3", "tiny-mamba3-mimo"]
+    presets = list(PINNED)
     cache = str(tmp_path / "cache")
     runs = {
         "native, 2 threads": {"MAMBA_STREAM_CACHE": cache, "OMP_NUM_THREADS": "2"},
@@ -260,8 +293,10 @@ def test_the_same_bits_for_every_instruction_set_thread_count_and_without_kernel
     assert {v[1] for v in got["twins, torch default"].values()} == {"exact-twin"}
     assert {v[1] for v in first.values()} == {"exact"}
     assert len({v[0] for v in first.values()}) == len(presets)  # and the presets do differ
-    # the receipt's arithmetic says so: one id everywhere
-    assert {v[2] for sums in got.values() for v in sums.values()} == {E.ARITHMETIC + "/float32"}
+    # the receipt's arithmetic says so: one id everywhere, naming the weight format where it is narrower
+    for sums in got.values():
+        assert {k: v[2] for k, v in sums.items()} == {
+            k: E.ARITHMETIC + "/float32" + (f"/weights-{k.partition('@')[2]}" if "@" in k else "") for k in presets}
     assert {k: v[0] for k, v in first.items()} == PINNED  # and they are this version's bits
 
 
@@ -272,6 +307,10 @@ PINNED = {
     "tiny-mamba2": "09f1f989186456a65a888209770d43b720d6059a90dbc135f6064a004b79a74f",
     "tiny-mamba3": "4066780d1324baf2404e5882328bced56ca5ba1ae0617f193f4f20838e59a836",
     "tiny-mamba3-mimo": "de54304970cbfa0be1c72472be1371119c7e919e602ac96007f9d1b6c9b32450",
+    # the same presets with their matrices rounded to bfloat16 / float16 at load, read as such
+    "tiny-mamba1@bfloat16": "73010811dc29743ca2b568db9278755ee019a7e2d95d8de13acd0e544d79a896",
+    "tiny-mamba2@bfloat16": "19545b517312e28a30b4928b7ed593ddd3cd6a80497f1c2dc7abfa88f3dd0c2a",
+    "tiny-mamba3@float16": "723aca271103d3752f34be12f7064e04aad52c5a5ccded794573c1da23fb7369",
 }
 
 

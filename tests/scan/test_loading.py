@@ -15,6 +15,7 @@ from scan import (
     ConfigError,
     HFTokenizerTransform,
     ModelConfig,
+    UnsupportedBackend,
     load_model,
     save_checkpoint,
 )
@@ -188,3 +189,99 @@ def test_transforms(tmp_path):
     assert m.transform.encode("hello world again") == [1, 2, 0]
     assert m.transform.revision.startswith("sha256:")
     assert tokenizers is not None
+
+
+# --- weights as stored ----------------------------------------------------------------------------
+
+
+def _narrow_checkpoint(directory, preset: str, dtype: torch.dtype):  # noqa: ANN001, ANN202
+    """`preset` written with every tensor in `dtype` (as Hugging Face ships bfloat16 checkpoints)."""
+    save_checkpoint(load_model(preset, backend="reference"), directory)
+    sd = {k: v.to(dtype) for k, v in load_file(str(directory / "model.safetensors")).items()}
+    save_file(sd, str(directory / "model.safetensors"))
+    return directory
+
+
+def _mapped_ranges(path) -> list[tuple[int, int]]:  # noqa: ANN001
+    out = []
+    for line in open("/proc/self/maps"):
+        if line.rstrip().endswith(str(path)):
+            lo, hi = line.split()[0].split("-")
+            out.append((int(lo, 16), int(hi, 16)))
+    return out
+
+
+@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("preset", ["tiny-mamba1", "tiny-mamba2", "tiny-mamba3"])
+def test_a_narrow_checkpoint_is_read_as_stored_from_its_mapping_with_the_bits_of_its_float32_copy(
+        tmp_path, preset, stored):
+    d = _narrow_checkpoint(tmp_path, preset, stored)
+    kept = load_model(d, backend="exact")
+    wide = load_model(d, backend="exact", weights="float32")
+    assert kept.weight_dtype == stored and kept.dtype == torch.float32 and wide.weight_dtype == torch.float32
+    lm = kept.module
+    # the matrices are views of the file's own pages; the small parameters are float32 copies
+    ranges = _mapped_ranges(d / "model.safetensors")
+    assert ranges
+    for name in ("lm_head.weight", "backbone.layers.0.mixer.in_proj.weight", "backbone.layers.1.mixer.out_proj.weight"):
+        t = lm.get_parameter(name)
+        assert t.dtype == stored and any(lo <= t.data_ptr() < hi for lo, hi in ranges), name
+    assert lm.backbone.norm_f.weight.dtype == torch.float32
+    assert not any(lo <= lm.backbone.norm_f.weight.data_ptr() < hi for lo, hi in ranges)
+    # one revision (the same checkpoint), two schemas and arithmetics, the same bits
+    assert kept.revision == wide.revision
+    assert kept.schema.weights == str(stored).removeprefix("torch.") and wide.schema.weights is None
+    assert kept.arithmetic().id == wide.arithmetic().id + f"/weights-{kept.schema.weights}"
+    toks = tokens(41, 3)
+    a, b = kept.advance(kept.initial_state(), toks), wide.advance(wide.initial_state(), toks)
+    assert torch.equal(a.logits, b.logits) and a.path == b.path == "exact"
+    assert all(torch.equal(a.state.tensors[k], b.state.tensors[k]) for k in a.state.tensors)
+    # on a backend that does not read stored weights, the default widens them
+    assert load_model(d, backend="chunked").weight_dtype == torch.float32
+
+
+def test_rounding_at_load_equals_a_checkpoint_stored_rounded(tmp_path):
+    """weights="bfloat16" on a float32 checkpoint rounds its matrices (only they are held narrow):
+    the bits of a checkpoint whose matrices were stored rounded."""
+    save_checkpoint(load_model("tiny-mamba2", backend="reference"), tmp_path)
+    f = tmp_path / "model.safetensors"
+    matrix = ("proj.weight", "embedding.weight", "lm_head.weight")
+    save_file({k: v.to(torch.bfloat16) if k.endswith(matrix) else v for k, v in load_file(str(f)).items()}, str(f))
+    rounded = load_model("tiny-mamba2", backend="exact", weights="bfloat16")
+    stored = load_model(tmp_path, backend="exact")
+    assert stored.weight_dtype == torch.bfloat16 and rounded.schema == stored.schema
+    assert rounded.revision != stored.revision  # other checkpoints (float32 values, bfloat16 ones), one schema
+    toks = tokens(20, 4)
+    a, b = rounded.advance(rounded.initial_state(), toks), stored.advance(stored.initial_state(), toks)
+    assert torch.equal(a.logits, b.logits)
+    assert all(torch.equal(a.state.tensors[k], b.state.tensors[k]) for k in a.state.tensors)
+
+
+def test_weight_formats_that_cannot_be_served_are_refused_at_load(tmp_path):
+    with pytest.raises(UnsupportedBackend, match="unknown weight format"):
+        load_model("tiny-mamba2", weights="int4")
+    with pytest.raises(UnsupportedBackend, match="exact backend only"):
+        load_model("tiny-mamba2", backend="chunked", weights="bfloat16")
+    with pytest.raises(UnsupportedBackend, match="exact backend only"):
+        load_model("tiny-mamba2", backend="reference", weights="float16")
+    with pytest.raises(UnsupportedBackend, match="compute dtype or narrower"):
+        load_model("tiny-mamba2", weights="float64")
+    assert load_model("tiny-mamba2", dtype=torch.float64, weights="bfloat16").schema.dtype == "float64"
+
+
+def test_a_safetensors_file_that_lies_about_its_tensors_is_refused(tmp_path):
+    save_checkpoint(load_model("tiny-mamba2", backend="reference"), tmp_path)
+    f = tmp_path / "model.safetensors"
+    raw = f.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    for bad in ({**header[name], "data_offsets": [0, 10**12]}, {**header[name], "shape": [10**6]},
+                {**header[name], "dtype": "Q4"}):
+        body = json.dumps({**header, name: bad}).encode()
+        f.write_bytes(len(body).to_bytes(8, "little") + body + raw[8 + n :])
+        with pytest.raises(CheckpointError, match=name):
+            load_model(tmp_path)
+    f.write_bytes((10**9).to_bytes(8, "little") + raw[8:])
+    with pytest.raises(CheckpointError, match="does not fit"):
+        load_model(tmp_path)
