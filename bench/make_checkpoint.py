@@ -14,7 +14,8 @@ load time, memory and speed, which depend on the shapes and the format, not on t
                   (Codestral-Mamba-7B's shape)
 
 The file is written tensor by tensor, a slab of rows at a time, so a 14.6 GB bfloat16 checkpoint
-needs a few hundred MB of memory to make.
+needs a few hundred MB of memory to make. `--dtype q8` writes the matrices as block-int8 (the
+`<name>_q8` / `<name>_scale` tensors `scan.load_model` reads as q8), the rest in float32.
 
     python bench/make_checkpoint.py 7b-mamba2 --dtype bfloat16 --out /tmp/ckpt/7b-mamba2-bf16
 """
@@ -34,7 +35,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scan import config_from_json, parameter_shapes  # noqa: E402
+from scan import Q8Weight, config_from_json, parameter_shapes, quantize_q8  # noqa: E402
+
+QB = Q8Weight.block
 
 SHAPES: dict[str, dict[str, Any]] = {
     "130m-mamba1": {"model_type": "mamba", "hidden_size": 768, "num_hidden_layers": 24, "vocab_size": 50280,
@@ -50,7 +53,10 @@ SHAPES: dict[str, dict[str, Any]] = {
     "7b-mamba2": {"model_type": "mamba2", "hidden_size": 4096, "num_hidden_layers": 64, "vocab_size": 32768,
                   "state_size": 128, "head_dim": 64, "num_heads": 128, "n_groups": 8, "tie_word_embeddings": False},
 }
-_DTYPES = {"float32": (torch.float32, "F32"), "bfloat16": (torch.bfloat16, "BF16"), "float16": (torch.float16, "F16")}
+_DTYPES = {"float32": (torch.float32, "F32"), "bfloat16": (torch.bfloat16, "BF16"), "float16": (torch.float16, "F16"),
+           "q8": (torch.int8, "I8")}
+#: the matrices a q8 checkpoint holds as blocks (`scan.load_model`'s weight formats)
+_MATRICES = ("proj.weight", "embeddings.weight", "lm_head.weight")
 _SLAB = 1 << 24  # values generated at once
 
 
@@ -100,25 +106,47 @@ def make(shape: str, dtype: str, out: Path, seed: int = 0) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     cfg, _ = config_from_json(cfg_json)
     names = {("backbone.embeddings.weight" if k == "backbone.embedding.weight" else k): v for k, v in parameter_shapes(cfg).items()}
-    tdtype, st_name = _DTYPES[dtype]
-    header: dict[str, Any] = {"__metadata__": {"format": "pt", "made_by": "bench/make_checkpoint.py"}}
-    offset = 0
+    # the entries of the file: (name, safetensors dtype, shape, what fills it)
+    entries: list[tuple[str, str, list[int], str, str]] = []
     for name in sorted(names):
-        nbytes = math.prod(names[name]) * tdtype.itemsize
-        header[name] = {"dtype": st_name, "shape": list(names[name]), "data_offsets": [offset, offset + nbytes]}
+        shp = list(names[name])
+        if dtype == "q8" and name.endswith(_MATRICES):
+            nb = (shp[1] + QB - 1) // QB
+            entries += [(name + "_q8", "I8", [shp[0], nb * QB], name, "q"), (name + "_scale", "F16", [shp[0], nb], name, "d")]
+        else:
+            entries.append((name, "F32" if dtype == "q8" else _DTYPES[dtype][1], shp, name, "v"))
+    entries.sort()
+    item = {"F32": 4, "BF16": 2, "F16": 2, "I8": 1}
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", "made_by": "bench/make_checkpoint.py"}}
+    offset, where = 0, {}
+    for ename, st_dtype, shp, _, _ in entries:
+        nbytes = math.prod(shp) * item[st_dtype]
+        header[ename] = {"dtype": st_dtype, "shape": shp, "data_offsets": [offset, offset + nbytes]}
+        where[ename] = offset
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-aligned
+    base = 8 + len(raw)
     with (out / "model.safetensors").open("wb") as fh:
         fh.write(struct.pack("<Q", len(raw)) + raw)
+        fh.truncate(base + offset)
         for name in sorted(names):
             shp = names[name]
             per_row = max(1, math.prod(shp[1:]))
             step = max(1, _SLAB // per_row)
             for r0 in range(0, shp[0], step):
                 rows = slice(r0, min(shp[0], r0 + step))
-                fh.write(_values(name, shp, cfg.n_layer, seed, rows).to(tdtype).contiguous()
-                         .view(torch.uint8).numpy().tobytes())
+                vals = _values(name, shp, cfg.n_layer, seed, rows)
+                if dtype == "q8" and name.endswith(_MATRICES):
+                    qw = quantize_q8(vals)
+                    for part, t in (("_q8", qw.q), ("_scale", qw.d)):
+                        row_bytes = t[0].numel() * t.element_size()
+                        fh.seek(base + where[name + part] + r0 * row_bytes)
+                        fh.write(t.contiguous().view(torch.uint8).numpy().tobytes())
+                else:
+                    t = vals.to(torch.float32 if dtype == "q8" else _DTYPES[dtype][0]).contiguous()
+                    fh.seek(base + where[name] + r0 * per_row * t.element_size())
+                    fh.write(t.view(torch.uint8).numpy().tobytes())
     (out / "config.json").write_text(json.dumps(cfg_json, indent=2) + "\n")
     marker.write_text(want)
     return out

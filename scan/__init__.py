@@ -32,6 +32,7 @@ from scan._loading import (
 )
 from scan._model import BACKENDS, Model
 from scan._presets import PRESETS, TRAINED_PRESETS
+from scan._quant import Q8Weight, quantize_q8
 from scan._state import State, StepResult
 from scan._tolerance import TOLERANCES, Tolerance, tolerance
 from scan._transforms import ByteTransform, HFTokenizerTransform, InputTransform
@@ -54,6 +55,7 @@ __all__ = [
     "NonFiniteInput",
     "NonFiniteOutput",
     "NonIntegerInput",
+    "Q8Weight",
     "ScanError",
     "State",
     "StepResult",
@@ -67,6 +69,7 @@ __all__ = [
     "init_weights",
     "load_model",
     "parameter_shapes",
+    "quantize_q8",
     "save_checkpoint",
     "tolerance",
     "weights_revision",

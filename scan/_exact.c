@@ -740,3 +740,129 @@ DEFINE_LINEAR(double, _f64, f16_t, _f16)
 
 DEFINE_KERNELS(float, _f32)
 DEFINE_KERNELS(double, _f64)
+
+/* --- block-int8 products (weights "q8") ----------------------------------------------------- */
+
+/* Weights in blocks of QB = 32 along k: int8 values q in [-127, 127] and one float16 scale d per
+ * block (llama.cpp's Q8_0 layout), k padded with zeros to a multiple of 32: q (N, KP), d (N, NB).
+ * Activations are quantized per row and block the same way with a float32 scale:
+ *     s = max |x| / 127,   qx = rint(x / s) (ties to even; 0 where s is 0), clamped to [-127, 127],
+ * and then
+ *     out[m, n] = (((0 + t_0) + t_1) + ... + t_{NB-1}) [+ bias[n]],
+ *     t_b = (float)isum_b * (s_b * d_b),   isum_b = sum_j qx[m, b, j] q[n, b, j].
+ * isum_b is an integer below 2^24 in magnitude, exact in any order and exactly a float: the
+ * instruction set only decides how fast it is found. The float operations, and the order of the
+ * blocks, are the same for every output. */
+#define QB 32
+
+/* rint for |v| < 2^22: the sum lands where floats are integers */
+static inline float rint_small(float v) {
+    const float r = 12582912.0f; /* 1.5 * 2^23 */
+    return (v + r) - r;
+}
+
+void quantize_rows_q8(const float *x, i64 M, i64 K, int8_t *qx, float *sx) {
+    i64 nb = (K + QB - 1) / QB, kp = nb * QB;
+    for (i64 m = 0; m < M; m++)
+        for (i64 b = 0; b < nb; b++) {
+            const float *xb = x + m * K + b * QB;
+            i64 len = K - b * QB < QB ? K - b * QB : QB;
+            float amax = 0.0f;
+            for (i64 j = 0; j < len; j++) {
+                float a = xb[j] < 0.0f ? -xb[j] : xb[j];
+                amax = a > amax || a != a ? a : amax; /* a NaN stays */
+            }
+            float s = amax / 127.0f;
+            /* a non-finite activation makes the block's scale NaN and its values 0: every output
+             * it reaches is NaN, never an integer cast of one */
+            int finite = s - s == 0.0f;
+            s = finite ? s : NAN;
+            int8_t *qb = qx + m * kp + b * QB;
+            for (i64 j = 0; j < QB; j++) {
+                float v = j < len && s != 0.0f && finite ? rint_small(xb[j] / s) : 0.0f;
+                v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
+                qb[j] = (int8_t)v;
+            }
+            sx[m * nb + b] = s;
+        }
+}
+
+static inline int32_t dot_q8(const int8_t *a, const int8_t *b) {
+    int32_t s = 0;
+    for (int j = 0; j < QB; j++) s += (int32_t)a[j] * (int32_t)b[j];
+    return s;
+}
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+/* the 8 lanes of 8 vectors of int32 partial sums, each vector's total in its lane */
+static inline __m256i sum8_epi32(__m256i v0, __m256i v1, __m256i v2, __m256i v3, __m256i v4, __m256i v5,
+                                 __m256i v6, __m256i v7) {
+    __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v0, v1), _mm256_hadd_epi32(v2, v3));
+    __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v4, v5), _mm256_hadd_epi32(v6, v7));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+static inline __m256i dot_q8_avx2(__m256i ax, __m256i x, const int8_t *w) {
+    __m256i wv = _mm256_loadu_si256((const __m256i *)w);
+    __m256i p = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv, x)); /* |x| (<= 127) * +-w: no saturation */
+    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
+
+/* outputs n .. n + 7 of row m */
+static void tile8_q8(const int8_t *qx, const float *sx, i64 nb, const int8_t *q, const uint16_t *d, i64 n,
+                     float *out) {
+    i64 kp = nb * QB;
+    __m256 acc = _mm256_setzero_ps();
+    for (i64 b = 0; b < nb; b++) {
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(qx + b * QB));
+        __m256i ax = _mm256_sign_epi8(xv, xv);
+        const int8_t *w = q + n * kp + b * QB;
+        __m256i s = sum8_epi32(dot_q8_avx2(ax, xv, w), dot_q8_avx2(ax, xv, w + kp), dot_q8_avx2(ax, xv, w + 2 * kp),
+                               dot_q8_avx2(ax, xv, w + 3 * kp), dot_q8_avx2(ax, xv, w + 4 * kp),
+                               dot_q8_avx2(ax, xv, w + 5 * kp), dot_q8_avx2(ax, xv, w + 6 * kp),
+                               dot_q8_avx2(ax, xv, w + 7 * kp));
+        float dn[8];
+        for (int i = 0; i < 8; i++) dn[i] = f16_to_float(d[(n + i) * nb + b]);
+        __m256 c = _mm256_mul_ps(_mm256_set1_ps(sx[b]), _mm256_loadu_ps(dn));
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(s), c));
+    }
+    _mm256_storeu_ps(out + n, acc);
+}
+#define Q8_TILE 8
+#else
+#define Q8_TILE 1
+#endif
+
+static void one_q8(const int8_t *qx, const float *sx, i64 nb, const int8_t *q, const uint16_t *d, i64 n,
+                   float *out) {
+    i64 kp = nb * QB;
+    float acc = 0.0f;
+    for (i64 b = 0; b < nb; b++) {
+        float c = sx[b] * f16_to_float(d[n * nb + b]);
+        acc = acc + (float)dot_q8(qx + b * QB, q + n * kp + b * QB) * c;
+    }
+    out[n] = acc;
+}
+
+/* out (M, N) = the rows qx (M, KP), sx (M, NB) (quantize_rows_q8) against q, d, for outputs
+ * [n0, n1); in blocks of BLOCK_N outputs whose weights stay in cache while every row passes. */
+void linear_q8_f32(const int8_t *qx, const float *sx, i64 M, i64 K, const int8_t *q, const uint16_t *d, i64 N,
+                   const float *bias, float *out, i64 n0, i64 n1) {
+    i64 nb = (K + QB - 1) / QB, kp = nb * QB;
+    for (i64 b0 = n0; b0 < n1; b0 += BLOCK_N) {
+        i64 b1 = b0 + BLOCK_N < n1 ? b0 + BLOCK_N : n1;
+        for (i64 m = 0; m < M; m++) {
+            const int8_t *xr = qx + m * kp;
+            const float *sr = sx + m * nb;
+            float *orow = out + m * N;
+            i64 n = b0;
+#if Q8_TILE > 1
+            for (; n + Q8_TILE <= b1; n += Q8_TILE) tile8_q8(xr, sr, nb, q, d, n, orow);
+#endif
+            for (; n < b1; n++) one_q8(xr, sr, nb, q, d, n, orow);
+            if (bias)
+                for (i64 j = b0; j < b1; j++) orow[j] = orow[j] + bias[j];
+        }
+    }
+}

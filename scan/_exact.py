@@ -5,7 +5,9 @@ Every output element is computed by one fixed sequence of IEEE-754 basic operati
 
     products     out[m, n] = x[m] . w[n] + bias[n]: k split into 16 lanes, each summed in order (a
                  multiply then an add, never fused), the lanes added by a fixed tree; the same for
-                 one row or a thousand.
+                 one row or a thousand. The weight is read in its stored format (float32, or
+                 bfloat16 / float16 widened exactly as it is read); block-int8 weights ("q8")
+                 take integer block sums, the blocks added in order (`scan._quant`).
     reductions   sequential, in index order (the means of the norms, the scans' contractions).
     exp, log1p, tanh, sin, cos
                  computed in double from basic operations (a Taylor polynomial after an exact
@@ -55,6 +57,7 @@ from scan._backends import Backend, FixedBackend, labelled
 from scan._mamba3 import Mamba3Mixer
 from scan._mixer import States
 from scan._ops import Primitives
+from scan._quant import QB, Q8Weight, linear_q8_twin
 
 __all__ = ["ARITHMETIC", "Probe", "TWIN_OPS", "TWIN_PRIMITIVES", "TWIN_STEP_PRIMITIVES", "build_kernels", "exact_backend",
            "exact_primitives", "exact_step_backend", "probe"]
@@ -200,11 +203,14 @@ def unary_twin(x: Tensor, op: str) -> Tensor:
     return _unary64(x.double(), op).to(x.dtype)
 
 
-def linear_twin(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def linear_twin(x: Tensor, weight: Tensor | Q8Weight, bias: Tensor | None = None) -> Tensor:
     """x (..., K) @ weight (N, K)^T in the kernel's order: 16 lanes (lane j sums k = j, j + 16, ...
     in order from 0; zeros past K), then the lanes by the fixed tree (j, j + 8), (j, j + 4),
     (j, j + 2), (0, 1); then + bias. A weight stored narrower (bfloat16, float16) is widened to
-    x's dtype first, which is exact: the kernel widens each value as it reads it."""
+    x's dtype first, which is exact: the kernel widens each value as it reads it. Block-int8
+    weights take their own arithmetic (`scan._quant`)."""
+    if isinstance(weight, Q8Weight):
+        return linear_q8_twin(x, weight, bias)
     if weight.dtype != x.dtype:
         if weight.dtype not in (torch.bfloat16, torch.float16):
             raise TypeError(f"no exact product of {x.dtype} inputs with {weight.dtype} weights")
@@ -403,6 +409,10 @@ def _declare(lib: Any) -> None:
             fn = getattr(lib, f"linear_{fmt}{suf}")
             fn.argtypes = _LINEAR
             fn.restype = None
+    lib.quantize_rows_q8.argtypes = [_P, _I, _I, _P, _P]
+    lib.linear_q8_f32.argtypes = [_P, _P, _I, _I, _P, _P, _I, _P, _P, _I, _I]
+    for fn in (lib.quantize_rows_q8, lib.linear_q8_f32):
+        fn.restype = None
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -435,6 +445,28 @@ class _Kernels:
         #: (compute dtype, weight dtype) -> the product
         self.linears = {(dt, wdt or dt): getattr(lib, f"linear_{fmt}{suf}")
                         for fmt, wdt in _WEIGHT_FORMATS.items() for dt, suf in _SUFFIX.items()}
+        self.lib = lib
+
+    def _linear_q8(self, x: Tensor, weight: Q8Weight, bias: Tensor | None) -> Tensor:
+        if x.dtype != torch.float32:
+            raise TypeError(f"q8 products compute in float32, not {x.dtype}")
+        k, n = x.shape[-1], weight.shape[0]
+        x = x.contiguous()
+        m = x.numel() // k if k else 0
+        out = x.new_empty((*x.shape[:-1], n))
+        if m:
+            nb = (k + QB - 1) // QB
+            qx = torch.empty((m, nb * QB), dtype=torch.int8)
+            sx = torch.empty((m, nb), dtype=torch.float32)
+            self.lib.quantize_rows_q8(x.data_ptr(), m, k, qx.data_ptr(), sx.data_ptr())
+            fn, args = self.lib.linear_q8_f32, (qx.data_ptr(), sx.data_ptr(), m, k, weight.q.data_ptr(),
+                                                weight.d.data_ptr(), n, None if bias is None else bias.data_ptr(),
+                                                out.data_ptr())
+            if m * k * n < _PARALLEL_WORK:
+                fn(*args, 0, n)
+            else:  # units of 16 outputs; each thread reads its own weight rows
+                _parallel(lambda u0, u1: fn(*args, u0 * 16, min(n, u1 * 16)), (n + 15) // 16, m * k * n)
+        return out
 
     @staticmethod
     def _cached(weight: Tensor, what: str, make: Callable[[], Tensor]) -> Tensor:
@@ -447,7 +479,9 @@ class _Kernels:
         setattr(weight, key, (weight._version, value))
         return value
 
-    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    def linear(self, x: Tensor, weight: Tensor | Q8Weight, bias: Tensor | None = None) -> Tensor:
+        if isinstance(weight, Q8Weight):
+            return self._linear_q8(x, weight, bias)
         k, n = x.shape[-1], weight.shape[0]
         if not x.is_contiguous():
             x = x.contiguous()

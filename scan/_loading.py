@@ -16,6 +16,7 @@ from scan._config import ModelConfig
 from scan._errors import CheckpointError, ConfigError, UnsupportedBackend
 from scan._lm import MambaLM
 from scan._model import Model
+from scan._quant import Q8Weight, quantize_q8
 from scan._presets import PRESETS, TRAINED_PRESETS, build_preset, initial_weights, trained_preset_dir
 from scan._transforms import ByteTransform, HFTokenizerTransform
 
@@ -54,12 +55,16 @@ _UNDERSTOOD = {
 _ARCH_OF_LAYER = {"Mamba1": "mamba1", "Mamba2": "mamba2", "Mamba3": "mamba3"}
 
 #: The formats a model's matrices (the projections, the embedding, the head) can be held in, by
-#: `load_model(weights=...)`: the exact backend reads them as they are; the other parameters
-#: (norms, conv taps, A, D, biases: a few MB) are held in the compute dtype.
-WEIGHT_FORMATS: dict[str, torch.dtype] = {
+#: `load_model(weights=...)`, with their torch dtype ("q8": block-int8, `scan._quant`): the exact
+#: backend reads them as they are; the other parameters (norms, conv taps, A, D, biases: a few MB)
+#: are held in the compute dtype.
+WEIGHT_FORMATS: dict[str, torch.dtype | None] = {
     "float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16,
+    "q8": None,
 }
-_NARROW = (torch.bfloat16, torch.float16)
+#: formats narrower than any computation: read as stored by the exact backend only
+_NARROW = ("bfloat16", "float16", "q8")
+_DTYPE_NAMES = {v: k for k, v in WEIGHT_FORMATS.items() if v is not None}
 #: safetensors' dtype names
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -239,13 +244,40 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _canonical_weights(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Rename to mamba-ssm names, fold the tied head, check names and shapes against `cfg`."""
-    sd = {("backbone.embedding.weight" if k == "backbone.embeddings.weight" else k): v for k, v in sd.items()}
+def _fold_q8(sd: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """`<name>_q8` and `<name>_scale` pairs as one Q8Weight under `<name>`."""
+    out: dict[str, Any] = {k: v for k, v in sd.items() if not k.endswith(("_q8", "_scale"))}
+    for k in sd:
+        if not k.endswith("_q8"):
+            continue
+        name, scale = k[: -len("_q8")], k[: -len("_q8")] + "_scale"
+        if scale not in sd or name not in expected or name in sd:
+            raise CheckpointError(f"{k}: a q8 matrix needs {scale} and a parameter {name} held in no other form")
+        try:
+            out[name] = Q8Weight(sd[k], sd[scale], expected[name][-1])
+        except ValueError as exc:
+            raise CheckpointError(f"{k}: {exc}") from None
+    stray = [k for k in sd if k.endswith("_scale") and k[: -len("_scale")] + "_q8" not in sd]
+    if stray:
+        raise CheckpointError(f"unexpected tensors: {stray[:8]}")
+    return out
+
+
+def _canonical_weights(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, Any]:
+    """Rename to mamba-ssm names, fold q8 pairs and the tied head, check names and shapes against `cfg`."""
+    sd = {k.replace("backbone.embeddings.weight", "backbone.embedding.weight"): v for k, v in sd.items()}
+    full = parameter_shapes(cfg)
+    if cfg.tie_embeddings:
+        full["lm_head.weight"] = full["backbone.embedding.weight"]
+    sd = _fold_q8(sd, full)
     if cfg.tie_embeddings and "lm_head.weight" in sd:
         head = sd.pop("lm_head.weight")
         emb = sd.get("backbone.embedding.weight")
-        if emb is not None and not (head.shape == emb.shape and torch.equal(head, emb)):
+        same = emb is not None and head.shape == emb.shape and (
+            torch.equal(head.q, emb.q) and torch.equal(head.d, emb.d) if isinstance(head, Q8Weight)
+            and isinstance(emb, Q8Weight) else not isinstance(head, Q8Weight) and not isinstance(emb, Q8Weight)
+            and torch.equal(head, emb))
+        if not same:
             raise CheckpointError("tie_embeddings is set but lm_head.weight differs from the embedding")
     expected = parameter_shapes(cfg)
     missing = sorted(set(expected) - set(sd))
@@ -257,16 +289,28 @@ def _canonical_weights(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
     for k, shape in expected.items():
         if tuple(sd[k].shape) != shape:
             raise CheckpointError(f"{k} has shape {tuple(sd[k].shape)}, the config implies {shape}")
-        if not sd[k].dtype.is_floating_point:
+        if not isinstance(sd[k], Q8Weight) and not sd[k].dtype.is_floating_point:
             raise CheckpointError(f"{k} has dtype {sd[k].dtype}, expected a floating-point tensor")
     return sd
 
 
-def weights_revision(sd: dict[str, torch.Tensor]) -> str:
+def _revision_items(sd: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The tensors a revision covers: a q8 matrix as the two tensors a file holds it in."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in sd.items():
+        if isinstance(t, Q8Weight):
+            out[name + "_q8"], out[name + "_scale"] = t.q, t.d
+        else:
+            out[name] = t
+    return out
+
+
+def weights_revision(sd: dict[str, Any]) -> str:
     """`sha256:<hex>` over sorted (name, dtype, shape, bytes): the identity of a set of weights."""
     h = hashlib.sha256()
-    for name in sorted(sd):
-        t = sd[name].detach().to("cpu").contiguous()
+    items = _revision_items(sd)
+    for name in sorted(items):
+        t = items[name].detach().to("cpu").contiguous()
         h.update(f"{name}|{str(t.dtype).removeprefix('torch.')}|{tuple(t.shape)}|".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy())  # the buffer itself: no copy of a mapped file
     return "sha256:" + h.hexdigest()
@@ -277,50 +321,82 @@ def _matrices(lm: MambaLM) -> set[str]:
     return {f"{name}.weight" for name, mod in lm.named_modules() if isinstance(mod, (torch.nn.Linear, torch.nn.Embedding))}
 
 
-def _weight_format(weights: str | None, sd: dict[str, torch.Tensor], cfg: ModelConfig, dtype: torch.dtype,
-                   reads_stored: bool) -> torch.dtype:
-    """The dtype the matrices are held in. None: as stored when that is bfloat16 or float16 and the
-    backend reads stored weights (exact), else the compute dtype."""
+def _stored_format(t: Any) -> str:
+    return "q8" if isinstance(t, Q8Weight) else _DTYPE_NAMES.get(t.dtype, str(t.dtype))
+
+
+def _weight_format(weights: str | None, sd: dict[str, Any], cfg: ModelConfig, dtype: torch.dtype,
+                   reads_stored: bool) -> str:
+    """The format the matrices are held in. None: as stored when that is narrower (bfloat16,
+    float16, q8) and the backend reads stored weights (exact), else the compute dtype."""
+    compute = _DTYPE_NAMES[dtype]
     if weights is None:
         with torch.device("meta"):
             names = _matrices(MambaLM(cfg))
-        stored = {sd[k].dtype for k in names if k in sd}
+        stored = {_stored_format(sd[k]) for k in names if k in sd}
         if reads_stored and len(stored) == 1 and next(iter(stored)) in _NARROW:
-            return next(iter(stored))
-        return dtype
+            weights = next(iter(stored))
+            return weights if weights != "q8" or dtype == torch.float32 else compute
+        return compute
     if weights not in WEIGHT_FORMATS:
         raise UnsupportedBackend(f"unknown weight format {weights!r}; expected one of {sorted(WEIGHT_FORMATS)}")
-    fmt = WEIGHT_FORMATS[weights]
-    if fmt != dtype and fmt not in _NARROW:
+    if weights != compute and weights not in _NARROW:
         raise UnsupportedBackend(f"{weights} weights with {dtype} computation: weights are held in the compute "
-                                 "dtype or narrower (bfloat16, float16)")
-    if fmt != dtype and not reads_stored:
+                                 "dtype or narrower (bfloat16, float16, q8)")
+    if weights == "q8" and dtype != torch.float32:
+        raise UnsupportedBackend(f"q8 products compute in float32, not {dtype}")
+    if weights != compute and not reads_stored:
         raise UnsupportedBackend(f"{weights} weights are read as they are by the exact backend only")
-    return fmt
+    return weights
 
 
-def _build(cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-           weights: torch.dtype | None = None, *, mapped: bool = False) -> MambaLM:
-    """The module, its matrices in `weights` (default `dtype`), its other parameters in `dtype`.
+def _held(v: Any, fmt: str, device: torch.device, kept: bool) -> Any:
+    """A matrix in format `fmt`: as it is when `kept` allows and it is already so, else converted."""
+    if fmt == "q8":
+        return v if isinstance(v, Q8Weight) else quantize_q8(v)
+    if isinstance(v, Q8Weight):
+        v = v.dequantize()
+    want = WEIGHT_FORMATS[fmt]
+    return v if kept and v.dtype == want and v.device == device else v.to(device=device, dtype=want, copy=True)
+
+
+def _build(cfg: ModelConfig, sd: dict[str, Any], dtype: torch.dtype, device: torch.device,
+           weights: str | None = None, *, mapped: bool = False) -> MambaLM:
+    """The module, its matrices in format `weights` (default: the compute dtype), its other
+    parameters in `dtype`.
 
     `mapped`: `sd` holds views of the checkpoint's files, which a tensor already in its target
     dtype and device keeps (no copy); otherwise every tensor is copied, so that the module never
     shares storage with a caller's dict."""
+    fmt = weights or _DTYPE_NAMES[dtype]
+    if fmt == "q8" and device.type != "cpu":
+        raise UnsupportedBackend("q8 weights are served on the CPU")
     with torch.device("meta"):
         lm = MambaLM(cfg)
     matrices = _matrices(lm)
-    full = dict(sd)
-    if cfg.tie_embeddings:
-        full["lm_head.weight"] = full["backbone.embedding.weight"]
-    params = {}
-    for k, v in full.items():
-        want = (weights or dtype) if k in matrices else dtype
-        kept = mapped and v.dtype == want and v.device == device
-        params[k] = v if kept else v.to(device=device, dtype=want, copy=True)
-    if cfg.tie_embeddings:
-        params["lm_head.weight"] = params["backbone.embedding.weight"]
-    lm.load_state_dict(params, assign=True, strict=True)
-    if cfg.tie_embeddings:
+    params, quantized = {}, {}
+    for k, v in sd.items():
+        if k in matrices:
+            held = _held(v, fmt, device, mapped)
+            (quantized if fmt == "q8" else params)[k] = held
+        else:
+            params[k] = v if mapped and v.dtype == dtype and v.device == device else v.to(device=device, dtype=dtype,
+                                                                                             copy=True)
+    tied = cfg.tie_embeddings
+    if tied:
+        (quantized if fmt == "q8" else params)["lm_head.weight"] = (quantized if fmt == "q8" else params)[
+            "backbone.embedding.weight"]
+    missing, unexpected = lm.load_state_dict(params, assign=True, strict=False)
+    if unexpected or set(missing) != set(quantized):
+        raise CheckpointError(f"the module's parameters do not match: missing {sorted(set(missing) - set(quantized))}, "
+                              f"unexpected {sorted(unexpected)}")
+    for name, qw in quantized.items():
+        mod = lm.get_submodule(name.rsplit(".", 1)[0])
+        del mod._parameters["weight"]
+        mod.register_buffer("weight_q8", qw.q)
+        mod.register_buffer("weight_scale", qw.d)
+        object.__setattr__(mod, "weight", qw)
+    if tied and fmt != "q8":
         lm.lm_head.weight = lm.backbone.embedding.weight
     for p in lm.parameters():
         p.requires_grad_(False)
@@ -449,14 +525,16 @@ def mamba_ssm_config(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def save_checkpoint(model: Model, directory: str | Path) -> Path:
-    """Write `model` in mamba-ssm layout: config.json + model.safetensors (tied head omitted)."""
+    """Write `model` in mamba-ssm layout: config.json + model.safetensors (tied head omitted; q8
+    matrices as `<name>_q8` and `<name>_scale`, read back as q8)."""
     from safetensors.torch import save_file
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     sd = {k: v.detach().to("cpu").contiguous() for k, v in model.module.state_dict().items()}
     if model.config.tie_embeddings:
-        sd.pop("lm_head.weight", None)
+        for name in ("lm_head.weight", "lm_head.weight_q8", "lm_head.weight_scale"):
+            sd.pop(name, None)
     (out / "config.json").write_text(json.dumps(mamba_ssm_config(model.config), indent=2) + "\n")
     save_file(sd, str(out / "model.safetensors"))
     return out

@@ -87,7 +87,7 @@ def build_schema(cfg: ModelConfig, dtype: torch.dtype, lm: MambaLM, state_dtype:
     return StateSchema(
         architecture=cfg.architecture,
         dtype=COMPUTE_DTYPES[dtype],
-        weights=None if lm.weight_dtype == dtype else STATE_DTYPES[lm.weight_dtype],
+        weights=None if lm.weight_format == COMPUTE_DTYPES[dtype] else lm.weight_format,
         d_model=cfg.d_model,
         n_layer=cfg.n_layer,
         d_state=cfg.d_state,
@@ -141,8 +141,9 @@ class Model:
         self.transform = transform
         param = lm.backbone.embedding.weight
         self.dtype: torch.dtype = lm.compute_dtype
-        #: the dtype the matrices are held and read in (the compute dtype, or bfloat16 / float16)
-        self.weight_dtype: torch.dtype = lm.weight_dtype
+        #: the format the matrices are held and read in: the compute dtype's name, "bfloat16",
+        #: "float16" or "q8" (`scan.WEIGHT_FORMATS`)
+        self.weight_format: str = lm.weight_format
         self.device: torch.device = param.device
         if self.dtype not in COMPUTE_DTYPES:
             raise UnsupportedBackend(f"dtype {self.dtype} is not supported; use float32 or float64")
@@ -336,8 +337,8 @@ class Model:
                 return "reference"
             else:
                 backend = "triton" if _triton.unavailable_reason(self.device) is None else "chunked"
-        if self.weight_dtype != self.dtype and backend != "exact":
-            raise UnsupportedBackend(f"{self.weight_dtype} weights are read as they are by the exact backend only; "
+        if self.weight_format != COMPUTE_DTYPES.get(self.dtype) and backend != "exact":
+            raise UnsupportedBackend(f"{self.weight_format} weights are read as they are by the exact backend only; "
                                      f"load with weights={COMPUTE_DTYPES[self.dtype]!r} for the {backend} backend")
         if backend == "exact" and self.device.type != "cpu":
             raise UnsupportedBackend(f"the exact backend runs on the CPU; the model is on {self.device}")

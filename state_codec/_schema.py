@@ -33,7 +33,7 @@ SCHEMA_VERSION = 1
 
 Architecture = Literal["mamba1", "mamba2", "mamba3"]
 DType = Literal["float32", "float64", "bfloat16", "float16"]
-WeightFormat = Literal["float32", "float64", "bfloat16", "float16"]
+WeightFormat = Literal["float32", "float64", "bfloat16", "float16", "q8"]
 
 
 class _Frozen(BaseModel):

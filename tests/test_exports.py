@@ -10,9 +10,9 @@ EXPECTED = {
     "scan": [
         "BACKENDS", "PRESETS", "TOLERANCES", "TRAINED_PRESETS", "WEIGHT_FORMATS", "ByteTransform", "CheckpointError",
         "ConfigError", "HFTokenizerTransform", "InputTransform", "InvalidInput", "InvalidState", "Model", "ModelConfig",
-        "NonFiniteInput", "NonFiniteOutput", "NonIntegerInput", "ScanError", "State", "StepResult",
+        "NonFiniteInput", "NonFiniteOutput", "NonIntegerInput", "Q8Weight", "ScanError", "State", "StepResult",
         "TokenOutOfRange", "Tolerance", "UnsupportedBackend", "config_from_json", "embed", "forward", "init_model",
-        "init_weights", "load_model", "parameter_shapes", "save_checkpoint", "tolerance",
+        "init_weights", "load_model", "parameter_shapes", "quantize_q8", "save_checkpoint", "tolerance",
         "weights_revision", "zero_states",
     ],
     "state_codec": [

@@ -218,7 +218,7 @@ def test_a_narrow_checkpoint_is_read_as_stored_from_its_mapping_with_the_bits_of
     d = _narrow_checkpoint(tmp_path, preset, stored)
     kept = load_model(d, backend="exact")
     wide = load_model(d, backend="exact", weights="float32")
-    assert kept.weight_dtype == stored and kept.dtype == torch.float32 and wide.weight_dtype == torch.float32
+    assert kept.weight_format == str(stored).removeprefix('torch.') and kept.dtype == torch.float32 and wide.weight_format == 'float32'
     lm = kept.module
     # the matrices are views of the file's own pages; the small parameters are float32 copies
     ranges = _mapped_ranges(d / "model.safetensors")
@@ -237,7 +237,7 @@ def test_a_narrow_checkpoint_is_read_as_stored_from_its_mapping_with_the_bits_of
     assert torch.equal(a.logits, b.logits) and a.path == b.path == "exact"
     assert all(torch.equal(a.state.tensors[k], b.state.tensors[k]) for k in a.state.tensors)
     # on a backend that does not read stored weights, the default widens them
-    assert load_model(d, backend="chunked").weight_dtype == torch.float32
+    assert load_model(d, backend="chunked").weight_format == "float32"
 
 
 def test_rounding_at_load_equals_a_checkpoint_stored_rounded(tmp_path):
@@ -249,7 +249,7 @@ def test_rounding_at_load_equals_a_checkpoint_stored_rounded(tmp_path):
     save_file({k: v.to(torch.bfloat16) if k.endswith(matrix) else v for k, v in load_file(str(f)).items()}, str(f))
     rounded = load_model("tiny-mamba2", backend="exact", weights="bfloat16")
     stored = load_model(tmp_path, backend="exact")
-    assert stored.weight_dtype == torch.bfloat16 and rounded.schema == stored.schema
+    assert stored.weight_format == 'bfloat16' and rounded.schema == stored.schema
     assert rounded.revision != stored.revision  # other checkpoints (float32 values, bfloat16 ones), one schema
     toks = tokens(20, 4)
     a, b = rounded.advance(rounded.initial_state(), toks), stored.advance(stored.initial_state(), toks)
@@ -285,3 +285,42 @@ def test_a_safetensors_file_that_lies_about_its_tensors_is_refused(tmp_path):
     f.write_bytes((10**9).to_bytes(8, "little") + raw[8:])
     with pytest.raises(CheckpointError, match="does not fit"):
         load_model(tmp_path)
+
+
+@pytest.mark.parametrize("preset", ["tiny-mamba1", "tiny-mamba3-mimo"])
+def test_a_q8_checkpoint_holds_the_blocks_and_is_read_back_as_q8_with_the_same_bits(tmp_path, preset):
+    quantized = load_model(preset, backend="exact", weights="q8")
+    assert quantized.weight_format == "q8" and quantized.schema.weights == "q8"
+    save_checkpoint(quantized, tmp_path)
+    names = set(load_file(str(tmp_path / "model.safetensors")))
+    assert "backbone.layers.0.mixer.in_proj.weight_q8" in names and "backbone.layers.0.mixer.in_proj.weight_scale" in names
+    assert not any(n.endswith("proj.weight") for n in names) and "lm_head.weight_q8" not in names  # tied: once
+    back = load_model(tmp_path, backend="exact")
+    assert back.weight_format == "q8" and back.schema == quantized.schema
+    assert back.revision != quantized.revision  # the q8 file is a checkpoint of its own
+    ranges = _mapped_ranges(tmp_path / "model.safetensors")
+    q = back.module.backbone.layers[0].mixer.in_proj.weight.q
+    assert any(lo <= q.data_ptr() < hi for lo, hi in ranges)  # the blocks are the file's pages
+    toks = tokens(33, 6)
+    a, b = quantized.advance(quantized.initial_state(), toks), back.advance(back.initial_state(), toks)
+    assert torch.equal(a.logits, b.logits)
+    assert all(torch.equal(a.state.tensors[k], b.state.tensors[k]) for k in a.state.tensors)
+    # another backend gets the blocks' values in float32 (exactly q d)
+    wide = load_model(tmp_path, backend="chunked")
+    assert wide.weight_format == "float32"
+    w = wide.module.backbone.layers[0].mixer.in_proj.weight
+    assert torch.equal(w, back.module.backbone.layers[0].mixer.in_proj.weight.dequantize())
+
+
+def test_a_q8_file_missing_its_scales_or_a_q8_model_in_float64_is_refused(tmp_path):
+    save_checkpoint(load_model("tiny-mamba2", backend="exact", weights="q8"), tmp_path)
+    f = tmp_path / "model.safetensors"
+    sd = load_file(str(f))
+    sd.pop("backbone.layers.0.mixer.in_proj.weight_scale")
+    save_file(sd, str(f))
+    with pytest.raises(CheckpointError, match="in_proj.weight_scale"):
+        load_model(tmp_path)
+    with pytest.raises(UnsupportedBackend, match="float32"):
+        load_model("tiny-mamba2", dtype=torch.float64, weights="q8")
+    with pytest.raises(UnsupportedBackend, match="exact backend only"):
+        load_model("tiny-mamba2", backend="chunked", weights="q8")
