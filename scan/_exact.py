@@ -59,7 +59,8 @@ from scan._mixer import States
 from scan._ops import Primitives
 from scan._quant import QB, Q8Weight, linear_q8_twin
 
-__all__ = ["ARITHMETIC", "Probe", "TWIN_OPS", "TWIN_PRIMITIVES", "TWIN_STEP_PRIMITIVES", "build_kernels", "exact_backend",
+__all__ = ["ARITHMETIC", "Probe", "TWIN_OPS", "TWIN_PRIMITIVES", "TWIN_STEP_PRIMITIVES", "build_kernels", "cache_dir",
+           "exact_backend",
            "exact_primitives", "exact_step_backend", "probe"]
 
 log = logging.getLogger(__name__)
@@ -306,7 +307,7 @@ def trapezoid_twin(q: Tensor, k: Tensor, xr: Tensor, alpha: Tensor, beta: Tensor
 # --- the kernels --------------------------------------------------------------------------------
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
     """$MAMBA_STREAM_CACHE, else $XDG_CACHE_HOME/mamba-stream, else ~/.cache/mamba-stream."""
     if os.environ.get("MAMBA_STREAM_CACHE"):
         return Path(os.environ["MAMBA_STREAM_CACHE"])
@@ -350,7 +351,7 @@ def build_kernels() -> tuple[Any, str]:
     flags = [f"-march={_march()}", *_FLAGS]
     for cc in _compilers():
         key = hashlib.sha256(source + " ".join([*cc, *flags]).encode() + _cpu_signature().encode()).hexdigest()[:20]
-        target = _cache_dir() / f"exact-{key}.so"
+        target = cache_dir() / f"exact-{key}.so"
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")

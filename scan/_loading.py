@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import mmap
+import os
 from pathlib import Path
 from typing import Any
 
@@ -211,6 +212,62 @@ def _map_safetensors(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "config.json")
+
+
+#: a file modified this recently may be written again within one tick of the file system's clock,
+#: under the same size, time and inode: its key is not trusted yet (git's "racy" files)
+_SETTLED_S = 2.0
+
+
+def _files_key(directory: Path) -> str | None:
+    """What identifies a checkpoint directory's bytes without reading them: each weight file's
+    path, size, modification and change times and inode (None where there is nothing to key on,
+    or a file was modified in the last `_SETTLED_S` seconds)."""
+    import time
+
+    parts = []
+    files = [directory / f for f in _WEIGHT_FILES if (directory / f).exists()]
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            files += sorted({directory / f for f in json.loads(index.read_text())["weight_map"].values()})
+        except (OSError, ValueError, KeyError):
+            return None
+    now = time.time()
+    for f in files:
+        st = f.stat()
+        if now - max(st.st_mtime, st.st_ctime) < _SETTLED_S:
+            return None
+        parts.append(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}|{st.st_ino}")
+    return hashlib.sha256("\n".join(["revision/v1", *parts]).encode()).hexdigest() if parts else None
+
+
+def _revision_of(directory: Path, sd: dict[str, Any]) -> str:
+    """`weights_revision(sd)`, remembered by the files' identity (`_files_key`) under the cache
+    directory: hashing a 14 GB checkpoint takes seconds on every load otherwise. A file written
+    again changes its modification time and so its key; the cache is the worker's own, beside its
+    compiled kernels ($MAMBA_STREAM_CACHE)."""
+    from scan._exact import cache_dir
+
+    key = _files_key(directory)
+    entry = cache_dir() / "revisions" / f"{key}.txt" if key else None
+    if entry is not None and entry.is_file():
+        text = entry.read_text().strip()
+        if text.startswith("sha256:") and len(text) == 71:
+            return text
+    revision = weights_revision(sd)
+    if entry is not None:
+        try:
+            entry.parent.mkdir(parents=True, exist_ok=True)
+            tmp = entry.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(revision + "\n")
+            os.replace(tmp, entry)
+        except OSError as exc:  # a read-only cache costs the hash, nothing else
+            log.info("revision cache not written: %s", exc)
+    return revision
+
+
 def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
     st = directory / "model.safetensors"
     index = directory / "model.safetensors.index.json"
@@ -374,18 +431,18 @@ def _build(cfg: ModelConfig, sd: dict[str, Any], dtype: torch.dtype, device: tor
     with torch.device("meta"):
         lm = MambaLM(cfg)
     matrices = _matrices(lm)
-    params, quantized = {}, {}
+    params: dict[str, torch.Tensor] = {}
+    quantized: dict[str, Q8Weight] = {}  # q8 matrices: not parameters, installed below
+    held_in = quantized if fmt == "q8" else params
     for k, v in sd.items():
         if k in matrices:
-            held = _held(v, fmt, device, mapped)
-            (quantized if fmt == "q8" else params)[k] = held
+            held_in[k] = _held(v, fmt, device, mapped)
         else:
-            params[k] = v if mapped and v.dtype == dtype and v.device == device else v.to(device=device, dtype=dtype,
-                                                                                             copy=True)
+            kept = mapped and v.dtype == dtype and v.device == device
+            params[k] = v if kept else v.to(device=device, dtype=dtype, copy=True)
     tied = cfg.tie_embeddings
     if tied:
-        (quantized if fmt == "q8" else params)["lm_head.weight"] = (quantized if fmt == "q8" else params)[
-            "backbone.embedding.weight"]
+        held_in["lm_head.weight"] = held_in["backbone.embedding.weight"]
     missing, unexpected = lm.load_state_dict(params, assign=True, strict=False)
     if unexpected or set(missing) != set(quantized):
         raise CheckpointError(f"the module's parameters do not match: missing {sorted(set(missing) - set(quantized))}, "
@@ -461,7 +518,7 @@ def load_model(
         )
         model_id = directory.resolve().name
         log.info("loaded %s checkpoint %s (%s)", layout, directory, cfg.architecture)
-    revision = weights_revision(sd)
+    revision = weights_revision(sd) if name in PRESETS else _revision_of(directory, sd)
     reads_stored = backend == "exact" or (backend == "auto" and device.type == "cpu")
     fmt = _weight_format(weights, sd, cfg, dtype, reads_stored)
     # the exact kernels' bits do not depend on where a weight lies; torch's kernels may (a vector

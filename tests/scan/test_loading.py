@@ -324,3 +324,31 @@ def test_a_q8_file_missing_its_scales_or_a_q8_model_in_float64_is_refused(tmp_pa
         load_model("tiny-mamba2", dtype=torch.float64, weights="q8")
     with pytest.raises(UnsupportedBackend, match="exact backend only"):
         load_model("tiny-mamba2", backend="chunked", weights="q8")
+
+
+def test_a_checkpoints_revision_is_remembered_by_its_files_and_recomputed_when_they_change(tmp_path, monkeypatch):
+    from scan import _loading
+
+    monkeypatch.setenv("MAMBA_STREAM_CACHE", str(tmp_path / "cache"))
+    d = tmp_path / "ckpt"
+    save_checkpoint(load_model("tiny-mamba2", backend="reference"), d)
+    calls = []
+    real = _loading.weights_revision
+    monkeypatch.setattr(_loading, "weights_revision", lambda sd: calls.append(1) or real(sd))
+    # a checkpoint written a moment ago is hashed on every load: it may still be written again
+    load_model(d), load_model(d)
+    assert len(calls) == 2
+    monkeypatch.setattr(_loading, "_SETTLED_S", 0.0)
+    calls.clear()
+    first = load_model(d).revision
+    assert load_model(d).revision == first and len(calls) == 1  # the second load reads no weight bytes
+    # the file written again (other weights): a new key, a new hash
+    save_checkpoint(load_model("tiny-mamba3", backend="reference"), tmp_path / "other")
+    (d / "config.json").write_text((tmp_path / "other" / "config.json").read_text())
+    (d / "model.safetensors").write_bytes((tmp_path / "other" / "model.safetensors").read_bytes())
+    again = load_model(d).revision
+    assert len(calls) == 2 and again != first and again == load_model(tmp_path / "other").revision
+    # a cache entry that is not a revision is not believed
+    for entry in (tmp_path / "cache" / "revisions").iterdir():
+        entry.write_text("not a revision")
+    assert load_model(d).revision == again
