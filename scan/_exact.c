@@ -285,7 +285,7 @@ static inline float f16_to_float(f16_t h) {
         memcpy(&b, p, VBYTES);                                                                      \
         return b;                                                                                   \
     }                                                                                               \
-    static inline __attribute__((always_inline)) V##SUF wv_bf16##SUF(const bf16_t *p) {            \
+    static inline __attribute__((always_inline)) V##SUF wv_bf16_generic##SUF(const bf16_t *p) {    \
         typedef uint16_t H __attribute__((vector_size(W##SUF * 2)));                                \
         typedef uint32_t U __attribute__((vector_size(W##SUF * 4)));                                \
         typedef float F __attribute__((vector_size(W##SUF * 4)));                                   \
@@ -391,7 +391,14 @@ static inline f16x_v4 f16x4(const f16_t *p) {
             for (int q = 0; q < Q; q++)                                                             \
                 for (int v = 0; v < NV##SUF; v++) c[r][q][v] = (V##SUF){0};                         \
         i64 kf = K / 16 * 16;                                                                       \
-        for (i64 k = 0; k < kf; k += 16)                                                            \
+        /* the next outputs' weight rows, fetched while these are computed: a narrow row is a     \
+         * short stream (2-4 KB) that the hardware prefetcher would find only half-way through    \
+         * (measured: bfloat16 rows 3.6 -> 4.8 G weights/s on one thread; float32 rows slower) */ \
+        const WT *next = w + (n + Q < N ? n + Q : n) * K;                                           \
+        int more = sizeof(WT) < sizeof(float) && n + 2 * Q <= N; /* float rows are long enough */   \
+        for (i64 k = 0; k < kf; k += 16) {                                                          \
+            if (more)                                                                               \
+                for (int q = 0; q < Q; q++) __builtin_prefetch(next + q * K + k, 0, 0);             \
             for (int v = 0; v < NV##SUF; v++) {                                                     \
                 V##SUF a[TILE_M##SUF];                                                              \
                 for (int r = 0; r < R; r++) memcpy(&a[r], x + (m + r) * K + k + v * W##SUF, VBYTES); \
@@ -400,6 +407,7 @@ static inline f16x_v4 f16x4(const f16_t *p) {
                     for (int r = 0; r < R; r++) c[r][q][v] = c[r][q][v] + a[r] * b;                 \
                 }                                                                                   \
             }                                                                                       \
+        }                                                                                           \
         for (int r = 0; r < R; r++)                                                                 \
             for (int q = 0; q < Q; q++) {                                                           \
                 if (kf < K) {                                                                       \
@@ -444,6 +452,29 @@ static inline f16x_v4 f16x4(const f16_t *p) {
 
 DEFINE_VECTORS(float, _f32)
 DEFINE_VECTORS(double, _f64)
+
+/* bfloat16 to float, a vector at a time: zero-extend each 16-bit value in place (lane order kept),
+ * shift it to the top half. GCC splits the generic conversion into five instructions on AVX2. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline __attribute__((always_inline)) V_f32 wv_bf16_f32(const bf16_t *p) {
+    __m512 f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    V_f32 v;
+    memcpy(&v, &f, sizeof v);
+    return v;
+}
+#elif defined(__AVX2__)
+#include <immintrin.h>
+static inline __attribute__((always_inline)) V_f32 wv_bf16_f32(const bf16_t *p) {
+    __m256 f = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+    V_f32 v;
+    memcpy(&v, &f, sizeof v);
+    return v;
+}
+#else
+#define wv_bf16_f32 wv_bf16_generic_f32
+#endif
+#define wv_bf16_f64 wv_bf16_generic_f64
 /* linear_f32 / linear_f64: weights of the computation's type; linear_bf16_f32, linear_f16_f32,
  * ...: weights stored in bfloat16 or float16 */
 DEFINE_LINEAR(float, _f32, float, _same)
@@ -809,12 +840,28 @@ static inline __m256i dot_q8_avx2(__m256i ax, __m256i x, const int8_t *w) {
     return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
 }
 
-/* outputs n .. n + 7 of row m */
-static void tile8_q8(const int8_t *qx, const float *sx, i64 nb, const int8_t *q, const uint16_t *d, i64 n,
-                     float *out) {
+/* the scales of outputs n .. n + 7 for block b, from d8: the scales repacked (N / 8, NB, 8) */
+static inline __m256 scales8(const uint16_t *d8, i64 nb, i64 n, i64 b) {
+    const uint16_t *p = d8 + ((n / 8) * nb + b) * 8;
+#if defined(__F16C__)
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    float dn[8];
+    for (int i = 0; i < 8; i++) dn[i] = f16_to_float(p[i]);
+    return _mm256_loadu_ps(dn);
+#endif
+}
+
+/* outputs n .. n + 7 of row m (n a multiple of 8) */
+static void tile8_q8(const int8_t *qx, const float *sx, i64 nb, const int8_t *q, const uint16_t *d8, i64 n,
+                     i64 N, float *out) {
     i64 kp = nb * QB;
     __m256 acc = _mm256_setzero_ps();
+    const int8_t *next = q + (n + 8) * kp; /* the next tile's rows, fetched ahead (tile##WN's reason) */
+    int more = n + 16 <= N;
     for (i64 b = 0; b < nb; b++) {
+        if (more && (b & 1) == 0)
+            for (int i = 0; i < 8; i++) __builtin_prefetch(next + i * kp + b * QB, 0, 0);
         __m256i xv = _mm256_loadu_si256((const __m256i *)(qx + b * QB));
         __m256i ax = _mm256_sign_epi8(xv, xv);
         const int8_t *w = q + n * kp + b * QB;
@@ -822,9 +869,7 @@ static void tile8_q8(const int8_t *qx, const float *sx, i64 nb, const int8_t *q,
                                dot_q8_avx2(ax, xv, w + 3 * kp), dot_q8_avx2(ax, xv, w + 4 * kp),
                                dot_q8_avx2(ax, xv, w + 5 * kp), dot_q8_avx2(ax, xv, w + 6 * kp),
                                dot_q8_avx2(ax, xv, w + 7 * kp));
-        float dn[8];
-        for (int i = 0; i < 8; i++) dn[i] = f16_to_float(d[(n + i) * nb + b]);
-        __m256 c = _mm256_mul_ps(_mm256_set1_ps(sx[b]), _mm256_loadu_ps(dn));
+        __m256 c = _mm256_mul_ps(_mm256_set1_ps(sx[b]), scales8(d8, nb, n, b));
         acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(s), c));
     }
     _mm256_storeu_ps(out + n, acc);
@@ -846,9 +891,10 @@ static void one_q8(const int8_t *qx, const float *sx, i64 nb, const int8_t *q, c
 }
 
 /* out (M, N) = the rows qx (M, KP), sx (M, NB) (quantize_rows_q8) against q, d, for outputs
- * [n0, n1); in blocks of BLOCK_N outputs whose weights stay in cache while every row passes. */
-void linear_q8_f32(const int8_t *qx, const float *sx, i64 M, i64 K, const int8_t *q, const uint16_t *d, i64 N,
-                   const float *bias, float *out, i64 n0, i64 n1) {
+ * [n0, n1) (n0 a multiple of 8); in blocks of BLOCK_N outputs whose weights stay in cache while
+ * every row passes. d8: the same scales, repacked (ceil(N / 8), NB, 8) for the 8-output tiles. */
+void linear_q8_f32(const int8_t *qx, const float *sx, i64 M, i64 K, const int8_t *q, const uint16_t *d,
+                   const uint16_t *d8, i64 N, const float *bias, float *out, i64 n0, i64 n1) {
     i64 nb = (K + QB - 1) / QB, kp = nb * QB;
     for (i64 b0 = n0; b0 < n1; b0 += BLOCK_N) {
         i64 b1 = b0 + BLOCK_N < n1 ? b0 + BLOCK_N : n1;
@@ -858,7 +904,7 @@ void linear_q8_f32(const int8_t *qx, const float *sx, i64 M, i64 K, const int8_t
             float *orow = out + m * N;
             i64 n = b0;
 #if Q8_TILE > 1
-            for (; n + Q8_TILE <= b1; n += Q8_TILE) tile8_q8(xr, sr, nb, q, d, n, orow);
+            for (; n + Q8_TILE <= b1; n += Q8_TILE) tile8_q8(xr, sr, nb, q, d8, n, N, orow);
 #endif
             for (; n < b1; n++) one_q8(xr, sr, nb, q, d, n, orow);
             if (bias)

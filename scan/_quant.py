@@ -49,6 +49,18 @@ class Q8Weight:
         if not kp - QB < k <= kp:
             raise ValueError(f"k={k} does not pad to {kp}")
         self.q, self.d, self.k = q.contiguous(), d.contiguous(), k
+        self._d8: Tensor | None = None
+
+    @property
+    def d8(self) -> Tensor:
+        """The scales repacked for the kernels' 8-output tiles: (ceil(N / 8), NB, 8) float16, rows
+        past N zero. Made once, on first use (1/16 byte per weight beside the blocks)."""
+        if self._d8 is None:
+            n, nb = self.d.shape
+            pad = (-n) % 8
+            d = torch.nn.functional.pad(self.d, (0, 0, 0, pad)) if pad else self.d
+            self._d8 = d.reshape(-1, 8, nb).transpose(1, 2).contiguous()
+        return self._d8
 
     @property
     def shape(self) -> torch.Size:
@@ -60,6 +72,7 @@ class Q8Weight:
 
     @property
     def nbytes(self) -> int:
+        """The bytes a product reads: the blocks and one scale per block."""
         return self.q.numel() + self.d.numel() * 2
 
     def __getitem__(self, rows: slice) -> Q8Weight:

@@ -344,10 +344,11 @@ def test_a_checkpoints_revision_is_remembered_by_its_files_and_recomputed_when_t
     assert load_model(d).revision == first and len(calls) == 1  # the second load reads no weight bytes
     # the file written again (other weights): a new key, a new hash
     save_checkpoint(load_model("tiny-mamba3", backend="reference"), tmp_path / "other")
+    calls.clear()  # (a preset's revision is hashed as it is built)
     (d / "config.json").write_text((tmp_path / "other" / "config.json").read_text())
     (d / "model.safetensors").write_bytes((tmp_path / "other" / "model.safetensors").read_bytes())
     again = load_model(d).revision
-    assert len(calls) == 2 and again != first and again == load_model(tmp_path / "other").revision
+    assert len(calls) == 1 and again != first and again == load_model(tmp_path / "other").revision
     # a cache entry that is not a revision is not believed
     for entry in (tmp_path / "cache" / "revisions").iterdir():
         entry.write_text("not a revision")
