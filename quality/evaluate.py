@@ -144,7 +144,8 @@ def evaluate_preset(name: str, cfg: EvalConfig, *, backend: str = "chunked", wei
     schema = model.schema
     label = name if weights is None else f"{name} ({backend}, {weights})"
     rep = Report(label, schema.architecture, f"v{schema.schema_version}/{schema.fingerprint()[:12]}",
-                 model.revision[:19], parameters=sum(p.numel() for p in model.module.parameters()))
+                 model.revision[:19], parameters=sum(p.numel() for p in model.module.parameters())
+                 + sum(b.numel() for n, b in model.module.named_buffers() if n.endswith("weight_q8")))
     rng = random.Random(cfg.chunk_seed)
     for delay in cfg.delays:
         samples = recall_set(cfg, delay)
