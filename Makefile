@@ -31,6 +31,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/bench_scan.py
+	$(PY) bench/bench_sizes.py --sizes 130m
 	$(PY) bench/bench_codec.py
 	$(PY) bench/bench_temporal.py
 	$(PY) bench/bench_readers.py

@@ -31,6 +31,9 @@ Environment (all optional):
                              ports of the embedded dev server (default 7233 and 8233)
     MAMBA_STREAM_BACKEND     scan backend: auto (default: exact on a CPU, triton on CUDA), exact,
                              reference or chunked (approximate; the fastest Mamba-2/3 prefill)
+    MAMBA_STREAM_WEIGHTS     the format models' weights are read in: float32, bfloat16 or float16
+                             (default: as stored on the exact backend, else the compute dtype); one
+                             model's own: a `#<format>` after its source in MAMBA_STREAM_MODELS
     MAMBA_STREAM_PRINCIPAL_KEYS
                              principals' Ed25519 public keys, JSON {"alice": "<base64>"} or a file
                              holding it: when set, every request must be signed by its principal
@@ -94,6 +97,7 @@ class WorkerConfig(ClientConfig):
     temporal_port: int = field(default_factory=lambda: int(os.environ.get("MAMBA_STREAM_TEMPORAL_PORT", "7233")))
     ui_port: int = field(default_factory=lambda: int(os.environ.get("MAMBA_STREAM_UI_PORT", "8233")))
     backend: str = field(default_factory=lambda: os.environ.get("MAMBA_STREAM_BACKEND", "auto"))
+    weights: str | None = field(default_factory=lambda: os.environ.get("MAMBA_STREAM_WEIGHTS") or None)
     principal_keys: str | None = field(default_factory=lambda: os.environ.get("MAMBA_STREAM_PRINCIPAL_KEYS") or None)
     metrics: str = field(default_factory=lambda: os.environ.get("MAMBA_STREAM_METRICS", "127.0.0.1:9464"))
     drift_check_every: int = field(default_factory=lambda: int(os.environ.get("MAMBA_STREAM_DRIFT_CHECK_EVERY", "0")))
@@ -416,7 +420,7 @@ def build_activities(cfg: WorkerConfig, keyring, worker_queue: str, metrics=None
     keys = PrincipalKeys.from_spec(cfg.principal_keys) if cfg.principal_keys else None
     if keys is not None:
         log.info("verifying signed requests of %d principals", len(keys))
-    return StreamActivities(models=ModelRegistry.from_spec(cfg.models, backend=cfg.backend),
+    return StreamActivities(models=ModelRegistry.from_spec(cfg.models, backend=cfg.backend, weights=cfg.weights),
                             store=open_store(cfg.store), keyring=keyring, worker_queue=worker_queue,
                             principal_keys=keys, metrics=metrics, drift_check_every=cfg.drift_check_every)
 

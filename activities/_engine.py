@@ -282,20 +282,31 @@ class _Work:
     abandoned: bool = False  # its caller stopped waiting (a cancelled attempt): dropped at the next round
 
 
+#: the most memory one model's slot table takes by default: its capacity is cut to fit (a 7B
+#: Mamba-2's state is 275 MB a stream, so 256 slots would be 70 GB; a full table evicts its least
+#: recently used stream to its checkpoint, so fewer slots cost reloads, not streams)
+SLOT_MEMORY = 2 << 30
+
+
 class StreamEngine:
     """Args:
     model: the served model.
-    capacity: slots (streams held hot at once).
+    capacity: slots (streams held hot at once), at most as many as `slot_memory` bytes hold.
     max_batch: single-token steps advanced together.
     max_wait_s: how long a lone step waits for company.
     prefill_piece: tokens of a long chunk advanced per round.
     """
 
     def __init__(self, model: Model, *, capacity: int = 256, max_batch: int = 64, max_wait_s: float = 0.002,
-                 prefill_piece: int = 256) -> None:
+                 prefill_piece: int = 256, slot_memory: int = SLOT_MEMORY) -> None:
         tune_allocator()  # batched steps churn state-sized temporaries; see activities/_alloc.py
         self.model = model
-        self.slots = SlotTable(model, capacity)
+        per_slot = model.schema.state_bytes + model.vocab_size * 4  # a state and its logits row
+        fits = max(1, slot_memory // per_slot)
+        if fits < capacity:
+            log.info("engine for %s: %d slots of %.1f MB fit %.1f GB (asked for %d)", model.model_id, fits,
+                     per_slot / 1e6, slot_memory / 1e9, capacity)
+        self.slots = SlotTable(model, min(capacity, fits))
         self.max_batch, self.max_wait_s, self.prefill_piece = max_batch, max_wait_s, prefill_piece
         self.stats = EngineStats()
         self._inbox: queue.Queue = queue.Queue()

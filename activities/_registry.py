@@ -32,15 +32,19 @@ class UnknownModel(KeyError):
 
 
 class ModelRegistry:
-    """Models by id: preset names, or `id=/path/to/checkpoint` entries, loaded on first use."""
+    """Models by id: preset names, or `id=/path/to/checkpoint` entries, loaded on first use.
+
+    A source may end in `#<format>` (`mine=/models/mine#bfloat16`): the format its weights are read
+    in (`scan.load_model(weights=...)`); `weights` is the default for the others (None: as stored).
+    """
 
     def __init__(self, sources: Mapping[str, str] | Iterable[str], *, backend: str = "auto",
-                 dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: str = "cpu", weights: str | None = None) -> None:
         if isinstance(sources, Mapping):
             self._sources = dict(sources)
         else:
             self._sources = {s: s for s in sources}
-        self._backend, self._dtype, self._device = backend, dtype, device
+        self._backend, self._dtype, self._device, self._weights = backend, dtype, device, weights
         self._models: dict[str, Model] = {}
         self._lock = threading.Lock()
 
@@ -50,7 +54,10 @@ class ModelRegistry:
         sources: dict[str, str] = {}
         for item in filter(None, (p.strip() for p in spec.split(","))):
             mid, _, src = item.partition("=")
-            sources[mid.strip()] = (src or mid).strip()
+            if not src:  # a preset, perhaps with a format: its id is its name
+                mid, _, fmt = mid.partition("#")
+                src = f"{mid}#{fmt}" if fmt else mid
+            sources[mid.strip()] = src.strip()
         return cls(sources, **kw)  # type: ignore[arg-type]
 
     @property
@@ -71,8 +78,9 @@ class ModelRegistry:
             if model is None:
                 if model_id not in self._sources:
                     raise UnknownModel(f"model {model_id!r} is not served here; known: {self.ids}")
-                model = load_model(self._sources[model_id], backend=self._backend, dtype=self._dtype,
-                                   device=self._device)
+                source, _, fmt = self._sources[model_id].partition("#")
+                model = load_model(source, backend=self._backend, dtype=self._dtype, device=self._device,
+                                   weights=fmt or self._weights)
                 model.model_id = model_id  # the id streams name it by, whatever its source
                 self._models[model_id] = model
                 log.info("loaded model %s (%s, %s)", model_id, model.revision[:19], model.backend)

@@ -27,6 +27,8 @@ from scan import PRESETS, TRAINED_PRESETS, load_model  # noqa: E402
 from scan._drift import measure_drift, misalignment, random_partition  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+#: a dtype may name a weight format after a slash: "float32/q8" computes in float32 on q8 weights
+#: (the exact backend reads them; the truth keeps the checkpoint's own float weights)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -40,8 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", default=None, help="also write the markdown here")
     args = ap.parse_args(argv)
     for d in args.dtypes.split(","):
-        if d not in DTYPES:
-            ap.error(f"unknown dtype {d!r}; choose from {sorted(DTYPES)}")
+        if d.partition("/")[0] not in DTYPES:
+            ap.error(f"unknown dtype {d!r}; choose from {sorted(DTYPES)}, optionally /<weight format>")
     if args.tokens < 2:
         ap.error("--tokens must be at least 2")
     return args
@@ -70,7 +72,9 @@ def run(args: argparse.Namespace) -> str:
                 if backend == "reference" and dname == "float64":
                     continue  # the truth itself
                 try:
-                    model = load_model(preset, backend=backend, dtype=DTYPES[dname], device=args.device)
+                    compute, _, weights = dname.partition("/")
+                    model = load_model(preset, backend=backend, dtype=DTYPES[compute], device=args.device,
+                                       weights=weights or None)
                     pair = measure_drift(model, truth, tokens, chunks, start)
                     mis = misalignment(model, truth, tokens[:64], start, other)
                 except Exception as exc:  # noqa: BLE001 - one broken backend must not hide the others
@@ -79,7 +83,7 @@ def run(args: argparse.Namespace) -> str:
                     continue
                 worst = max(pair.chunked.state_abs, key=pair.chunked.state_abs.get)
                 # the noise floor is relative too: 1e-6 (float32) or 1e-12 of the largest truth
-                floor = 1e-6 if dname == "float32" else 1e-12
+                floor = 1e-6 if dname.startswith("float32") else 1e-12
                 ok = pair.chunked_within_rule(floor * max(1.0, pair.full.logits_scale),
                                               floor * max(1.0, *pair.full.state_scale.values()))
                 bound = max(pair.full.logits_abs, pair.chunked.logits_abs)

@@ -63,8 +63,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from scan import TRAINED_PRESETS
 
     for name in (args.models.split(",") if args.models else sorted(TRAINED_PRESETS)):
-        print(f"evaluating {name} ...", file=sys.stderr, flush=True)
-        reports.append(evaluate_preset(name, cfg))
+        for fmt in (args.weights.split(",") if args.weights else [None]):
+            print(f"evaluating {name}{f' ({fmt})' if fmt else ''} ...", file=sys.stderr, flush=True)
+            reports.append(evaluate_preset(name, cfg) if fmt is None else
+                           evaluate_preset(name, cfg, backend="exact", weights=fmt))
     if not args.no_attention:
         print("evaluating the attention baseline ...", file=sys.stderr, flush=True)
         att = evaluate_attention(cfg)
@@ -146,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--n", type=int, default=200, help="held-out samples per cell")
     e.add_argument("--max-delay", type=int, default=None, help="skip recall delays above this")
     e.add_argument("--no-attention", action="store_true", help="leave out the attention baseline")
+    e.add_argument("--weights", default=None, metavar="FORMATS",
+                   help="comma-separated weight formats (float32,bfloat16,q8): a row per preset and format, on "
+                   "the exact backend")
     e.add_argument("--append", default=None, metavar="PATH",
                    help="append the run to this markdown file (docs/results/quality.md)")
     e.set_defaults(func=_cmd_eval)

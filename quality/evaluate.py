@@ -135,14 +135,17 @@ def decode_latency_ms(model: Any, steps: int = 200) -> float:
     return statistics.median(times) * 1e3
 
 
-def evaluate_preset(name: str, cfg: EvalConfig) -> Report:
-    """Every measurement for one Mamba preset, loaded through `load_model`."""
+def evaluate_preset(name: str, cfg: EvalConfig, *, backend: str = "chunked", weights: str | None = None) -> Report:
+    """Every measurement for one Mamba preset, loaded through `load_model` (`weights`: the format its
+    matrices are read in, on the exact backend; the row is named after it)."""
     from scan import load_model
 
-    model = load_model(name, backend="chunked")
+    model = load_model(name, backend=backend, weights=weights)
     schema = model.schema
-    rep = Report(name, schema.architecture, f"v{schema.schema_version}/{schema.fingerprint()[:12]}",
-                 model.revision[:19], parameters=sum(p.numel() for p in model.module.parameters()))
+    label = name if weights is None else f"{name} ({backend}, {weights})"
+    rep = Report(label, schema.architecture, f"v{schema.schema_version}/{schema.fingerprint()[:12]}",
+                 model.revision[:19], parameters=sum(p.numel() for p in model.module.parameters())
+                 + sum(b.numel() for n, b in model.module.named_buffers() if n.endswith("weight_q8")))
     rng = random.Random(cfg.chunk_seed)
     for delay in cfg.delays:
         samples = recall_set(cfg, delay)
@@ -228,7 +231,8 @@ def render_run(reports: list[Report], cfg: EvalConfig) -> str:
     lo, hi = chance_band(max(1, reports[0].reset_queries)) if reports else (0.0, 0.0)
     lines = [f"## Run of {date.today().isoformat()}, code {_git_revision()}", "",
              f"{cfg.n} held-out samples per cell (seed {HELDOUT_SEED}), {cfg.pairs} key-value pairs per recall "
-             f"sample (every key queried: {cfg.n * cfg.pairs} queries per cell); CPU, chunked backend.", "",
+             f"sample (every key queried: {cfg.n * cfg.pairs} queries per cell); CPU, chunked backend unless a "
+             "row names its backend and weight format.", "",
              "### Recall accuracy by delay (distractor bytes between the facts and the queries)", "",
              "| model | architecture | schema | revision | params | "
              + " | ".join(f"delay {d}" for d in cfg.delays) + " |",

@@ -21,9 +21,18 @@ from scan._errors import (
 )
 from scan._forward import embed, forward, zero_states
 from scan._init import init_weights
-from scan._loading import init_model, load_model, save_checkpoint, weights_revision
+from scan._loading import (
+    WEIGHT_FORMATS,
+    config_from_json,
+    init_model,
+    load_model,
+    parameter_shapes,
+    save_checkpoint,
+    weights_revision,
+)
 from scan._model import BACKENDS, Model
 from scan._presets import PRESETS, TRAINED_PRESETS
+from scan._quant import Q8Weight, quantize_q8
 from scan._state import State, StepResult
 from scan._tolerance import TOLERANCES, Tolerance, tolerance
 from scan._transforms import ByteTransform, HFTokenizerTransform, InputTransform
@@ -33,6 +42,7 @@ __all__ = [
     "PRESETS",
     "TOLERANCES",
     "TRAINED_PRESETS",
+    "WEIGHT_FORMATS",
     "ByteTransform",
     "CheckpointError",
     "ConfigError",
@@ -45,17 +55,21 @@ __all__ = [
     "NonFiniteInput",
     "NonFiniteOutput",
     "NonIntegerInput",
+    "Q8Weight",
     "ScanError",
     "State",
     "StepResult",
     "TokenOutOfRange",
     "Tolerance",
     "UnsupportedBackend",
+    "config_from_json",
     "embed",
     "forward",
     "init_model",
     "init_weights",
     "load_model",
+    "parameter_shapes",
+    "quantize_q8",
     "save_checkpoint",
     "tolerance",
     "weights_revision",

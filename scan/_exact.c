@@ -17,6 +17,11 @@
 #include <stdint.h>
 #include <string.h>
 
+#if defined(__GNUC__) && !defined(__clang__)
+/* vectors passed between static functions of this file only: no ABI is crossed */
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+
 typedef int64_t i64;
 
 /* --- transcendentals in double, from basic operations ------------------------------------ */
@@ -223,28 +228,41 @@ static inline double xcos(double x) {
 /* outputs per cache block: their weight rows stay in L2 while every row of x passes */
 #define BLOCK_N 96
 
-#define DEFINE_KERNELS(T, SUF)                                                                      \
-                                                                                                    \
-    /* out[m, n] = dot(x[m, :], w[n, :]) [+ bias[n]] in one fixed order: k is split into 16 lanes   \
-     * (lane j takes k = j, j + 16, ...; x and w read as zero past K), each lane summed in order    \
-     * from 0, a multiply then an add, and the lanes added by a fixed tree: (j, j + 8), then         \
-     * (j, j + 4), (j, j + 2), (0, 1). x (M, K), w (N, K): the weight as it is stored. Every output \
-     * takes this order whatever M, the tile it falls in or the thread that computes it; the tiles  \
-     * (TILE_M rows x TILE_N outputs, 1 row x TILE_N1 outputs for decode, in blocks of BLOCK_N      \
-     * outputs that stay in cache) and the vectors that hold the 16 lanes (NV native vectors of    \
-     * W lanes) only choose what is loaded together, for the registers this machine has. */        \
+/* --- the products ------------------------------------------------------------------------- */
+
+/* Weights are read in the format they are stored in (float32 or float64 as the computation,
+ * bfloat16, float16) and widened to T as they are loaded: widening is exact, so a product over
+ * stored bfloat16 weights gives the bits of the same product over their float32 copies. */
+typedef uint16_t bf16_t;
+typedef uint16_t f16_t;
+
+static inline float bf16_to_float(bf16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* IEEE half to float by integer operations (exact; no subnormal is ever an operand, so a
+ * flush-to-zero mode cannot change it): normal values rebias the exponent, subnormal ones are
+ * m 2^-24, infinities and NaNs keep their payload. */
+static inline float f16_to_float(f16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    uint32_t bits = e == 0x1f ? 0x7f800000u | (m << 13) : ((e + 112) << 23) | (m << 13);
+    float f;
+    memcpy(&f, &bits, 4);
+    f = e == 0 ? (float)m * 0x1p-24f : f;
+    uint32_t out;
+    memcpy(&out, &f, 4);
+    out |= sign;
+    memcpy(&f, &out, 4);
+    return f;
+}
+
+#define DEFINE_VECTORS(T, SUF)                                                                      \
     typedef T L##SUF __attribute__((vector_size(16 * sizeof(T))));                                 \
     typedef T V##SUF __attribute__((vector_size(VBYTES)));                                          \
     enum { NV##SUF = 16 * sizeof(T) / VBYTES, W##SUF = VBYTES / sizeof(T) };                       \
-    static inline L##SUF lload##SUF(const T *p, i64 k, i64 K) {                                     \
-        L##SUF v;                                                                                   \
-        if (k + 16 <= K) {                                                                          \
-            memcpy(&v, p + k, sizeof v);                                                            \
-        } else {                                                                                    \
-            for (int j = 0; j < 16; j++) v[j] = k + j < K ? p[k + j] : (T)0;                        \
-        }                                                                                           \
-        return v;                                                                                   \
-    }                                                                                               \
     /* the lane tree on NV native vectors: whole vectors while the span is a multiple of W, then   \
      * lanes; the same additions as on 16 lanes at once */                                          \
     static inline __attribute__((always_inline)) T ltree##SUF(const V##SUF *c) {                    \
@@ -261,28 +279,139 @@ static inline double xcos(double x) {
             for (int j = 0; j < span; j++) s[j] = s[j] + s[j + span];                               \
         return s[0];                                                                                \
     }                                                                                               \
+    /* W lanes of weights, widened to T */                                                          \
+    static inline __attribute__((always_inline)) V##SUF wv_same##SUF(const T *p) {                  \
+        V##SUF b;                                                                                   \
+        memcpy(&b, p, VBYTES);                                                                      \
+        return b;                                                                                   \
+    }                                                                                               \
+    static inline __attribute__((always_inline)) V##SUF wv_bf16_generic##SUF(const bf16_t *p) {    \
+        typedef uint16_t H __attribute__((vector_size(W##SUF * 2)));                                \
+        typedef uint32_t U __attribute__((vector_size(W##SUF * 4)));                                \
+        typedef float F __attribute__((vector_size(W##SUF * 4)));                                   \
+        H h;                                                                                        \
+        memcpy(&h, p, sizeof h);                                                                    \
+        U u = __builtin_convertvector(h, U) << 16;                                                  \
+        F f;                                                                                        \
+        memcpy(&f, &u, sizeof f);                                                                   \
+        return __builtin_convertvector(f, V##SUF);                                                  \
+    }                                                                                               \
+    static inline __attribute__((always_inline)) V##SUF wv_f16##SUF(const f16_t *p) {              \
+        typedef float F __attribute__((vector_size(W##SUF * 4)));                                   \
+        F f = F16W##SUF(p);                                                                         \
+        return __builtin_convertvector(f, V##SUF);                                                  \
+    }                                                                                               \
+    static inline T w1_same##SUF(const T *p) { return *p; }                                         \
+    static inline T w1_bf16##SUF(const bf16_t *p) { return (T)bf16_to_float(*p); }                  \
+    static inline T w1_f16##SUF(const f16_t *p) { return (T)f16_to_float(*p); }
+
+/* n float16 values to n floats (the lanes of one vector of T): F16C's conversion where the
+ * machine has it (exact, like the integer one), else lane by lane. */
+typedef float f16x_v2 __attribute__((vector_size(8)));
+typedef float f16x_v4 __attribute__((vector_size(16)));
+typedef float f16x_v8 __attribute__((vector_size(32)));
+typedef float f16x_v16 __attribute__((vector_size(64)));
+#define F16_LANES(n)                                                                                \
+    static inline f16x_v##n f16x##n##_scalar(const f16_t *p) {                                      \
+        f16x_v##n out;                                                                              \
+        for (int j = 0; j < n; j++) out[j] = f16_to_float(p[j]);                                    \
+        return out;                                                                                 \
+    }
+F16_LANES(2)
+F16_LANES(4)
+F16_LANES(8)
+F16_LANES(16)
+#if defined(__F16C__)
+#include <immintrin.h>
+static inline f16x_v8 f16x8(const f16_t *p) {
+    __m256 f = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    f16x_v8 out;
+    memcpy(&out, &f, 32);
+    return out;
+}
+static inline f16x_v16 f16x16(const f16_t *p) {
+    f16x_v8 a = f16x8(p), b = f16x8(p + 8);
+    f16x_v16 out;
+    memcpy(&out, &a, 32);
+    memcpy((char *)&out + 32, &b, 32);
+    return out;
+}
+static inline f16x_v4 f16x4(const f16_t *p) {
+    long long raw;
+    memcpy(&raw, p, 8);
+    __m128 f = _mm_cvtph_ps(_mm_cvtsi64_si128(raw));
+    f16x_v4 out;
+    memcpy(&out, &f, 16);
+    return out;
+}
+#else
+#define f16x16 f16x16_scalar
+#define f16x8 f16x8_scalar
+#define f16x4 f16x4_scalar
+#endif
+#define f16x2 f16x2_scalar
+/* the widening for one vector of float (_f32) or of double (_f64) */
+#if VBYTES == 64
+#define F16W_f32 f16x16
+#define F16W_f64 f16x8
+#elif VBYTES == 32
+#define F16W_f32 f16x8
+#define F16W_f64 f16x4
+#else
+#define F16W_f32 f16x4
+#define F16W_f64 f16x2
+#endif
+
+/* out[m, n] = dot(x[m, :], w[n, :]) [+ bias[n]] in one fixed order: k is split into 16 lanes
+ * (lane j takes k = j, j + 16, ...; x and w read as zero past K), each lane summed in order
+ * from 0, a multiply then an add, and the lanes added by a fixed tree: (j, j + 8), then
+ * (j, j + 4), (j, j + 2), (0, 1). x (M, K), w (N, K): the weight as it is stored, of type WT
+ * (`WN` names it in the kernel's name), widened to T as it is read. Every output takes this
+ * order whatever M, the tile it falls in or the thread that computes it; the tiles (TILE_M rows
+ * x TILE_N outputs, 1 row x TILE_N1 outputs for decode, in blocks of BLOCK_N outputs that stay
+ * in cache) and the vectors that hold the 16 lanes (NV native vectors of W lanes) only choose
+ * what is loaded together, for the registers this machine has. */
+#define DEFINE_LINEAR(T, SUF, WT, WN)                                                               \
+    static inline L##SUF lload##WN##SUF(const WT *p, i64 k, i64 K) {                                \
+        L##SUF v;                                                                                   \
+        for (int j = 0; j < 16; j++) v[j] = k + j < K ? w1##WN##SUF(p + k + j) : (T)0;              \
+        return v;                                                                                   \
+    }                                                                                               \
+    static inline L##SUF xload##WN##SUF(const T *p, i64 k, i64 K) {                                 \
+        L##SUF v;                                                                                   \
+        for (int j = 0; j < 16; j++) v[j] = k + j < K ? p[k + j] : (T)0;                            \
+        return v;                                                                                   \
+    }                                                                                               \
     /* outputs [m, m + R) x [n, n + Q) */                                                           \
-    static inline __attribute__((always_inline)) void tile##SUF(const T *x, i64 K, const T *w, T *out, \
-                                                                i64 N, i64 m, i64 n, const int R, const int Q) { \
+    static inline __attribute__((always_inline)) void tile##WN##SUF(const T *x, i64 K, const WT *w, \
+                                                                    T *out, i64 N, i64 m, i64 n,    \
+                                                                    const int R, const int Q) {     \
         V##SUF c[TILE_M##SUF][TILE_Q##SUF][NV##SUF];                                                \
         for (int r = 0; r < R; r++)                                                                 \
             for (int q = 0; q < Q; q++)                                                             \
                 for (int v = 0; v < NV##SUF; v++) c[r][q][v] = (V##SUF){0};                         \
         i64 kf = K / 16 * 16;                                                                       \
-        for (i64 k = 0; k < kf; k += 16)                                                            \
+        /* the next outputs' weight rows, fetched while these are computed: a narrow row is a     \
+         * short stream (2-4 KB) that the hardware prefetcher would find only half-way through    \
+         * (measured: bfloat16 rows 3.6 -> 4.8 G weights/s on one thread; float32 rows slower) */ \
+        const WT *next = w + (n + Q < N ? n + Q : n) * K;                                           \
+        int more = sizeof(WT) < sizeof(float) && n + 2 * Q <= N; /* float rows are long enough */   \
+        for (i64 k = 0; k < kf; k += 16) {                                                          \
+            if (more)                                                                               \
+                for (int q = 0; q < Q; q++) __builtin_prefetch(next + q * K + k, 0, 0);             \
             for (int v = 0; v < NV##SUF; v++) {                                                     \
                 V##SUF a[TILE_M##SUF];                                                              \
                 for (int r = 0; r < R; r++) memcpy(&a[r], x + (m + r) * K + k + v * W##SUF, VBYTES); \
                 for (int q = 0; q < Q; q++) {                                                       \
-                    V##SUF b;                                                                       \
-                    memcpy(&b, w + (n + q) * K + k + v * W##SUF, VBYTES);                           \
+                    V##SUF b = wv##WN##SUF(w + (n + q) * K + k + v * W##SUF);                       \
                     for (int r = 0; r < R; r++) c[r][q][v] = c[r][q][v] + a[r] * b;                 \
                 }                                                                                   \
             }                                                                                       \
+        }                                                                                           \
         for (int r = 0; r < R; r++)                                                                 \
             for (int q = 0; q < Q; q++) {                                                           \
                 if (kf < K) {                                                                       \
-                    L##SUF t = lload##SUF(x + (m + r) * K, kf, K) * lload##SUF(w + (n + q) * K, kf, K); \
+                    L##SUF t = xload##WN##SUF(x + (m + r) * K, kf, K) * lload##WN##SUF(w + (n + q) * K, kf, K); \
                     V##SUF tv[NV##SUF];                                                             \
                     memcpy(tv, &t, sizeof t);                                                       \
                     for (int v = 0; v < NV##SUF; v++) c[r][q][v] = c[r][q][v] + tv[v];              \
@@ -290,36 +419,72 @@ static inline double xcos(double x) {
                 out[(m + r) * N + n + q] = ltree##SUF(c[r][q]);                                     \
             }                                                                                       \
     }                                                                                               \
-    static void tile_mn##SUF(const T *x, i64 K, const T *w, T *out, i64 N, i64 m, i64 n) {          \
-        tile##SUF(x, K, w, out, N, m, n, TILE_M##SUF, TILE_N##SUF);                                 \
+    static void tile_mn##WN##SUF(const T *x, i64 K, const WT *w, T *out, i64 N, i64 m, i64 n) {     \
+        tile##WN##SUF(x, K, w, out, N, m, n, TILE_M##SUF, TILE_N##SUF);                             \
     }                                                                                               \
-    static void tile_1n##SUF(const T *x, i64 K, const T *w, T *out, i64 N, i64 m, i64 n) {          \
-        tile##SUF(x, K, w, out, N, m, n, 1, TILE_N1##SUF);                                          \
+    static void tile_1n##WN##SUF(const T *x, i64 K, const WT *w, T *out, i64 N, i64 m, i64 n) {     \
+        tile##WN##SUF(x, K, w, out, N, m, n, 1, TILE_N1##SUF);                                      \
     }                                                                                               \
-    static void tile_11##SUF(const T *x, i64 K, const T *w, T *out, i64 N, i64 m, i64 n) {          \
-        tile##SUF(x, K, w, out, N, m, n, 1, 1);                                                     \
+    static void tile_11##WN##SUF(const T *x, i64 K, const WT *w, T *out, i64 N, i64 m, i64 n) {     \
+        tile##WN##SUF(x, K, w, out, N, m, n, 1, 1);                                                 \
     }                                                                                               \
-    void linear##SUF(const T *x, i64 M, i64 K, const T *w, i64 N, const T *bias, T *out, i64 n0,   \
-                     i64 n1) {                                                                      \
+    void linear##WN##SUF(const T *x, i64 M, i64 K, const WT *w, i64 N, const T *bias, T *out, i64 n0, \
+                         i64 n1) {                                                                  \
         for (i64 b0 = n0; b0 < n1; b0 += BLOCK_N) {                                                 \
             i64 b1 = b0 + BLOCK_N < n1 ? b0 + BLOCK_N : n1;                                         \
             i64 m = 0;                                                                              \
             for (; m + TILE_M##SUF <= M; m += TILE_M##SUF) {                                        \
                 i64 n = b0;                                                                         \
-                for (; n + TILE_N##SUF <= b1; n += TILE_N##SUF) tile_mn##SUF(x, K, w, out, N, m, n); \
+                for (; n + TILE_N##SUF <= b1; n += TILE_N##SUF) tile_mn##WN##SUF(x, K, w, out, N, m, n); \
                 for (; n < b1; n++)                                                                 \
-                    for (int r = 0; r < TILE_M##SUF; r++) tile_11##SUF(x, K, w, out, N, m + r, n);  \
+                    for (int r = 0; r < TILE_M##SUF; r++) tile_11##WN##SUF(x, K, w, out, N, m + r, n); \
             }                                                                                       \
             for (; m < M; m++) {                                                                    \
                 i64 n = b0;                                                                         \
-                for (; n + TILE_N1##SUF <= b1; n += TILE_N1##SUF) tile_1n##SUF(x, K, w, out, N, m, n); \
-                for (; n < b1; n++) tile_11##SUF(x, K, w, out, N, m, n);                            \
+                for (; n + TILE_N1##SUF <= b1; n += TILE_N1##SUF) tile_1n##WN##SUF(x, K, w, out, N, m, n); \
+                for (; n < b1; n++) tile_11##WN##SUF(x, K, w, out, N, m, n);                        \
             }                                                                                       \
         }                                                                                           \
         if (bias)                                                                                   \
             for (i64 r = 0; r < M; r++)                                                             \
                 for (i64 n = n0; n < n1; n++) out[r * N + n] = out[r * N + n] + bias[n];            \
-    }                                                                                               \
+    }
+
+DEFINE_VECTORS(float, _f32)
+DEFINE_VECTORS(double, _f64)
+
+/* bfloat16 to float, a vector at a time: zero-extend each 16-bit value in place (lane order kept),
+ * shift it to the top half. GCC splits the generic conversion into five instructions on AVX2. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline __attribute__((always_inline)) V_f32 wv_bf16_f32(const bf16_t *p) {
+    __m512 f = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    V_f32 v;
+    memcpy(&v, &f, sizeof v);
+    return v;
+}
+#elif defined(__AVX2__)
+#include <immintrin.h>
+static inline __attribute__((always_inline)) V_f32 wv_bf16_f32(const bf16_t *p) {
+    __m256 f = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+    V_f32 v;
+    memcpy(&v, &f, sizeof v);
+    return v;
+}
+#else
+#define wv_bf16_f32 wv_bf16_generic_f32
+#endif
+#define wv_bf16_f64 wv_bf16_generic_f64
+/* linear_f32 / linear_f64: weights of the computation's type; linear_bf16_f32, linear_f16_f32,
+ * ...: weights stored in bfloat16 or float16 */
+DEFINE_LINEAR(float, _f32, float, _same)
+DEFINE_LINEAR(float, _f32, bf16_t, _bf16)
+DEFINE_LINEAR(float, _f32, f16_t, _f16)
+DEFINE_LINEAR(double, _f64, double, _same)
+DEFINE_LINEAR(double, _f64, bf16_t, _bf16)
+DEFINE_LINEAR(double, _f64, f16_t, _f16)
+
+#define DEFINE_KERNELS(T, SUF)                                                                      \
                                                                                                     \
     /* Elementwise: op 0 exp, 1 silu, 2 sigmoid, 3 softplus, 4 tanh, 5 sin, 6 cos, 7 rsqrt (a loop  \
      * each, so that each vectorizes). */                                                           \
@@ -606,3 +771,144 @@ static inline double xcos(double x) {
 
 DEFINE_KERNELS(float, _f32)
 DEFINE_KERNELS(double, _f64)
+
+/* --- block-int8 products (weights "q8") ----------------------------------------------------- */
+
+/* Weights in blocks of QB = 32 along k: int8 values q in [-127, 127] and one float16 scale d per
+ * block (llama.cpp's Q8_0 layout), k padded with zeros to a multiple of 32: q (N, KP), d (N, NB).
+ * Activations are quantized per row and block the same way with a float32 scale:
+ *     s = max |x| / 127,   qx = rint(x / s) (ties to even; 0 where s is 0), clamped to [-127, 127],
+ * and then
+ *     out[m, n] = (((0 + t_0) + t_1) + ... + t_{NB-1}) [+ bias[n]],
+ *     t_b = (float)isum_b * (s_b * d_b),   isum_b = sum_j qx[m, b, j] q[n, b, j].
+ * isum_b is an integer below 2^24 in magnitude, exact in any order and exactly a float: the
+ * instruction set only decides how fast it is found. The float operations, and the order of the
+ * blocks, are the same for every output. */
+#define QB 32
+
+/* rint for |v| < 2^22: the sum lands where floats are integers */
+static inline float rint_small(float v) {
+    const float r = 12582912.0f; /* 1.5 * 2^23 */
+    return (v + r) - r;
+}
+
+void quantize_rows_q8(const float *x, i64 M, i64 K, int8_t *qx, float *sx) {
+    i64 nb = (K + QB - 1) / QB, kp = nb * QB;
+    for (i64 m = 0; m < M; m++)
+        for (i64 b = 0; b < nb; b++) {
+            const float *xb = x + m * K + b * QB;
+            i64 len = K - b * QB < QB ? K - b * QB : QB;
+            float amax = 0.0f;
+            for (i64 j = 0; j < len; j++) {
+                float a = xb[j] < 0.0f ? -xb[j] : xb[j];
+                amax = a > amax || a != a ? a : amax; /* a NaN stays */
+            }
+            float s = amax / 127.0f;
+            /* a non-finite activation makes the block's scale NaN and its values 0: every output
+             * it reaches is NaN, never an integer cast of one */
+            int finite = s - s == 0.0f;
+            s = finite ? s : NAN;
+            int8_t *qb = qx + m * kp + b * QB;
+            for (i64 j = 0; j < QB; j++) {
+                float v = j < len && s != 0.0f && finite ? rint_small(xb[j] / s) : 0.0f;
+                v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
+                qb[j] = (int8_t)v;
+            }
+            sx[m * nb + b] = s;
+        }
+}
+
+static inline int32_t dot_q8(const int8_t *a, const int8_t *b) {
+    int32_t s = 0;
+    for (int j = 0; j < QB; j++) s += (int32_t)a[j] * (int32_t)b[j];
+    return s;
+}
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+/* the 8 lanes of 8 vectors of int32 partial sums, each vector's total in its lane */
+static inline __m256i sum8_epi32(__m256i v0, __m256i v1, __m256i v2, __m256i v3, __m256i v4, __m256i v5,
+                                 __m256i v6, __m256i v7) {
+    __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v0, v1), _mm256_hadd_epi32(v2, v3));
+    __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v4, v5), _mm256_hadd_epi32(v6, v7));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+static inline __m256i dot_q8_avx2(__m256i ax, __m256i x, const int8_t *w) {
+    __m256i wv = _mm256_loadu_si256((const __m256i *)w);
+    __m256i p = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv, x)); /* |x| (<= 127) * +-w: no saturation */
+    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
+
+/* the scales of outputs n .. n + 7 for block b, from d8: the scales repacked (N / 8, NB, 8) */
+static inline __m256 scales8(const uint16_t *d8, i64 nb, i64 n, i64 b) {
+    const uint16_t *p = d8 + ((n / 8) * nb + b) * 8;
+#if defined(__F16C__)
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    float dn[8];
+    for (int i = 0; i < 8; i++) dn[i] = f16_to_float(p[i]);
+    return _mm256_loadu_ps(dn);
+#endif
+}
+
+/* outputs n .. n + 7 of row m (n a multiple of 8) */
+static void tile8_q8(const int8_t *qx, const float *sx, i64 nb, const int8_t *q, const uint16_t *d8, i64 n,
+                     i64 N, float *out) {
+    i64 kp = nb * QB;
+    __m256 acc = _mm256_setzero_ps();
+    const int8_t *next = q + (n + 8) * kp; /* the next tile's rows, fetched ahead (tile##WN's reason) */
+    int more = n + 16 <= N;
+    for (i64 b = 0; b < nb; b++) {
+        if (more && (b & 1) == 0)
+            for (int i = 0; i < 8; i++) __builtin_prefetch(next + i * kp + b * QB, 0, 0);
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(qx + b * QB));
+        __m256i ax = _mm256_sign_epi8(xv, xv);
+        const int8_t *w = q + n * kp + b * QB;
+        __m256i s = sum8_epi32(dot_q8_avx2(ax, xv, w), dot_q8_avx2(ax, xv, w + kp), dot_q8_avx2(ax, xv, w + 2 * kp),
+                               dot_q8_avx2(ax, xv, w + 3 * kp), dot_q8_avx2(ax, xv, w + 4 * kp),
+                               dot_q8_avx2(ax, xv, w + 5 * kp), dot_q8_avx2(ax, xv, w + 6 * kp),
+                               dot_q8_avx2(ax, xv, w + 7 * kp));
+        __m256 c = _mm256_mul_ps(_mm256_set1_ps(sx[b]), scales8(d8, nb, n, b));
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(s), c));
+    }
+    _mm256_storeu_ps(out + n, acc);
+}
+#define Q8_TILE 8
+#else
+#define Q8_TILE 1
+#endif
+
+static void one_q8(const int8_t *qx, const float *sx, i64 nb, const int8_t *q, const uint16_t *d, i64 n,
+                   float *out) {
+    i64 kp = nb * QB;
+    float acc = 0.0f;
+    for (i64 b = 0; b < nb; b++) {
+        float c = sx[b] * f16_to_float(d[n * nb + b]);
+        acc = acc + (float)dot_q8(qx + b * QB, q + n * kp + b * QB) * c;
+    }
+    out[n] = acc;
+}
+
+/* out (M, N) = the rows qx (M, KP), sx (M, NB) (quantize_rows_q8) against q, d, for outputs
+ * [n0, n1) (n0 a multiple of 8); in blocks of BLOCK_N outputs whose weights stay in cache while
+ * every row passes. d8: the same scales, repacked (ceil(N / 8), NB, 8) for the 8-output tiles. */
+void linear_q8_f32(const int8_t *qx, const float *sx, i64 M, i64 K, const int8_t *q, const uint16_t *d,
+                   const uint16_t *d8, i64 N, const float *bias, float *out, i64 n0, i64 n1) {
+    i64 nb = (K + QB - 1) / QB, kp = nb * QB;
+    for (i64 b0 = n0; b0 < n1; b0 += BLOCK_N) {
+        i64 b1 = b0 + BLOCK_N < n1 ? b0 + BLOCK_N : n1;
+        for (i64 m = 0; m < M; m++) {
+            const int8_t *xr = qx + m * kp;
+            const float *sr = sx + m * nb;
+            float *orow = out + m * N;
+            i64 n = b0;
+#if Q8_TILE > 1
+            for (; n + Q8_TILE <= b1; n += Q8_TILE) tile8_q8(xr, sr, nb, q, d8, n, N, orow);
+#endif
+            for (; n < b1; n++) one_q8(xr, sr, nb, q, d, n, orow);
+            if (bias)
+                for (i64 j = b0; j < b1; j++) orow[j] = orow[j] + bias[j];
+        }
+    }
+}

@@ -5,7 +5,9 @@ Every output element is computed by one fixed sequence of IEEE-754 basic operati
 
     products     out[m, n] = x[m] . w[n] + bias[n]: k split into 16 lanes, each summed in order (a
                  multiply then an add, never fused), the lanes added by a fixed tree; the same for
-                 one row or a thousand.
+                 one row or a thousand. The weight is read in its stored format (float32, or
+                 bfloat16 / float16 widened exactly as it is read); block-int8 weights ("q8")
+                 take integer block sums, the blocks added in order (`scan._quant`).
     reductions   sequential, in index order (the means of the norms, the scans' contractions).
     exp, log1p, tanh, sin, cos
                  computed in double from basic operations (a Taylor polynomial after an exact
@@ -55,8 +57,10 @@ from scan._backends import Backend, FixedBackend, labelled
 from scan._mamba3 import Mamba3Mixer
 from scan._mixer import States
 from scan._ops import Primitives
+from scan._quant import QB, Q8Weight, linear_q8_twin
 
-__all__ = ["ARITHMETIC", "Probe", "TWIN_OPS", "TWIN_PRIMITIVES", "TWIN_STEP_PRIMITIVES", "build_kernels", "exact_backend",
+__all__ = ["ARITHMETIC", "Probe", "TWIN_OPS", "TWIN_PRIMITIVES", "TWIN_STEP_PRIMITIVES", "build_kernels", "cache_dir",
+           "exact_backend",
            "exact_primitives", "exact_step_backend", "probe"]
 
 log = logging.getLogger(__name__)
@@ -83,8 +87,10 @@ def _march() -> str:
 
 
 _UNARY = {"exp": 0, "silu": 1, "sigmoid": 2, "softplus": 3, "tanh": 4, "sin": 5, "cos": 6, "rsqrt": 7}
-#: below this many multiply-adds a product runs on the calling thread alone
-_PARALLEL_WORK = 1 << 20
+#: below this many multiply-adds a product runs on the calling thread alone: handing half of it to
+#: the pool's thread costs 0.1-0.4 ms on a 2-core VM (a 3072 x 768 decode product: 0.32 ms on one
+#: thread, 0.75 ms on two), more than a product of a few million weights gains from a second core
+_PARALLEL_WORK = 1 << 23
 
 # --- the arithmetic in torch: the twins ---------------------------------------------------------
 
@@ -200,10 +206,18 @@ def unary_twin(x: Tensor, op: str) -> Tensor:
     return _unary64(x.double(), op).to(x.dtype)
 
 
-def linear_twin(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def linear_twin(x: Tensor, weight: Tensor | Q8Weight, bias: Tensor | None = None) -> Tensor:
     """x (..., K) @ weight (N, K)^T in the kernel's order: 16 lanes (lane j sums k = j, j + 16, ...
     in order from 0; zeros past K), then the lanes by the fixed tree (j, j + 8), (j, j + 4),
-    (j, j + 2), (0, 1); then + bias."""
+    (j, j + 2), (0, 1); then + bias. A weight stored narrower (bfloat16, float16) is widened to
+    x's dtype first, which is exact: the kernel widens each value as it reads it. Block-int8
+    weights take their own arithmetic (`scan._quant`)."""
+    if isinstance(weight, Q8Weight):
+        return linear_q8_twin(x, weight, bias)
+    if weight.dtype != x.dtype:
+        if weight.dtype not in (torch.bfloat16, torch.float16):
+            raise TypeError(f"no exact product of {x.dtype} inputs with {weight.dtype} weights")
+        weight = weight.to(x.dtype)
     lead, k = x.shape[:-1], x.shape[-1]
     pad = (-k) % 16
     rows = torch.nn.functional.pad(x.reshape(-1, k), (0, pad)).reshape(-1, 1, (k + pad) // 16, 16)
@@ -295,7 +309,7 @@ def trapezoid_twin(q: Tensor, k: Tensor, xr: Tensor, alpha: Tensor, beta: Tensor
 # --- the kernels --------------------------------------------------------------------------------
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
     """$MAMBA_STREAM_CACHE, else $XDG_CACHE_HOME/mamba-stream, else ~/.cache/mamba-stream."""
     if os.environ.get("MAMBA_STREAM_CACHE"):
         return Path(os.environ["MAMBA_STREAM_CACHE"])
@@ -339,7 +353,7 @@ def build_kernels() -> tuple[Any, str]:
     flags = [f"-march={_march()}", *_FLAGS]
     for cc in _compilers():
         key = hashlib.sha256(source + " ".join([*cc, *flags]).encode() + _cpu_signature().encode()).hexdigest()[:20]
-        target = _cache_dir() / f"exact-{key}.so"
+        target = cache_dir() / f"exact-{key}.so"
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
@@ -370,7 +384,6 @@ def build_kernels() -> tuple[Any, str]:
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 #: every kernel of _exact.c and its arguments (each exists as name_f32 and name_f64)
 _SIGNATURES = {
-    "linear": [_P, _I, _I, _P, _I, _P, _P, _I, _I],
     "unary": [_P, _P, _I, ctypes.c_int],
     "mean_rows": [_P, _P, _I, _I],
     "rms_norm": [_P, _P, _P, _I, _I, _D],
@@ -382,6 +395,10 @@ _SIGNATURES = {
     "trapezoid_scan": [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I],
 }
 _SUFFIX = {torch.float32: "_f32", torch.float64: "_f64"}
+#: the products by the format their weights are stored in: linear_same_f32 reads weights of the
+#: computation's dtype, linear_bf16_f32 bfloat16 ones, ...
+_WEIGHT_FORMATS = {"same": None, "bf16": torch.bfloat16, "f16": torch.float16}
+_LINEAR = [_P, _I, _I, _P, _I, _P, _P, _I, _I]
 
 
 def _declare(lib: Any) -> None:
@@ -390,6 +407,15 @@ def _declare(lib: Any) -> None:
             fn = getattr(lib, name + suf)
             fn.argtypes = args
             fn.restype = None
+    for fmt in _WEIGHT_FORMATS:
+        for suf in _SUFFIX.values():
+            fn = getattr(lib, f"linear_{fmt}{suf}")
+            fn.argtypes = _LINEAR
+            fn.restype = None
+    lib.quantize_rows_q8.argtypes = [_P, _I, _I, _P, _P]
+    lib.linear_q8_f32.argtypes = [_P, _P, _I, _I, _P, _P, _P, _I, _P, _P, _I, _I]
+    for fn in (lib.quantize_rows_q8, lib.linear_q8_f32):
+        fn.restype = None
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -419,6 +445,31 @@ class _Kernels:
 
     def __init__(self, lib: Any) -> None:
         self.fn = {(name, dt): getattr(lib, name + suf) for name in _SIGNATURES for dt, suf in _SUFFIX.items()}
+        #: (compute dtype, weight dtype) -> the product
+        self.linears = {(dt, wdt or dt): getattr(lib, f"linear_{fmt}{suf}")
+                        for fmt, wdt in _WEIGHT_FORMATS.items() for dt, suf in _SUFFIX.items()}
+        self.lib = lib
+
+    def _linear_q8(self, x: Tensor, weight: Q8Weight, bias: Tensor | None) -> Tensor:
+        if x.dtype != torch.float32:
+            raise TypeError(f"q8 products compute in float32, not {x.dtype}")
+        k, n = x.shape[-1], weight.shape[0]
+        x = x.contiguous()
+        m = x.numel() // k if k else 0
+        out = x.new_empty((*x.shape[:-1], n))
+        if m:
+            nb = (k + QB - 1) // QB
+            qx = torch.empty((m, nb * QB), dtype=torch.int8)
+            sx = torch.empty((m, nb), dtype=torch.float32)
+            self.lib.quantize_rows_q8(x.data_ptr(), m, k, qx.data_ptr(), sx.data_ptr())
+            fn, args = self.lib.linear_q8_f32, (qx.data_ptr(), sx.data_ptr(), m, k, weight.q.data_ptr(),
+                                                weight.d.data_ptr(), weight.d8.data_ptr(), n,
+                                                None if bias is None else bias.data_ptr(), out.data_ptr())
+            if m * k * n < _PARALLEL_WORK:
+                fn(*args, 0, n)
+            else:  # units of 16 outputs; each thread reads its own weight rows
+                _parallel(lambda u0, u1: fn(*args, u0 * 16, min(n, u1 * 16)), (n + 15) // 16, m * k * n)
+        return out
 
     @staticmethod
     def _cached(weight: Tensor, what: str, make: Callable[[], Tensor]) -> Tensor:
@@ -431,7 +482,9 @@ class _Kernels:
         setattr(weight, key, (weight._version, value))
         return value
 
-    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    def linear(self, x: Tensor, weight: Tensor | Q8Weight, bias: Tensor | None = None) -> Tensor:
+        if isinstance(weight, Q8Weight):
+            return self._linear_q8(x, weight, bias)
         k, n = x.shape[-1], weight.shape[0]
         if not x.is_contiguous():
             x = x.contiguous()
@@ -439,7 +492,10 @@ class _Kernels:
         out = x.new_empty((*x.shape[:-1], n))
         if m:
             w = weight if weight.is_contiguous() else self._cached(weight, "contiguous", weight.contiguous)
-            fn, xp, wp, op = self.fn["linear", x.dtype], x.data_ptr(), w.data_ptr(), out.data_ptr()
+            fn = self.linears.get((x.dtype, w.dtype))
+            if fn is None:
+                raise TypeError(f"no exact product of {x.dtype} inputs with {w.dtype} weights")
+            xp, wp, op = x.data_ptr(), w.data_ptr(), out.data_ptr()
             bp = None if bias is None else bias.data_ptr()
             if m * k * n < _PARALLEL_WORK:
                 fn(xp, m, k, wp, n, bp, op, 0, n)
@@ -763,8 +819,25 @@ class Probe:
         return "exact" if self.kernels else "exact-twin"
 
 
+#: rows of the head the probe runs: past two blocks of outputs, with a remainder for every tile width
+_PROBE_HEAD_ROWS = 213
+
+
+def _probe_view(lm: torch.nn.Module) -> Any:
+    """What the probe runs of a model: its first two layers (every layer has the same shapes, the
+    same code and the same weight format) and the first rows of its head. The twins take minutes
+    over a billion-parameter model's every layer; two layers check the same kernels."""
+    from types import SimpleNamespace
+
+    bb = lm.backbone
+    return SimpleNamespace(cfg=lm.cfg, backbone=SimpleNamespace(layers=list(bb.layers)[:2], norm_f=bb.norm_f,
+                                                                embedding=bb.embedding),
+                           lm_head=SimpleNamespace(weight=lm.lm_head.weight[:_PROBE_HEAD_ROWS]))
+
+
 def probe(lm: torch.nn.Module, dtype: torch.dtype) -> Probe:
-    """Run the model's own layers, shapes, dtype and threads through the kernels and the twins.
+    """Run the model's layers, shapes, weight format, dtype and threads through the kernels and
+    the twins (`_probe_view`: its first two layers and a slice of its head).
 
     Two streams of three tokens, from random states: the kernels must give the twins' bits, one
     stream alone must give its bits in the pair, and the three tokens one at a time must give
@@ -777,6 +850,7 @@ def probe(lm: torch.nn.Module, dtype: torch.dtype) -> Probe:
     prims = _kernel_primitives()
     if prims is None:
         return Probe(False, build_kernels()[1], time.perf_counter() - t0)
+    lm = _probe_view(lm)
     kernels, twins = FixedBackend(prims), FixedBackend(TWIN_PRIMITIVES)
     g = torch.Generator().manual_seed(0)
     states = [tuple((torch.randn((2, *shape), generator=g) * 0.5).to(dtype) for _, shape in blk.mixer.state_shapes())
@@ -866,6 +940,7 @@ def exact_step_backend(lm: torch.nn.Module, dtype: torch.dtype) -> Backend:
 def _in_place_agrees(lm: torch.nn.Module, dtype: torch.dtype, plain: Backend, in_place: Backend) -> bool:
     from scan._forward import forward
 
+    lm = _probe_view(lm)
     g = torch.Generator().manual_seed(1)
     states = [tuple((torch.randn((3, *shape), generator=g) * 0.5).to(dtype) for _, shape in blk.mixer.state_shapes())
               for blk in lm.backbone.layers]

@@ -16,6 +16,7 @@ from scan._backends import CHUNKED, REFERENCE, Backend, RoundState
 from scan._errors import UnsupportedBackend
 from scan._lm import MambaLM
 from scan._mixer import States
+from scan._quant import Q8Weight
 
 __all__ = ["LayerStates", "backend_named", "embed", "forward", "zero_states"]
 
@@ -24,8 +25,12 @@ LayerStates = list[States]
 
 
 def embed(lm: MambaLM, tokens: Tensor) -> Tensor:
-    """(B, L) token ids -> (B, L, D) embeddings (a gather: exact on every backend)."""
-    return F.embedding(tokens, lm.backbone.embedding.weight)
+    """(B, L) token ids -> (B, L, D) embeddings in the compute dtype (a gather, then an exact
+    widening where the embedding is held narrower: exact on every backend)."""
+    weight = lm.backbone.embedding.weight
+    if isinstance(weight, Q8Weight):  # q d rows: exact products of small integers
+        return weight.embedding(tokens).to(lm.compute_dtype)
+    return F.embedding(tokens, weight).to(lm.compute_dtype)
 
 
 def zero_states(lm: MambaLM, batch: int, like: Tensor) -> LayerStates:

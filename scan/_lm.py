@@ -21,6 +21,7 @@ from scan._mamba1 import Mamba1Mixer
 from scan._mamba2 import Mamba2Mixer
 from scan._mamba3 import Mamba3Mixer
 from scan._mixer import Mixer
+from scan._quant import Q8Weight
 
 __all__ = ["MambaLM"]
 
@@ -66,6 +67,18 @@ class MambaLM(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.padded_vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.backbone.embedding.weight
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of the computation: the norms' (the matrices may be held narrower)."""
+        return self.backbone.norm_f.weight.dtype
+
+    @property
+    def weight_format(self) -> str:
+        """The format the matrices are held in (`scan.load_model(weights=...)`): "float32",
+        "float64", "bfloat16", "float16" or "q8"."""
+        w = self.lm_head.weight
+        return "q8" if isinstance(w, Q8Weight) else str(w.dtype).removeprefix("torch.")
 
     @property
     def mixers(self) -> list[Mixer]:

@@ -6,23 +6,28 @@ import hashlib
 import json
 import logging
 import math
+import mmap
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from scan._config import ModelConfig
-from scan._errors import CheckpointError, ConfigError
+from scan._errors import CheckpointError, ConfigError, UnsupportedBackend
 from scan._lm import MambaLM
 from scan._model import Model
+from scan._quant import Q8Weight, quantize_q8
 from scan._presets import PRESETS, TRAINED_PRESETS, build_preset, initial_weights, trained_preset_dir
 from scan._transforms import ByteTransform, HFTokenizerTransform
 
 __all__ = [
+    "WEIGHT_FORMATS",
     "config_from_json",
     "init_model",
     "load_model",
     "mamba_ssm_config",
+    "parameter_shapes",
     "save_checkpoint",
     "weights_revision",
 ]
@@ -49,6 +54,22 @@ _UNDERSTOOD = {
                "is_outproj_norm": "is_outproj_norm", "mimo_rank": "mimo_rank"},
 }
 _ARCH_OF_LAYER = {"Mamba1": "mamba1", "Mamba2": "mamba2", "Mamba3": "mamba3"}
+
+#: The formats a model's matrices (the projections, the embedding, the head) can be held in, by
+#: `load_model(weights=...)`, with their torch dtype ("q8": block-int8, `scan._quant`): the exact
+#: backend reads them as they are; the other parameters (norms, conv taps, A, D, biases: a few MB)
+#: are held in the compute dtype.
+WEIGHT_FORMATS: dict[str, torch.dtype | None] = {
+    "float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16,
+    "q8": None,
+}
+#: formats narrower than any computation: read as stored by the exact backend only
+_NARROW = ("bfloat16", "float16", "q8")
+_DTYPE_NAMES = {v: k for k, v in WEIGHT_FORMATS.items() if v is not None}
+#: safetensors' dtype names
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
 
 
 def _is_inf(v: Any) -> bool:
@@ -156,21 +177,108 @@ def config_from_json(cfg: dict[str, Any]) -> tuple[ModelConfig, str]:
                       field="config.json")
 
 
+def _map_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file as views of one private (copy-on-write) mapping of it:
+    nothing is read until it is used, and the pages are the file's, shared with the page cache."""
+    size = path.stat().st_size
+    with path.open("rb") as fh:
+        if size < 8:
+            raise CheckpointError(f"{path}: {size} bytes is not a safetensors file")
+        mapped = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+    n = int.from_bytes(mapped[:8], "little")
+    if n > size - 8:
+        raise CheckpointError(f"{path}: a header of {n} bytes does not fit a {size}-byte file")
+    try:
+        header = json.loads(bytes(mapped[8 : 8 + n]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path}: the header is not JSON: {exc}") from exc
+    base, out = 8 + n, {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (b, e) = _ST_DTYPES[info["dtype"]], [int(d) for d in info["shape"]], info["data_offsets"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{path}: tensor {name!r} has an unreadable entry ({exc})") from exc
+        count = math.prod(shape)
+        if not (0 <= b <= e <= size - base) or e - b != count * dtype.itemsize:
+            raise CheckpointError(f"{path}: tensor {name!r} does not fit its byte range [{b}, {e})")
+        if count == 0:
+            out[name] = torch.empty(shape, dtype=dtype)
+        elif (base + b) % dtype.itemsize:  # a misaligned tensor (files written by hand): a copy
+            out[name] = torch.frombuffer(bytearray(mapped[base + b : base + e]), dtype=dtype).reshape(shape)
+        else:
+            out[name] = torch.frombuffer(mapped, dtype=dtype, count=count, offset=base + b).reshape(shape)
+    return out
+
+
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "config.json")
+
+
+#: a file modified this recently may be written again within one tick of the file system's clock,
+#: under the same size, time and inode: its key is not trusted yet (git's "racy" files)
+_SETTLED_S = 2.0
+
+
+def _files_key(directory: Path) -> str | None:
+    """What identifies a checkpoint directory's bytes without reading them: each weight file's
+    path, size, modification and change times and inode (None where there is nothing to key on,
+    or a file was modified in the last `_SETTLED_S` seconds)."""
+    import time
+
+    parts = []
+    files = [directory / f for f in _WEIGHT_FILES if (directory / f).exists()]
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            files += sorted({directory / f for f in json.loads(index.read_text())["weight_map"].values()})
+        except (OSError, ValueError, KeyError):
+            return None
+    now = time.time()
+    for f in files:
+        st = f.stat()
+        if now - max(st.st_mtime, st.st_ctime) < _SETTLED_S:
+            return None
+        parts.append(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}|{st.st_ino}")
+    return hashlib.sha256("\n".join(["revision/v1", *parts]).encode()).hexdigest() if parts else None
+
+
+def _revision_of(directory: Path, sd: dict[str, Any]) -> str:
+    """`weights_revision(sd)`, remembered by the files' identity (`_files_key`) under the cache
+    directory: hashing a 14 GB checkpoint takes seconds on every load otherwise. A file written
+    again changes its modification time and so its key; the cache is the worker's own, beside its
+    compiled kernels ($MAMBA_STREAM_CACHE)."""
+    from scan._exact import cache_dir
+
+    key = _files_key(directory)
+    entry = cache_dir() / "revisions" / f"{key}.txt" if key else None
+    if entry is not None and entry.is_file():
+        text = entry.read_text().strip()
+        if text.startswith("sha256:") and len(text) == 71:
+            return text
+    revision = weights_revision(sd)
+    if entry is not None:
+        try:
+            entry.parent.mkdir(parents=True, exist_ok=True)
+            tmp = entry.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(revision + "\n")
+            os.replace(tmp, entry)
+        except OSError as exc:  # a read-only cache costs the hash, nothing else
+            log.info("revision cache not written: %s", exc)
+    return revision
+
+
 def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
     st = directory / "model.safetensors"
     index = directory / "model.safetensors.index.json"
     binf = directory / "pytorch_model.bin"
     if st.exists() or index.exists():
-        from safetensors import safe_open
-
         files = [st] if st.exists() else sorted(
             {directory / f for f in json.loads(index.read_text())["weight_map"].values()}
         )
         out: dict[str, torch.Tensor] = {}
         for f in files:
-            with safe_open(str(f), framework="pt", device="cpu") as fh:  # memory-mapped
-                for key in fh.keys():
-                    out[key] = fh.get_tensor(key)
+            out.update(_map_safetensors(f))
         return out
     if binf.exists():
         try:
@@ -183,18 +291,52 @@ def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
     raise CheckpointError(f"{directory} holds no model.safetensors or pytorch_model.bin")
 
 
-def _canonical_weights(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Rename to mamba-ssm names, fold the tied head, check names and shapes against `cfg`."""
-    sd = {("backbone.embedding.weight" if k == "backbone.embeddings.weight" else k): v for k, v in sd.items()}
+def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter a checkpoint of `cfg` holds, with its shape, by mamba-ssm name (a tied head
+    is left out: the embedding is the head)."""
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in MambaLM(cfg).state_dict().items()}
+    if cfg.tie_embeddings:
+        shapes.pop("lm_head.weight", None)
+    return shapes
+
+
+def _fold_q8(sd: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """`<name>_q8` and `<name>_scale` pairs as one Q8Weight under `<name>`."""
+    out: dict[str, Any] = {k: v for k, v in sd.items() if not k.endswith(("_q8", "_scale"))}
+    for k in sd:
+        if not k.endswith("_q8"):
+            continue
+        name, scale = k[: -len("_q8")], k[: -len("_q8")] + "_scale"
+        if scale not in sd or name not in expected or name in sd:
+            raise CheckpointError(f"{k}: a q8 matrix needs {scale} and a parameter {name} held in no other form")
+        try:
+            out[name] = Q8Weight(sd[k], sd[scale], expected[name][-1])
+        except ValueError as exc:
+            raise CheckpointError(f"{k}: {exc}") from None
+    stray = [k for k in sd if k.endswith("_scale") and k[: -len("_scale")] + "_q8" not in sd]
+    if stray:
+        raise CheckpointError(f"unexpected tensors: {stray[:8]}")
+    return out
+
+
+def _canonical_weights(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, Any]:
+    """Rename to mamba-ssm names, fold q8 pairs and the tied head, check names and shapes against `cfg`."""
+    sd = {k.replace("backbone.embeddings.weight", "backbone.embedding.weight"): v for k, v in sd.items()}
+    full = parameter_shapes(cfg)
+    if cfg.tie_embeddings:
+        full["lm_head.weight"] = full["backbone.embedding.weight"]
+    sd = _fold_q8(sd, full)
     if cfg.tie_embeddings and "lm_head.weight" in sd:
         head = sd.pop("lm_head.weight")
         emb = sd.get("backbone.embedding.weight")
-        if emb is not None and not (head.shape == emb.shape and torch.equal(head, emb)):
+        same = emb is not None and head.shape == emb.shape and (
+            torch.equal(head.q, emb.q) and torch.equal(head.d, emb.d) if isinstance(head, Q8Weight)
+            and isinstance(emb, Q8Weight) else not isinstance(head, Q8Weight) and not isinstance(emb, Q8Weight)
+            and torch.equal(head, emb))
+        if not same:
             raise CheckpointError("tie_embeddings is set but lm_head.weight differs from the embedding")
-    with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in MambaLM(cfg).state_dict().items()}
-    if cfg.tie_embeddings:
-        expected.pop("lm_head.weight", None)
+    expected = parameter_shapes(cfg)
     missing = sorted(set(expected) - set(sd))
     unexpected = sorted(set(sd) - set(expected))
     if missing:
@@ -204,32 +346,114 @@ def _canonical_weights(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
     for k, shape in expected.items():
         if tuple(sd[k].shape) != shape:
             raise CheckpointError(f"{k} has shape {tuple(sd[k].shape)}, the config implies {shape}")
-        if not sd[k].dtype.is_floating_point:
+        if not isinstance(sd[k], Q8Weight) and not sd[k].dtype.is_floating_point:
             raise CheckpointError(f"{k} has dtype {sd[k].dtype}, expected a floating-point tensor")
     return sd
 
 
-def weights_revision(sd: dict[str, torch.Tensor]) -> str:
+def _revision_items(sd: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The tensors a revision covers: a q8 matrix as the two tensors a file holds it in."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in sd.items():
+        if isinstance(t, Q8Weight):
+            out[name + "_q8"], out[name + "_scale"] = t.q, t.d
+        else:
+            out[name] = t
+    return out
+
+
+def weights_revision(sd: dict[str, Any]) -> str:
     """`sha256:<hex>` over sorted (name, dtype, shape, bytes): the identity of a set of weights."""
     h = hashlib.sha256()
-    for name in sorted(sd):
-        t = sd[name].detach().to("cpu").contiguous()
+    items = _revision_items(sd)
+    for name in sorted(items):
+        t = items[name].detach().to("cpu").contiguous()
         h.update(f"{name}|{str(t.dtype).removeprefix('torch.')}|{tuple(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())  # the buffer itself: no copy of a mapped file
     return "sha256:" + h.hexdigest()
 
 
-def _build(cfg: ModelConfig, sd: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device) -> MambaLM:
+def _matrices(lm: MambaLM) -> set[str]:
+    """The names of the parameters held in the weight format: every product's weight and the embedding."""
+    return {f"{name}.weight" for name, mod in lm.named_modules() if isinstance(mod, (torch.nn.Linear, torch.nn.Embedding))}
+
+
+def _stored_format(t: Any) -> str:
+    return "q8" if isinstance(t, Q8Weight) else _DTYPE_NAMES.get(t.dtype, str(t.dtype))
+
+
+def _weight_format(weights: str | None, sd: dict[str, Any], cfg: ModelConfig, dtype: torch.dtype,
+                   reads_stored: bool) -> str:
+    """The format the matrices are held in. None: as stored when that is narrower (bfloat16,
+    float16, q8) and the backend reads stored weights (exact), else the compute dtype."""
+    compute = _DTYPE_NAMES[dtype]
+    if weights is None:
+        with torch.device("meta"):
+            names = _matrices(MambaLM(cfg))
+        stored = {_stored_format(sd[k]) for k in names if k in sd}
+        if reads_stored and len(stored) == 1 and next(iter(stored)) in _NARROW:
+            weights = next(iter(stored))
+            return weights if weights != "q8" or dtype == torch.float32 else compute
+        return compute
+    if weights not in WEIGHT_FORMATS:
+        raise UnsupportedBackend(f"unknown weight format {weights!r}; expected one of {sorted(WEIGHT_FORMATS)}")
+    if weights != compute and weights not in _NARROW:
+        raise UnsupportedBackend(f"{weights} weights with {dtype} computation: weights are held in the compute "
+                                 "dtype or narrower (bfloat16, float16, q8)")
+    if weights == "q8" and dtype != torch.float32:
+        raise UnsupportedBackend(f"q8 products compute in float32, not {dtype}")
+    if weights != compute and not reads_stored:
+        raise UnsupportedBackend(f"{weights} weights are read as they are by the exact backend only")
+    return weights
+
+
+def _held(v: Any, fmt: str, device: torch.device, kept: bool) -> Any:
+    """A matrix in format `fmt`: as it is when `kept` allows and it is already so, else converted."""
+    if fmt == "q8":
+        return v if isinstance(v, Q8Weight) else quantize_q8(v)
+    if isinstance(v, Q8Weight):
+        v = v.dequantize()
+    want = WEIGHT_FORMATS[fmt]
+    return v if kept and v.dtype == want and v.device == device else v.to(device=device, dtype=want, copy=True)
+
+
+def _build(cfg: ModelConfig, sd: dict[str, Any], dtype: torch.dtype, device: torch.device,
+           weights: str | None = None, *, mapped: bool = False) -> MambaLM:
+    """The module, its matrices in format `weights` (default: the compute dtype), its other
+    parameters in `dtype`.
+
+    `mapped`: `sd` holds views of the checkpoint's files, which a tensor already in its target
+    dtype and device keeps (no copy); otherwise every tensor is copied, so that the module never
+    shares storage with a caller's dict."""
+    fmt = weights or _DTYPE_NAMES[dtype]
+    if fmt == "q8" and device.type != "cpu":
+        raise UnsupportedBackend("q8 weights are served on the CPU")
     with torch.device("meta"):
         lm = MambaLM(cfg)
-    full = dict(sd)
-    if cfg.tie_embeddings:
-        full["lm_head.weight"] = full["backbone.embedding.weight"]
-    params = {k: v.to(device=device, dtype=dtype).clone() for k, v in full.items()}
-    if cfg.tie_embeddings:
-        params["lm_head.weight"] = params["backbone.embedding.weight"]
-    lm.load_state_dict(params, assign=True, strict=True)
-    if cfg.tie_embeddings:
+    matrices = _matrices(lm)
+    params: dict[str, torch.Tensor] = {}
+    quantized: dict[str, Q8Weight] = {}  # q8 matrices: not parameters, installed below
+    held_in = quantized if fmt == "q8" else params
+    for k, v in sd.items():
+        if k in matrices:
+            held_in[k] = _held(v, fmt, device, mapped)
+        else:
+            kept = mapped and v.dtype == dtype and v.device == device
+            params[k] = v if kept else v.to(device=device, dtype=dtype, copy=True)
+    tied = cfg.tie_embeddings
+    if tied:
+        held_in["lm_head.weight"] = held_in["backbone.embedding.weight"]
+    missing, unexpected = lm.load_state_dict(params, assign=True, strict=False)
+    if unexpected or set(missing) != set(quantized):
+        raise CheckpointError(f"the module's parameters do not match: missing {sorted(set(missing) - set(quantized))}, "
+                              f"unexpected {sorted(unexpected)}")
+    for name, qw in quantized.items():
+        mod = lm.get_submodule(name.rsplit(".", 1)[0])
+        del mod._parameters["weight"]
+        mod.register_buffer("weight_q8", qw.q)
+        mod.register_buffer("weight_scale", qw.d)
+        object.__setattr__(mod, "weight", qw)
+    if tied and fmt != "q8":
         lm.lm_head.weight = lm.backbone.embedding.weight
     for p in lm.parameters():
         p.requires_grad_(False)
@@ -243,6 +467,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     state_dtype: torch.dtype | None = None,
+    weights: str | None = None,
 ) -> Model:
     """Load a preset by name, or a checkpoint directory (mamba-ssm or Hugging Face layout).
 
@@ -255,6 +480,13 @@ def load_model(
         device: where the weights and states live.
         state_dtype: the dtype of the state; by default `dtype`. bfloat16 or float16 round the
             state after every token (reference backend only) and are recorded in the schema.
+        weights: the format the matrices are held and read in (`WEIGHT_FORMATS`): "bfloat16" or
+            "float16" keep (or round to) 2 bytes a weight, which the exact kernels widen as they
+            read (exactly: the bits of the same values held in float32); "float32"/"float64" the
+            compute dtype. By default a bfloat16 or float16 checkpoint is kept as stored on the
+            exact backend (memory-mapped, no copy) and widened for the others. A format narrower
+            than the computation is recorded in the schema and the arithmetic: a receipt made
+            under one format does not resume under another.
 
     Raises:
         ConfigError naming the offending config field; CheckpointError for missing or
@@ -286,8 +518,12 @@ def load_model(
         )
         model_id = directory.resolve().name
         log.info("loaded %s checkpoint %s (%s)", layout, directory, cfg.architecture)
-    revision = weights_revision(sd)
-    lm = _build(cfg, sd, dtype, device)
+    revision = weights_revision(sd) if name in PRESETS else _revision_of(directory, sd)
+    reads_stored = backend == "exact" or (backend == "auto" and device.type == "cpu")
+    fmt = _weight_format(weights, sd, cfg, dtype, reads_stored)
+    # the exact kernels' bits do not depend on where a weight lies; torch's kernels may (a vector
+    # loop peels to alignment), so the other backends get fresh, aligned copies as they always did
+    lm = _build(cfg, sd, dtype, device, fmt, mapped=name not in PRESETS and reads_stored)
     return Model(lm, model_id=model_id, revision=revision, backend=backend, transform=transform,
                  state_dtype=state_dtype)
 
@@ -301,10 +537,14 @@ def init_model(
     device: str | torch.device = "cpu",
     model_id: str | None = None,
     state_dtype: torch.dtype | None = None,
+    weights: str | None = None,
 ) -> Model:
-    """A freshly initialized model (mamba-ssm-style init, deterministic in `seed`)."""
+    """A freshly initialized model (mamba-ssm-style init, deterministic in `seed`); `weights` as
+    for `load_model` (the initial weights are float32: "bfloat16" rounds them)."""
     sd = initial_weights(config, seed)
-    built = _build(config, sd, dtype, torch.device(device))
+    device = torch.device(device)
+    reads_stored = backend == "exact" or (backend == "auto" and device.type == "cpu")
+    built = _build(config, sd, dtype, device, _weight_format(weights, sd, config, dtype, reads_stored))
     transform = ByteTransform() if config.padded_vocab_size >= 256 else None
     return Model(built, model_id=model_id or f"init-{config.architecture}-seed{seed}",
                  revision=weights_revision(sd), backend=backend, transform=transform, state_dtype=state_dtype)
@@ -342,14 +582,16 @@ def mamba_ssm_config(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def save_checkpoint(model: Model, directory: str | Path) -> Path:
-    """Write `model` in mamba-ssm layout: config.json + model.safetensors (tied head omitted)."""
+    """Write `model` in mamba-ssm layout: config.json + model.safetensors (tied head omitted; q8
+    matrices as `<name>_q8` and `<name>_scale`, read back as q8)."""
     from safetensors.torch import save_file
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     sd = {k: v.detach().to("cpu").contiguous() for k, v in model.module.state_dict().items()}
     if model.config.tie_embeddings:
-        sd.pop("lm_head.weight", None)
+        for name in ("lm_head.weight", "lm_head.weight_q8", "lm_head.weight_scale"):
+            sd.pop(name, None)
     (out / "config.json").write_text(json.dumps(mamba_ssm_config(model.config), indent=2) + "\n")
     save_file(sd, str(out / "model.safetensors"))
     return out

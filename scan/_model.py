@@ -64,7 +64,8 @@ STATE_DTYPES = {**COMPUTE_DTYPES, torch.bfloat16: "bfloat16", torch.float16: "fl
 
 
 def build_schema(cfg: ModelConfig, dtype: torch.dtype, lm: MambaLM, state_dtype: torch.dtype | None = None) -> StateSchema:
-    """The StateSchema of a model built from `cfg`, computing in `dtype`, keeping state in `state_dtype`."""
+    """The StateSchema of a model built from `cfg`, computing in `dtype`, keeping state in
+    `state_dtype`, its matrices read in `lm`'s weight dtype."""
     sname = STATE_DTYPES[state_dtype or dtype]
     specs = [
         TensorSpec(name=f"layers.{i}.{role}", layer=i, role=role, shape=tuple(shape), dtype=sname)
@@ -86,6 +87,7 @@ def build_schema(cfg: ModelConfig, dtype: torch.dtype, lm: MambaLM, state_dtype:
     return StateSchema(
         architecture=cfg.architecture,
         dtype=COMPUTE_DTYPES[dtype],
+        weights=None if lm.weight_format == COMPUTE_DTYPES[dtype] else lm.weight_format,
         d_model=cfg.d_model,
         n_layer=cfg.n_layer,
         d_state=cfg.d_state,
@@ -138,7 +140,10 @@ class Model:
         self.revision = revision
         self.transform = transform
         param = lm.backbone.embedding.weight
-        self.dtype: torch.dtype = param.dtype
+        self.dtype: torch.dtype = lm.compute_dtype
+        #: the format the matrices are held and read in: the compute dtype's name, "bfloat16",
+        #: "float16" or "q8" (`scan.WEIGHT_FORMATS`)
+        self.weight_format: str = lm.weight_format
         self.device: torch.device = param.device
         if self.dtype not in COMPUTE_DTYPES:
             raise UnsupportedBackend(f"dtype {self.dtype} is not supported; use float32 or float64")
@@ -190,7 +195,7 @@ class Model:
         build = _torch_build()
         return Arithmetic(scheme=scheme, backend=self.backend, path=path, dtype=COMPUTE_DTYPES[self.dtype],
                           torch=build["torch"], blas=build["blas"], cpu_capability=build["cpu_capability"],
-                          threads=torch.get_num_threads(), device=self.device.type)
+                          threads=torch.get_num_threads(), device=self.device.type, weights=self.schema.weights)
 
     def step_rows(self, buffers: Mapping[str, Tensor], rows: Tensor, tokens: Tensor, *,
                   in_place: bool = False) -> tuple[Tensor, str]:
@@ -332,6 +337,9 @@ class Model:
                 return "reference"
             else:
                 backend = "triton" if _triton.unavailable_reason(self.device) is None else "chunked"
+        if self.weight_format != COMPUTE_DTYPES.get(self.dtype) and backend != "exact":
+            raise UnsupportedBackend(f"{self.weight_format} weights are read as they are by the exact backend only; "
+                                     f"load with weights={COMPUTE_DTYPES[self.dtype]!r} for the {backend} backend")
         if backend == "exact" and self.device.type != "cpu":
             raise UnsupportedBackend(f"the exact backend runs on the CPU; the model is on {self.device}")
         if backend in ("chunked", "triton") and lossy:

@@ -102,7 +102,8 @@ def verify_chunking(model: Model, n_tokens: int = 97, seed: int = 0) -> VerifyRe
     # of its bound against the truth for the two scans compared.
     exact_only = model.backend == "reference"
     if not exact_only:
-        one = tolerance(model.schema.architecture, model.backend, model.schema.dtype)
+        dtype = model.schema.dtype + (f"/{model.schema.weights}" if model.schema.weights else "")
+        one = tolerance(model.schema.architecture, model.backend, dtype)
         tol = one + one
     for name, chunks in standard_partitions(n_tokens, model.config.d_conv or 4, seed):
         t = time.perf_counter()

@@ -9,7 +9,7 @@ import re
 from functools import cached_property
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from state_codec._errors import (
     ChunkSequenceMismatch,
@@ -76,6 +76,9 @@ class Arithmetic(_Frozen):
     cpu_capability: str = Field(max_length=40)
     threads: int = Field(ge=1)
     device: str = Field(max_length=40)
+    weights: str | None = Field(
+        default=None, max_length=20, description="the format the weights were read in, where it is not the compute "
+        "dtype (left out of the JSON when None, as receipts before the field had it)")
     id: str = Field(default="", max_length=300, description="derived: what the bits depend on")
 
     @model_validator(mode="before")
@@ -88,12 +91,20 @@ class Arithmetic(_Frozen):
             data = {**data, "id": want}
         return data
 
+    @model_serializer(mode="wrap")
+    def _without_unset_weights(self, handler: SerializerFunctionWrapHandler) -> dict:
+        out = handler(self)
+        if out.get("weights") is None:
+            out.pop("weights", None)
+        return out
+
     @staticmethod
     def id_of(fields: dict[str, Any]) -> str:
+        weights = f"/weights-{fields['weights']}" if fields.get("weights") else ""
         if fields.get("scheme", "").startswith("exact-"):
-            return f"{fields['scheme']}/{fields.get('dtype')}"
+            return f"{fields['scheme']}/{fields.get('dtype')}{weights}"
         keys = ("backend", "torch", "blas", "cpu_capability", "threads", "device", "dtype")
-        return "torch/" + "/".join(str(fields.get(k)) for k in keys)
+        return "torch/" + "/".join(str(fields.get(k)) for k in keys) + weights
 
     @property
     def exact(self) -> bool:

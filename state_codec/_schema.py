@@ -19,7 +19,7 @@ import hashlib
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -33,6 +33,7 @@ SCHEMA_VERSION = 1
 
 Architecture = Literal["mamba1", "mamba2", "mamba3"]
 DType = Literal["float32", "float64", "bfloat16", "float16"]
+WeightFormat = Literal["float32", "float64", "bfloat16", "float16", "q8"]
 
 
 class _Frozen(BaseModel):
@@ -90,7 +91,11 @@ class StateSchema(_Frozen):
 
     schema_version: int = SCHEMA_VERSION
     architecture: Architecture
-    dtype: DType = Field(description="dtype of the model's weights and computation")
+    dtype: DType = Field(description="dtype of the model's computation (and of its weights unless `weights`)")
+    weights: WeightFormat | None = Field(
+        default=None, description="the format the model's matrices are read in, where it is not `dtype`: the "
+        "same checkpoint read in another format is another function (None is left out of the JSON, so schemas "
+        "from before the field keep their fingerprints)")
     d_model: int = Field(gt=0)
     n_layer: int = Field(gt=0)
     d_state: int = Field(gt=0)
@@ -123,6 +128,13 @@ class StateSchema(_Frozen):
         if {t.layer for t in self.tensors} != set(range(self.n_layer)):
             raise ValueError("every layer must own at least one state tensor")
         return self
+
+    @model_serializer(mode="wrap")
+    def _without_unset_weights(self, handler: SerializerFunctionWrapHandler) -> dict:
+        out = handler(self)
+        if out.get("weights") is None:
+            out.pop("weights", None)
+        return out
 
     def canonical_json(self) -> str:
         """JSON with sorted keys and no whitespace: the input of `fingerprint`."""

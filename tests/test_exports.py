@@ -8,10 +8,11 @@ import pytest
 
 EXPECTED = {
     "scan": [
-        "BACKENDS", "PRESETS", "TOLERANCES", "TRAINED_PRESETS", "ByteTransform", "CheckpointError", "ConfigError",
-        "HFTokenizerTransform", "InputTransform", "InvalidInput", "InvalidState", "Model", "ModelConfig",
-        "NonFiniteInput", "NonFiniteOutput", "NonIntegerInput", "ScanError", "State", "StepResult",
-        "TokenOutOfRange", "Tolerance", "UnsupportedBackend", "embed", "forward", "init_model", "init_weights", "load_model", "save_checkpoint", "tolerance",
+        "BACKENDS", "PRESETS", "TOLERANCES", "TRAINED_PRESETS", "WEIGHT_FORMATS", "ByteTransform", "CheckpointError",
+        "ConfigError", "HFTokenizerTransform", "InputTransform", "InvalidInput", "InvalidState", "Model", "ModelConfig",
+        "NonFiniteInput", "NonFiniteOutput", "NonIntegerInput", "Q8Weight", "ScanError", "State", "StepResult",
+        "TokenOutOfRange", "Tolerance", "UnsupportedBackend", "config_from_json", "embed", "forward", "init_model",
+        "init_weights", "load_model", "parameter_shapes", "quantize_q8", "save_checkpoint", "tolerance",
         "weights_revision", "zero_states",
     ],
     "state_codec": [

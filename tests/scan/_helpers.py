@@ -15,9 +15,11 @@ _cache: dict[tuple[str, str, str], Model] = {}
 
 
 def model_for(preset: str, backend: str = "reference", dtype: str = "float32") -> Model:
+    """`dtype` names the computation, or the computation and the weight format: "float32/bfloat16"."""
     key = (preset, backend, dtype)
     if key not in _cache:
-        _cache[key] = load_model(preset, backend=backend, dtype=DTYPES[dtype])
+        compute, _, weights = dtype.partition("/")
+        _cache[key] = load_model(preset, backend=backend, dtype=DTYPES[compute], weights=weights or None)
     return _cache[key]
 
 

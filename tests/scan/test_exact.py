@@ -5,6 +5,7 @@ kernels were built for, whether the kernels were built at all)."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import subprocess
@@ -18,6 +19,7 @@ from hypothesis import strategies as st
 
 from scan import load_model
 from scan import _exact as E
+from scan._quant import quantize_q8
 from scan._forward import embed, forward
 from tests.scan._helpers import ARCH_PRESETS, model_for, scan_chunks, tokens
 
@@ -119,6 +121,84 @@ def test_products_norms_and_conv_give_their_twins_bits(dtype):
     assert _equal(*_both("conv", state, xs, cw, cb)) and _equal(*_both("conv", state, xs, cw, None))
 
 
+@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_products_read_narrow_weights_as_stored_with_the_bits_of_their_widened_copies(dtype, stored):
+    """A bfloat16 or float16 weight read as it is stored gives the bits of the same product over
+    its values widened to the computation's dtype, on the kernels and the twins: every shape class
+    (tile remainders in k and n, one row and many), float16's subnormals and extremes included."""
+    g = torch.Generator().manual_seed(7)
+    ops = E._kernel_ops()
+    for m, k, n in [(1, 7, 5), (1, 64, 200), (2, 64, 130), (3, 37, 97), (5, 40, 129), (1, 1000, 33), (9, 256, 200),
+                    (33, 16, 1000)]:
+        x, b = _r(g, m, k, dtype=dtype), _r(g, n, dtype=dtype)
+        w = _r(g, n, k, dtype=torch.float32, scale=0.2).to(stored)
+        if stored == torch.float16:
+            special = [6e-8, -6e-8, 1e-5, -3e-6, 65504.0, -65504.0, 6.1e-5, 0.0, -0.0]
+            w.view(-1)[: len(special)] = torch.tensor(special, dtype=torch.float16)
+        wide = w.to(dtype)
+        for bias in (b, None):
+            got, twin, want = ops.linear(x, w, bias), E.TWIN_OPS.linear(x, w, bias), ops.linear(x, wide, bias)
+            assert _equal(got, want) and _equal(twin, want), (m, k, n, stored)
+            assert torch.equal(want, E.TWIN_OPS.linear(x, wide, bias))
+        assert torch.equal(ops.linear(x[:1], w, b)[0], ops.linear(x, w, b)[0])
+    with pytest.raises(TypeError, match="no exact product"):
+        ops.linear(_r(g, 2, 16, dtype=torch.float32), _r(g, 4, 16, dtype=torch.float64))
+    with pytest.raises(TypeError, match="no exact product"):
+        E.TWIN_OPS.linear(_r(g, 2, 16, dtype=torch.float32), _r(g, 4, 16, dtype=torch.float64))
+
+
+def test_block_int8_products_give_their_twins_bits_and_stay_near_the_float_product():
+    """q8: integer block sums, the blocks added in order. Kernel and twin agree bit for bit on every
+    shape class (k not a multiple of 32, outputs past a tile of 8, one row and many), a row alone
+    is the same row in a batch, a non-finite activation gives NaN (never a cast integer), and the
+    error against the float product is what 8-bit blocks allow."""
+    g = torch.Generator().manual_seed(8)
+    ops = E._kernel_ops()
+    for m, k, n in [(1, 7, 5), (1, 64, 200), (2, 64, 130), (3, 37, 97), (5, 40, 129), (1, 1000, 33),
+                    (9, 256, 200), (33, 16, 1000), (2, 2048, 96)]:
+        x, b = _r(g, m, k, dtype=torch.float32), _r(g, n, dtype=torch.float32)
+        w = _r(g, n, k, dtype=torch.float32, scale=0.2)
+        qw = quantize_q8(w)
+        for bias in (b, None):
+            got = ops.linear(x, qw, bias)
+            assert _equal(got, E.TWIN_OPS.linear(x, qw, bias)), (m, k, n)
+            assert torch.equal(ops.linear(x[:1], qw, bias)[0], got[0])
+        exact = x.double() @ w.double().T + b.double()
+        err = (ops.linear(x, qw, b).double() - exact).norm() / exact.norm()
+        assert 1e-4 < err < 2e-2, (m, k, n, err)  # quantized (not the float product), and close to it
+    x = _r(g, 3, 70, dtype=torch.float32)
+    x[0, 5], x[1, 66] = float("nan"), float("inf")
+    qw = quantize_q8(_r(g, 11, 70, dtype=torch.float32))
+    got, twin = ops.linear(x, qw, None), E.TWIN_OPS.linear(x, qw, None)
+    assert got[:2].isnan().all() and twin[:2].isnan().all() and torch.equal(got[2], twin[2])
+    with pytest.raises(TypeError, match="float32"):
+        ops.linear(x.double(), qw)
+
+
+def test_quantizing_is_deterministic_and_its_bytes_are_pinned():
+    """The same float weights give the same q8 bytes on every CPU (IEEE division and rounding,
+    exact maxima): pinned, with the cases at the edges of a block (all zeros, one value, k past
+    a block, a weight at the float16 scale's rounding)."""
+    g = torch.Generator().manual_seed(9)
+    w = _r(g, 40, 75, dtype=torch.float32, scale=0.05)
+    w[3] = 0.0
+    w[4, :] = 0.0
+    w[4, 10] = -1.0
+    w[5, 0] = 127.0 * 6.1e-5  # the scale lands on a float16 subnormal's neighbourhood
+    qw = quantize_q8(w)
+    assert qw.q.shape == (40, 96) and qw.d.shape == (40, 3) and qw.q[:, 75:].eq(0).all()
+    assert qw.q[3].eq(0).all() and qw.d[3].eq(0).all() and qw.q[4, 10] == -127 and qw.q.abs().max() <= 127
+    digest = hashlib.sha256(qw.q.numpy().tobytes() + qw.d.view(torch.int16).numpy().tobytes()).hexdigest()
+    assert digest == Q8_PINNED
+    assert torch.equal(quantize_q8(w.to(torch.bfloat16).float()).q, quantize_q8(w.to(torch.bfloat16)).q)
+    deq = qw.dequantize()
+    assert deq.shape == w.shape and ((deq - w).abs() <= qw.d.float().repeat_interleave(32, 1)[:, :75] * 0.5 + 1e-12).all()
+
+
+Q8_PINNED = "3d0520c75772c3b7b0e7640c4f7c181729779fa9756be3cd5d43287565938653"
+
+
 @pytest.mark.parametrize("length", [1, 2, 6])  # the kernels take another loop for decode (<= 2 tokens)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_scans_give_their_twins_bits(dtype, length):
@@ -165,7 +245,11 @@ def _schedules(draw: st.DrawFn) -> list[tuple[int, list[int]]]:
     return [(draw(st.integers(0, 20)), draw(st.integers(0, 9))) for _ in range(n)]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
+#: the computation, or the computation and the format its weights are read in
+COMPUTE = ["float32", "float64", "float32/bfloat16", "float32/float16", "float32/q8"]
+
+
+@pytest.mark.parametrize("dtype", COMPUTE)
 @pytest.mark.parametrize("preset", ARCH_PRESETS)
 @settings(max_examples=25, suppress_health_check=[HealthCheck.too_slow], deadline=None)
 @given(schedule=_schedules())
@@ -186,7 +270,7 @@ def test_any_co_scheduled_batch_gives_each_stream_its_solo_bits(preset, dtype, s
         assert all(torch.equal(buffers[k][r], solo.state.tensors[k]) for k in buffers)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("dtype", COMPUTE)
 @pytest.mark.parametrize("preset", ARCH_PRESETS)
 def test_the_in_place_step_gives_the_steps_bits_and_touches_only_its_rows(preset, dtype):
     """`step_rows(in_place=True)`: the layers write the slot buffers as they run, on a span of rows
@@ -207,9 +291,10 @@ def test_the_in_place_step_gives_the_steps_bits_and_touches_only_its_rows(preset
             assert all(torch.equal(fast[k][r], stacked[k][r]) for k in fast)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float32/bfloat16", "float32/float16", "float32/q8"])
 @pytest.mark.parametrize("preset", ARCH_PRESETS)
-def test_decode_token_by_token_equals_the_prefill_of_the_same_tokens(preset):
-    model = model_for(preset, "exact", "float32")
+def test_decode_token_by_token_equals_the_prefill_of_the_same_tokens(preset, dtype):
+    model = model_for(preset, "exact", dtype)
     start = model.advance(model.initial_state(), tokens(9, 4)).state
     toks = tokens(40, 5)
     chunk = model.advance(start, toks)
@@ -222,13 +307,14 @@ import hashlib, json, sys, torch
 from scan import load_model
 from tests.scan._helpers import tokens
 out = {}
-for name in sys.argv[1].split(","):
-    m = load_model(name, backend="exact")
+for entry in sys.argv[1].split(","):
+    name, _, weights = entry.partition("@")
+    m = load_model(name, backend="exact", weights=weights or None)
     r = m.advance(m.advance(m.initial_state(), tokens(30, 1)).state, tokens(17, 2))
     h = hashlib.sha256(r.logits.numpy().tobytes())
     for t in r.state.tensors.values():
         h.update(t.contiguous().numpy().tobytes())
-    out[name] = [h.hexdigest(), r.path, m.arithmetic(r.path).id]
+    out[entry] = [h.hexdigest(), r.path, m.arithmetic(r.path).id]
 print(json.dumps(out))
 """
 
@@ -243,7 +329,7 @@ def _checksums(env: dict[str, str], presets: list[str]) -> dict[str, list[str]]:
 def test_the_same_bits_for_every_instruction_set_thread_count_and_without_kernels(tmp_path):
     """Kernels built for plain x86-64 (SSE2), for AVX2 and for this machine, on one or two threads,
     and the twins alone, under torch's scalar build: one checksum per preset."""
-    presets = ["tiny-mamba1", "tiny-mamba2", "tiny-mamba3", "tiny-mamba3-mimo"]
+    presets = list(PINNED)
     cache = str(tmp_path / "cache")
     runs = {
         "native, 2 threads": {"MAMBA_STREAM_CACHE": cache, "OMP_NUM_THREADS": "2"},
@@ -260,8 +346,10 @@ def test_the_same_bits_for_every_instruction_set_thread_count_and_without_kernel
     assert {v[1] for v in got["twins, torch default"].values()} == {"exact-twin"}
     assert {v[1] for v in first.values()} == {"exact"}
     assert len({v[0] for v in first.values()}) == len(presets)  # and the presets do differ
-    # the receipt's arithmetic says so: one id everywhere
-    assert {v[2] for sums in got.values() for v in sums.values()} == {E.ARITHMETIC + "/float32"}
+    # the receipt's arithmetic says so: one id everywhere, naming the weight format where it is narrower
+    for sums in got.values():
+        assert {k: v[2] for k, v in sums.items()} == {
+            k: E.ARITHMETIC + "/float32" + (f"/weights-{k.partition('@')[2]}" if "@" in k else "") for k in presets}
     assert {k: v[0] for k, v in first.items()} == PINNED  # and they are this version's bits
 
 
@@ -272,6 +360,14 @@ PINNED = {
     "tiny-mamba2": "09f1f989186456a65a888209770d43b720d6059a90dbc135f6064a004b79a74f",
     "tiny-mamba3": "4066780d1324baf2404e5882328bced56ca5ba1ae0617f193f4f20838e59a836",
     "tiny-mamba3-mimo": "de54304970cbfa0be1c72472be1371119c7e919e602ac96007f9d1b6c9b32450",
+    # the same presets with their matrices rounded to bfloat16 / float16 at load, read as such, ...
+    "tiny-mamba1@bfloat16": "73010811dc29743ca2b568db9278755ee019a7e2d95d8de13acd0e544d79a896",
+    "tiny-mamba2@bfloat16": "19545b517312e28a30b4928b7ed593ddd3cd6a80497f1c2dc7abfa88f3dd0c2a",
+    "tiny-mamba3@float16": "723aca271103d3752f34be12f7064e04aad52c5a5ccded794573c1da23fb7369",
+    # ... and quantized to block-int8 at load
+    "tiny-mamba1@q8": "1b8568157024c3ed3ff9a2f2952f103a7ecce196af04c1be89de6626351d3bb4",
+    "tiny-mamba2@q8": "51c40b1f052d5f9d31780cdd9b4b1b1976733f3e288f922f55d677bf09d97b46",
+    "tiny-mamba3-mimo@q8": "715099238ad46b1a2708d12502f929a33796c0a61686b7d3e139fe9ba4136fa4",
 }
 
 

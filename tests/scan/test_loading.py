@@ -15,6 +15,7 @@ from scan import (
     ConfigError,
     HFTokenizerTransform,
     ModelConfig,
+    UnsupportedBackend,
     load_model,
     save_checkpoint,
 )
@@ -188,3 +189,167 @@ def test_transforms(tmp_path):
     assert m.transform.encode("hello world again") == [1, 2, 0]
     assert m.transform.revision.startswith("sha256:")
     assert tokenizers is not None
+
+
+# --- weights as stored ----------------------------------------------------------------------------
+
+
+def _narrow_checkpoint(directory, preset: str, dtype: torch.dtype):  # noqa: ANN001, ANN202
+    """`preset` written with every tensor in `dtype` (as Hugging Face ships bfloat16 checkpoints)."""
+    save_checkpoint(load_model(preset, backend="reference"), directory)
+    sd = {k: v.to(dtype) for k, v in load_file(str(directory / "model.safetensors")).items()}
+    save_file(sd, str(directory / "model.safetensors"))
+    return directory
+
+
+def _mapped_ranges(path) -> list[tuple[int, int]]:  # noqa: ANN001
+    out = []
+    for line in open("/proc/self/maps"):
+        if line.rstrip().endswith(str(path)):
+            lo, hi = line.split()[0].split("-")
+            out.append((int(lo, 16), int(hi, 16)))
+    return out
+
+
+@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("preset", ["tiny-mamba1", "tiny-mamba2", "tiny-mamba3"])
+def test_a_narrow_checkpoint_is_read_as_stored_from_its_mapping_with_the_bits_of_its_float32_copy(
+        tmp_path, preset, stored):
+    d = _narrow_checkpoint(tmp_path, preset, stored)
+    kept = load_model(d, backend="exact")
+    wide = load_model(d, backend="exact", weights="float32")
+    assert kept.weight_format == str(stored).removeprefix('torch.') and kept.dtype == torch.float32 and wide.weight_format == 'float32'
+    lm = kept.module
+    # the matrices are views of the file's own pages; the small parameters are float32 copies
+    ranges = _mapped_ranges(d / "model.safetensors")
+    assert ranges
+    for name in ("lm_head.weight", "backbone.layers.0.mixer.in_proj.weight", "backbone.layers.1.mixer.out_proj.weight"):
+        t = lm.get_parameter(name)
+        assert t.dtype == stored and any(lo <= t.data_ptr() < hi for lo, hi in ranges), name
+    assert lm.backbone.norm_f.weight.dtype == torch.float32
+    assert not any(lo <= lm.backbone.norm_f.weight.data_ptr() < hi for lo, hi in ranges)
+    # one revision (the same checkpoint), two schemas and arithmetics, the same bits
+    assert kept.revision == wide.revision
+    assert kept.schema.weights == str(stored).removeprefix("torch.") and wide.schema.weights is None
+    assert kept.arithmetic().id == wide.arithmetic().id + f"/weights-{kept.schema.weights}"
+    toks = tokens(41, 3)
+    a, b = kept.advance(kept.initial_state(), toks), wide.advance(wide.initial_state(), toks)
+    assert torch.equal(a.logits, b.logits) and a.path == b.path == "exact"
+    assert all(torch.equal(a.state.tensors[k], b.state.tensors[k]) for k in a.state.tensors)
+    # on a backend that does not read stored weights, the default widens them
+    assert load_model(d, backend="chunked").weight_format == "float32"
+
+
+def test_rounding_at_load_equals_a_checkpoint_stored_rounded(tmp_path):
+    """weights="bfloat16" on a float32 checkpoint rounds its matrices (only they are held narrow):
+    the bits of a checkpoint whose matrices were stored rounded."""
+    save_checkpoint(load_model("tiny-mamba2", backend="reference"), tmp_path)
+    f = tmp_path / "model.safetensors"
+    matrix = ("proj.weight", "embedding.weight", "lm_head.weight")
+    save_file({k: v.to(torch.bfloat16) if k.endswith(matrix) else v for k, v in load_file(str(f)).items()}, str(f))
+    rounded = load_model("tiny-mamba2", backend="exact", weights="bfloat16")
+    stored = load_model(tmp_path, backend="exact")
+    assert stored.weight_format == 'bfloat16' and rounded.schema == stored.schema
+    assert rounded.revision != stored.revision  # other checkpoints (float32 values, bfloat16 ones), one schema
+    toks = tokens(20, 4)
+    a, b = rounded.advance(rounded.initial_state(), toks), stored.advance(stored.initial_state(), toks)
+    assert torch.equal(a.logits, b.logits)
+    assert all(torch.equal(a.state.tensors[k], b.state.tensors[k]) for k in a.state.tensors)
+
+
+def test_weight_formats_that_cannot_be_served_are_refused_at_load(tmp_path):
+    with pytest.raises(UnsupportedBackend, match="unknown weight format"):
+        load_model("tiny-mamba2", weights="int4")
+    with pytest.raises(UnsupportedBackend, match="exact backend only"):
+        load_model("tiny-mamba2", backend="chunked", weights="bfloat16")
+    with pytest.raises(UnsupportedBackend, match="exact backend only"):
+        load_model("tiny-mamba2", backend="reference", weights="float16")
+    with pytest.raises(UnsupportedBackend, match="compute dtype or narrower"):
+        load_model("tiny-mamba2", weights="float64")
+    assert load_model("tiny-mamba2", dtype=torch.float64, weights="bfloat16").schema.dtype == "float64"
+
+
+def test_a_safetensors_file_that_lies_about_its_tensors_is_refused(tmp_path):
+    save_checkpoint(load_model("tiny-mamba2", backend="reference"), tmp_path)
+    f = tmp_path / "model.safetensors"
+    raw = f.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    for bad in ({**header[name], "data_offsets": [0, 10**12]}, {**header[name], "shape": [10**6]},
+                {**header[name], "dtype": "Q4"}):
+        body = json.dumps({**header, name: bad}).encode()
+        f.write_bytes(len(body).to_bytes(8, "little") + body + raw[8 + n :])
+        with pytest.raises(CheckpointError, match=name):
+            load_model(tmp_path)
+    f.write_bytes((10**9).to_bytes(8, "little") + raw[8:])
+    with pytest.raises(CheckpointError, match="does not fit"):
+        load_model(tmp_path)
+
+
+@pytest.mark.parametrize("preset", ["tiny-mamba1", "tiny-mamba3-mimo"])
+def test_a_q8_checkpoint_holds_the_blocks_and_is_read_back_as_q8_with_the_same_bits(tmp_path, preset):
+    quantized = load_model(preset, backend="exact", weights="q8")
+    assert quantized.weight_format == "q8" and quantized.schema.weights == "q8"
+    save_checkpoint(quantized, tmp_path)
+    names = set(load_file(str(tmp_path / "model.safetensors")))
+    assert "backbone.layers.0.mixer.in_proj.weight_q8" in names and "backbone.layers.0.mixer.in_proj.weight_scale" in names
+    assert not any(n.endswith("proj.weight") for n in names) and "lm_head.weight_q8" not in names  # tied: once
+    back = load_model(tmp_path, backend="exact")
+    assert back.weight_format == "q8" and back.schema == quantized.schema
+    assert back.revision != quantized.revision  # the q8 file is a checkpoint of its own
+    ranges = _mapped_ranges(tmp_path / "model.safetensors")
+    q = back.module.backbone.layers[0].mixer.in_proj.weight.q
+    assert any(lo <= q.data_ptr() < hi for lo, hi in ranges)  # the blocks are the file's pages
+    toks = tokens(33, 6)
+    a, b = quantized.advance(quantized.initial_state(), toks), back.advance(back.initial_state(), toks)
+    assert torch.equal(a.logits, b.logits)
+    assert all(torch.equal(a.state.tensors[k], b.state.tensors[k]) for k in a.state.tensors)
+    # another backend gets the blocks' values in float32 (exactly q d)
+    wide = load_model(tmp_path, backend="chunked")
+    assert wide.weight_format == "float32"
+    w = wide.module.backbone.layers[0].mixer.in_proj.weight
+    assert torch.equal(w, back.module.backbone.layers[0].mixer.in_proj.weight.dequantize())
+
+
+def test_a_q8_file_missing_its_scales_or_a_q8_model_in_float64_is_refused(tmp_path):
+    save_checkpoint(load_model("tiny-mamba2", backend="exact", weights="q8"), tmp_path)
+    f = tmp_path / "model.safetensors"
+    sd = load_file(str(f))
+    sd.pop("backbone.layers.0.mixer.in_proj.weight_scale")
+    save_file(sd, str(f))
+    with pytest.raises(CheckpointError, match="in_proj.weight_scale"):
+        load_model(tmp_path)
+    with pytest.raises(UnsupportedBackend, match="float32"):
+        load_model("tiny-mamba2", dtype=torch.float64, weights="q8")
+    with pytest.raises(UnsupportedBackend, match="exact backend only"):
+        load_model("tiny-mamba2", backend="chunked", weights="q8")
+
+
+def test_a_checkpoints_revision_is_remembered_by_its_files_and_recomputed_when_they_change(tmp_path, monkeypatch):
+    from scan import _loading
+
+    monkeypatch.setenv("MAMBA_STREAM_CACHE", str(tmp_path / "cache"))
+    d = tmp_path / "ckpt"
+    save_checkpoint(load_model("tiny-mamba2", backend="reference"), d)
+    calls = []
+    real = _loading.weights_revision
+    monkeypatch.setattr(_loading, "weights_revision", lambda sd: calls.append(1) or real(sd))
+    # a checkpoint written a moment ago is hashed on every load: it may still be written again
+    load_model(d), load_model(d)
+    assert len(calls) == 2
+    monkeypatch.setattr(_loading, "_SETTLED_S", 0.0)
+    calls.clear()
+    first = load_model(d).revision
+    assert load_model(d).revision == first and len(calls) == 1  # the second load reads no weight bytes
+    # the file written again (other weights): a new key, a new hash
+    save_checkpoint(load_model("tiny-mamba3", backend="reference"), tmp_path / "other")
+    calls.clear()  # (a preset's revision is hashed as it is built)
+    (d / "config.json").write_text((tmp_path / "other" / "config.json").read_text())
+    (d / "model.safetensors").write_bytes((tmp_path / "other" / "model.safetensors").read_bytes())
+    again = load_model(d).revision
+    assert len(calls) == 1 and again != first and again == load_model(tmp_path / "other").revision
+    # a cache entry that is not a revision is not believed
+    for entry in (tmp_path / "cache" / "revisions").iterdir():
+        entry.write_text("not a revision")
+    assert load_model(d).revision == again

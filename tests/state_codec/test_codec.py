@@ -254,6 +254,23 @@ def test_same_bytes_other_schema_is_rejected_naming_the_field():
     assert envelope_schema(ba) == a.schema
 
 
+def test_a_state_made_under_one_weight_format_does_not_open_under_another():
+    """The same checkpoint read in bfloat16 and in float32 gives the same bits (widening is exact),
+    but a format is part of the schema: a receipt made under one is refused, naming the field,
+    under the other, both ways; a float32 model's schema is the one from before the field."""
+    f32 = load_model("tiny-mamba2", backend="exact")
+    bf16 = load_model("tiny-mamba2", backend="exact", weights="bfloat16")
+    assert bf16.revision == f32.revision and bf16.schema.weights == "bfloat16" and f32.schema.weights is None
+    assert "weights" not in f32.schema.canonical_json() and '"weights":"bfloat16"' in bf16.schema.canonical_json()
+    for made, other in ((bf16, f32), (f32, bf16)):
+        state = made.advance(made.initial_state(), [1, 2, 3]).state
+        receipt, blob = seal(made, state, stream_id="s", principal="p", chunk_seq=1, epoch=0, keyring=RING)
+        with pytest.raises(SchemaMismatch) as exc:
+            unseal(blob, receipt, RING, model=other, principal="p")
+        assert exc.value.field in ("schema.fingerprint", "schema.weights")
+        assert unseal(blob, receipt, RING, model=made, principal="p").equal(state)
+
+
 def test_key_rotation_and_unknown_keys():
     old = Keyring.generate()
     model, state, r_old, b_old = _sealed(ring=old)

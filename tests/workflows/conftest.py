@@ -99,7 +99,7 @@ class Stack:
         return acts
 
     def new_activities(self, cls: type[StreamActivities] = StreamActivities, **kw) -> StreamActivities:
-        acts = cls(models=ModelRegistry(MODELS, backend=kw.pop("backend", "reference")),
+        acts = cls(models=ModelRegistry(kw.pop("models", MODELS), backend=kw.pop("backend", "reference")),
                    store=open_store(self.store_url), keyring=self.keyring,
                    worker_queue=f"{self.queue}@{uuid.uuid4().hex[:8]}", **kw)
         self.exits.callback(acts.close)

@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowFailureError
 from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 from temporalio.worker import Worker
 
@@ -50,6 +50,44 @@ async def test_the_default_backend_gives_one_checksum_for_every_chunking(tempora
         one = local.advance(local.initial_state(), prompt + gen0 + tail)
         assert plaintext_checksum(one.state.tensors) == rec0.checksum
         assert digest(one.logits[-len(tail):]) == out0
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "float16", "q8"])
+async def test_weights_read_as_stored_give_one_checksum_for_every_chunking_and_do_not_resume_in_another_format(
+        temporal_env, tmp_path, fmt):
+    """A worker serving a model's matrices in bfloat16 / float16 (read as stored by the exact
+    kernels) or block-int8: three chunkings end with one checksum, a local scan's; the receipt
+    names the format;
+    a worker serving the same checkpoint in float32 refuses to resume it, typed, and the stream
+    that made it is untouched."""
+    stack = await make_stack(temporal_env, tmp_path, backend="auto", start_worker=False)
+    async with stack.exits:
+        await stack.worker(stack.new_activities(backend="auto", models={"narrow": f"tiny-mamba2#{fmt}",
+                                                                         "wide": "tiny-mamba2"}))
+        rng = random.Random(11)
+        prompt, tail = [rng.randrange(256) for _ in range(40)], [rng.randrange(256) for _ in range(5)]
+        runs = []
+        for chunks in ([40], [1] * 40, chunking(rng, 40)):
+            sid = await stack.streams.open("alice", "narrow")
+            await feed(stack, sid, "alice", prompt, chunks)
+            runs.append((sid, await stack.streams.advance(sid, "alice", tokens=tail)))
+        (sid0, r0), *others = runs
+        assert r0.receipt.arithmetic.id == f"exact-1/float32/weights-{fmt}" and r0.receipt.backend == "exact:exact"
+        for _, r in others:
+            assert r.receipt.checksum == r0.receipt.checksum and r.output_digest == r0.output_digest
+        local = load_model("tiny-mamba2", weights=fmt)
+        one = local.advance(local.initial_state(), prompt + tail)
+        assert plaintext_checksum(one.state.tensors) == r0.receipt.checksum
+        assert digest(one.logits[-len(tail):]) == r0.output_digest
+        wide = load_model("tiny-mamba2")
+        assert plaintext_checksum(wide.advance(wide.initial_state(), prompt + tail).state.tensors) != r0.receipt.checksum
+        cp = await stack.streams.checkpoint(sid0, "alice")
+        with pytest.raises(WorkflowFailureError) as exc:
+            await stack.streams.open("alice", "wide", resume=cp.receipt)
+        assert getattr(exc.value.cause, "type", None) == "SchemaMismatch"
+        assert await stack.streams.receipt(sid0) == cp.receipt
+        resumed = await stack.streams.open("alice", "narrow", resume=cp.receipt)  # its own format resumes
+        assert (await stack.streams.receipt(resumed)).checksum == cp.receipt.checksum
 
 
 async def _serving(stack, acts, runtime):

@@ -89,10 +89,14 @@ async def test_a_signal_flood_while_a_chunk_runs_moves_the_stream_and_the_chunk_
         assert old.events[-1].event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW
         assert old.events[-1].event_id < 1000 and sum(e.ByteSize() for e in old.events) < 20 * 1024 * 1024
         # the only failed workflow tasks are the server's own: it force-closes a task to flush the
-        # signals buffered while the task ran, past its limit of buffered bytes (FORCE_CLOSE_COMMAND)
+        # signals buffered while the task ran, past its limit of buffered bytes (FORCE_CLOSE_COMMAND),
+        # and it refuses a continue-as-new while signals it has not shown the workflow are waiting
+        # (UNHANDLED_COMMAND: the next task sees them; seen on a saturated machine, where the flood
+        # lands while the move's task runs). Neither is the workflow's code failing.
         causes = [e.workflow_task_failed_event_attributes.cause for h in await histories(stack.client, stack.queue)
                   for e in h.events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED]
-        assert set(causes) <= {WorkflowTaskFailedCause.WORKFLOW_TASK_FAILED_CAUSE_FORCE_CLOSE_COMMAND}, causes
+        assert set(causes) <= {WorkflowTaskFailedCause.WORKFLOW_TASK_FAILED_CAUSE_FORCE_CLOSE_COMMAND,
+                               WorkflowTaskFailedCause.WORKFLOW_TASK_FAILED_CAUSE_UNHANDLED_COMMAND}, causes
         # and the stream goes on
         nxt = await stack.streams.advance(sid, "alice", tokens=[8])
         truth = model.advance(model.initial_state(), [1, 2, 3, 4, 5, 6, 7, 8])

@@ -1,0 +1,165 @@
+"""The size table: real model shapes x weight formats on the exact backend, against the machine's
+read bandwidth measured in the same run.
+
+For each shape (`bench/make_checkpoint.py`: random weights, Hugging Face layout) and each format
+the checkpoint is stored in, a fresh process loads it and reports: the time from `load_model` to
+the first token's logits, its peak RSS beside the weight file's size, prefill tokens/s (one chunk
+of --prefill tokens, 128 at 7B), decode tokens/s (median 1-token step), the weight bytes a decode
+step reads over its time (GB/s) and that rate's share of the measured read bandwidth (a threaded
+sum over 1 GiB). A decode step must read every matrix once: that share is how close it runs to
+the memory's limit.
+
+With LLAMA_BENCH=/path/to/llama-bench (docs/llamacpp.md says how to build it from the
+llama-cpp-python sdist) and GGUF files beside the checkpoints (`<ckpt>/model-<format>.gguf`), the
+same rows run on llama.cpp, interleaved with ours.
+
+    python bench/bench_sizes.py [--sizes 130m,1.4b,7b] [--formats float32,bfloat16] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SIZES = {"130m": ("130m-mamba1", "130m-mamba2"), "1.4b": ("1.4b-mamba1", "1.3b-mamba2"),
+         "7b": ("7b-mamba1", "7b-mamba2")}
+#: formats a shape is measured in: a 7B model in float32 (29 GB) does not fit this machine kind
+FORMATS = {"130m": ("float32", "bfloat16", "q8"), "1.4b": ("float32", "bfloat16", "q8"), "7b": ("bfloat16", "q8")}
+
+
+def _rss_now() -> float:
+    pages = int(Path("/proc/self/statm").read_text().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 1e9
+
+
+def child(ckpt: Path, weights: str, prefill: int, steps: int, runs: int) -> dict:
+    """One process, one model: load, first token, prefill, decode."""
+    t0 = time.perf_counter()
+    import torch
+
+    from scan import load_model
+
+    t_import = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    model = load_model(ckpt, backend="exact", weights=weights)
+    first = model.advance(model.initial_state(), [1])
+    t_first = time.perf_counter() - t1
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.vocab_size, (prefill + steps + 2,), generator=g).tolist()
+    s0 = model.initial_state()
+    pre = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        r = model.advance(s0, ids[:prefill])
+        pre.append(time.perf_counter() - t)
+    st, times = r.state, []
+    for i in range(steps + 2):
+        t = time.perf_counter()
+        st = model.advance(st, [ids[prefill + i]]).state
+        times.append(time.perf_counter() - t)
+    step = statistics.median(times[2:])
+    lm = model.module
+    seen: set[int] = set()
+    read = 0  # bytes a decode step reads: every parameter once (the embedding's one row aside, when untied)
+    tensors = [*lm.named_parameters(remove_duplicate=False), *lm.named_buffers(remove_duplicate=False)]
+    for name, p in tensors:  # q8 matrices are buffers (weight_q8, weight_scale)
+        if p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        if name.startswith("backbone.embedding.weight") and not model.config.tie_embeddings:
+            read += p[0].numel() * p.element_size()
+        else:
+            read += p.numel() * p.element_size()
+    return {"import_s": t_import, "first_token_s": t_first, "probe_s": model.exact_probe.seconds,
+            "path": first.path, "rss_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+            "rss_gb": _rss_now(), "prefill_tok_s": prefill / statistics.median(pre), "decode_tok_s": 1 / step,
+            "read_gb": read / 1e9, "weight_gbs": read / step / 1e9, "arithmetic": model.arithmetic().id}
+
+
+def read_bandwidth(gib: float = 1.0, runs: int = 5) -> float:
+    """Bytes per second of a threaded read of a large buffer (a sum), the best of `runs`."""
+    import torch
+
+    buf = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(runs):
+        t = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t)
+    return buf.numel() * 4 / best
+
+
+def _llama(bench: str, gguf: Path, prefill: int, steps: int) -> dict | None:
+    if not gguf.exists():
+        return None
+    threads = str(os.cpu_count() or 1)
+    out = subprocess.run([bench, "-m", str(gguf), "-p", str(prefill), "-n", str(steps), "-t", threads, "-r", "3",
+                          "-o", "json"], capture_output=True, text=True, check=True)
+    rows = json.loads(out.stdout)
+    pre = next(r["avg_ts"] for r in rows if r.get("n_prompt", 0) > 0)
+    dec = next(r["avg_ts"] for r in rows if r.get("n_gen", 0) > 0)
+    return {"prefill_tok_s": pre, "decode_tok_s": dec}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="130m,1.4b")
+    ap.add_argument("--formats", default="", help="only these formats (default: every format a size is measured in)")
+    ap.add_argument("--dir", type=Path, default=Path(os.environ.get("MAMBA_STREAM_BENCH_DIR", "/tmp/mamba-stream-bench")))
+    ap.add_argument("--steps", type=int, default=0, help="decode steps (default 32; 8 at 7B)")
+    ap.add_argument("--runs", type=int, default=3, help="prefill runs per process (medians)")
+    ap.add_argument("--child", nargs=2, metavar=("CKPT", "WEIGHTS"), help=argparse.SUPPRESS)
+    ap.add_argument("--prefill", type=int, default=0, help="prefill tokens (default 512; 128 at 1.4B and 7B)")
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(Path(args.child[0]), args.child[1], args.prefill, args.steps, args.runs)))
+        return
+
+    from bench.make_checkpoint import make
+
+    bw = read_bandwidth()
+    llama = os.environ.get("LLAMA_BENCH")
+    print(f"exact backend, {os.cpu_count()} threads; read bandwidth {bw / 1e9:.1f} GB/s (a threaded sum of 1 GiB); "
+          f"random-weight checkpoints (bench/make_checkpoint.py); one process per row")
+    print(f"{'shape':<12} {'format':<9} {'file GB':>8} {'load s':>7} {'RSS GB':>7} {'RSS/file':>8} {'prefill tok/s':>14} "
+          f"{'decode tok/s':>13} {'GB/s':>6} {'of bw':>6}  arithmetic")
+    for size in args.sizes.split(","):
+        prefill = args.prefill or (512 if size == "130m" else 128)
+        steps = args.steps or (8 if size == "7b" else 32)
+        for shape in SIZES[size]:
+            for fmt in FORMATS[size]:
+                if args.formats and fmt not in args.formats.split(","):
+                    continue
+                ckpt = make(shape, fmt, args.dir / f"{shape}-{fmt}")
+                file_gb = (ckpt / "model.safetensors").stat().st_size / 1e9
+                proc = subprocess.run([sys.executable, __file__, "--child", str(ckpt), fmt, "--prefill", str(prefill),
+                                       "--steps", str(steps), "--runs", str(args.runs)],
+                                      capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+                if proc.returncode != 0:
+                    print(f"{shape:<12} {fmt:<9} failed: {proc.stderr.strip().splitlines()[-1:]}")
+                    continue
+                r = json.loads(proc.stdout.strip().splitlines()[-1])
+                print(f"{shape:<12} {fmt:<9} {file_gb:>8.2f} {r['first_token_s']:>7.1f} {r['rss_peak_gb']:>7.2f} "
+                      f"{r['rss_peak_gb'] / file_gb:>8.2f} {r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.2f} "
+                      f"{r['weight_gbs']:>6.1f} {r['weight_gbs'] * 1e9 / bw:>6.0%}  {r['arithmetic']} ({r['path']}, "
+                      f"probe {r['probe_s']:.1f} s)")
+                if llama:
+                    ll = _llama(llama, ckpt / f"model-{fmt}.gguf", prefill, steps)
+                    if ll:
+                        print(f"{'':<12} {'llama.cpp':<9} {'':>8} {'':>7} {'':>7} {'':>8} {ll['prefill_tok_s']:>14.1f} "
+                              f"{ll['decode_tok_s']:>13.2f}   -> ours/llama.cpp: prefill "
+                              f"{r['prefill_tok_s'] / ll['prefill_tok_s']:.2f}x, decode "
+                              f"{r['decode_tok_s'] / ll['decode_tok_s']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
