@@ -85,19 +85,6 @@ def child(ckpt: Path, weights: str, prefill: int, steps: int, runs: int) -> dict
             "read_gb": read / 1e9, "weight_gbs": read / step / 1e9, "arithmetic": model.arithmetic().id}
 
 
-def read_bandwidth(gib: float = 1.0, runs: int = 5) -> float:
-    """Bytes per second of a threaded read of a large buffer (a sum), the best of `runs`."""
-    import torch
-
-    buf = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
-    best = float("inf")
-    for _ in range(runs):
-        t = time.perf_counter()
-        buf.sum()
-        best = min(best, time.perf_counter() - t)
-    return buf.numel() * 4 / best
-
-
 def _llama(bench: str, gguf: Path, prefill: int, steps: int) -> dict | None:
     if not gguf.exists():
         return None
@@ -124,6 +111,7 @@ def main() -> None:
         print(json.dumps(child(Path(args.child[0]), args.child[1], args.prefill, args.steps, args.runs)))
         return
 
+    from bench.bench_scan import read_bandwidth
     from bench.make_checkpoint import make
 
     bw = read_bandwidth()

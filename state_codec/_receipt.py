@@ -23,7 +23,7 @@ from state_codec._errors import (
     StreamMismatch,
     mismatch,
 )
-from state_codec._schema import StateSchema
+from state_codec._schema import StateSchema, without_unset_weights
 
 __all__ = ["RECEIPT_VERSION", "Arithmetic", "ModelIdentity", "Receipt", "arithmetic_moved", "continue_arithmetic",
            "schema_diff", "validate_resume"]
@@ -93,10 +93,7 @@ class Arithmetic(_Frozen):
 
     @model_serializer(mode="wrap")
     def _without_unset_weights(self, handler: SerializerFunctionWrapHandler) -> dict:
-        out = handler(self)
-        if out.get("weights") is None:
-            out.pop("weights", None)
-        return out
+        return without_unset_weights(handler(self))
 
     @staticmethod
     def id_of(fields: dict[str, Any]) -> str:

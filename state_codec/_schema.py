@@ -36,6 +36,14 @@ DType = Literal["float32", "float64", "bfloat16", "float16"]
 WeightFormat = Literal["float32", "float64", "bfloat16", "float16", "q8"]
 
 
+def without_unset_weights(out: dict) -> dict:
+    """A dump without its `weights` field when that is None: models from before the field (a
+    schema's fingerprint, a receipt an older worker reads) keep their JSON."""
+    if out.get("weights") is None:
+        out.pop("weights", None)
+    return out
+
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
 
@@ -131,10 +139,7 @@ class StateSchema(_Frozen):
 
     @model_serializer(mode="wrap")
     def _without_unset_weights(self, handler: SerializerFunctionWrapHandler) -> dict:
-        out = handler(self)
-        if out.get("weights") is None:
-            out.pop("weights", None)
-        return out
+        return without_unset_weights(handler(self))
 
     def canonical_json(self) -> str:
         """JSON with sorted keys and no whitespace: the input of `fingerprint`."""
