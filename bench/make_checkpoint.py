@@ -64,7 +64,9 @@ def hf_config(shape: str) -> dict[str, Any]:
     base = {"hidden_act": "silu", "conv_kernel": 4, "expand": 2, "use_bias": False, "use_conv_bias": True,
             "layer_norm_epsilon": 1e-5, "residual_in_fp32": True}
     if SHAPES[shape]["model_type"] == "mamba":
-        base.update(state_size=16, time_step_rank="auto", architectures=["MambaForCausalLM"])
+        # the rank written out, as the released Hugging Face configs do (llama.cpp's converter needs it)
+        rank = -(-SHAPES[shape]["hidden_size"] // 16)
+        base.update(state_size=16, time_step_rank=rank, architectures=["MambaForCausalLM"])
     else:
         base.update(time_step_limit=[0.0, float("inf")], architectures=["Mamba2ForCausalLM"])
     return {**base, **SHAPES[shape]}

@@ -912,3 +912,348 @@ void linear_q8_f32(const int8_t *qx, const float *sx, i64 M, i64 K, const int8_t
         }
     }
 }
+
+/* --- the products on several threads ------------------------------------------------------- */
+/* A job (a product, a scan) is cut into parts of contiguous work units (runs of 16 outputs,
+ * blocks of channels); each unit is computed whole by one thread, so how the parts fall changes
+ * no bit. The calling thread and up to POOL_MAX - 1 helper threads claim parts one at a time
+ * from one atomic word (generation, parts, next part): a helper that the OS has not run yet
+ * claims nothing, and the caller computes what is left itself, so a loaded machine never waits
+ * on a thread that is not running. Helpers spin for a while between jobs (a decode step hands
+ * them a product every 50-500 us, and waking a sleeping thread costs about as much as a small
+ * product), yielding the core now and then, then sleep on a condition variable. Python's thread
+ * pool cost 0.1-0.4 ms a hand-off on a 2-core VM, more than half a decode product gains from the
+ * second core. One job at a time: a second caller that finds the pool busy computes its whole
+ * job on its own thread. */
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+
+#define POOL_MAX 64
+#define POOL_SPIN 20000 /* pause loops before a helper sleeps: about 100-400 us */
+
+typedef void (*part_fn)(const void *job, i64 u0, i64 u1); /* work units [u0, u1) of a job */
+
+static struct {
+    pthread_mutex_t job_lock;   /* held by the caller whose job is out */
+    pthread_mutex_t sleep_lock; /* guards the sleep below */
+    pthread_cond_t wake;
+    /* generation << 32 | parts << 16 | next part to claim; a new generation per job */
+    atomic_uint_fast64_t claim;
+    atomic_int done;     /* parts of this job finished */
+    atomic_int sleepers; /* helpers on the condition variable, or about to be */
+    int started;         /* helpers running */
+    part_fn fn;
+    const void *job;
+    i64 units;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+/* Claim and compute parts of generation `gen` until none is left. */
+static void pool_work(uint64_t gen) {
+    uint64_t c = atomic_load_explicit(&pool.claim, memory_order_acquire);
+    for (;;) {
+        uint64_t parts = (c >> 16) & 0xffff, next = c & 0xffff;
+        if (c >> 32 != gen || next >= parts) return;
+        if (!atomic_compare_exchange_weak_explicit(&pool.claim, &c, c + 1, memory_order_acq_rel,
+                                                   memory_order_acquire))
+            continue;
+        /* the part is ours: the caller waits for it, so the job's fields stay this job's */
+        i64 u0 = pool.units * (i64)next / (i64)parts, u1 = pool.units * (i64)(next + 1) / (i64)parts;
+        if (u0 < u1) pool.fn(pool.job, u0, u1);
+        atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
+        c = atomic_load_explicit(&pool.claim, memory_order_acquire);
+    }
+}
+
+static void *pool_helper(void *arg) {
+    (void)arg;
+    uint64_t seen = atomic_load(&pool.claim) >> 32;
+    for (;;) {
+        uint64_t g;
+        int spins = 0;
+        while ((g = atomic_load_explicit(&pool.claim, memory_order_acquire) >> 32) == seen && spins < POOL_SPIN) {
+            cpu_relax();
+            if (++spins % 256 == 0) sched_yield(); /* a loaded machine gets the core back */
+        }
+        if (g == seen) {
+            atomic_fetch_add(&pool.sleepers, 1);
+            pthread_mutex_lock(&pool.sleep_lock);
+            while ((g = atomic_load(&pool.claim) >> 32) == seen) pthread_cond_wait(&pool.wake, &pool.sleep_lock);
+            pthread_mutex_unlock(&pool.sleep_lock);
+            atomic_fetch_sub(&pool.sleepers, 1);
+        }
+        seen = g;
+        pool_work(g);
+    }
+    return NULL;
+}
+
+static void pool_after_fork(void) { /* the child has none of the parent's helper threads */
+    pthread_mutex_init(&pool.job_lock, NULL);
+    pthread_mutex_init(&pool.sleep_lock, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    atomic_store(&pool.sleepers, 0);
+    pool.started = 0;
+}
+
+/* Start helpers until `threads` - 1 run (fewer if the OS refuses one). */
+static void pool_grow(int threads) {
+    static int registered;
+    if (!registered) {
+        pthread_atfork(NULL, NULL, pool_after_fork);
+        registered = 1;
+    }
+    while (pool.started < threads - 1 && pool.started < POOL_MAX - 1) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int rc = pthread_create(&t, &attr, pool_helper, NULL);
+        pthread_attr_destroy(&attr);
+        if (rc != 0) break;
+        pool.started++;
+    }
+}
+
+/* fn(job, u0, u1) over the work units [0, units), in up to `threads` contiguous parts. */
+static void pool_run(part_fn fn, const void *job, i64 units, int threads) {
+    if (threads > units) threads = (int)units;
+    if (threads > POOL_MAX) threads = POOL_MAX;
+    if (threads <= 1 || pthread_mutex_trylock(&pool.job_lock) != 0) {
+        fn(job, 0, units);
+        return;
+    }
+    pool_grow(threads);
+    pool.fn = fn;
+    pool.job = job;
+    pool.units = units;
+    atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
+    uint64_t gen = (atomic_load(&pool.claim) >> 32) + 1;
+    atomic_store_explicit(&pool.claim, (gen & 0xffffffffu) << 32 | (uint64_t)threads << 16, memory_order_seq_cst);
+    if (atomic_load(&pool.sleepers) > 0) {
+        pthread_mutex_lock(&pool.sleep_lock);
+        pthread_cond_broadcast(&pool.wake);
+        pthread_mutex_unlock(&pool.sleep_lock);
+    }
+    pool_work(gen & 0xffffffffu);
+    for (int spins = 0; atomic_load_explicit(&pool.done, memory_order_acquire) < threads;)
+        if (++spins % 256 == 0) sched_yield(); /* a helper computing a part, off the CPU */
+        else cpu_relax();
+    pthread_mutex_unlock(&pool.job_lock);
+}
+
+typedef void (*linear_fn)(const void *x, i64 M, i64 K, const void *w, i64 N, const void *bias, void *out, i64 n0,
+                          i64 n1);
+struct linear_job {
+    linear_fn fn;
+    const void *x, *w, *bias;
+    void *out;
+    i64 M, K, N;
+};
+/* units of 16 outputs: each thread reads its own weight rows */
+static void linear_part(const void *p, i64 u0, i64 u1) {
+    const struct linear_job *j = p;
+    j->fn(j->x, j->M, j->K, j->w, j->N, j->bias, j->out, u0 * 16, u1 * 16 < j->N ? u1 * 16 : j->N);
+}
+
+/* fn (one of the linear_* kernels) over all N outputs, on up to `threads` threads */
+void linear_threads(void *fn, const void *x, i64 M, i64 K, const void *w, i64 N, const void *bias, void *out,
+                    int threads) {
+    struct linear_job j = {(linear_fn)fn, x, w, bias, out, M, K, N};
+    pool_run(linear_part, &j, (N + 15) / 16, threads);
+}
+
+struct q8_job {
+    const int8_t *qx, *q;
+    const float *sx, *bias;
+    const uint16_t *d, *d8;
+    float *out;
+    i64 M, K, N;
+};
+static void q8_part(const void *p, i64 u0, i64 u1) {
+    const struct q8_job *j = p;
+    linear_q8_f32(j->qx, j->sx, j->M, j->K, j->q, j->d, j->d8, j->N, j->bias, j->out, u0 * 16,
+                  u1 * 16 < j->N ? u1 * 16 : j->N);
+}
+
+void linear_q8_threads(const int8_t *qx, const float *sx, i64 M, i64 K, const int8_t *q, const uint16_t *d,
+                       const uint16_t *d8, i64 N, const float *bias, float *out, int threads) {
+    struct q8_job j = {qx, q, sx, bias, d, d8, out, M, K, N};
+    pool_run(q8_part, &j, (N + 15) / 16, threads);
+}
+
+/* --- a Mamba-1 layer's decode step in one call ----------------------------------------------- */
+/* The mixer of scan/_mamba1.py (`Mamba1Mixer.forward`) for one token of B streams, computed by
+ * the kernels above in the order the primitives compute it there: the same operations on the
+ * same values, so the same bits (tests/scan/test_exact.py holds it to the primitives' path; the
+ * load-time probe checks it on the model). One call instead of about twelve: a decode step of a
+ * 130M model spent half its time between kernels, in Python. */
+
+struct exact_weight { /* a product's weight as held (`Q8Weight` or a tensor), and its bias */
+    i64 format;       /* 0 the compute dtype, 1 bfloat16, 2 float16, 3 q8 */
+    const void *w;    /* formats 0-2: (N, K) */
+    const int8_t *q;  /* q8: (N, KP) blocks, d (N, NB) and d8 their scales */
+    const uint16_t *d, *d8;
+    const float *bias; /* (N,) or NULL */
+    i64 n, k;
+};
+
+struct mamba1_layer {
+    struct exact_weight in_proj, x_proj, dt_proj, out_proj;
+    const float *conv_taps; /* (C, W) */
+    const float *conv_bias; /* (C,) or NULL */
+    const float *at;        /* (N, C): A = -exp(A_log), transposed */
+    const float *dskip;     /* (C,): D */
+    i64 c, n, r, w;
+    i64 threaded_work; /* products of at least this many multiply-adds go to the pool */
+    i64 threads;
+};
+
+/* out (M, N) = x (M, K) against the weight, as `_Kernels.linear` computes it (on `threads`
+ * threads from `threaded_work` multiply-adds). qx, sx: room for the quantized rows (M, KP) and
+ * their scales (M, NB). */
+static void exact_product(const struct exact_weight *W, const float *x, i64 M, float *out, int8_t *qx, float *sx,
+                          i64 threaded_work, i64 threads) {
+    int t = M * W->k * W->n >= threaded_work ? (int)threads : 1;
+    if (W->format == 3) {
+        quantize_rows_q8(x, M, W->k, qx, sx);
+        linear_q8_threads(qx, sx, M, W->k, W->q, W->d, W->d8, W->n, W->bias, out, t);
+        return;
+    }
+    void *fn = W->format == 1 ? (void *)linear_bf16_f32 : W->format == 2 ? (void *)linear_f16_f32
+                                                                         : (void *)linear_same_f32;
+    linear_threads(fn, x, M, W->k, W->w, W->n, W->bias, out, t);
+}
+
+struct scan_job {
+    const float *dt, *at, *x, *bm, *cm, *h0;
+    float *h, *y;
+    i64 B, C, N;
+};
+static void scan_part(const void *p, i64 u0, i64 u1) {
+    const struct scan_job *j = p;
+    selective_scan_f32(j->dt, j->at, j->x, j->bm, j->cm, j->h0, j->h, j->y, j->B, 1, j->C, j->N, u0, u1);
+}
+
+/* u (B, D) -> out (B, D); conv_in / conv_out (B, C, W) and h_in / h_out (B, C, N) the states
+ * before and after (each pair may be one buffer: the kernels read a stream's block before they
+ * write it). work: float scratch of `mamba1_step_work` floats. */
+i64 mamba1_step_work(const struct mamba1_layer *L, i64 B) {
+    i64 c = L->c, kmax = L->in_proj.k > c ? L->in_proj.k : c;
+    i64 nb = (kmax + QB - 1) / QB;
+    /* xz 2C, x C, xc C, x_dbl R+2N, dt_r R, dt C, bm N, cm N, y C, z C, qx nb*QB/4, sx nb */
+    return B * (9 * c + 2 * L->r + 4 * L->n + nb * QB / 4 + nb + 16);
+}
+
+void mamba1_step_f32(const struct mamba1_layer *L, const float *u, i64 B, const float *conv_in, float *conv_out,
+                     const float *h_in, float *h_out, float *out, float *work) {
+    i64 c = L->c, n = L->n, r = L->r, xd = r + 2 * n;
+    i64 kmax = L->in_proj.k > c ? L->in_proj.k : c, nb = (kmax + QB - 1) / QB;
+    float *xz = work, *x = xz + B * 2 * c, *xc = x + B * c, *xdbl = xc + B * c, *dtr = xdbl + B * xd;
+    float *dt = dtr + B * r, *bm = dt + B * c, *cm = bm + B * n, *y = cm + B * n, *z = y + B * c;
+    float *sx = z + B * c;
+    int8_t *qx = (int8_t *)(sx + B * nb);
+    exact_product(&L->in_proj, u, B, xz, qx, sx, L->threaded_work, L->threads); /* xz = in_proj(u) */
+    for (i64 b = 0; b < B; b++) {                     /* x, z = xz[..., :C], xz[..., C:] */
+        memcpy(x + b * c, xz + b * 2 * c, c * sizeof(float));
+        memcpy(z + b * c, xz + b * 2 * c + c, c * sizeof(float));
+    }
+    conv_f32(conv_in, x, L->conv_taps, L->conv_bias, xc, conv_out, B, 1, c, L->w);
+    unary_f32(xc, xc, B * c, 1);                                 /* xc = silu(conv) */
+    exact_product(&L->x_proj, xc, B, xdbl, qx, sx, L->threaded_work, L->threads);           /* x_dbl */
+    for (i64 b = 0; b < B; b++) {                                /* dt_r, B, C of x_dbl */
+        memcpy(dtr + b * r, xdbl + b * xd, r * sizeof(float));
+        memcpy(bm + b * n, xdbl + b * xd + r, n * sizeof(float));
+        memcpy(cm + b * n, xdbl + b * xd + r + n, n * sizeof(float));
+    }
+    exact_product(&L->dt_proj, dtr, B, dt, qx, sx, L->threaded_work, L->threads);
+    unary_f32(dt, dt, B * c, 3);                                 /* dt = softplus(dt_proj(dt_r)) */
+    i64 nblk = (c + 63) / 64;
+    struct scan_job sj = {dt, L->at, xc, bm, cm, h_in, h_out, y, B, c, n};
+    /* an exp in double (about 30 operations) per channel and state: worth two threads sooner than a product */
+    pool_run(scan_part, &sj, B * nblk, B * c * n * 32 >= L->threaded_work ? (int)L->threads : 1);
+    unary_f32(z, z, B * c, 1);                                   /* silu(z) */
+    for (i64 b = 0; b < B; b++)                                  /* (y + D xc) silu(z) */
+        for (i64 j = 0; j < c; j++) {
+            float v = y[b * c + j] + L->dskip[j] * xc[b * c + j];
+            y[b * c + j] = v * z[b * c + j];
+        }
+    exact_product(&L->out_proj, y, B, out, qx, sx, L->threaded_work, L->threads);
+}
+
+/* --- a Mamba-2 layer's decode step in one call ----------------------------------------------- */
+/* `Mamba2Mixer.forward` of scan/_mamba2.py for one token of B streams, as the primitives compute
+ * it, for the layout mamba-ssm's Mamba2 uses: no gated-MLP part (d_inner = d_ssm), the gated
+ * RMSNorm, dt unclamped. Other layouts run the primitives. */
+
+struct mamba2_layer {
+    struct exact_weight in_proj, out_proj;
+    const float *conv_taps; /* (CD, W), CD = E + 2 G N */
+    const float *conv_bias; /* (CD,) or NULL */
+    const float *dt_bias;   /* (H,) */
+    const float *a;         /* (H,): A = -exp(A_log) */
+    const float *dskip;     /* D: (H,) or (H, P) */
+    const float *norm_w;    /* (E,) */
+    double norm_eps;
+    i64 e, h, p, g, n, w;
+    i64 d_per_channel; /* D holds (H, P) values, not one per head */
+    i64 norm_before_gate;
+    i64 threaded_work, threads;
+};
+
+struct ssd_job {
+    const float *x, *dt, *a, *bm, *cm, *s0;
+    float *s, *y;
+    i64 B, H, P, G, N;
+};
+static void ssd_part(const void *p, i64 u0, i64 u1) {
+    const struct ssd_job *j = p;
+    ssd_scan_f32(j->x, j->dt, j->a, j->bm, j->cm, j->s0, j->s, j->y, j->B, 1, j->H, j->P, j->G, j->N, u0, u1);
+}
+
+i64 mamba2_step_work(const struct mamba2_layer *L, i64 B) {
+    i64 cd = L->e + 2 * L->g * L->n, width = 2 * L->e + 2 * L->g * L->n + L->h;
+    i64 kmax = L->in_proj.k > L->e ? L->in_proj.k : L->e, nb = (kmax + QB - 1) / QB;
+    /* zxbcdt, xbc, xbc after the conv, z, dt, y, the normed y, qx, sx */
+    return B * (width + 2 * cd + 3 * L->e + L->h + nb * QB / 4 + nb + 16);
+}
+
+void mamba2_step_f32(const struct mamba2_layer *L, const float *u, i64 B, const float *conv_in, float *conv_out,
+                     const float *s_in, float *s_out, float *out, float *work) {
+    i64 e = L->e, h = L->h, p = L->p, g = L->g, n = L->n, cd = e + 2 * g * n, width = e + cd + h;
+    i64 kmax = L->in_proj.k > e ? L->in_proj.k : e, nb = (kmax + QB - 1) / QB;
+    float *zx = work, *xbc = zx + B * width, *xc = xbc + B * cd, *z = xc + B * cd, *dt = z + B * e;
+    float *y = dt + B * h, *yn = y + B * e, *sx = yn + B * e;
+    int8_t *qx = (int8_t *)(sx + B * nb);
+    exact_product(&L->in_proj, u, B, zx, qx, sx, L->threaded_work, L->threads);
+    for (i64 b = 0; b < B; b++) { /* z, xBC, dt = split(in_proj(u)) */
+        memcpy(z + b * e, zx + b * width, e * sizeof(float));
+        memcpy(xbc + b * cd, zx + b * width + e, cd * sizeof(float));
+        for (i64 j = 0; j < h; j++) dt[b * h + j] = zx[b * width + e + cd + j] + L->dt_bias[j];
+    }
+    conv_f32(conv_in, xbc, L->conv_taps, L->conv_bias, xc, conv_out, B, 1, cd, L->w);
+    unary_f32(xc, xc, B * cd, 1); /* silu */
+    unary_f32(dt, dt, B * h, 3);  /* softplus(dt + dt_bias) */
+    /* x, B, C of xBC, contiguous: x (B, H, P) is the row's head, B and C (B, G, N) follow it */
+    float *xs = xbc, *bs = xbc + B * e, *cs = bs + B * g * n; /* xbc is free again: reuse it */
+    for (i64 b = 0; b < B; b++) {
+        memcpy(xs + b * e, xc + b * cd, e * sizeof(float));
+        memcpy(bs + b * g * n, xc + b * cd + e, g * n * sizeof(float));
+        memcpy(cs + b * g * n, xc + b * cd + e + g * n, g * n * sizeof(float));
+    }
+    struct ssd_job sj = {xs, dt, L->a, bs, cs, s_in, s_out, y, B, h, p, g, n};
+    pool_run(ssd_part, &sj, B * h, B * h * p * n * 32 >= L->threaded_work ? (int)L->threads : 1);
+    for (i64 b = 0; b < B; b++) /* y + D x */
+        for (i64 j = 0; j < e; j++) {
+            float d = L->d_per_channel ? L->dskip[j] : L->dskip[j / p];
+            y[b * e + j] = y[b * e + j] + d * xs[b * e + j];
+        }
+    gated_norm_f32(y, z, L->norm_w, yn, B, e, e / g, L->norm_eps, (int)L->norm_before_gate);
+    exact_product(&L->out_proj, yn, B, out, qx, sx, L->threaded_work, L->threads);
+}

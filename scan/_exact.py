@@ -53,7 +53,9 @@ from typing import Any
 
 import torch
 
-from scan._backends import Backend, FixedBackend, labelled
+from scan._backends import Backend, FixedBackend, RoundState, labelled
+from scan._mamba1 import Mamba1Mixer
+from scan._mamba2 import Mamba2Mixer
 from scan._mamba3 import Mamba3Mixer
 from scan._mixer import States
 from scan._ops import Primitives
@@ -87,10 +89,13 @@ def _march() -> str:
 
 
 _UNARY = {"exp": 0, "silu": 1, "sigmoid": 2, "softplus": 3, "tanh": 4, "sin": 5, "cos": 6, "rsqrt": 7}
-#: below this many multiply-adds a product runs on the calling thread alone: handing half of it to
-#: the pool's thread costs 0.1-0.4 ms on a 2-core VM (a 3072 x 768 decode product: 0.32 ms on one
-#: thread, 0.75 ms on two), more than a product of a few million weights gains from a second core
+#: below this many multiply-adds a scan runs on the calling thread alone: handing half of it to
+#: Python's thread pool costs 0.1-0.4 ms on a 2-core VM
 _PARALLEL_WORK = 1 << 23
+#: below this many multiply-adds a product runs on the calling thread alone. The products split
+#: their outputs in C, across helper threads that wait spinning between products (`pool_run` in
+#: _exact.c): a hand-off costs microseconds, not the 0.1-0.4 ms of Python's pool.
+_THREADED_WORK = 1 << 18
 
 # --- the arithmetic in torch: the twins ---------------------------------------------------------
 
@@ -359,7 +364,7 @@ def build_kernels() -> tuple[Any, str]:
             fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
             os.close(fd)
             try:
-                proc = subprocess.run([*cc, *flags, "-o", tmp, str(_SOURCE), "-lm"], capture_output=True,
+                proc = subprocess.run([*cc, *flags, "-o", tmp, str(_SOURCE), "-lm", "-pthread"], capture_output=True,
                                       text=True, timeout=300)
                 if proc.returncode != 0:
                     errors.append(f"{' '.join(cc)}: {proc.stderr.strip()[:300]}")
@@ -401,6 +406,32 @@ _WEIGHT_FORMATS = {"same": None, "bf16": torch.bfloat16, "f16": torch.float16}
 _LINEAR = [_P, _I, _I, _P, _I, _P, _P, _I, _I]
 
 
+class _ExactWeight(ctypes.Structure):
+    """`struct exact_weight` of _exact.c: a product's weight as held, and its bias."""
+
+    _fields_ = [("format", _I), ("w", _P), ("q", _P), ("d", _P), ("d8", _P), ("bias", _P), ("n", _I), ("k", _I)]
+
+
+class _Mamba1Layer(ctypes.Structure):
+    """`struct mamba1_layer` of _exact.c: what a Mamba-1 mixer's decode step reads."""
+
+    _fields_ = [("in_proj", _ExactWeight), ("x_proj", _ExactWeight), ("dt_proj", _ExactWeight),
+                ("out_proj", _ExactWeight), ("conv_taps", _P), ("conv_bias", _P), ("at", _P), ("dskip", _P),
+                ("c", _I), ("n", _I), ("r", _I), ("w", _I), ("threaded_work", _I), ("threads", _I)]
+
+
+class _Mamba2Layer(ctypes.Structure):
+    """`struct mamba2_layer` of _exact.c: what a Mamba-2 mixer's decode step reads."""
+
+    _fields_ = [("in_proj", _ExactWeight), ("out_proj", _ExactWeight), ("conv_taps", _P), ("conv_bias", _P),
+                ("dt_bias", _P), ("a", _P), ("dskip", _P), ("norm_w", _P), ("norm_eps", _D), ("e", _I), ("h", _I),
+                ("p", _I), ("g", _I), ("n", _I), ("w", _I), ("d_per_channel", _I), ("norm_before_gate", _I),
+                ("threaded_work", _I), ("threads", _I)]
+
+
+_WEIGHT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
 def _declare(lib: Any) -> None:
     for name, args in _SIGNATURES.items():
         for suf in _SUFFIX.values():
@@ -414,12 +445,24 @@ def _declare(lib: Any) -> None:
             fn.restype = None
     lib.quantize_rows_q8.argtypes = [_P, _I, _I, _P, _P]
     lib.linear_q8_f32.argtypes = [_P, _P, _I, _I, _P, _P, _P, _I, _P, _P, _I, _I]
-    for fn in (lib.quantize_rows_q8, lib.linear_q8_f32):
+    lib.linear_threads.argtypes = [_P, _P, _I, _I, _P, _I, _P, _P, ctypes.c_int]
+    lib.linear_q8_threads.argtypes = [_P, _P, _I, _I, _P, _P, _P, _I, _P, _P, ctypes.c_int]
+    for kind in ("mamba1", "mamba2"):
+        getattr(lib, f"{kind}_step_work").argtypes = [_P, _I]
+        getattr(lib, f"{kind}_step_work").restype = _I
+        getattr(lib, f"{kind}_step_f32").argtypes = [_P, _P, _I, _P, _P, _P, _P, _P, _P]
+    for fn in (lib.quantize_rows_q8, lib.linear_q8_f32, lib.linear_threads, lib.linear_q8_threads,
+               lib.mamba1_step_f32, lib.mamba2_step_f32):
         fn.restype = None
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 _THREADS = max(1, min(torch.get_num_threads(), os.cpu_count() or 1))
+
+
+def _threads(work: int) -> int:
+    """How many threads a product of `work` multiply-adds runs on."""
+    return _THREADS if work >= _THREADED_WORK else 1
 
 
 def _parallel(fn: Callable[[int, int], None], units: int, work: int) -> None:
@@ -445,8 +488,8 @@ class _Kernels:
 
     def __init__(self, lib: Any) -> None:
         self.fn = {(name, dt): getattr(lib, name + suf) for name in _SIGNATURES for dt, suf in _SUFFIX.items()}
-        #: (compute dtype, weight dtype) -> the product
-        self.linears = {(dt, wdt or dt): getattr(lib, f"linear_{fmt}{suf}")
+        #: (compute dtype, weight dtype) -> the product's address, for `linear_threads` to call
+        self.linears = {(dt, wdt or dt): ctypes.cast(getattr(lib, f"linear_{fmt}{suf}"), ctypes.c_void_p).value
                         for fmt, wdt in _WEIGHT_FORMATS.items() for dt, suf in _SUFFIX.items()}
         self.lib = lib
 
@@ -462,13 +505,9 @@ class _Kernels:
             qx = torch.empty((m, nb * QB), dtype=torch.int8)
             sx = torch.empty((m, nb), dtype=torch.float32)
             self.lib.quantize_rows_q8(x.data_ptr(), m, k, qx.data_ptr(), sx.data_ptr())
-            fn, args = self.lib.linear_q8_f32, (qx.data_ptr(), sx.data_ptr(), m, k, weight.q.data_ptr(),
-                                                weight.d.data_ptr(), weight.d8.data_ptr(), n,
-                                                None if bias is None else bias.data_ptr(), out.data_ptr())
-            if m * k * n < _PARALLEL_WORK:
-                fn(*args, 0, n)
-            else:  # units of 16 outputs; each thread reads its own weight rows
-                _parallel(lambda u0, u1: fn(*args, u0 * 16, min(n, u1 * 16)), (n + 15) // 16, m * k * n)
+            self.lib.linear_q8_threads(qx.data_ptr(), sx.data_ptr(), m, k, weight.q.data_ptr(), weight.d.data_ptr(),
+                                       weight.d8.data_ptr(), n, None if bias is None else bias.data_ptr(),
+                                       out.data_ptr(), _threads(m * k * n))
         return out
 
     @staticmethod
@@ -495,14 +534,104 @@ class _Kernels:
             fn = self.linears.get((x.dtype, w.dtype))
             if fn is None:
                 raise TypeError(f"no exact product of {x.dtype} inputs with {w.dtype} weights")
-            xp, wp, op = x.data_ptr(), w.data_ptr(), out.data_ptr()
-            bp = None if bias is None else bias.data_ptr()
-            if m * k * n < _PARALLEL_WORK:
-                fn(xp, m, k, wp, n, bp, op, 0, n)
-            else:  # units of 16 outputs; each thread reads its own weight rows
-                _parallel(lambda u0, u1: fn(xp, m, k, wp, n, bp, op, u0 * 16, min(n, u1 * 16)), (n + 15) // 16,
-                          m * k * n)
+            self.lib.linear_threads(fn, x.data_ptr(), m, k, w.data_ptr(), n,
+                                    None if bias is None else bias.data_ptr(), out.data_ptr(), _threads(m * k * n))
         return out
+
+    def _weight(self, lin: torch.nn.Module, keep: list[Tensor]) -> _ExactWeight | None:
+        w, bias = lin.weight, lin.bias
+        if bias is not None and bias.dtype != torch.float32:
+            return None
+        if isinstance(w, Q8Weight):
+            keep += [w.q, w.d, w.d8]
+            out = _ExactWeight(3, None, w.q.data_ptr(), w.d.data_ptr(), w.d8.data_ptr(), None, w.shape[0], w.shape[1])
+        else:
+            if w.dtype not in _WEIGHT_CODES:
+                return None
+            if not w.is_contiguous():
+                w = self._cached(w, "contiguous", w.contiguous)
+            keep.append(w)
+            out = _ExactWeight(_WEIGHT_CODES[w.dtype], w.data_ptr(), None, None, None, None, w.shape[0], w.shape[1])
+        if bias is not None:
+            keep.append(bias)
+            out.bias = bias.data_ptr()
+        return out
+
+    @staticmethod
+    def _step_tensors(m: Mamba1Mixer | Mamba2Mixer) -> list[Any]:
+        if isinstance(m, Mamba1Mixer):
+            return [m.in_proj.weight, m.in_proj.bias, m.conv1d.weight, m.conv1d.bias, m.x_proj.weight,
+                    m.dt_proj.weight, m.dt_proj.bias, m.A_log, m.D, m.out_proj.weight, m.out_proj.bias]
+        return [m.in_proj.weight, m.in_proj.bias, m.conv1d.weight, m.conv1d.bias, m.dt_bias, m.A_log, m.D,
+                m.norm.weight if m.cfg.rmsnorm else None, m.out_proj.weight, m.out_proj.bias]
+
+    def _layer(self, m: Mamba1Mixer | Mamba2Mixer) -> tuple[str, ctypes.Structure, list[Tensor]] | None:
+        """The C description of a float32 Mamba-1 or Mamba-2 mixer for its one-call decode step
+        (None: the mixer has a tensor or a layout the call does not take), kept on the mixer while
+        none of its tensors changes."""
+        tensors = self._step_tensors(m)
+        key = tuple((id(t), getattr(t, "_version", 0)) for t in tensors)
+        hit = m.__dict__.get("_exact_step")
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        built = None
+        linears = [m.in_proj, m.x_proj, m.dt_proj, m.out_proj] if isinstance(m, Mamba1Mixer) else [m.in_proj, m.out_proj]
+        vectors = [t for t in tensors if isinstance(t, Tensor) and not any(t is lin.weight for lin in linears)]
+        keep: list[Tensor] = []
+        ws = [self._weight(lin, keep) for lin in linears]
+        if all(t.dtype == torch.float32 for t in vectors) and all(w is not None for w in ws):
+            cfg = m.cfg
+            taps = self._cached(m.conv1d.weight, "taps", lambda: m.conv1d.weight.detach()[:, 0, :].contiguous())
+            neg_a = -self.exp(m.A_log)  # what the mixer hands its scan
+            dskip = m.D.detach().contiguous()
+            conv_bias = None if m.conv1d.bias is None else m.conv1d.bias.data_ptr()
+            keep += [taps, neg_a, dskip, *vectors]
+            if isinstance(m, Mamba1Mixer):
+                at = neg_a.t().contiguous()
+                keep.append(at)
+                built = ("mamba1", _Mamba1Layer(*ws, taps.data_ptr(), conv_bias, at.data_ptr(), dskip.data_ptr(),
+                                                cfg.d_inner, cfg.d_state, cfg.resolved_dt_rank, cfg.d_conv, 0, 1), keep)
+            elif (cfg.rmsnorm and cfg.d_inner == cfg.resolved_d_ssm and cfg.dt_min_clamp == 0.0
+                  and cfg.dt_max_clamp is None):
+                built = ("mamba2", _Mamba2Layer(*ws, taps.data_ptr(), conv_bias, m.dt_bias.data_ptr(), neg_a.data_ptr(),
+                                                dskip.data_ptr(), m.norm.weight.data_ptr(), cfg.mixer_norm_eps,
+                                                cfg.resolved_d_ssm, cfg.nheads, cfg.headdim, cfg.ngroups, cfg.d_state,
+                                                cfg.d_conv, int(cfg.D_has_hdim), int(cfg.norm_before_gate), 0, 1),
+                         keep)
+        m.__dict__["_exact_step"] = (key, built)
+        return built
+
+    def step(self, m: Mamba1Mixer | Mamba2Mixer, u: Tensor, states: States, in_place: bool
+             ) -> tuple[Tensor, States] | None:
+        """`forward` of a Mamba-1 or Mamba-2 mixer over one token of B streams, u (B, 1, D)
+        float32, in one kernel call (`mamba1_step_f32`, `mamba2_step_f32`): the primitives'
+        bits. None where it does not apply (then the primitives run). `in_place`: the new states
+        are written over `states`."""
+        conv, ssm = states
+        if u.dtype != torch.float32 or conv.dtype != torch.float32 or ssm.dtype != torch.float32:
+            return None
+        built = self._layer(m)
+        if built is None:
+            return None
+        kind, layer, _ = built
+        bsz = u.shape[0]
+        u = u.contiguous()
+        if in_place and conv.is_contiguous() and ssm.is_contiguous():
+            new_conv, new_ssm = conv, ssm
+        else:
+            conv, ssm = conv.contiguous(), ssm.contiguous()
+            new_conv, new_ssm = torch.empty_like(conv), torch.empty_like(ssm)
+        layer.threaded_work, layer.threads = _THREADED_WORK, _THREADS
+        ref = ctypes.addressof(layer)
+        work = torch.empty(getattr(self.lib, f"{kind}_step_work")(ref, bsz), dtype=torch.float32)
+        out = torch.empty((bsz, 1, layer.out_proj.n), dtype=torch.float32)
+        getattr(self.lib, f"{kind}_step_f32")(ref, u.data_ptr(), bsz, conv.data_ptr(), new_conv.data_ptr(),
+                                              ssm.data_ptr(), new_ssm.data_ptr(), out.data_ptr(), work.data_ptr())
+        if in_place and new_conv is not states[0]:
+            states[0].copy_(new_conv)
+            states[1].copy_(new_ssm)
+            new_conv, new_ssm = states
+        return out, (new_conv, new_ssm)
 
     def unary(self, x: Tensor, op: str) -> Tensor:
         if not x.is_contiguous():
@@ -803,6 +932,26 @@ def _kernel_primitives(in_place: bool = False) -> Primitives | None:
     return None if ops is None else exact_primitives(ops, "exact", in_place=in_place)
 
 
+class _KernelBackend(FixedBackend):
+    """The kernels' primitives, and a Mamba-1 or Mamba-2 layer's decode step (one token) in one
+    kernel call (`_Kernels.step`: the same bits as the primitives' path, verified by the probe)."""
+
+    def __init__(self, in_place: bool = False) -> None:
+        prims = _kernel_primitives(in_place)
+        assert prims is not None
+        super().__init__(prims, "exact")
+        self._ops, self._in_place = _kernel_ops(), in_place
+
+    def mix(self, mixer: Any, u: Tensor, states: States, round_state: RoundState = None
+            ) -> tuple[Tensor, States, str]:
+        if u.shape[1] == 1 and isinstance(mixer, (Mamba1Mixer, Mamba2Mixer)):
+            done = self._ops.step(mixer, u, states, self._in_place)
+            if done is not None:  # one token: what `_token_by_token` does, in one call
+                out, new = done
+                return out, (new if round_state is None else round_state(new)), self._prims.name
+        return super().mix(mixer, u, states, round_state)
+
+
 # --- the probe ------------------------------------------------------------------------------------
 
 
@@ -851,7 +1000,7 @@ def probe(lm: torch.nn.Module, dtype: torch.dtype) -> Probe:
     if prims is None:
         return Probe(False, build_kernels()[1], time.perf_counter() - t0)
     lm = _probe_view(lm)
-    kernels, twins = FixedBackend(prims), FixedBackend(TWIN_PRIMITIVES)
+    kernels, twins = _KernelBackend(), FixedBackend(TWIN_PRIMITIVES)
     g = torch.Generator().manual_seed(0)
     states = [tuple((torch.randn((2, *shape), generator=g) * 0.5).to(dtype) for _, shape in blk.mixer.state_shapes())
               for blk in lm.backbone.layers]
@@ -904,7 +1053,7 @@ def exact_backend(lm: torch.nn.Module, dtype: torch.dtype) -> tuple[Backend, Pro
         log.warning("exact backend: %s; running the pure-PyTorch twins (same results, slower)", found.reason)
     else:
         log.info("exact backend: %s in %.0f ms", found.reason, found.seconds * 1000)
-    backend = FixedBackend(_kernel_primitives() if found.kernels else TWIN_PRIMITIVES, "exact")
+    backend = _KernelBackend() if found.kernels else FixedBackend(TWIN_PRIMITIVES, "exact")
     cache[dtype] = (backend, found)
     return backend, found
 
@@ -928,7 +1077,7 @@ def exact_step_backend(lm: torch.nn.Module, dtype: torch.dtype) -> Backend:
     if not found.kernels:
         backend: Backend = FixedBackend(TWIN_STEP_PRIMITIVES, "exact")
     else:
-        backend = FixedBackend(_kernel_primitives(in_place=True), "exact")  # type: ignore[arg-type]
+        backend = _KernelBackend(in_place=True)
         if not _in_place_agrees(lm, dtype, plain, backend):
             log.warning("exact backend: the in-place decode step gave other bits on this model; "
                         "stepping out of place")

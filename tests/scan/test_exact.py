@@ -176,6 +176,90 @@ def test_block_int8_products_give_their_twins_bits_and_stay_near_the_float_produ
         ops.linear(x.double(), qw)
 
 
+_SPLIT_SHAPES = [(1, 40, 5), (1, 96, 17), (2, 64, 33), (1, 300, 1000), (3, 70, 129), (1, 2048, 96)]
+
+
+def _weights_in_every_format(g: torch.Generator, n: int, k: int) -> list:
+    w = _r(g, n, k, dtype=torch.float32, scale=0.2)
+    return [w, w.to(torch.bfloat16), w.to(torch.float16), quantize_q8(w)]
+
+
+@pytest.mark.parametrize("threads", [2, 3, 5])
+def test_products_split_across_the_c_helper_threads_give_the_twins_bits(monkeypatch, threads):
+    """Every product, whatever its size, handed to the C pool (`pool_run`) on 2, 3 and 5 threads:
+    outputs split in runs of 16 (fewer runs than threads, a last run short of 16) give the twins'
+    bits in every weight format. Thread counts go up and down between calls, so helpers that
+    have no part of a job answer it too."""
+    g = torch.Generator().manual_seed(9)
+    ops = E._kernel_ops()
+    monkeypatch.setattr(E, "_THREADED_WORK", 0)
+    for m, k, n in _SPLIT_SHAPES:
+        x, b = _r(g, m, k, dtype=torch.float32), _r(g, n, dtype=torch.float32)
+        for w in _weights_in_every_format(g, n, k):
+            want = E.TWIN_OPS.linear(x, w, b)
+            for t in (threads, 1, threads):
+                monkeypatch.setattr(E, "_THREADS", t)
+                assert _equal(ops.linear(x, w, b), want), (m, k, n, t, type(w).__name__)
+
+
+def test_products_called_from_many_threads_at_once_each_get_their_own_bits(monkeypatch):
+    """Eight Python threads run products at once (the engine's and activities' threads): one at a
+    time has the pool, the others run theirs on their own thread; every result has its bits."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(E, "_THREADED_WORK", 0)
+    monkeypatch.setattr(E, "_THREADS", 2)
+    g = torch.Generator().manual_seed(10)
+    ops = E._kernel_ops()
+    cases = []
+    for m, k, n in _SPLIT_SHAPES:
+        x = _r(g, m, k, dtype=torch.float32)
+        cases += [(x, w, E.TWIN_OPS.linear(x, w, None)) for w in _weights_in_every_format(g, n, k)]
+
+    def run(i: int) -> bool:
+        return all(_equal(ops.linear(x, w, None), want) for x, w, want in cases[i % 3 :] * 4)
+
+    with ThreadPoolExecutor(8) as pool:
+        assert all(pool.map(run, range(16)))
+
+
+def test_a_forked_child_runs_threaded_products_without_the_parents_helpers():
+    """The helper threads do not survive a fork: a child forked after the parent used the pool
+    starts its own, and its products finish with the parent's bits (a child that waited on the
+    parent's helpers would hang; the join's timeout fails the test instead)."""
+    script = """
+import os, sys, torch
+from scan import _exact as E
+from scan._quant import quantize_q8
+torch.set_num_threads(1)  # libgomp's own threads do not survive a fork either
+E._THREADED_WORK, E._THREADS = 0, 2
+ops = E._kernel_ops()
+g = torch.Generator().manual_seed(11)
+x, w = torch.randn(2, 512, generator=g), torch.randn(300, 512, generator=g)
+qw = quantize_q8(w)
+want = [ops.linear(x, w, None), ops.linear(x, qw, None)]  # the parent's pool is running
+r, wfd = os.pipe()
+pid = os.fork()
+if pid == 0:
+    ok = torch.equal(ops.linear(x, w, None), want[0]) and torch.equal(ops.linear(x, qw, None), want[1])
+    os.write(wfd, b"1" if ok else b"0")
+    os._exit(0)
+os.close(wfd)
+print(os.read(r, 1).decode())
+os.waitpid(pid, 0)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # the hung child too, not only its parent
+        proc.communicate()
+        pytest.fail("a forked child's threaded product did not finish in 120 s")
+    assert proc.returncode == 0, err
+    assert out.strip() == "1"
+
+
 def test_quantizing_is_deterministic_and_its_bytes_are_pinned():
     """The same float weights give the same q8 bytes on every CPU (IEEE division and rounding,
     exact maxima): pinned, with the cases at the edges of a block (all zeros, one value, k past
@@ -289,6 +373,64 @@ def test_the_in_place_step_gives_the_steps_bits_and_touches_only_its_rows(preset
         assert all(torch.equal(fast[k], plain[k]) for k in plain), rows  # stepped rows and the others
         for r in sorted(set(range(5)) - set(rows)):
             assert all(torch.equal(fast[k][r], stacked[k][r]) for k in fast)
+
+
+def _states(lm, batch: int, seed: int) -> list:  # noqa: ANN001
+    g = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randn((batch, *shape), generator=g) * 0.5 for _, shape in blk.mixer.state_shapes())
+            for blk in lm.backbone.layers]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("dtype", ["float32", "float32/bfloat16", "float32/float16", "float32/q8"])
+@pytest.mark.parametrize("preset", ["tiny-mamba1", "tiny-mamba2"])
+def test_a_decode_step_in_one_kernel_call_gives_the_primitives_bits(monkeypatch, preset, dtype, threads):
+    """`mamba1_step_f32` / `mamba2_step_f32` (a layer's decode step in one call) against the same
+    step through the kernels' primitives and through the twins: logits and every layer's states,
+    for one stream and for five, out of place and in place, on 1-3 threads, in every weight
+    format. The one call must have run, once per layer and step."""
+    monkeypatch.setattr(E, "_THREADED_WORK", 0 if threads > 1 else 1 << 62)
+    monkeypatch.setattr(E, "_THREADS", threads)
+    lib = E._kernel_ops().lib
+    name = "mamba1_step_f32" if preset == "tiny-mamba1" else "mamba2_step_f32"
+    real, calls = getattr(lib, name), []
+    monkeypatch.setattr(lib, name, lambda *a: (calls.append(1), real(*a))[1])
+    model = model_for(preset, "exact", dtype)
+    lm = model.module
+    for batch in (1, 5):
+        states = _states(lm, batch, 40 + batch)
+        hidden = torch.randn((batch, 1, lm.cfg.d_model), generator=torch.Generator().manual_seed(batch))
+        with torch.inference_mode():
+            calls.clear()
+            got, got_states, path = forward(lm, hidden, states, E._KernelBackend())
+            assert len(calls) == lm.cfg.n_layer and path == "exact"
+            plain, plain_states, _ = forward(lm, hidden, states, E.FixedBackend(E._kernel_primitives()))
+            twin, twin_states, _ = forward(lm, hidden, states, E.FixedBackend(E.TWIN_PRIMITIVES))
+            work = [tuple(t.clone() for t in st) for st in states]
+            in_place, in_place_states, _ = forward(lm, hidden, work, E._KernelBackend(in_place=True))
+        assert torch.equal(got, plain) and torch.equal(got, twin) and torch.equal(in_place, got), (dtype, batch)
+        assert E._states_equal(got_states, plain_states) and E._states_equal(got_states, twin_states)
+        assert E._states_equal(in_place_states, got_states)
+        assert all(a is b for st, st_w in zip(in_place_states, work) for a, b in zip(st, st_w))  # written in place
+        assert not E._states_equal(got_states, states)  # and the step did move them
+
+
+@pytest.mark.parametrize("preset", ["tiny-mamba1", "tiny-mamba2"])
+def test_the_one_call_step_rereads_a_mixer_whose_weights_changed(preset):
+    """The C description of a mixer is kept while its tensors are unchanged: a weight written in
+    place (a fine-tune, a test) is seen by the next step, with the primitives' bits."""
+    model = load_model(preset, backend="exact")
+    lm = model.module
+    states = _states(lm, 1, 50)
+    hidden = torch.randn((1, 1, lm.cfg.d_model), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        before, _, _ = forward(lm, hidden, states, E._KernelBackend())
+        for blk in lm.backbone.layers:
+            blk.mixer.out_proj.weight.mul_(0.5)
+            blk.mixer.D.add_(1.0)
+        after, _, _ = forward(lm, hidden, states, E._KernelBackend())
+        want, _, _ = forward(lm, hidden, states, E.FixedBackend(E.TWIN_PRIMITIVES))
+    assert not torch.equal(after, before) and torch.equal(after, want)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float32/bfloat16", "float32/float16", "float32/q8"])
