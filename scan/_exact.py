@@ -483,6 +483,15 @@ def _parallel(fn: Callable[[int, int], None], units: int, work: int) -> None:
         f.result()
 
 
+def _version(t: Any) -> int | None:
+    """A tensor's version counter; None for a value without one (an inference tensor, a
+    `Q8Weight`), which is then never taken as unchanged."""
+    try:
+        return t._version if isinstance(t, Tensor) else (0 if t is None or isinstance(t, Q8Weight) else None)
+    except RuntimeError:  # inference tensors count no versions
+        return None
+
+
 class _Kernels:
     """The C kernels behind the signatures of the twins (thin: decode is bound by call overhead)."""
 
@@ -492,6 +501,10 @@ class _Kernels:
         self.linears = {(dt, wdt or dt): ctypes.cast(getattr(lib, f"linear_{fmt}{suf}"), ctypes.c_void_p).value
                         for fmt, wdt in _WEIGHT_FORMATS.items() for dt, suf in _SUFFIX.items()}
         self.lib = lib
+        #: mixer -> (its tensors, their versions, its C description): beside the module, not on it,
+        #: so that a copy of the module (deepcopy, pickle) never carries pointers into the original
+        self._layers: weakref.WeakKeyDictionary[torch.nn.Module, tuple[list[Any], list[int | None], Any]] = (
+            weakref.WeakKeyDictionary())
 
     def _linear_q8(self, x: Tensor, weight: Q8Weight, bias: Tensor | None) -> Tensor:
         if x.dtype != torch.float32:
@@ -570,10 +583,12 @@ class _Kernels:
         (None: the mixer has a tensor or a layout the call does not take), kept on the mixer while
         none of its tensors changes."""
         tensors = self._step_tensors(m)
-        key = tuple((id(t), getattr(t, "_version", 0)) for t in tensors)
-        hit = m.__dict__.get("_exact_step")
-        if hit is not None and hit[0] == key:
-            return hit[1]
+        versions = [_version(t) for t in tensors]
+        hit = self._layers.get(m)
+        # the entry holds the tensors it was made from: none of them can be freed and its id reused
+        if (hit is not None and None not in versions and all(a is b for a, b in zip(hit[0], tensors))
+                and hit[1] == versions):
+            return hit[2]
         built = None
         linears = [m.in_proj, m.x_proj, m.dt_proj, m.out_proj] if isinstance(m, Mamba1Mixer) else [m.in_proj, m.out_proj]
         vectors = [t for t in tensors if isinstance(t, Tensor) and not any(t is lin.weight for lin in linears)]
@@ -598,7 +613,7 @@ class _Kernels:
                                                 cfg.resolved_d_ssm, cfg.nheads, cfg.headdim, cfg.ngroups, cfg.d_state,
                                                 cfg.d_conv, int(cfg.D_has_hdim), int(cfg.norm_before_gate), 0, 1),
                          keep)
-        m.__dict__["_exact_step"] = (key, built)
+        self._layers[m] = (tensors, versions, built)
         return built
 
     def step(self, m: Mamba1Mixer | Mamba2Mixer, u: Tensor, states: States, in_place: bool

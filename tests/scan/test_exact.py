@@ -415,6 +415,27 @@ def test_a_decode_step_in_one_kernel_call_gives_the_primitives_bits(monkeypatch,
         assert not E._states_equal(got_states, states)  # and the step did move them
 
 
+def test_a_copied_model_steps_on_its_own_weights():
+    """A model copied after it stepped (the slot table's tests deepcopy one) carries no C pointer
+    into the original: the copy's one-call step reads the copy's weights."""
+    import copy
+
+    model = load_model("tiny-mamba1", backend="exact")
+    lm = model.module
+    states = _states(lm, 1, 51)
+    hidden = torch.randn((1, 1, lm.cfg.d_model), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        original, _, _ = forward(lm, hidden, states, E._KernelBackend())
+    twin = copy.deepcopy(lm)
+    with torch.inference_mode():
+        for blk in twin.backbone.layers:
+            blk.mixer.in_proj.weight.mul_(2.0)
+        changed, _, _ = forward(twin, hidden, states, E._KernelBackend())
+        want, _, _ = forward(twin, hidden, states, E.FixedBackend(E.TWIN_PRIMITIVES))
+        again, _, _ = forward(lm, hidden, states, E._KernelBackend())
+    assert torch.equal(changed, want) and not torch.equal(changed, original) and torch.equal(again, original)
+
+
 @pytest.mark.parametrize("preset", ["tiny-mamba1", "tiny-mamba2"])
 def test_the_one_call_step_rereads_a_mixer_whose_weights_changed(preset):
     """The C description of a mixer is kept while its tensors are unchanged: a weight written in
