@@ -834,10 +834,16 @@ static inline __m256i sum8_epi32(__m256i v0, __m256i v1, __m256i v2, __m256i v3,
     return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
+/* the 32 products of a block in 8 int32 partial sums: exact however they are grouped */
 static inline __m256i dot_q8_avx2(__m256i ax, __m256i x, const int8_t *w) {
     __m256i wv = _mm256_loadu_si256((const __m256i *)w);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    /* |x| (<= 127) * +-w, four products to an int32 in one instruction */
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), ax, _mm256_sign_epi8(wv, x));
+#else
     __m256i p = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv, x)); /* |x| (<= 127) * +-w: no saturation */
     return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+#endif
 }
 
 /* the scales of outputs n .. n + 7 for block b, from d8: the scales repacked (N / 8, NB, 8) */
