@@ -202,7 +202,7 @@ static inline double xcos(double x) {
 #define VBYTES 64
 #define TILE_M_f32 4
 #define TILE_N_f32 4
-#define TILE_N1_f32 16
+#define TILE_N1_f32 8 /* decode: 8 weight rows in flight read 15-25% faster than 16 (Zen 4, 2 threads) */
 #define TILE_M_f64 2
 #define TILE_N_f64 4
 #define TILE_N1_f64 8
