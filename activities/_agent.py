@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from temporalio import activity
 
-from workflows._client import StreamClient
-from workflows._models import ACTIVITY_AGENT_FEED, AdvanceResult, AgentFeedRequest
+from workflows import ACTIVITY_AGENT_FEED, AdvanceResult, AgentFeedRequest, StreamClient
 
 __all__ = ["agent_feed_stream"]
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from temporalio import activity
 
 from activities._engine import WAIT_S
-from workflows._models import PROGRESS_BYTES, PROGRESS_INTERVAL_S, TokenProgress
+from workflows import PROGRESS_BYTES, PROGRESS_INTERVAL_S, TokenProgress
 
 __all__ = ["LiveTokens"]
 

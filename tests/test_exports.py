@@ -56,6 +56,8 @@ EXPECTED = {
         "StreamClient", "StreamFailure", "StreamMoving", "StreamOpening", "StreamOptions", "StreamStats",
         "TokenBatch", "TokenEvent", "TokenLogprob", "TokenOutOfRange", "TokenProgress", "UnknownRequest", "UpdateIdMismatch", "WorkerUnhealthy", "application_error", "catalogue", "chunk_digest",
         "id_key", "new_stream_id", "parse_update_id", "update_id",
+        # the workflow<->activity contract
+        "ACTIVITY_ADVANCE", "ACTIVITY_AGENT_FEED", "ACTIVITY_CHECKPOINT", "ACTIVITY_DISPOSE", "ACTIVITY_GENERATE", "ACTIVITY_OPEN", "ACTIVITY_OPEN_CARRY", "ACTIVITY_RECALL", "ACTIVITY_RESET", "ACTIVITY_REWIND", "ACTIVITY_SEAL_CARRY", "ACTIVITY_VERIFY", "PRESENTATION", "PROGRESS_BYTES", "AdvanceChunkRequest", "AdvanceChunkResult", "AgentFeedRequest", "CarrySeal", "CarrySealRequest", "CheckpointStreamRequest", "DisposeStreamRequest", "DisposeStreamResult", "GenerateChunkRequest", "GenerateChunkResult", "OpenStreamRequest", "OpenStreamResult", "RecallResultRequest", "RecallResultResult", "ResetStreamRequest", "RewindStreamRequest", "StateResult", "VerifyRequest", "id_digest",
     ],
     "cli": ["main"],
     "quality": ["DISTRACTOR_WORDS", "KEYS", "VALUES", "Sample", "parity_sample", "recall_sample"],
