@@ -41,21 +41,24 @@ import torch
 from activities._metrics import StreamMetrics
 from activities._store import StateStore
 from scan import Model, State
-from state_codec import CheckpointNotFound, Receipt, arithmetic_moved, continue_arithmetic, parse_state_key
+from state_codec import (
+    CheckpointNotFound,
+    Receipt,
+    arithmetic_moved,
+    continue_arithmetic,
+    format_state_key,
+    parse_state_key,
+    record_key,
+)
 from state_codec.codec import Keyring, open_bytes, open_checkpoint, seal, seal_bytes, unseal
 from workflows import RewindPastWindow
 
-__all__ = ["ChunkCommit", "Committed", "Prior", "record_key"]
+__all__ = ["ChunkCommit", "Committed", "Prior"]
 
 log = logging.getLogger(__name__)
 
 #: what keys a state key's digest (`Keyring.subkey`)
 _KEY_LABEL = "mamba-stream/state-key/v1"
-
-
-def record_key(state_key: str) -> str:
-    """Where the result of the chunk that committed `state_key` is recorded."""
-    return f"{state_key}.out"
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,7 @@ class ChunkCommit:
         one without the keyring can name another stream's checkpoint."""
         digest = hmac.new(self._key_secret, f"{stream_id}|{epoch}|{chunk_seq}|{what}".encode(),
                           hashlib.sha256).hexdigest()[:32]
-        return f"{stream_id}.e{epoch}.c{chunk_seq}.{digest}"
+        return format_state_key(stream_id, epoch, chunk_seq, digest)
 
     def chunk_key(self, stream_id: str, receipt: Receipt, chunk_seq: int, chunk_digest: str) -> str:
         """The key of a chunk's new state, from its input state and its content: another chunk
@@ -180,10 +183,15 @@ class ChunkCommit:
         return [(e, c) for _, e, c in self._checkpoints(receipt.stream_id) if (e, c) > (receipt.epoch, receipt.chunk_seq)]
 
     def revoke_before(self, stream_id: str, principal: str, epoch: int) -> int:
-        """Delete every stored checkpoint (and record) of the stream from an epoch before `epoch`,
-        the open one and pinned ones included; how many checkpoints."""
+        """Delete every stored checkpoint and result record of the stream from an epoch before
+        `epoch`: open, reset, chunk and pinned ones alike, and a record whose checkpoint is already
+        gone (a drop interrupted between the two deletes); how many checkpoints."""
         old = [key for key, e, _ in self._checkpoints(stream_id) if e < epoch]
         self.drop(old, stream_id=stream_id, principal=principal)
+        for key in self.store.list_stream(stream_id=stream_id):
+            parsed = parse_state_key(key, records=True)
+            if parsed is not None and parsed.stream_id == stream_id and parsed.epoch < epoch:
+                self.store.delete(key=key, stream_id=stream_id, principal=principal)
         return len(old)
 
     def commit(self, model: Model, state: State, *, stream_id: str, principal: str, chunk_seq: int, epoch: int,

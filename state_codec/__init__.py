@@ -40,7 +40,18 @@ from state_codec._receipt import (
     schema_diff,
     validate_resume,
 )
-from state_codec._sealing import CLEAR, MASTER, SEALED_ATTR, SEALER_KEY, StateKey, parse_state_key, sealer_of, stream_tag
+from state_codec._sealing import (
+    CLEAR,
+    MASTER,
+    SEALED_ATTR,
+    SEALER_KEY,
+    StateKey,
+    format_state_key,
+    parse_state_key,
+    record_key,
+    sealer_of,
+    stream_tag,
+)
 from state_codec._schema import SCHEMA_VERSION, Discretization, StateSchema, TensorSpec
 
 __all__ = [
@@ -82,7 +93,9 @@ __all__ = [
     "UnsupportedEnvelopeVersion",
     "arithmetic_moved",
     "continue_arithmetic",
+    "format_state_key",
     "parse_state_key",
+    "record_key",
     "schema_diff",
     "sealer_of",
     "stream_tag",

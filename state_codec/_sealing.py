@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["CLEAR", "FAILURE_SEALER_ATTR", "MASTER", "SEALED_ATTR", "SEALER_KEY", "TAG", "StateKey",
-           "parse_state_key", "sealer_of", "stream_tag"]
+           "format_state_key", "parse_state_key", "record_key", "sealer_of", "stream_tag"]
 
 #: the metadata key the workers' codec writes on each payload it decodes
 SEALER_KEY = "mamba-stream-sealer"
@@ -63,10 +63,13 @@ def sealer_of(value: Any) -> str | None:
     return found if isinstance(found, str) else None
 
 
-#: every checkpoint key, the open, reset and chunk states' alike:
-#: `<stream id>.e<epoch>.c<chunk seq>.<32 hex>` (keys written before the digest was keyed may end
-#: in an empty one: `<stream id>.e0.c0.`); a result record is its checkpoint's key + `.out`
+#: every checkpoint key, the open, reset and chunk states' alike (`format_state_key`):
+#: `<stream id>.e<epoch>.c<chunk seq>.<32 hex>`. Keys written before the digest was keyed may end
+#: in an empty one (`<stream id>.e0.c0.`): they still parse, so a revoke or a sweep finds them.
 _STATE_KEY = re.compile(r"^(?P<stream>.+)\.e(?P<epoch>\d+)\.c(?P<seq>\d+)\.(?P<digest>[0-9a-f]{32}|)$")
+_DIGEST = re.compile(r"[0-9a-f]{32}")
+#: a result record's key is its checkpoint's key + this
+_RECORD = ".out"
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,30 @@ class StateKey:
     chunk_seq: int
 
 
-def parse_state_key(key: str) -> StateKey | None:
-    """The stream, epoch and chunk a checkpoint key names; None for any other key (a record's)."""
+def format_state_key(stream_id: str, epoch: int, chunk_seq: int, digest: str) -> str:
+    """The key of the stream's checkpoint at (`epoch`, `chunk_seq`): the one format every
+    checkpoint key has, open, reset and chunk states alike; `digest` is 32 lowercase hex digits
+    (a keyed digest of what the state is). Anything else is a ValueError: a key this refuses is
+    one that `parse_state_key`, and so a revoke, a retention drop and a sweep, would not find."""
+    if not stream_id or type(epoch) is not int or type(chunk_seq) is not int or epoch < 0 or chunk_seq < 0:
+        raise ValueError(f"no checkpoint key for stream {stream_id!r}, epoch {epoch!r}, chunk {chunk_seq!r}")
+    if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
+        raise ValueError(f"a checkpoint key's digest is 32 lowercase hex digits, not {digest!r}")
+    key = f"{stream_id}.e{epoch}.c{chunk_seq}.{digest}"
+    if parse_state_key(key) != StateKey(stream_id, epoch, chunk_seq):  # e.g. a line break in the id
+        raise ValueError(f"stream id {stream_id!r} makes a key the parser does not read back")
+    return key
+
+
+def record_key(state_key: str) -> str:
+    """Where the result of the chunk that committed `state_key` is recorded."""
+    return state_key + _RECORD
+
+
+def parse_state_key(key: str, *, records: bool = False) -> StateKey | None:
+    """The stream, epoch and chunk a checkpoint key names; None for any other key. With
+    `records`, a result record's key (`record_key`) parses too, as its checkpoint's."""
+    if records and key.endswith(_RECORD):
+        key = key[: -len(_RECORD)]
     m = _STATE_KEY.match(key)
     return StateKey(m.group("stream"), int(m.group("epoch")), int(m.group("seq"))) if m else None

@@ -64,6 +64,7 @@ from state_codec._errors import (
 )
 from state_codec._receipt import ModelIdentity, Receipt, schema_diff, validate_resume
 from state_codec._schema import StateSchema
+from state_codec._sealing import format_state_key
 from state_codec.keyring import Keyring, KeyringError
 
 __all__ = [
@@ -490,8 +491,9 @@ def open_bytes(blob: bytes | bytearray | memoryview, *, binding: str, keyring: K
 
 
 def default_state_key(stream_id: str, epoch: int, chunk_seq: int, checksum: str) -> str:
-    """Content-derived: the same state of the same stream at the same step, the same key."""
-    return f"{stream_id}.e{epoch}.c{chunk_seq}.{checksum.partition(':')[2][:32]}"
+    """Content-derived: the same state of the same stream at the same step, the same key (the
+    workers derive keyed ones, `activities.ChunkCommit.state_key`; this is for a bare `seal`)."""
+    return format_state_key(stream_id, epoch, chunk_seq, hashlib.sha256(checksum.encode()).hexdigest()[:32])
 
 
 def seal(

@@ -12,9 +12,9 @@ from temporalio.exceptions import ApplicationError
 
 
 from activities import MemoryStateStore, ModelRegistry, StreamActivities
-from activities._commit import ChunkCommit, record_key
+from activities._commit import ChunkCommit
 from scan import State, load_model
-from state_codec import CheckpointNotFound, parse_state_key
+from state_codec import CheckpointNotFound, format_state_key, parse_state_key, record_key
 from state_codec.codec import Keyring, default_state_key, plaintext_checksum
 from workflows import AdvanceRequest, GenerateRequest
 from workflows._models import (
@@ -79,6 +79,41 @@ def test_keys_name_input_state_and_content(commits, model):
     other = ChunkCommit(MemoryStateStore(), Keyring.generate())
     assert other.chunk_key("s1", r0, 1, "d1") != k("s1", r0, 1, "d1")
     assert k("s1", r0, 1, "d1").startswith("s1.e0.c1.") and parse_state_key(k("s1", r0, 1, "d1")).chunk_seq == 1
+
+
+@pytest.mark.parametrize("what", ["open|initial", "open|sha256:" + "ab" * 32, "reset|initial", "chunk"])
+def test_every_key_the_workers_derive_is_one_the_parser_reads(commits, model, what: str):
+    r0 = _first(commits, model)
+    key = commits.chunk_key("s1", r0, 4, "d") if what == "chunk" else commits.state_key("s1", 2, 4, what)
+    epoch = r0.epoch if what == "chunk" else 2
+    assert parse_state_key(key) == parse_state_key(format_state_key("s1", epoch, 4, key.rsplit(".", 1)[1]))
+    assert (parse_state_key(key).epoch, parse_state_key(key).chunk_seq) == (epoch, 4)
+
+
+def test_a_revoke_deletes_the_earlier_epochs_checkpoints_and_records_and_only_those(commits, model):
+    store = commits.store
+    r0 = _first(commits, model)  # the open checkpoint, epoch 0
+    commits.write_record(r0, {"kind": "open"}, None)
+    out = model.advance(model.initial_state(), [3, 4])
+    c1 = commits.complete(model, out.state, stream_id="s1", principal="alice", before=r0, chunk_seq=1,
+                          key=commits.chunk_key("s1", r0, 1, "d1"), path="reference", last=None,
+                          make_result=_result(2), drop_keys=[]).receipt
+    reset1 = commits.commit(model, model.initial_state(), stream_id="s1", principal="alice", chunk_seq=1, epoch=1,
+                            key=commits.state_key("s1", 1, 1, "reset|initial"), backend="reference:reset",
+                            before=None).receipt
+    legacy = "s1.e0.c0."  # an open key as an earlier version wrote it, and its record
+    store.put_if_absent(key=legacy, data=b"x", stream_id="s1", principal="alice")
+    store.put_if_absent(key=record_key(legacy), data=b"x", stream_id="s1", principal="alice")
+    orphan = record_key(commits.chunk_key("s1", r0, 9, "gone"))  # its checkpoint deleted, the record not yet
+    store.put_if_absent(key=orphan, data=b"x", stream_id="s1", principal="alice")
+    other = _first(commits, model, sid="s2")  # another stream's epoch 0: untouched
+    assert commits.revoke_before("s1", "alice", 1) == 3  # open, chunk 1 and the legacy open
+    assert store.list_stream(stream_id="s1") == [reset1.state_key]
+    assert store.list_stream(stream_id="s2") == [other.state_key]
+    with pytest.raises(CheckpointNotFound):
+        commits.fetch(model, c1, "alice")
+    commits.fetch(model, reset1, "alice")  # the new epoch's checkpoint still opens
+    assert commits.revoke_before("s1", "alice", 1) == 0
 
 
 def test_a_second_attempt_adopts_the_first_attempts_bytes(commits, model):

@@ -14,7 +14,7 @@ from temporalio.testing import ActivityEnvironment
 
 
 import activities._registry as registry_module
-from activities._commit import record_key
+from state_codec import record_key
 from activities import MemoryStateStore, ModelRegistry, StreamActivities, StreamMetrics, WorkerHealth
 from activities._health import FAILURES_TO_TRIP
 from activities._stream import UNTYPED_ATTEMPTS, WORKER_FAULT_ATTEMPTS

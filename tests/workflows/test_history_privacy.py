@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from temporalio.client import WorkflowUpdateFailedError
 
+from state_codec import parse_state_key
 from tests.workflows.conftest import Stack, local_marker_meta
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -38,30 +39,57 @@ async def _epoch(stack: Stack, sid: str, epoch: int):
     return s if s.epoch == epoch else None
 
 
-@pytest.mark.parametrize("revoke", [False, True])
-async def test_a_reset_with_revoke_leaves_no_resumable_checkpoint_of_the_old_epoch(stack: Stack, revoke: bool):
+async def _resumes_at(stack: Stack, receipt) -> int | None:  # noqa: ANN001
+    """The position a stream opened from `receipt` starts at; None when the checkpoint is gone."""
     from temporalio.client import WorkflowFailureError
 
+    try:
+        sid = await stack.streams.open("alice", "tiny-mamba2", resume=receipt)
+    except WorkflowFailureError as err:
+        assert err.cause.type == "CheckpointNotFound", err.cause
+        return None
+    return (await stack.streams.stats(sid)).position
+
+
+@pytest.mark.parametrize("opened", ["fresh", "resumed"])
+async def test_a_revoking_reset_deletes_every_checkpoint_of_the_earlier_epochs(stack: Stack, opened: str):
+    """Every kind of checkpoint a stream holds: its open one (a resumed stream's holds the state it
+    resumed, another stream's secret), chunks (handed out in results), pinned ones, and an earlier
+    reset's. A reset without revoke keeps them all resumable; one with revoke leaves nothing of the
+    earlier epochs in the store, and none of them resumes."""
     from tests.workflows.conftest import eventually
 
-    sid = await stack.streams.open("alice", "tiny-mamba2")
-    await stack.streams.advance(sid, "alice", text="before the reset")
-    pinned = (await stack.streams.checkpoint(sid, "alice")).receipt
-    handed = (await stack.streams.advance(sid, "alice", text=" and more")).receipt  # a result's receipt
-    await stack.streams.reset(sid, "alice", revoke=revoke)
+    resume = None
+    if opened == "resumed":
+        src = await stack.streams.open("alice", "tiny-mamba2")
+        resume = (await stack.streams.advance(src, "alice", text="the principal's secret")).receipt
+    sid = await stack.streams.open("alice", "tiny-mamba2", resume=resume)
+    held = {"open": (await stack.streams.checkpoint(sid, "alice")).receipt}  # pins the open checkpoint
+    assert held["open"].chunk_seq == 0 and held["open"].position == (resume.position if resume else 0)
+    held["chunk"] = (await stack.streams.advance(sid, "alice", text=" one")).receipt
+    held["pinned"] = (await stack.streams.checkpoint(sid, "alice")).receipt
+    held["later chunk"] = (await stack.streams.advance(sid, "alice", text=" two")).receipt
+    await stack.streams.reset(sid, "alice")  # epoch 1, nothing revoked
     await eventually(lambda: _epoch(stack, sid, 1))
-    keys = stack.acts.store.list_stream(stream_id=sid)
-    assert (pinned.state_key in keys, handed.state_key in keys) == (not revoke, not revoke)
-    for receipt in (pinned, handed):
-        if revoke:
-            with pytest.raises(WorkflowFailureError) as err:
-                await stack.streams.open("alice", "tiny-mamba2", resume=receipt)
-            assert err.value.cause.type == "CheckpointNotFound"
-        else:  # the documented default: what was handed out before the reset still resumes
-            resumed = await stack.streams.open("alice", "tiny-mamba2", resume=receipt)
-            assert (await stack.streams.stats(resumed)).position == receipt.position
+    held["reset"] = (await stack.streams.checkpoint(sid, "alice")).receipt
+    assert held["reset"].epoch == 1 and held["reset"].position == 0
+    held["epoch 1 chunk"] = (await stack.streams.advance(sid, "alice", text=" three")).receipt
+    keys = set(stack.acts.store.list_stream(stream_id=sid))
+    assert {r.state_key for r in held.values()} <= keys
+    for what in ("open", "pinned", "reset"):  # the documented default: they still resume
+        assert await _resumes_at(stack, held[what]) == held[what].position, what
+
+    await stack.streams.reset(sid, "alice", revoke=True)  # epoch 2
+    await eventually(lambda: _epoch(stack, sid, 2))
+    left = stack.acts.store.list_stream(stream_id=sid)
+    assert left, "the new epoch's reset checkpoint is stored"
+    for key in left:  # checkpoints and their result records (`<key>.out`) alike
+        parsed = parse_state_key(key.removesuffix(".out"))
+        assert parsed is not None and parsed.stream_id == sid and parsed.epoch == 2, key
+    for what, receipt in held.items():
+        assert await _resumes_at(stack, receipt) is None, what
     after = await stack.streams.advance(sid, "alice", tokens=[1])
-    assert after.position == 1 and after.receipt.epoch == 1
+    assert after.position == 1 and after.receipt.epoch == 2
 
 
 def _payloads(events) -> list:
