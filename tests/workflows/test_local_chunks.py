@@ -162,3 +162,38 @@ async def test_a_busy_engine_declines_local_attempts_and_the_chunk_goes_the_regu
         events = await _events(stack, sid)
         assert _activities_scheduled(events) == ["open_stream", "advance_chunk", "generate_tokens"]
         assert _local_markers(events) == 2  # the declines, recorded
+
+
+async def test_a_chunks_own_permanent_failure_on_the_local_path_is_final(stack: Stack):
+    """A local attempt that fails for the chunk's own reason (its input checkpoint is gone:
+    `CheckpointNotFound`, non-retryable) is the chunk's answer: it is not run again on the worker
+    queue or the shared one, the stream keeps its worker binding, and nothing is lost: with the
+    checkpoint back, the next chunk commits as if nothing had failed."""
+    from temporalio.client import WorkflowUpdateFailedError
+
+    model = local("tiny-mamba2")
+    sid = await stack.streams.open("alice", "tiny-mamba2", options=FAST)
+    first = await stack.streams.advance(sid, "alice", tokens=[1, 2, 3])
+    key = first.receipt.state_key
+    blob = stack.acts.store.get(key=key, principal="alice")
+    before = await stack.streams.stats(sid)
+    assert before.local_chunks == 1 and before.migrations == 0
+    stack.acts.store.delete(key=key, stream_id=sid, principal="alice")
+    stack.acts.release_stream(sid)  # the next chunk must fetch the lost checkpoint
+    with pytest.raises(WorkflowUpdateFailedError) as err:
+        await stack.streams.advance(sid, "alice", tokens=[4, 5])
+    assert err.value.cause.type == "CheckpointNotFound"
+    stats = await stack.streams.stats(sid)
+    assert (stats.local_fallbacks, stats.migrations, stats.local_chunks, stats.chunk_seq) == (0, 0, 1, 1), stats
+    events = await _events(stack, sid)
+    assert _activities_scheduled(events) == ["open_stream"]  # the chunks ran locally, and only there
+    assert _local_markers(events) == 2
+    stack.acts.store.put_if_absent(key=key, data=blob, stream_id=sid, principal="alice")
+    # (other tokens: the same request again is the same update, whose outcome is the failure)
+    again = await stack.streams.advance(sid, "alice", tokens=[4, 6])
+    truth = model.advance(model.initial_state(), [1, 2, 3, 4, 6])
+    assert again.chunk_seq == 2 and again.output_digest == digest(truth.logits[3:])
+    assert again.receipt.checksum == plaintext_checksum(truth.state.tensors)
+    stats = await stack.streams.stats(sid)
+    assert (stats.local_fallbacks, stats.migrations, stats.local_chunks) == (0, 0, 2)
+    assert _activities_scheduled(await _events(stack, sid)) == ["open_stream"]

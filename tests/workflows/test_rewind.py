@@ -267,3 +267,31 @@ async def test_after_a_rewind_another_chunk_at_the_same_seq_gets_its_own_result(
     full = truth([1, 2, 3, 40, 41, 42])
     assert nxt.receipt.checksum == plaintext_checksum(full.state.tensors)
     assert nxt.output_digest == digest(full.logits[5:])
+
+
+async def test_a_rewind_to_before_a_reset_does_not_reapply_the_reset(stack: Stack):
+    """Chunks 1-3, a reset (a signal), chunk 4, rewind to 2: the stream is back at epoch 0 and
+    chunk 2's position, as a fresh stream fed chunks 1-2; the reset, sent after the rewind point,
+    is not applied again (nor counted), and the chunks after continue the old epoch's state."""
+    sid = await stack.streams.open("alice", "tiny-mamba2", options=StreamOptions(
+        **{**FAST.model_dump(), "checkpoints_kept": 8}))
+    for c in CHUNKS[:3]:
+        await stack.streams.advance(sid, "alice", tokens=c)
+    await stack.streams.reset(sid, "alice")
+    await eventually(lambda: _epoch(stack, sid, 1))
+    four = await stack.streams.advance(sid, "alice", tokens=CHUNKS[3])
+    assert (four.receipt.epoch, four.position, four.chunk_seq) == (1, len(CHUNKS[3]), 4)
+    before = await stack.streams.stats(sid)
+    await stack.streams.rewind(sid, 2)
+    stats = await eventually(lambda: _at(stack, sid, 2))
+    assert (stats.epoch, stats.position, stats.chunk_seq) == (0, len(CHUNKS[0]) + len(CHUNKS[1]), 2)
+    assert stats.resets == before.resets and stats.rewinds == before.rewinds + 1
+    assert (await stack.streams.receipt(sid)).epoch == 0
+    await _continues_like_a_fresh_stream(stack, sid, [*CHUNKS[0], *CHUNKS[1]], 2)
+    after = await stack.streams.stats(sid)
+    assert after.epoch == 0 and after.resets == before.resets
+
+
+async def _epoch(stack: Stack, sid: str, epoch: int):
+    s = await stack.streams.stats(sid)
+    return s if s.epoch == epoch else None
