@@ -38,6 +38,7 @@ from workflows._models import (
     ACTIVITY_GENERATE,
     ACTIVITY_OPEN,
     PROGRESS_INTERVAL_S,
+    READ_EVENTS,
     AdvanceRequest,
     AdvanceResult,
     CancelRequest,
@@ -340,7 +341,7 @@ class StreamClient:
             chunk_seq, attempt)
 
     async def tokens(self, stream_id: str, *, from_offset: int = 0, chunk_seq: int | None = None,
-                     update_id: str | None = None) -> AsyncIterator[TokenEvent]:
+                     update_id: str | None = None, max_events: int = READ_EVENTS) -> AsyncIterator[TokenEvent]:
         """The stream's generated tokens from log offset `from_offset` (of one chunk or update, if
         named), as they come: each token once, in order, across continue-as-new; ends when the
         stream is cancelled or closed.
@@ -356,15 +357,17 @@ class StreamClient:
         offset of the last `done` event + 1 (or of an unfinished chunk's events, to see that
         chunk from its start). Entries older than the log's window
         (`StreamOptions.token_log_events`) are gone: reading starts at the oldest kept.
+        `max_events`: the most entries one query returns (a read also stops at 512 KiB).
         """
-        async for ev in _Reader(self, stream_id, from_offset, chunk_seq, update_id).events():
+        async for ev in _Reader(self, stream_id, from_offset, chunk_seq, update_id, max_events).events():
             yield ev
 
     async def read_tokens(self, stream_id: str, *, from_offset: int = 0, chunk_seq: int | None = None,
-                          update_id: str | None = None) -> TokenBatch:
-        """What the token log holds from `from_offset` now (a query: no history)."""
+                          update_id: str | None = None, max_events: int = READ_EVENTS) -> TokenBatch:
+        """What the token log holds from `from_offset` now (a query: no history), at most
+        `max_events` entries; `more` says some were held back: read again from `next_offset`."""
         return await self._query(stream_id, MambaStreamWorkflow.read_tokens, ReadTokensRequest(
-            from_offset=from_offset, chunk_seq=chunk_seq, update_id=update_id))
+            from_offset=from_offset, chunk_seq=chunk_seq, update_id=update_id, max_events=max_events))
 
     async def token_offset(self, stream_id: str) -> int:
         """Where the stream's token log ends now."""
@@ -704,9 +707,9 @@ class _Reader:
     and polls `describe` for a streamed generate's progress while one runs."""
 
     def __init__(self, client: StreamClient, stream_id: str, from_offset: int, chunk_seq: int | None,
-                 update_id: str | None) -> None:
+                 update_id: str | None, max_events: int = READ_EVENTS) -> None:
         self.c, self.sid, self.offset = client, stream_id, from_offset
-        self.chunk_seq, self.update_id = chunk_seq, update_id
+        self.chunk_seq, self.update_id, self.max_events = chunk_seq, update_id, max_events
         self.handle = client.handle(stream_id)
         self.run_id: str | None = None
         self.token = b""  # where this reader's history of the run ends (the server's page token)
@@ -837,8 +840,8 @@ class _Reader:
         while True:
             try:
                 batch = await self._call(lambda: self.c.read_tokens(
-                    self.sid, from_offset=self.offset, chunk_seq=self.chunk_seq, update_id=self.update_id),
-                    give_up=closing)
+                    self.sid, from_offset=self.offset, chunk_seq=self.chunk_seq, update_id=self.update_id,
+                    max_events=self.max_events), give_up=closing)
             except (RPCError, WorkflowQueryFailedError):
                 return out  # closed, and no worker answers for it: nothing more will come
             for ev in batch.events:

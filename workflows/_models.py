@@ -476,6 +476,10 @@ class TokenProgress(_Model):
     text: str | None = Field(default=None, description="stable text: no trailing incomplete character")
 
 
+#: the most token-log entries one read returns by default (`ReadTokensRequest.max_events`)
+READ_EVENTS = 256
+
+
 class ReadTokensRequest(_Strict):
     """Read a stream's token log from `from_offset` (the `read_tokens` query)."""
 
@@ -483,7 +487,7 @@ class ReadTokensRequest(_Strict):
     chunk_seq: int | None = Field(default=None, ge=1, le=MAX_INDEX, description="only this chunk's entries")
     update_id: str | None = Field(default=None, max_length=512, description="only the entries this generate "
                                   "update made (a reader that starts with its chunk needs no offset)")
-    max_events: int = Field(default=256, ge=1, le=4096)
+    max_events: int = Field(default=READ_EVENTS, ge=1, le=4096)
 
 
 class TokenBatch(_Model):

@@ -519,3 +519,110 @@ async def test_a_reader_that_fell_behind_or_saw_a_retry_sample_others_waits_for_
     err = failed.commit(TokenEvent(offset=5, chunk_seq=2, update_id="generate-2-e0-x", done=True,
                                    error="StreamCancelled"))
     assert (err.index, err.tokens, err.error, err.restart) == (1, [], "StreamCancelled", False)
+
+
+async def _read_all(stack: Stack, sid: str, max_events: int, **kw) -> tuple[list[TokenEvent], list[bool]]:
+    """The log read in batches of `max_events` from offset 0, each from the last one's next_offset."""
+    got, mores, offset = [], [], 0
+    for _ in range(64):
+        batch = await stack.streams.read_tokens(sid, from_offset=offset, max_events=max_events, **kw)
+        assert len(batch.events) <= max_events
+        got += batch.events
+        mores.append(batch.more)
+        assert batch.next_offset > offset or not batch.more, "a held-back read must move on"
+        offset = batch.next_offset
+        if not batch.more:
+            return got, mores
+    raise AssertionError("the reads never ended")
+
+
+async def test_a_read_cut_at_max_events_goes_on_from_the_entry_after_the_last_returned(temporal_env, tmp_path):
+    """A read that holds entries back (its `max_events`) says `more`, and its next offset is the
+    entry after the last one it returned: read again and again, every entry once, in order, none
+    skipped; with a chunk filter (offsets with gaps) and with the log's oldest entries gone (the
+    first read starts past from_offset) alike."""
+    stack = await make_stack(temporal_env, tmp_path)
+    async with stack.exits:
+        opts = FAST.model_copy(update={"token_log_events": 5})
+        sid = await stack.streams.open("alice", "tiny-mamba2", options=opts)
+        await stack.streams.advance(sid, "alice", tokens=[9, 8, 7])
+        results = [await stack.streams.generate(sid, "alice", 3, seed=i) for i in range(7)]
+        whole = await stack.streams.read_tokens(sid, from_offset=0)
+        assert not whole.more and whole.base_offset == 2 and [e.offset for e in whole.events] == [2, 3, 4, 5, 6]
+        assert [e.tokens for e in whole.events] == [r.tokens for r in results[2:]]
+        for n in (1, 2, 3, 4):
+            got, mores = await _read_all(stack, sid, n)
+            assert [(e.offset, e.chunk_seq, e.tokens) for e in got] == \
+                [(e.offset, e.chunk_seq, e.tokens) for e in whole.events], n
+            assert mores[:-1] == [True] * (len(mores) - 1)
+        seq = results[4].chunk_seq
+        one, mores = await _read_all(stack, sid, 1, chunk_seq=seq)
+        assert [(e.offset, e.tokens) for e in one] == [(4, results[4].tokens)] and mores[0] is True
+        # the reader does the same with a small batch: each kept entry once
+        seen: list[TokenEvent] = []
+        await asyncio.wait_for(_collect(stack.streams.tokens(sid, from_offset=0, max_events=2), seen, 5), 20)
+        assert [(e.offset, e.tokens) for e in seen] == [(e.offset, e.tokens) for e in whole.events]
+
+
+class FailStreamedOnce(SlowSampling):
+    """The first regular attempt of a streamed generate fails for a reason not the chunk's own
+    (`InternalError`, permanent) after its tokens went out as heartbeats."""
+
+    step_s = 0.05
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.failed = False
+
+    def _edge(self, name: str, stream_id: str, chunk_seq: int) -> None:
+        from temporalio import activity
+
+        from workflows import InternalError
+
+        super()._edge(name, stream_id, chunk_seq)
+        if name == "computed" and not self.failed and activity.in_activity() and not activity.info().is_local \
+                and activity.info().activity_type == "generate_tokens":
+            self.failed = True
+            raise InternalError("planted: the worker lost the chunk after sampling it")
+
+
+async def test_a_reader_of_a_generate_sent_again_yields_only_that_attempts_entries(temporal_env, tmp_path):
+    """A streamed chunk fails permanently (not its own fault) and is sent again as `attempt=1`:
+    a reader of the second attempt's update id, running while the first attempt streamed, yields
+    only the second attempt's tokens (from index 0, once, then its commit), never the first's live
+    tokens or its failure entry; a reader of the chunk sequence sees both attempts' entries."""
+    stack = await make_stack(temporal_env, tmp_path, acts_cls=FailStreamedOnce)
+    async with stack.exits:
+        regular = FAST.model_copy(update={"local_chunks": False})
+        sid = await stack.streams.open("alice", "tiny-mamba2", options=regular)
+        await stack.streams.advance(sid, "alice", tokens=[3, 1, 4, 1, 5])
+        start, seq = await stack.streams.token_offset(sid), await stack.streams.next_seq(sid)
+        first = stack.streams.generate_stream(sid, "alice", 30, seed=7)
+        shown: list[TokenEvent] = []
+        again_reader: asyncio.Future | None = None
+        again_seen: list[TokenEvent] = []
+        with pytest.raises(WorkflowUpdateFailedError) as err:
+            async for ev in first:
+                shown.append(ev)
+                if again_reader is None:  # the second attempt's id: the first's + "-a1"
+                    again_reader = asyncio.ensure_future(_collect(stack.streams.tokens(
+                        sid, from_offset=start, update_id=ev.update_id + "-a1"), again_seen, 1))
+        assert reason(err.value) == "InternalError" and shown and again_reader is not None
+        uid0 = shown[0].update_id
+        assert all(e.update_id == uid0 and e.chunk_seq == seq and not e.done for e in shown)
+        second = stack.streams.generate_stream(sid, "alice", 30, seed=7, chunk_seq=seq, attempt=1)
+        mine = [ev async for ev in second]
+        result = second.result
+        assert result.chunk_seq == seq and len(result.tokens) == 30
+        _one_chunk_in_order(mine, result.tokens, result.text)
+        await asyncio.wait_for(again_reader, 30)
+        assert all(e.update_id == uid0 + "-a1" and e.error is None for e in again_seen), again_seen
+        _one_chunk_in_order(again_seen, result.tokens, result.text)
+        assert again_seen[-1].offset == start + 1  # the failed attempt's entry took `start`
+        by_seq: list[TokenEvent] = []
+        await asyncio.wait_for(_collect(stack.streams.tokens(sid, from_offset=start, chunk_seq=seq), by_seq, 2), 20)
+        assert [(e.offset, e.update_id, e.error, e.tokens) for e in by_seq] == \
+            [(start, uid0, "InternalError", []), (start + 1, uid0 + "-a1", None, result.tokens)]
+        truth = local("tiny-mamba2")
+        full = truth.advance(truth.initial_state(), [3, 1, 4, 1, 5, *result.tokens])
+        assert result.receipt.checksum == plaintext_checksum(full.state.tensors)
