@@ -4,12 +4,15 @@ kernels were built for, whether the kernels were built at all)."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import functools
 import hashlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -200,6 +203,128 @@ def test_products_split_across_the_c_helper_threads_give_the_twins_bits(monkeypa
             for t in (threads, 1, threads):
                 monkeypatch.setattr(E, "_THREADS", t)
                 assert _equal(ops.linear(x, w, b), want), (m, k, n, t, type(w).__name__)
+
+
+def _threaded_shapes() -> list[tuple[int, int, int]]:
+    """(rows, k, outputs) of products at least `_THREADED_WORK` multiply-adds, the size from which
+    a product splits across threads: decode (one row) and prefill (seven: a tile of rows and a
+    remainder), k off and on a block of 16/32, and outputs 9 past a run of 16, so that the two
+    threads' spans are unequal and the last run of the last span is short."""
+    shapes = []
+    for m, k in [(1, 300), (1, 1024), (7, 200)]:
+        n = -(-E._THREADED_WORK // (m * k))
+        shapes.append((m, k, n + (9 - n) % 16))
+    return shapes
+
+
+def _record_threads(monkeypatch: pytest.MonkeyPatch, lib) -> list[int]:  # noqa: ANN001
+    """The thread count each product hands the C pool (`linear_threads`, `linear_q8_threads`)."""
+    seen: list[int] = []
+    for name in ("linear_threads", "linear_q8_threads"):
+        real = getattr(lib, name)
+        monkeypatch.setattr(lib, name, lambda *a, _real=real: (seen.append(a[-1]), _real(*a))[1])
+    return seen
+
+
+_LINEAR_FN = ctypes.CFUNCTYPE(None, *E._LINEAR)
+
+
+@contextlib.contextmanager
+def _record_spans(ops, dtype: torch.dtype, wdtype: torch.dtype  # noqa: ANN001
+                  ) -> Iterator[list[tuple[int, int]]]:
+    """The outputs [n0, n1) each part of a float product's job is called on (the pool's split,
+    seen from inside C), while the context lasts: the product's kernel is called through a
+    recorder, and the kernel itself again after."""
+    fmt = {v: k for k, v in E._WEIGHT_FORMATS.items()}[None if wdtype == dtype else wdtype]
+    kernel, spans = getattr(ops.lib, f"linear_{fmt}{E._SUFFIX[dtype]}"), []
+
+    def part(x, m, k, w, n, bias, out, n0, n1):  # noqa: ANN001, ANN202
+        spans.append((n0, n1))
+        kernel(x, m, k, w, n, bias, out, n0, n1)
+
+    recorder, real = _LINEAR_FN(part), ops.linears[dtype, wdtype]
+    ops.linears[dtype, wdtype] = ctypes.cast(recorder, ctypes.c_void_p).value
+    try:
+        yield spans
+    finally:  # before the recorder is freed
+        ops.linears[dtype, wdtype] = real
+
+
+def _differ(got: torch.Tensor, want: torch.Tensor) -> str:
+    """Which outputs (the last dimension) differ: the count, the first and the last."""
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"{got.dtype} {tuple(got.shape)} against {want.dtype} {tuple(want.shape)}"
+    cols = (got != want).reshape(-1, got.shape[-1]).any(0).nonzero().flatten().tolist()
+    return f"{len(cols)} of {got.shape[-1]} outputs differ" + (f", {cols[0]}..{cols[-1]}" if cols else "")
+
+
+#: weight formats: (the computation's dtype, how the weight is stored)
+_FORMATS = {"float32": (torch.float32, torch.float32), "float64": (torch.float64, torch.float64),
+            "bfloat16": (torch.float32, torch.bfloat16), "float16": (torch.float32, torch.float16),
+            "q8": (torch.float32, "q8")}
+
+
+@pytest.mark.parametrize("fmt", list(_FORMATS))
+def test_products_past_the_threaded_work_give_the_twins_bits_on_one_thread_and_on_two(monkeypatch, fmt):
+    """Products big enough to split across threads at the real threshold (`_THREADED_WORK`, not
+    lowered), biased and not, one row and seven, on 1 thread and on 2: every output has the twin's
+    bits and the same bits either way. The split is seen: the pool gets 2 threads (1 when set to
+    1), and a float product's kernel is called on [0, s) and [s, N), s a whole number of runs of 16
+    and the last span's last run short. A bias added outside a part's own span is added twice (or
+    over outputs another thread has not yet written) on two threads, and only there."""
+    dtype, stored = _FORMATS[fmt]
+    g = torch.Generator().manual_seed(12)
+    ops = E._kernel_ops()
+    threads = _record_threads(monkeypatch, ops.lib)
+    for m, k, n in _threaded_shapes():
+        assert m * k * n >= E._THREADED_WORK and n % 16 == 9, (m, k, n)
+        x, b = _r(g, m, k, dtype=dtype), _r(g, n, dtype=dtype)
+        w = _r(g, n, k, dtype=dtype, scale=0.2)
+        w = quantize_q8(w) if stored == "q8" else w.to(stored)
+        for bias in (b, None):
+            want = E.TWIN_OPS.linear(x, w, bias)
+            got = {}
+            for t in (1, 2):
+                monkeypatch.setattr(E, "_THREADS", t)
+                threads.clear()
+                got[t] = ops.linear(x, w, bias)
+                case = f"{fmt} ({m}, {k}) x ({n}, {k}), {t} thread(s), {'no ' * (bias is None)}bias"
+                assert threads == [t], (case, threads)
+                assert _equal(got[t], want), f"{case}: {_differ(got[t], want)}"
+                if m > 1:  # a row of the threaded prefill is the same row decoded alone
+                    assert torch.equal(ops.linear(x[-1:], w, bias)[0], got[t][-1])
+            assert torch.equal(got[1], got[2])
+            if stored == "q8":
+                continue
+            units = (n + 15) // 16
+            s = units // 2 * 16
+            for t, parts in ((1, [(0, n)]), (2, [(0, s), (s, n)])):
+                monkeypatch.setattr(E, "_THREADS", t)
+                with _record_spans(ops, dtype, w.dtype) as spans:
+                    recorded = ops.linear(x, w, bias)
+                assert _equal(recorded, want), (fmt, m, k, n, t, "recorded", _differ(recorded, want))
+                assert sorted(spans) == parts and (n - s) % 16 != 0, (m, k, n, t, spans)
+
+
+@pytest.mark.parametrize("fmt", ["float32", "q8"])
+def test_a_product_splits_from_exactly_the_threaded_work(monkeypatch, fmt):
+    """At `_THREADED_WORK` multiply-adds a product goes to 2 threads, one output fewer stays on
+    one; both with the twins' bits, biased."""
+    g = torch.Generator().manual_seed(13)
+    ops = E._kernel_ops()
+    threads = _record_threads(monkeypatch, ops.lib)
+    monkeypatch.setattr(E, "_THREADS", 2)
+    k = 256
+    n = -(-E._THREADED_WORK // k)
+    assert n * k >= E._THREADED_WORK > (n - 1) * k
+    for outputs, want_threads in ((n, 2), (n - 1, 1)):
+        x, b = _r(g, 1, k, dtype=torch.float32), _r(g, outputs, dtype=torch.float32)
+        w = _r(g, outputs, k, dtype=torch.float32, scale=0.2)
+        w = quantize_q8(w) if fmt == "q8" else w
+        threads.clear()
+        got = ops.linear(x, w, b)
+        want = E.TWIN_OPS.linear(x, w, b)
+        assert threads == [want_threads] and _equal(got, want), (outputs, threads, _differ(got, want))
 
 
 def test_products_called_from_many_threads_at_once_each_get_their_own_bits(monkeypatch):
