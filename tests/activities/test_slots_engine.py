@@ -236,6 +236,59 @@ def test_release_zeroes_the_slot():
         engine.close()
 
 
+@pytest.mark.parametrize("kind", ["prefill", "decode", "generate"])
+def test_a_retry_of_an_uncommitted_chunk_reloads_its_receipts_state_not_the_slots(kind):
+    """Issue 31: a chunk ran in its slot but its checkpoint never reached the store (a read-only
+    store refused the write), so the attempt is retried from the same receipt. The slot now holds
+    the chunk's uncommitted result, not the receipt's state: the retry must reload the receipt's
+    state and give, bit for bit, what the first attempt gave. An admission that kept the slot's
+    stale committed key served the retry from the advanced slot (the chunk applied twice)."""
+    model = model_for(MODEL)
+    engine = _engine(capacity=4, max_wait_s=0.0)
+    try:
+        start = model.advance(model.initial_state(), tokens(7, 21))
+        stored = (start.state, start.logits[-1])  # the receipt's checkpoint "a0", as the store has it
+        engine.put("a", start.state, epoch=0, state_key="a0", logits=start.logits[-1])
+        fed = {"prefill": tokens(9, 22), "decode": [17], "generate": []}[kind]
+        loads: list[int] = []
+
+        def load():
+            loads.append(1)
+            return stored
+
+        def chunk():
+            if kind == "generate":
+                return engine.generate("a", SeededSampler(1.0, 0, torch.Generator().manual_seed(5)), 4,
+                                       expected_key="a0", epoch=0, load=load)
+            return engine.advance("a", fed, expected_key="a0", epoch=0, load=load)
+
+        first = chunk()
+        assert loads == []  # the first attempt ran hot, from the slot "a0" was put in
+        retry = chunk()  # no engine.commit("a", ...) between them: the store refused the checkpoint
+        if kind == "generate":
+            toks, logits, state, last = _decode_alone(model, start.state, start.logits[-1], (1.0, 0, 5), 4)
+        else:
+            truth = model.advance(start.state, fed)
+            toks, logits, state, last = fed, truth.logits, truth.state, truth.logits[-1]
+        for name, out in (("first attempt", first), ("retry", retry)):
+            assert out.tokens == toks, f"{name}: other tokens"
+            assert out.state.position == state.position == start.state.position + len(toks), \
+                f"{name}: at position {out.state.position}, not {start.state.position + len(toks)}"
+            assert out.state.equal(state), f"{name}: another state than the receipt's advanced by the chunk"
+            assert torch.equal(out.logits, logits), f"{name}: other logits"
+            assert torch.equal(out.last_logits, last), f"{name}: other next-token logits"
+        assert loads == [1] and engine.stats.loads == 1  # the retry reloaded from the store, not hot
+        # the slot runs ahead of every committed key until the retry's checkpoint is in the store
+        assert not engine.holds("a", "a0") and "a" not in engine.hot_stream_ids()
+        engine.commit("a", "a1")  # the retry's checkpoint made it: the next chunk runs hot from it
+        assert engine.holds("a", "a1")
+        nxt = engine.advance("a", [3], expected_key="a1", epoch=0,
+                             load=lambda: (_ for _ in ()).throw(AssertionError))
+        assert nxt.state.equal(model.advance(state, [3]).state) and engine.stats.loads == 1
+    finally:
+        engine.close()
+
+
 # --- batched decode: in-place steps, batched sampling ----------------------------------------------
 
 
