@@ -225,6 +225,16 @@ static inline double xcos(double x) {
 #endif
 #define TILE_Q_f32 (TILE_N1_f32 > TILE_N_f32 ? TILE_N1_f32 : TILE_N_f32)
 #define TILE_Q_f64 (TILE_N1_f64 > TILE_N_f64 ? TILE_N1_f64 : TILE_N_f64)
+/* A value loaded once into a register, for the tile's products to use from there: left alone,
+ * GCC folds each use into its multiply as a memory operand, so a 4 x 4 tile loads its operands 32
+ * times a step instead of 8 and the loads, not the arithmetic, set the pace (float32 prefill
+ * products 55-63 -> 84-101 GFLOP/s on 2 Zen 4 threads, the two builds interleaved; decode and
+ * bfloat16 weights unchanged). An empty asm: no instruction, no change to any value. */
+#if defined(__AVX512F__)
+#define IN_REGISTER(v) __asm__("" : "+v"(v))
+#else
+#define IN_REGISTER(v) __asm__("" : "+x"(v))
+#endif
 /* outputs per cache block: their weight rows stay in L2 while every row of x passes */
 #define BLOCK_N 96
 
@@ -401,9 +411,15 @@ static inline f16x_v4 f16x4(const f16_t *p) {
                 for (int q = 0; q < Q; q++) __builtin_prefetch(next + q * K + k, 0, 0);             \
             for (int v = 0; v < NV##SUF; v++) {                                                     \
                 V##SUF a[TILE_M##SUF];                                                              \
-                for (int r = 0; r < R; r++) memcpy(&a[r], x + (m + r) * K + k + v * W##SUF, VBYTES); \
+                for (int r = 0; r < R; r++) {                                                       \
+                    V##SUF t;                                                                       \
+                    memcpy(&t, x + (m + r) * K + k + v * W##SUF, VBYTES);                           \
+                    IN_REGISTER(t);                                                                 \
+                    a[r] = t;                                                                       \
+                }                                                                                   \
                 for (int q = 0; q < Q; q++) {                                                       \
                     V##SUF b = wv##WN##SUF(w + (n + q) * K + k + v * W##SUF);                       \
+                    IN_REGISTER(b);                                                                 \
                     for (int r = 0; r < R; r++) c[r][q][v] = c[r][q][v] + a[r] * b;                 \
                 }                                                                                   \
             }                                                                                       \
