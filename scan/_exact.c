@@ -15,6 +15,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -1109,6 +1110,72 @@ void linear_q8_threads(const int8_t *qx, const float *sx, i64 M, i64 K, const in
     struct q8_job j = {qx, q, sx, bias, d, d8, out, M, K, N};
     pool_run(q8_part, &j, (N + 15) / 16, threads);
 }
+
+/* --- the causal conv of a prefill, on the pool ------------------------------------------------ */
+/* conv_f32 / conv_f64 over a chunk of L tokens with the same operations on the same values (each
+ * output's taps summed in the same order, then its bias), laid out for speed: the taps transposed
+ * to (W, C), so the channels of one token are the inner, vectorized loop, and the tokens split
+ * between threads. conv_f32's own loop (taps innermost) stays the decode step's: one token, no
+ * transposition to pay for. */
+struct conv_job {
+    const void *state, *xs, *wt, *bias;
+    void *out;
+    i64 L, C, W;
+};
+#define DEFINE_CONV_THREADS(T, SUF)                                                                 \
+    static void conv_part##SUF(const void *p, i64 u0, i64 u1) {                                     \
+        const struct conv_job *j = p;                                                               \
+        const T *state = j->state, *xs = j->xs, *wt = j->wt, *bias = j->bias;                       \
+        T *out = j->out;                                                                            \
+        i64 L = j->L, C = j->C, W = j->W;                                                           \
+        for (i64 u = u0; u < u1; u++) { /* u = b * L + t */                                         \
+            i64 b = u / L, t = u % L;                                                               \
+            T *o = out + u * C;                                                                     \
+            for (i64 k = 0; k < W; k++) {                                                           \
+                i64 i = t + 1 + k; /* position in [state, xs] */                                    \
+                const T *wk = wt + k * C;                                                           \
+                if (i < W) {                                                                        \
+                    const T *f = state + b * C * W + i;                                             \
+                    if (k == 0)                                                                     \
+                        for (i64 c = 0; c < C; c++) o[c] = f[c * W] * wk[c];                        \
+                    else                                                                            \
+                        for (i64 c = 0; c < C; c++) o[c] = o[c] + f[c * W] * wk[c];                 \
+                } else {                                                                            \
+                    const T *f = xs + (b * L + i - W) * C;                                          \
+                    if (k == 0)                                                                     \
+                        for (i64 c = 0; c < C; c++) o[c] = f[c] * wk[c];                            \
+                    else                                                                            \
+                        for (i64 c = 0; c < C; c++) o[c] = o[c] + f[c] * wk[c];                     \
+                }                                                                                   \
+            }                                                                                       \
+            if (bias)                                                                               \
+                for (i64 c = 0; c < C; c++) o[c] = o[c] + bias[c];                                  \
+        }                                                                                           \
+    }                                                                                               \
+    /* conv##SUF's arguments, on up to `threads` threads (new_state may be state) */                \
+    void conv_threads##SUF(const T *state, const T *xs, const T *w, const T *bias, T *out,          \
+                           T *new_state, i64 B, i64 L, i64 C, i64 W, int threads) {                 \
+        T *wt = malloc(sizeof(T) * (size_t)(W * C));                                                \
+        if (wt == NULL || L == 0 || W == 0) {                                                       \
+            free(wt);                                                                               \
+            conv##SUF(state, xs, w, bias, out, new_state, B, L, C, W);                              \
+            return;                                                                                 \
+        }                                                                                           \
+        for (i64 c = 0; c < C; c++)                                                                 \
+            for (i64 k = 0; k < W; k++) wt[k * C + c] = w[c * W + k];                               \
+        struct conv_job j = {state, xs, wt, bias, out, L, C, W};                                    \
+        pool_run(conv_part##SUF, &j, B * L, threads);                                               \
+        free(wt);                                                                                   \
+        for (i64 b = 0; b < B; b++) /* as conv##SUF: ascending, so new_state may be state */        \
+            for (i64 c = 0; c < C; c++)                                                             \
+                for (i64 k = 0; k < W; k++) {                                                       \
+                    i64 i = L + k; /* the last W positions of [state, xs] */                        \
+                    new_state[(b * C + c) * W + k] =                                                \
+                        i < W ? state[(b * C + c) * W + i] : xs[(b * L + i - W) * C + c];           \
+                }                                                                                   \
+    }
+DEFINE_CONV_THREADS(float, _f32)
+DEFINE_CONV_THREADS(double, _f64)
 
 /* --- a Mamba-1 layer's decode step in one call ----------------------------------------------- */
 /* The mixer of scan/_mamba1.py (`Mamba1Mixer.forward`) for one token of B streams, computed by

@@ -451,8 +451,10 @@ def _declare(lib: Any) -> None:
         getattr(lib, f"{kind}_step_work").argtypes = [_P, _I]
         getattr(lib, f"{kind}_step_work").restype = _I
         getattr(lib, f"{kind}_step_f32").argtypes = [_P, _P, _I, _P, _P, _P, _P, _P, _P]
+    for suf in _SUFFIX.values():
+        getattr(lib, f"conv_threads{suf}").argtypes = [*_SIGNATURES["conv"], ctypes.c_int]
     for fn in (lib.quantize_rows_q8, lib.linear_q8_f32, lib.linear_threads, lib.linear_q8_threads,
-               lib.mamba1_step_f32, lib.mamba2_step_f32):
+               lib.mamba1_step_f32, lib.mamba2_step_f32, lib.conv_threads_f32, lib.conv_threads_f64):
         fn.restype = None
 
 _pool: ThreadPoolExecutor | None = None
@@ -500,6 +502,8 @@ class _Kernels:
         #: (compute dtype, weight dtype) -> the product's address, for `linear_threads` to call
         self.linears = {(dt, wdt or dt): ctypes.cast(getattr(lib, f"linear_{fmt}{suf}"), ctypes.c_void_p).value
                         for fmt, wdt in _WEIGHT_FORMATS.items() for dt, suf in _SUFFIX.items()}
+        #: the conv over a chunk, the tokens split between threads (same bits as `conv`)
+        self.convs = {dt: getattr(lib, "conv_threads" + suf) for dt, suf in _SUFFIX.items()}
         self.lib = lib
         #: mixer -> (its tensors, their versions, its C description): beside the module, not on it,
         #: so that a copy of the module (deepcopy, pickle) never carries pointers into the original
@@ -709,9 +713,9 @@ class _Kernels:
         taps = self._cached(weight, "taps", lambda: weight.detach()[:, 0, :].contiguous())
         out = torch.empty_like(xs)
         new = torch.empty_like(st) if into is None else into
-        self.fn["conv", xs.dtype](st.data_ptr(), xs.data_ptr(), taps.data_ptr(),
-                                  None if bias is None else bias.data_ptr(), out.data_ptr(), new.data_ptr(),
-                                  bsz, length, c, w)
+        self.convs[xs.dtype](st.data_ptr(), xs.data_ptr(), taps.data_ptr(),
+                             None if bias is None else bias.data_ptr(), out.data_ptr(), new.data_ptr(),
+                             bsz, length, c, w, _threads(bsz * length * c * w))
         return out, new
 
     def selective_scan(self, dt: Tensor, at: Tensor, x: Tensor, b: Tensor, cc: Tensor, h0: Tensor) -> tuple[Tensor, Tensor]:

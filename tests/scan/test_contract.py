@@ -203,3 +203,20 @@ def test_state_bytes_are_constant_and_match_schema(preset):
     short = model.advance(model.initial_state(), tokens(10, 12)).state
     long = model.advance(model.initial_state(), tokens(600, 13)).state
     assert short.nbytes == long.nbytes == model.schema.state_bytes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_the_finite_check_agrees_with_isfinite_on_every_kind_of_bad_value(dtype):
+    from scan._model import all_finite
+
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(64, 129, generator=gen) * 100).to(dtype)
+    assert all_finite(x) and all_finite(x[:0]) and all_finite(torch.finfo(dtype).max * torch.ones(3, dtype=dtype))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for at in ((0, 0), (17, 64), (63, 128)):
+            y = x.clone()
+            y[at] = bad
+            assert all_finite(y) is False and bool(torch.isfinite(y).all()) is False, (bad, at)
+    both = x.clone()
+    both[1, 1], both[2, 2] = float("inf"), -float("inf")
+    assert not all_finite(both)

@@ -124,6 +124,35 @@ def test_products_norms_and_conv_give_their_twins_bits(dtype):
     assert _equal(*_both("conv", state, xs, cw, cb)) and _equal(*_both("conv", state, xs, cw, None))
 
 
+@pytest.mark.parametrize("width", [3, 4])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_prefill_conv_split_across_threads_gives_the_twins_bits(monkeypatch, dtype, width):
+    """The prefill conv (taps transposed, channels inner, tokens split between the C pool's
+    threads) against the twin, on 1 and 2 threads, out of place and into its own state; chunks
+    shorter than the conv's width (its state feeds every output) and longer; big enough to split."""
+    ops = E._kernel_ops()
+    g = torch.Generator().manual_seed(11)
+    seen: list[int] = []
+    for name in ("conv_threads_f32", "conv_threads_f64"):
+        real = getattr(ops.lib, name)
+        monkeypatch.setitem(ops.convs, torch.float32 if name.endswith("32") else torch.float64,
+                            lambda *a, _real=real: (seen.append(a[-1]), _real(*a))[1])
+    for b, length, c in [(2, width - 1, 40000), (1, 1, 90000), (2, 300, 257), (3, 130, 1000)]:
+        assert b * length * c * width >= E._THREADED_WORK
+        state, xs = _r(g, b, c, width, dtype=dtype), _r(g, b, length, c, dtype=dtype)
+        cw, cb = _r(g, c, 1, width, dtype=dtype), _r(g, c, dtype=dtype)
+        for bias in (cb, None):
+            want = E.TWIN_OPS.conv(state, xs, cw, bias)
+            for threads in (1, 2):
+                monkeypatch.setattr(E, "_THREADS", threads)
+                seen.clear()
+                assert _equal(ops.conv(state, xs, cw, bias), want), (b, length, c, threads)
+                h = state.clone()
+                got = ops.conv_into(h, xs, cw, bias)
+                assert got[1] is h and _equal(got, want), (b, length, c, threads, "into")
+                assert seen == [threads, threads]
+
+
 @pytest.mark.parametrize("stored", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_products_read_narrow_weights_as_stored_with_the_bits_of_their_widened_copies(dtype, stored):
