@@ -1111,6 +1111,28 @@ void linear_q8_threads(const int8_t *qx, const float *sx, i64 M, i64 K, const in
     pool_run(q8_part, &j, (N + 15) / 16, threads);
 }
 
+/* --- elementwise functions of a prefill, on the pool ------------------------------------------ */
+struct unary_job {
+    const void *x;
+    void *out;
+    i64 n;
+    int op;
+};
+enum { UNARY_UNIT = 4096 }; /* elements a work unit: each thread's part a run of whole units */
+#define DEFINE_UNARY_THREADS(T, SUF)                                                                \
+    static void unary_part##SUF(const void *p, i64 u0, i64 u1) {                                    \
+        const struct unary_job *j = p;                                                              \
+        i64 a = u0 * UNARY_UNIT, b = u1 * UNARY_UNIT < j->n ? u1 * UNARY_UNIT : j->n;               \
+        unary##SUF((const T *)j->x + a, (T *)j->out + a, b - a, j->op);                             \
+    }                                                                                               \
+    /* unary##SUF on up to `threads` threads: each value is its own function of its input */       \
+    void unary_threads##SUF(const T *x, T *out, i64 n, int op, int threads) {                       \
+        struct unary_job j = {x, out, n, op};                                                       \
+        pool_run(unary_part##SUF, &j, (n + UNARY_UNIT - 1) / UNARY_UNIT, threads);                  \
+    }
+DEFINE_UNARY_THREADS(float, _f32)
+DEFINE_UNARY_THREADS(double, _f64)
+
 /* --- the causal conv of a prefill, on the pool ------------------------------------------------ */
 /* conv_f32 / conv_f64 over a chunk of L tokens with the same operations on the same values (each
  * output's taps summed in the same order, then its bias), laid out for speed: the taps transposed

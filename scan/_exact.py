@@ -451,10 +451,14 @@ def _declare(lib: Any) -> None:
         getattr(lib, f"{kind}_step_work").argtypes = [_P, _I]
         getattr(lib, f"{kind}_step_work").restype = _I
         getattr(lib, f"{kind}_step_f32").argtypes = [_P, _P, _I, _P, _P, _P, _P, _P, _P]
+    threaded = []
     for suf in _SUFFIX.values():
-        getattr(lib, f"conv_threads{suf}").argtypes = [*_SIGNATURES["conv"], ctypes.c_int]
+        for name in ("conv", "unary"):
+            fn = getattr(lib, f"{name}_threads{suf}")
+            fn.argtypes = [*_SIGNATURES[name], ctypes.c_int]
+            threaded.append(fn)
     for fn in (lib.quantize_rows_q8, lib.linear_q8_f32, lib.linear_threads, lib.linear_q8_threads,
-               lib.mamba1_step_f32, lib.mamba2_step_f32, lib.conv_threads_f32, lib.conv_threads_f64):
+               lib.mamba1_step_f32, lib.mamba2_step_f32, *threaded):
         fn.restype = None
 
 _pool: ThreadPoolExecutor | None = None
@@ -504,6 +508,8 @@ class _Kernels:
                         for fmt, wdt in _WEIGHT_FORMATS.items() for dt, suf in _SUFFIX.items()}
         #: the conv over a chunk, the tokens split between threads (same bits as `conv`)
         self.convs = {dt: getattr(lib, "conv_threads" + suf) for dt, suf in _SUFFIX.items()}
+        #: the elementwise functions, split between threads (same bits as `unary`)
+        self.unarys = {dt: getattr(lib, "unary_threads" + suf) for dt, suf in _SUFFIX.items()}
         self.lib = lib
         #: mixer -> (its tensors, their versions, its C description): beside the module, not on it,
         #: so that a copy of the module (deepcopy, pickle) never carries pointers into the original
@@ -656,7 +662,8 @@ class _Kernels:
         if not x.is_contiguous():
             x = x.contiguous()
         out = torch.empty_like(x)
-        self.fn["unary", x.dtype](x.data_ptr(), out.data_ptr(), x.numel(), _UNARY[op])
+        # an exact exp is some 20 multiply-adds in double: a prefill's are worth two threads
+        self.unarys[x.dtype](x.data_ptr(), out.data_ptr(), x.numel(), _UNARY[op], _threads(x.numel() * 20))
         return out
 
     def exp(self, x: Tensor) -> Tensor:

@@ -124,6 +124,28 @@ def test_products_norms_and_conv_give_their_twins_bits(dtype):
     assert _equal(*_both("conv", state, xs, cw, cb)) and _equal(*_both("conv", state, xs, cw, None))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_elementwise_functions_split_across_threads_give_the_twins_bits(monkeypatch, dtype):
+    """A prefill's elementwise functions run on the C pool in runs of whole 4096-value units: on 1
+    and 2 threads, with a last unit cut short, every function gives the twin's bits."""
+    ops = E._kernel_ops()
+    g = torch.Generator().manual_seed(12)
+    x = _r(g, 3 * 4096 * 5 + 77, dtype=dtype, scale=4.0)
+    assert x.numel() * 20 >= E._THREADED_WORK
+    seen: list[int] = []
+    for dt in (torch.float32, torch.float64):
+        real = ops.unarys[dt]
+        monkeypatch.setitem(ops.unarys, dt, lambda *a, _real=real: (seen.append(a[-1]), _real(*a))[1])
+    for op in E._UNARY:
+        v = x.abs() + 1e-3 if op == "rsqrt" else x
+        want = E.unary_twin(v, op)
+        for threads in (1, 2):
+            monkeypatch.setattr(E, "_THREADS", threads)
+            seen.clear()
+            assert torch.equal(ops.unary(v, op), want), (op, threads)
+            assert seen == [threads]
+
+
 @pytest.mark.parametrize("width", [3, 4])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_prefill_conv_split_across_threads_gives_the_twins_bits(monkeypatch, dtype, width):
