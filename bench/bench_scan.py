@@ -165,7 +165,39 @@ def main() -> None:
             ex, ch = rows["ours: exact"], rows["ours: chunked"]
             print(f"{arch:<7} -> exact vs chunked: prefill {ex[0] / ch[0]:.2f}x, decode {ch[1] / ex[1]:.2f}x")
     if args.big_steps:
+        big_prefill(args.prefill, args.runs, ("exact", "chunked"))
         big_decode(args.big_steps, ("exact", "chunked"))
+
+
+#: the 130M shapes (d_model 768, 24 layers, vocab 50280) of each architecture
+BIG = {"mamba1": {"d_state": 16}, "mamba2": {"d_state": 128, "headdim": 64},
+       "mamba3": {"d_state": 64, "headdim": 64}}
+
+
+def big_prefill(tokens: int, runs: int, backends: tuple[str, ...]) -> None:
+    """Prefill of one `tokens`-token chunk on 130M-shaped models, the backends interleaved round by
+    round (this machine's speed drifts by a fifth between minutes: only ratios within a run count)."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 50280, (tokens,), generator=g).tolist()
+    print(f"\n130M-shaped models (d_model 768, 24 layers, vocab 50280, random weights), float32, prefill of one "
+          f"{tokens}-token chunk, median of {runs} rounds, backends interleaved")
+    print(f"{'arch':<7} " + " ".join(f"{b + ' tok/s':>14}" for b in backends) + f" {backends[0] + '/' + backends[1]:>16}")
+    for arch, extra in BIG.items():
+        cfg = ModelConfig.create(architecture=arch, d_model=768, n_layer=24, vocab_size=50280, **extra)
+        base = init_model(cfg, seed=0)
+        models = {b: base.with_backend(b) for b in backends}
+        for m in models.values():
+            m.advance(m.initial_state(), ids[:32])
+        times: dict[str, list[float]] = {b: [] for b in backends}
+        for _ in range(runs):
+            for b, m in models.items():
+                t = time.perf_counter()
+                m.advance(m.initial_state(), ids)
+                times[b].append(time.perf_counter() - t)
+        rate = {b: tokens / statistics.median(v) for b, v in times.items()}
+        print(f"{arch:<7} " + " ".join(f"{rate[b]:>14,.1f}" for b in backends) +
+              f" {rate[backends[0]] / rate[backends[1]]:>15.2f}x")
+        del base, models
 
 
 def read_bandwidth(gib: float = 1.0, runs: int = 5) -> float:
@@ -187,8 +219,8 @@ def big_decode(steps: int, backends: tuple[str, ...]) -> None:
           f"16-token prefill, median of {steps} steps; read bandwidth {bw / 1e9:.1f} GB/s (a threaded sum of 1 GiB)")
     print(f"{'arch':<7} {'backend':<10} {'path':<11} {'decode tok/s':>13} {'ms/step':>8} {'weight MB':>10} "
           f"{'GB/s':>6} {'of limit':>9}")
-    for arch, extra in (("mamba1", {"d_state": 16}), ("mamba2", {"d_state": 128, "headdim": 64})):
-        cfg = ModelConfig.create(architecture=arch, d_model=768, n_layer=24, vocab_size=50280, **extra)
+    for arch in ("mamba1", "mamba2"):
+        cfg = ModelConfig.create(architecture=arch, d_model=768, n_layer=24, vocab_size=50280, **BIG[arch])
         base = init_model(cfg, seed=0)
         weight_bytes = sum(p.numel() * p.element_size() for p in base.module.parameters())
         for backend in backends:

@@ -1177,7 +1177,8 @@ struct conv_job {
     /* conv##SUF's arguments, on up to `threads` threads (new_state may be state) */                \
     void conv_threads##SUF(const T *state, const T *xs, const T *w, const T *bias, T *out,          \
                            T *new_state, i64 B, i64 L, i64 C, i64 W, int threads) {                 \
-        T *wt = malloc(sizeof(T) * (size_t)(W * C));                                                \
+        /* a decode step's few tokens on one thread: not worth transposing the taps */             \
+        T *wt = threads <= 1 && B * L <= W ? NULL : malloc(sizeof(T) * (size_t)(W * C));            \
         if (wt == NULL || L == 0 || W == 0) {                                                       \
             free(wt);                                                                               \
             conv##SUF(state, xs, w, bias, out, new_state, B, L, C, W);                              \
