@@ -19,7 +19,9 @@ in the mixers' `forward` and in `scan._forward`.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from functools import partial
 from typing import Any
 
@@ -90,6 +92,10 @@ class Backend:
             ) -> tuple[Tensor, States, str]:
         """One layer over a chunk: u (B, L, D) -> (B, L, D), its new states, the path taken."""
         return mixer.forward(u, states, self.primitives(u.shape[1]))
+
+    def running(self) -> AbstractContextManager[None]:
+        """Held by the calling thread around a forward pass and its checks (none by default)."""
+        return contextlib.nullcontext()
 
 
 class FixedBackend(Backend):

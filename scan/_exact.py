@@ -31,6 +31,7 @@ Dimension letters as in the mixer modules.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -46,7 +47,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -958,9 +959,47 @@ def _kernel_primitives(in_place: bool = False) -> Primitives | None:
     return None if ops is None else exact_primitives(ops, "exact", in_place=in_place)
 
 
+@functools.cache
+def _openmp() -> Any:
+    """The OpenMP runtime torch runs its parallel operations on (None: not found, or not OpenMP)."""
+    found = sorted((Path(torch.__file__).parent / "lib").glob("lib*omp*.so*"))
+    for path in found:
+        try:
+            lib = ctypes.CDLL(str(path))  # already loaded by torch: the same library
+            lib.omp_set_num_threads.argtypes, lib.omp_get_max_threads.restype = [ctypes.c_int], ctypes.c_int
+            return lib
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
+@contextlib.contextmanager
+def _torch_threads_off() -> Iterator[None]:
+    """torch's OpenMP threads off for the calling thread alone (`omp_set_num_threads` sets that
+    thread's own value; `torch.set_num_threads` would also change what threads that start
+    meanwhile begin with), while the kernels split their work on their own pool. After each of
+    torch's parallel operations its OpenMP workers spin a while, waiting for the next one: spinning
+    beside the pool's threads on a 2-core machine they took a fifth to a third of a 130M prefill's
+    speed (a run with OMP_WAIT_POLICY=PASSIVE gained as much). torch's operations here are copies
+    and elementwise passes, which one thread does at memory speed."""
+    omp = _openmp() if _THREADS > 1 else None
+    n = omp.omp_get_max_threads() if omp is not None else 1
+    if n <= 1:
+        yield
+        return
+    omp.omp_set_num_threads(1)
+    try:
+        yield
+    finally:
+        omp.omp_set_num_threads(n)
+
+
 class _KernelBackend(FixedBackend):
     """The kernels' primitives, and a Mamba-1 or Mamba-2 layer's decode step (one token) in one
     kernel call (`_Kernels.step`: the same bits as the primitives' path, verified by the probe)."""
+
+    def running(self) -> contextlib.AbstractContextManager[None]:
+        return _torch_threads_off()
 
     def __init__(self, in_place: bool = False) -> None:
         prims = _kernel_primitives(in_place)

@@ -239,7 +239,7 @@ class Model:
         first = int(rows[0])
         span = bool((rows == torch.arange(first, first + b, device=rows.device)).all())
         impl = self._step_impl() if in_place else self._impl()
-        with torch.inference_mode():
+        with torch.inference_mode(), impl.running():
             if span:
                 flat = [buffers[n].narrow(0, first, b).to(self.dtype) for n in names]
             else:
@@ -461,7 +461,7 @@ class Model:
     def _run(self, states: list[State], inputs: list[Tensor], *, embedded: bool) -> list[StepResult]:
         results: list[StepResult | None] = [None] * len(states)
         impl, lm = self._impl(), self._lm
-        with torch.inference_mode():
+        with torch.inference_mode(), impl.running():
             groups: dict[int, list[int]] = {}
             for i, x in enumerate(inputs):
                 if len(x):

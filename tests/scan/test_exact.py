@@ -758,3 +758,44 @@ def test_without_a_compiler_the_twins_run_and_say_why(tmp_path):
                          cwd=ROOT, timeout=300, check=True)
     line = out.stdout.strip().splitlines()[-1]
     assert line.startswith("False exact-twin |") and "no C compiler" in line
+
+
+def test_a_forward_on_the_kernels_turns_torchs_threads_off_for_its_thread_only(monkeypatch):
+    """While the exact backend runs (its kernels split work on their own pool), torch's OpenMP
+    threads are off for the calling thread, so they do not spin beside the pool; a thread started
+    meanwhile, and the caller afterwards, have torch's setting as it was."""
+    import threading
+
+    from scan import ModelConfig, init_model
+
+    if E._openmp() is None or torch.get_num_threads() < 2:
+        pytest.skip("torch runs no OpenMP threads here")
+    monkeypatch.setattr(E, "_THREADS", 2)
+    model = init_model(ModelConfig.create(architecture="mamba2", d_model=64, n_layer=2, vocab_size=300,
+                                          d_state=16, headdim=16), seed=0).with_backend("exact")
+    ops = E._kernel_ops()
+    seen: list[int] = []
+    other: list[int] = []
+    real_lib = ops.lib
+
+    class Lib:
+        def __getattr__(self, name: str):  # noqa: ANN204
+            return getattr(real_lib, name)
+
+        def linear_threads(self, *a):  # noqa: ANN002, ANN202
+            seen.append(torch.get_num_threads())
+            probe = threading.Thread(target=lambda: other.append(torch.get_num_threads()))
+            probe.start()
+            probe.join()
+            return real_lib.linear_threads(*a)
+
+    monkeypatch.setattr(ops, "lib", Lib())
+    n = torch.get_num_threads()
+    tokens = list(range(1, 40))
+    out = model.advance(model.initial_state(), tokens)
+    assert seen and all(t == 1 for t in seen), seen
+    assert other and all(t == n for t in other), other
+    assert torch.get_num_threads() == n
+    monkeypatch.setattr(ops, "lib", real_lib)
+    again = model.advance(model.initial_state(), tokens)  # and the bits are the bits
+    assert torch.equal(out.logits, again.logits)
