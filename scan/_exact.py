@@ -962,7 +962,9 @@ def _kernel_primitives(in_place: bool = False) -> Primitives | None:
 @functools.cache
 def _openmp() -> Any:
     """The OpenMP runtime torch runs its parallel operations on (None: not found, or not OpenMP)."""
-    found = sorted((Path(torch.__file__).parent / "lib").glob("lib*omp*.so*"))
+    root = Path(torch.__file__).parent  # torch/lib, or torch.libs beside it in a manylinux wheel
+    found = [p for d in (root / "lib", root.parent / "torch.libs") for name in ("libgomp", "libiomp5", "libomp")
+             for p in sorted(d.glob(name + "*.so*"))]
     for path in found:
         try:
             lib = ctypes.CDLL(str(path))  # already loaded by torch: the same library
@@ -970,6 +972,8 @@ def _openmp() -> Any:
             return lib
         except (OSError, AttributeError):
             continue
+    log.info("torch's OpenMP runtime was not found beside %s: its threads stay on during exact forward "
+             "passes (a speed matter only)", root)
     return None
 
 
