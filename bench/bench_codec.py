@@ -26,7 +26,7 @@ from safetensors.torch import load as st_load  # noqa: E402
 from safetensors.torch import save as st_save  # noqa: E402
 
 from scan import ModelConfig  # noqa: E402
-from scan._lm import MambaLM  # noqa: E402
+from scan import MambaLM  # noqa: E402
 from scan._model import build_schema  # noqa: E402
 from state_codec import Receipt  # noqa: E402
 from state_codec.codec import (  # noqa: E402

@@ -26,8 +26,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         return 0 if ok else 1
     import torch
 
-    from scan import load_model
-    from scan._verify import verify_chunking
+    from scan import load_model, verify_chunking
 
     dtype = {"float32": torch.float32, "float64": torch.float64}[args.dtype]
     ok = True

@@ -95,8 +95,7 @@ def render_verification(runs: tuple[tuple[str, str], ...] = VERIFY_RUNS, n_token
     """
     import torch
 
-    from scan import load_model
-    from scan._verify import verify_chunking
+    from scan import load_model, verify_chunking
 
     out = [
         "# Chunk equivalence and the reset control",

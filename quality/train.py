@@ -123,8 +123,7 @@ def build(arch: str, seed: int, dt_max: float = 0.1) -> torch.nn.Module:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             return TinyTransformer(AttentionConfig(**fields))
-    from scan import ModelConfig, init_weights
-    from scan._lm import MambaLM
+    from scan import MambaLM, ModelConfig, init_weights
 
     cfg = ModelConfig.create(**ARCH_CONFIGS[arch])
     with torch.random.fork_rng(devices=[]):
@@ -235,8 +234,7 @@ def write(model: torch.nn.Module, card: dict[str, Any], out: Path) -> None:
     if isinstance(model, TinyTransformer):
         save_attention(model, out)
     else:
-        from scan import load_model, save_checkpoint, weights_revision
-        from scan._model import Model
+        from scan import Model, load_model, save_checkpoint, weights_revision
 
         m = Model(model, model_id=out.name, revision=weights_revision(model.state_dict()), backend="chunked")
         save_checkpoint(m, out)

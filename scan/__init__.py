@@ -21,6 +21,7 @@ from scan._errors import (
 )
 from scan._forward import embed, forward, zero_states
 from scan._init import init_weights
+from scan._lm import MambaLM
 from scan._loading import (
     WEIGHT_FORMATS,
     config_from_json,
@@ -36,6 +37,7 @@ from scan._quant import Q8Weight, quantize_q8
 from scan._state import State, StepResult
 from scan._tolerance import TOLERANCES, Tolerance, tolerance
 from scan._transforms import ByteTransform, HFTokenizerTransform, InputTransform
+from scan._verify import PartitionResult, VerifyReport, standard_partitions, verify_chunking
 
 __all__ = [
     "BACKENDS",
@@ -50,11 +52,13 @@ __all__ = [
     "InputTransform",
     "InvalidInput",
     "InvalidState",
+    "MambaLM",
     "Model",
     "ModelConfig",
     "NonFiniteInput",
     "NonFiniteOutput",
     "NonIntegerInput",
+    "PartitionResult",
     "Q8Weight",
     "ScanError",
     "State",
@@ -62,6 +66,7 @@ __all__ = [
     "TokenOutOfRange",
     "Tolerance",
     "UnsupportedBackend",
+    "VerifyReport",
     "config_from_json",
     "embed",
     "forward",
@@ -71,7 +76,9 @@ __all__ = [
     "parameter_shapes",
     "quantize_q8",
     "save_checkpoint",
+    "standard_partitions",
     "tolerance",
+    "verify_chunking",
     "weights_revision",
     "zero_states",
 ]

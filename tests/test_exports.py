@@ -9,11 +9,12 @@ import pytest
 EXPECTED = {
     "scan": [
         "BACKENDS", "PRESETS", "TOLERANCES", "TRAINED_PRESETS", "WEIGHT_FORMATS", "ByteTransform", "CheckpointError",
-        "ConfigError", "HFTokenizerTransform", "InputTransform", "InvalidInput", "InvalidState", "Model", "ModelConfig",
-        "NonFiniteInput", "NonFiniteOutput", "NonIntegerInput", "Q8Weight", "ScanError", "State", "StepResult",
-        "TokenOutOfRange", "Tolerance", "UnsupportedBackend", "config_from_json", "embed", "forward", "init_model",
-        "init_weights", "load_model", "parameter_shapes", "quantize_q8", "save_checkpoint", "tolerance",
-        "weights_revision", "zero_states",
+        "ConfigError", "HFTokenizerTransform", "InputTransform", "InvalidInput", "InvalidState", "MambaLM", "Model",
+        "ModelConfig", "NonFiniteInput", "NonFiniteOutput", "NonIntegerInput", "PartitionResult", "Q8Weight",
+        "ScanError", "State", "StepResult", "TokenOutOfRange", "Tolerance", "UnsupportedBackend", "VerifyReport",
+        "config_from_json", "embed", "forward", "init_model", "init_weights", "load_model", "parameter_shapes",
+        "quantize_q8", "save_checkpoint", "standard_partitions", "tolerance", "verify_chunking", "weights_revision",
+        "zero_states",
     ],
     "state_codec": [
         "CLEAR", "MASTER", "RECEIPT_VERSION", "SCHEMA_VERSION", "SEALED_ATTR", "SEALER_KEY", "Arithmetic",
