@@ -592,6 +592,18 @@ DEFINE_LINEAR(double, _f64, f16_t, _f16)
     /* The causal depthwise conv over a chunk: out[b,t,c] = ((f[t+1] w[c,0] + f[t+2] w[c,1]) + ...) \
      * + bias[c], f the state's W inputs then the chunk's. state (B, C, W) oldest first; xs, out    \
      * (B, L, C); w (C, W); new_state (B, C, W): the last W inputs. */                              \
+    /* the conv's new state: the last W inputs of [state, xs], written in ascending order (so    \
+     * new_state may be state: each value read is at or after the one written) */                  \
+    static void conv_state##SUF(const T *state, const T *xs, T *new_state, i64 B, i64 L, i64 C,     \
+                                i64 W) {                                                            \
+        for (i64 b = 0; b < B; b++)                                                                 \
+            for (i64 c = 0; c < C; c++)                                                             \
+                for (i64 j = 0; j < W; j++) {                                                       \
+                    i64 i = L + j; /* the last W positions of [state, xs] */                        \
+                    new_state[(b * C + c) * W + j] =                                                \
+                        i < W ? state[(b * C + c) * W + i] : xs[(b * L + i - W) * C + c];           \
+                }                                                                                   \
+    }                                                                                               \
     void conv##SUF(const T *state, const T *xs, const T *w, const T *bias, T *out, T *new_state,    \
                    i64 B, i64 L, i64 C, i64 W) {                                                    \
         for (i64 b = 0; b < B; b++) {                                                               \
@@ -607,13 +619,8 @@ DEFINE_LINEAR(double, _f64, f16_t, _f16)
                     o[c] = bias ? acc + bias[c] : acc;                                              \
                 }                                                                                   \
             }                                                                                       \
-            for (i64 c = 0; c < C; c++)                                                             \
-                for (i64 j = 0; j < W; j++) {                                                       \
-                    i64 i = L + j; /* the last W positions of [state, xs] */                        \
-                    new_state[(b * C + c) * W + j] =                                                \
-                        i < W ? state[(b * C + c) * W + i] : xs[(b * L + i - W) * C + c];           \
-                }                                                                                   \
         }                                                                                           \
+        conv_state##SUF(state, xs, new_state, B, L, C, W);                                          \
     }                                                                                               \
                                                                                                     \
     /* out[r] = (((0 + x[r,0]) + x[r,1]) + ...) / D: the mean of each row, summed in order. */      \
@@ -1224,13 +1231,7 @@ struct conv_job {
         struct conv_job j = {state, xs, wt, bias, out, L, C, W};                                    \
         pool_run(conv_part##SUF, &j, B * L, threads);                                               \
         free(wt);                                                                                   \
-        for (i64 b = 0; b < B; b++) /* as conv##SUF: ascending, so new_state may be state */        \
-            for (i64 c = 0; c < C; c++)                                                             \
-                for (i64 k = 0; k < W; k++) {                                                       \
-                    i64 i = L + k; /* the last W positions of [state, xs] */                        \
-                    new_state[(b * C + c) * W + k] =                                                \
-                        i < W ? state[(b * C + c) * W + i] : xs[(b * L + i - W) * C + c];           \
-                }                                                                                   \
+        conv_state##SUF(state, xs, new_state, B, L, C, W);                                          \
     }
 DEFINE_CONV_THREADS(float, _f32)
 DEFINE_CONV_THREADS(double, _f64)
