@@ -30,7 +30,8 @@ Environment (all optional):
     MAMBA_STREAM_TEMPORAL_PORT, MAMBA_STREAM_UI_PORT
                              ports of the embedded dev server (default 7233 and 8233)
     MAMBA_STREAM_BACKEND     scan backend: auto (default: exact on a CPU, triton on CUDA), exact,
-                             reference or chunked (approximate; the fastest Mamba-2/3 prefill)
+                             exact-fma (exact with fused multiply-adds in the products: arithmetic
+                             exact-2, float32), reference or chunked (approximate)
     MAMBA_STREAM_WEIGHTS     the format models' weights are read in: float32, bfloat16 or float16
                              (default: as stored on the exact backend, else the compute dtype); one
                              model's own: a `#<format>` after its source in MAMBA_STREAM_MODELS

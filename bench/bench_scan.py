@@ -165,8 +165,8 @@ def main() -> None:
             ex, ch = rows["ours: exact"], rows["ours: chunked"]
             print(f"{arch:<7} -> exact vs chunked: prefill {ex[0] / ch[0]:.2f}x, decode {ch[1] / ex[1]:.2f}x")
     if args.big_steps:
-        big_prefill(args.prefill, args.runs, ("exact", "chunked"))
-        big_decode(args.big_steps, ("exact", "chunked"))
+        big_prefill(args.prefill, args.runs, ("exact", "exact-fma", "chunked"))
+        big_decode(args.big_steps, ("exact", "exact-fma", "chunked"))
 
 
 #: the 130M shapes (d_model 768, 24 layers, vocab 50280) of each architecture
@@ -176,12 +176,15 @@ BIG = {"mamba1": {"d_state": 16}, "mamba2": {"d_state": 128, "headdim": 64},
 
 def big_prefill(tokens: int, runs: int, backends: tuple[str, ...]) -> None:
     """Prefill of one `tokens`-token chunk on 130M-shaped models, the backends interleaved round by
-    round (this machine's speed drifts by a fifth between minutes: only ratios within a run count)."""
+    round (this machine's speed drifts by a fifth between minutes: only ratios within a run count);
+    each backend's rate over the last one's."""
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 50280, (tokens,), generator=g).tolist()
     print(f"\n130M-shaped models (d_model 768, 24 layers, vocab 50280, random weights), float32, prefill of one "
           f"{tokens}-token chunk, median of {runs} rounds, backends interleaved")
-    print(f"{'arch':<7} " + " ".join(f"{b + ' tok/s':>14}" for b in backends) + f" {backends[0] + '/' + backends[1]:>16}")
+    last = backends[-1]
+    print(f"{'arch':<7} " + " ".join(f"{b + ' tok/s':>18}" for b in backends) + " "
+          + " ".join(f"{b + '/' + last:>18}" for b in backends[:-1]))
     for arch, extra in BIG.items():
         cfg = ModelConfig.create(architecture=arch, d_model=768, n_layer=24, vocab_size=50280, **extra)
         base = init_model(cfg, seed=0)
@@ -195,8 +198,8 @@ def big_prefill(tokens: int, runs: int, backends: tuple[str, ...]) -> None:
                 m.advance(m.initial_state(), ids)
                 times[b].append(time.perf_counter() - t)
         rate = {b: tokens / statistics.median(v) for b, v in times.items()}
-        print(f"{arch:<7} " + " ".join(f"{rate[b]:>14,.1f}" for b in backends) +
-              f" {rate[backends[0]] / rate[backends[1]]:>15.2f}x")
+        print(f"{arch:<7} " + " ".join(f"{rate[b]:>18,.1f}" for b in backends) + " "
+              + " ".join(f"{rate[b] / rate[last]:>17.2f}x" for b in backends[:-1]))
         del base, models
 
 

@@ -43,7 +43,7 @@ def _rss_now() -> float:
     return pages * os.sysconf("SC_PAGE_SIZE") / 1e9
 
 
-def child(ckpt: Path, weights: str, prefill: int, steps: int, runs: int) -> dict:
+def child(ckpt: Path, weights: str, prefill: int, steps: int, runs: int, backend: str = "exact") -> dict:
     """One process, one model: load, first token, prefill, decode."""
     t0 = time.perf_counter()
     import torch
@@ -52,7 +52,7 @@ def child(ckpt: Path, weights: str, prefill: int, steps: int, runs: int) -> dict
 
     t_import = time.perf_counter() - t0
     t1 = time.perf_counter()
-    model = load_model(ckpt, backend="exact", weights=weights)
+    model = load_model(ckpt, backend=backend, weights=weights)
     first = model.advance(model.initial_state(), [1])
     t_first = time.perf_counter() - t1
     # again, as a worker that restarts finds it: the file in the page cache, its revision hash
@@ -60,7 +60,7 @@ def child(ckpt: Path, weights: str, prefill: int, steps: int, runs: int) -> dict
     del model, first
     gc.collect()  # the first model's mapping goes before the second is made (the peak RSS is one model's)
     t1 = time.perf_counter()
-    model = load_model(ckpt, backend="exact", weights=weights)
+    model = load_model(ckpt, backend=backend, weights=weights)
     first = model.advance(model.initial_state(), [1])
     t_again = time.perf_counter() - t1
     g = torch.Generator().manual_seed(0)
@@ -117,9 +117,12 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3, help="prefill runs per process (medians)")
     ap.add_argument("--child", nargs=2, metavar=("CKPT", "WEIGHTS"), help=argparse.SUPPRESS)
     ap.add_argument("--prefill", type=int, default=0, help="prefill tokens (default 512; 128 at 1.4B and 7B)")
+    ap.add_argument("--backends", default="exact,exact-fma",
+                    help="exact backends, a row each: exact (exact-1), exact-fma (exact-2: fused multiply-adds)")
     args = ap.parse_args()
     if args.child:
-        print(json.dumps(child(Path(args.child[0]), args.child[1], args.prefill, args.steps, args.runs)))
+        print(json.dumps(child(Path(args.child[0]), args.child[1], args.prefill, args.steps, args.runs,
+                               args.backends)))
         return
 
     from bench.bench_scan import read_bandwidth
@@ -127,7 +130,7 @@ def main() -> None:
 
     bw = read_bandwidth()
     llama = os.environ.get("LLAMA_BENCH")
-    print(f"exact backend, {os.cpu_count()} threads; read bandwidth {bw / 1e9:.1f} GB/s (a threaded sum of 1 GiB); "
+    print(f"exact backends ({args.backends}), {os.cpu_count()} threads; read bandwidth {bw / 1e9:.1f} GB/s (a threaded sum of 1 GiB); "
           f"random-weight checkpoints (bench/make_checkpoint.py); one process per row")
     print(f"{'shape':<12} {'format':<9} {'file GB':>8} {'load s':>11} {'RSS GB':>7} {'RSS/file':>8} {'prefill tok/s':>14} "
           f"{'decode tok/s':>13} {'GB/s':>6} {'of bw':>6}  arithmetic")
@@ -142,25 +145,28 @@ def main() -> None:
                     continue
                 ckpt = make(shape, fmt, args.dir / f"{shape}-{fmt}")
                 file_gb = (ckpt / "model.safetensors").stat().st_size / 1e9
-                proc = subprocess.run([sys.executable, __file__, "--child", str(ckpt), fmt, "--prefill", str(prefill),
-                                       "--steps", str(steps), "--runs", str(args.runs)],
-                                      capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
-                if proc.returncode != 0:
-                    print(f"{shape:<12} {fmt:<9} failed: {proc.stderr.strip().splitlines()[-1:]}")
-                    continue
-                r = json.loads(proc.stdout.strip().splitlines()[-1])
-                load = f"{r['first_token_s']:.1f}, {r['again_s']:.1f}"
-                print(f"{shape:<12} {fmt:<9} {file_gb:>8.2f} {load:>11} {r['rss_peak_gb']:>7.2f} "
-                      f"{r['rss_peak_gb'] / file_gb:>8.2f} {r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.2f} "
-                      f"{r['weight_gbs']:>6.1f} {r['weight_gbs'] * 1e9 / bw:>6.0%}  {r['arithmetic']} ({r['path']}, "
-                      f"probe {r['probe_s']:.1f} s)")
-                if llama:
+                rows = {}
+                for backend in args.backends.split(","):
+                    proc = subprocess.run([sys.executable, __file__, "--child", str(ckpt), fmt, "--prefill",
+                                           str(prefill), "--steps", str(steps), "--runs", str(args.runs),
+                                           "--backends", backend],
+                                          capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+                    if proc.returncode != 0:
+                        print(f"{shape:<12} {fmt:<9} {backend} failed: {proc.stderr.strip().splitlines()[-1:]}")
+                        continue
+                    r = rows[backend] = json.loads(proc.stdout.strip().splitlines()[-1])
+                    load = f"{r['first_token_s']:.1f}, {r['again_s']:.1f}"
+                    print(f"{shape:<12} {fmt:<9} {file_gb:>8.2f} {load:>11} {r['rss_peak_gb']:>7.2f} "
+                          f"{r['rss_peak_gb'] / file_gb:>8.2f} {r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.2f} "
+                          f"{r['weight_gbs']:>6.1f} {r['weight_gbs'] * 1e9 / bw:>6.0%}  {r['arithmetic']} ({r['path']}, "
+                          f"probe {r['probe_s']:.1f} s)")
+                if llama and rows:
                     ll = _llama(llama, ckpt / f"model-{fmt}.gguf", prefill, steps)
                     if ll:
+                        ratios = "; ".join(f"{b} prefill {x['prefill_tok_s'] / ll['prefill_tok_s']:.2f}x, decode "
+                                           f"{x['decode_tok_s'] / ll['decode_tok_s']:.2f}x" for b, x in rows.items())
                         print(f"{'':<12} {'llama.cpp':<9} {'':>8} {'':>11} {'':>7} {'':>8} {ll['prefill_tok_s']:>14.1f} "
-                              f"{ll['decode_tok_s']:>13.2f}   -> ours/llama.cpp: prefill "
-                              f"{r['prefill_tok_s'] / ll['prefill_tok_s']:.2f}x, decode "
-                              f"{r['decode_tok_s'] / ll['decode_tok_s']:.2f}x")
+                              f"{ll['decode_tok_s']:>13.2f}   -> ours/llama.cpp: {ratios}")
 
 
 if __name__ == "__main__":

@@ -34,10 +34,16 @@ from scan._mamba3 import mamba3_chunked, mamba3_steps
 from scan._mixer import Mixer, States, conv_chunk, conv_steps
 from scan._ops import NATIVE_OPS, REFERENCE_OPS, Ops, Primitives, gated_rms_norm, norm
 
-__all__ = ["CHUNKED", "CHUNK_PRIMITIVES", "REFERENCE", "Backend", "ChunkedBackend", "FixedBackend", "ReferenceBackend",
-           "labelled", "step_primitives"]
+__all__ = ["CHUNKED", "CHUNK_PRIMITIVES", "EXACT_BACKENDS", "REFERENCE", "Backend", "ChunkedBackend", "FixedBackend",
+           "ReferenceBackend", "labelled", "step_primitives"]
 
 Tensor = torch.Tensor
+#: The exact backends (`scan._exact`) by name, and the version of the arithmetic each computes,
+#: recorded in every receipt (`state_codec.Arithmetic`). Anything that changes a bit of any result
+#: (an operation's order, a polynomial, a constant) is a new version; tests/scan/test_exact.py pins
+#: the bits of each. "exact": exact-1; "exact-fma": exact-2, exact-1 with every step of a
+#: product's sums one fused multiply-add.
+EXACT_BACKENDS = {"exact": "exact-1", "exact-fma": "exact-2"}
 #: rounds a layer's states to the state dtype (kept in the compute dtype); None: no rounding
 RoundState = Callable[[States], States] | None
 

@@ -3,8 +3,10 @@
  * One rule makes every result independent of chunking, batching, threads and instruction set:
  * each output element is computed by the same sequence of IEEE-754 basic operations (+, -, *, /,
  * sqrt, rint, exact scaling by powers of two), in the same order, whatever else is computed
- * beside it. So: no fused multiply-add (built with -ffp-contract=off), no reassociation (no
- * -ffast-math), every reduction sequential in a fixed order, and the transcendental functions
+ * beside it. So: no fused multiply-add the source does not write (built with -ffp-contract=off:
+ * the compiler never fuses; the exact-2 products' fused multiply-adds are written out, one IEEE
+ * fusedMultiplyAdd each), no reassociation (no -ffast-math), every reduction sequential in a
+ * fixed order, and the transcendental functions
  * written here from basic operations in double precision instead of taken from libm or a vector
  * library. Vectorization only ever runs independent elements side by side.
  *
@@ -414,28 +416,28 @@ static inline f16x_v4 f16x4(const f16_t *p) {
 
 /* out[m, n] = dot(x[m, :], w[n, :]) [+ bias[n]] in one fixed order: k is split into 16 lanes
  * (lane j takes k = j, j + 16, ...; x and w read as zero past K), each lane summed in order
- * from 0, a multiply then an add, and the lanes added by a fixed tree: (j, j + 8), then
- * (j, j + 4), (j, j + 2), (0, 1). x (M, K), w (N, K): the weight as it is stored, of type WT
- * (`WN` names it in the kernel's name), widened to T as it is read. Every output takes this
+ * from 0, one MADD a step (exact-1: a multiply then an add; exact-2, AR _fma: one fused
+ * multiply-add), and the lanes added by a fixed tree: (j, j + 8), then (j, j + 4), (j, j + 2),
+ * (0, 1). x (M, K), w (N, K): the weight as it is stored, of type WT (`WN` names it in the
+ * kernel's name), widened to T as it is read. Every output takes this
  * order whatever M, the tile it falls in or the thread that computes it; the tiles (TILE_M rows
  * x TILE_N outputs, 1 row x TILE_N1 outputs for decode, in blocks of BLOCK_N outputs that stay
  * in cache) and the vectors that hold the 16 lanes (NV native vectors of W lanes) only choose
  * what is loaded together, for the registers this machine has. */
-#define DEFINE_LINEAR(T, SUF, WT, WN)                                                               \
-    static inline L##SUF lload##WN##SUF(const WT *p, i64 k, i64 K) {                                \
+#define DEFINE_LINEAR(T, SUF, WT, WN, AR, MADD)                                                     \
+    static inline L##SUF lload##AR##WN##SUF(const WT *p, i64 k, i64 K) {                            \
         L##SUF v;                                                                                   \
         for (int j = 0; j < 16; j++) v[j] = k + j < K ? w1##WN##SUF(p + k + j) : (T)0;              \
         return v;                                                                                   \
     }                                                                                               \
-    static inline L##SUF xload##WN##SUF(const T *p, i64 k, i64 K) {                                 \
+    static inline L##SUF xload##AR##WN##SUF(const T *p, i64 k, i64 K) {                             \
         L##SUF v;                                                                                   \
         for (int j = 0; j < 16; j++) v[j] = k + j < K ? p[k + j] : (T)0;                            \
         return v;                                                                                   \
     }                                                                                               \
     /* outputs [m, m + R) x [n, n + Q) */                                                           \
-    static inline __attribute__((always_inline)) void tile##WN##SUF(const T *x, i64 K, const WT *w, \
-                                                                    T *out, i64 N, i64 m, i64 n,    \
-                                                                    const int R, const int Q) {     \
+    static inline __attribute__((always_inline)) void tile##AR##WN##SUF(                            \
+        const T *x, i64 K, const WT *w, T *out, i64 N, i64 m, i64 n, const int R, const int Q) {    \
         V##SUF c[TILE_M##SUF][TILE_Q##SUF][NV##SUF];                                                \
         for (int r = 0; r < R; r++)                                                                 \
             for (int q = 0; q < Q; q++)                                                             \
@@ -462,45 +464,47 @@ static inline f16x_v4 f16x4(const f16_t *p) {
                 for (int q = 0; q < Q; q++) {                                                       \
                     V##SUF b = wv##WN##SUF(w + (n + q) * K + k + v * W##SUF);                       \
                     IN_REGISTER(b);                                                                 \
-                    for (int r = 0; r < R; r++) c[r][q][v] = c[r][q][v] + a[r] * b;                 \
+                    for (int r = 0; r < R; r++) c[r][q][v] = MADD##SUF(a[r], b, c[r][q][v]);       \
                 }                                                                                   \
             }                                                                                       \
         }                                                                                           \
         for (int r = 0; r < R; r++)                                                                 \
             for (int q = 0; q < Q; q++) {                                                           \
                 if (kf < K) {                                                                       \
-                    L##SUF t = xload##WN##SUF(x + (m + r) * K, kf, K) * lload##WN##SUF(w + (n + q) * K, kf, K); \
-                    V##SUF tv[NV##SUF];                                                             \
-                    memcpy(tv, &t, sizeof t);                                                       \
-                    for (int v = 0; v < NV##SUF; v++) c[r][q][v] = c[r][q][v] + tv[v];              \
+                    L##SUF xl = xload##AR##WN##SUF(x + (m + r) * K, kf, K);                         \
+                    L##SUF wl = lload##AR##WN##SUF(w + (n + q) * K, kf, K);                         \
+                    V##SUF xv[NV##SUF], wv[NV##SUF];                                                \
+                    memcpy(xv, &xl, sizeof xl);                                                     \
+                    memcpy(wv, &wl, sizeof wl);                                                     \
+                    for (int v = 0; v < NV##SUF; v++) c[r][q][v] = MADD##SUF(xv[v], wv[v], c[r][q][v]); \
                 }                                                                                   \
                 out[(m + r) * N + n + q] = ltree##SUF(c[r][q]);                                     \
             }                                                                                       \
     }                                                                                               \
-    static void tile_mn##WN##SUF(const T *x, i64 K, const WT *w, T *out, i64 N, i64 m, i64 n) {     \
-        tile##WN##SUF(x, K, w, out, N, m, n, TILE_M##SUF, TILE_N##SUF);                             \
+    static void tile_mn##AR##WN##SUF(const T *x, i64 K, const WT *w, T *out, i64 N, i64 m, i64 n) { \
+        tile##AR##WN##SUF(x, K, w, out, N, m, n, TILE_M##SUF, TILE_N##SUF);                         \
     }                                                                                               \
-    static void tile_1n##WN##SUF(const T *x, i64 K, const WT *w, T *out, i64 N, i64 m, i64 n) {     \
-        tile##WN##SUF(x, K, w, out, N, m, n, 1, TILE_N1##SUF);                                      \
+    static void tile_1n##AR##WN##SUF(const T *x, i64 K, const WT *w, T *out, i64 N, i64 m, i64 n) { \
+        tile##AR##WN##SUF(x, K, w, out, N, m, n, 1, TILE_N1##SUF);                                  \
     }                                                                                               \
-    static void tile_11##WN##SUF(const T *x, i64 K, const WT *w, T *out, i64 N, i64 m, i64 n) {     \
-        tile##WN##SUF(x, K, w, out, N, m, n, 1, 1);                                                 \
+    static void tile_11##AR##WN##SUF(const T *x, i64 K, const WT *w, T *out, i64 N, i64 m, i64 n) { \
+        tile##AR##WN##SUF(x, K, w, out, N, m, n, 1, 1);                                             \
     }                                                                                               \
-    void linear##WN##SUF(const T *x, i64 M, i64 K, const WT *w, i64 N, const T *bias, T *out, i64 n0, \
-                         i64 n1) {                                                                  \
+    void linear##AR##WN##SUF(const T *x, i64 M, i64 K, const WT *w, i64 N, const T *bias, T *out,  \
+                             i64 n0, i64 n1) {                                                      \
         for (i64 b0 = n0; b0 < n1; b0 += BLOCK_N) {                                                 \
             i64 b1 = b0 + BLOCK_N < n1 ? b0 + BLOCK_N : n1;                                         \
             i64 m = 0;                                                                              \
             for (; m + TILE_M##SUF <= M; m += TILE_M##SUF) {                                        \
                 i64 n = b0;                                                                         \
-                for (; n + TILE_N##SUF <= b1; n += TILE_N##SUF) tile_mn##WN##SUF(x, K, w, out, N, m, n); \
+                for (; n + TILE_N##SUF <= b1; n += TILE_N##SUF) tile_mn##AR##WN##SUF(x, K, w, out, N, m, n); \
                 for (; n < b1; n++)                                                                 \
-                    for (int r = 0; r < TILE_M##SUF; r++) tile_11##WN##SUF(x, K, w, out, N, m + r, n); \
+                    for (int r = 0; r < TILE_M##SUF; r++) tile_11##AR##WN##SUF(x, K, w, out, N, m + r, n); \
             }                                                                                       \
             for (; m < M; m++) {                                                                    \
                 i64 n = b0;                                                                         \
-                for (; n + TILE_N1##SUF <= b1; n += TILE_N1##SUF) tile_1n##WN##SUF(x, K, w, out, N, m, n); \
-                for (; n < b1; n++) tile_11##WN##SUF(x, K, w, out, N, m, n);                        \
+                for (; n + TILE_N1##SUF <= b1; n += TILE_N1##SUF) tile_1n##AR##WN##SUF(x, K, w, out, N, m, n); \
+                for (; n < b1; n++) tile_11##AR##WN##SUF(x, K, w, out, N, m, n);                    \
             }                                                                                       \
         }                                                                                           \
         if (bias)                                                                                   \
@@ -533,14 +537,44 @@ static inline __attribute__((always_inline)) V_f32 wv_bf16_f32(const bf16_t *p) 
 #define wv_bf16_f32 wv_bf16_generic_f32
 #endif
 #define wv_bf16_f64 wv_bf16_generic_f64
-/* linear_f32 / linear_f64: weights of the computation's type; linear_bf16_f32, linear_f16_f32,
- * ...: weights stored in bfloat16 or float16 */
-DEFINE_LINEAR(float, _f32, float, _same)
-DEFINE_LINEAR(float, _f32, bf16_t, _bf16)
-DEFINE_LINEAR(float, _f32, f16_t, _f16)
-DEFINE_LINEAR(double, _f64, double, _same)
-DEFINE_LINEAR(double, _f64, bf16_t, _bf16)
-DEFINE_LINEAR(double, _f64, f16_t, _f16)
+/* One step of a lane's sum, c + a * b. exact-1 rounds the product, then the sum; exact-2 rounds
+ * once: IEEE-754's fusedMultiplyAdd, which an FMA instruction and C's fmaf compute alike (fmaf
+ * in software where the machine has no FMA: slower, the same bits). */
+static inline __attribute__((always_inline)) V_f32 madd_split_f32(V_f32 a, V_f32 b, V_f32 c) { return c + a * b; }
+static inline __attribute__((always_inline)) V_f64 madd_split_f64(V_f64 a, V_f64 b, V_f64 c) { return c + a * b; }
+static inline __attribute__((always_inline)) V_f32 madd_fused_f32(V_f32 a, V_f32 b, V_f32 c) {
+#if VBYTES == 64
+    __m512 x, y, z;
+    memcpy(&x, &a, 64);
+    memcpy(&y, &b, 64);
+    memcpy(&z, &c, 64);
+    z = _mm512_fmadd_ps(x, y, z);
+    memcpy(&c, &z, 64);
+#elif VBYTES == 32 && defined(__FMA__)
+    __m256 x, y, z;
+    memcpy(&x, &a, 32);
+    memcpy(&y, &b, 32);
+    memcpy(&z, &c, 32);
+    z = _mm256_fmadd_ps(x, y, z);
+    memcpy(&c, &z, 32);
+#else
+    for (int j = 0; j < W_f32; j++) c[j] = fmaf(a[j], b[j], c[j]);
+#endif
+    return c;
+}
+
+/* linear_same_f32 / linear_same_f64: weights of the computation's type; linear_bf16_f32,
+ * linear_f16_f32, ...: weights stored in bfloat16 or float16. linear_fma_*_f32: the same with
+ * fused multiply-adds (the exact-2 arithmetic; float32 computations only). */
+DEFINE_LINEAR(float, _f32, float, _same, , madd_split)
+DEFINE_LINEAR(float, _f32, bf16_t, _bf16, , madd_split)
+DEFINE_LINEAR(float, _f32, f16_t, _f16, , madd_split)
+DEFINE_LINEAR(double, _f64, double, _same, , madd_split)
+DEFINE_LINEAR(double, _f64, bf16_t, _bf16, , madd_split)
+DEFINE_LINEAR(double, _f64, f16_t, _f16, , madd_split)
+DEFINE_LINEAR(float, _f32, float, _same, _fma, madd_fused)
+DEFINE_LINEAR(float, _f32, bf16_t, _bf16, _fma, madd_fused)
+DEFINE_LINEAR(float, _f32, f16_t, _f16, _fma, madd_fused)
 
 #define DEFINE_KERNELS(T, SUF)                                                                      \
                                                                                                     \
@@ -923,66 +957,91 @@ static inline __m256 scales8(const uint16_t *d8, i64 nb, i64 n, i64 b) {
 #endif
 }
 
-/* outputs n .. n + 7 of row m (n a multiple of 8) */
-static void tile8_q8(const int8_t *qx, const float *sx, i64 nb, const int8_t *q, const uint16_t *d8, i64 n,
-                     i64 N, float *out) {
-    i64 kp = nb * QB;
-    __m256 acc = _mm256_setzero_ps();
-    const int8_t *next = q + (n + 8) * kp; /* the next tile's rows, fetched ahead (tile##WN's reason) */
-    int more = n + 16 <= N;
-    for (i64 b = 0; b < nb; b++) {
-        if (more && (b & 1) == 0)
-            for (int i = 0; i < 8; i++) __builtin_prefetch(next + i * kp + b * QB, 0, PREFETCH_LOCALITY);
-        __m256i xv = _mm256_loadu_si256((const __m256i *)(qx + b * QB));
-        __m256i ax = _mm256_sign_epi8(xv, xv);
-        const int8_t *w = q + n * kp + b * QB;
-        __m256i s = sum8_epi32(dot_q8_avx2(ax, xv, w), dot_q8_avx2(ax, xv, w + kp), dot_q8_avx2(ax, xv, w + 2 * kp),
-                               dot_q8_avx2(ax, xv, w + 3 * kp), dot_q8_avx2(ax, xv, w + 4 * kp),
-                               dot_q8_avx2(ax, xv, w + 5 * kp), dot_q8_avx2(ax, xv, w + 6 * kp),
-                               dot_q8_avx2(ax, xv, w + 7 * kp));
-        __m256 c = _mm256_mul_ps(_mm256_set1_ps(sx[b]), scales8(d8, nb, n, b));
-        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_cvtepi32_ps(s), c));
-    }
-    _mm256_storeu_ps(out + n, acc);
-}
-#define Q8_TILE 8
+/* one block's term added to an output's sum: acc + isum * c, rounded twice (exact-1) or once
+ * (exact-2: fused), 8 outputs at a time or one */
+#define Q8_SPLIT8(a, c, acc) _mm256_add_ps(acc, _mm256_mul_ps(a, c))
+#if defined(__FMA__)
+#define Q8_FUSED8(a, c, acc) _mm256_fmadd_ps(a, c, acc)
 #else
-#define Q8_TILE 1
+static inline __m256 q8_fused8(__m256 a, __m256 c, __m256 acc) {
+    float x[8], y[8], z[8];
+    _mm256_storeu_ps(x, a);
+    _mm256_storeu_ps(y, c);
+    _mm256_storeu_ps(z, acc);
+    for (int i = 0; i < 8; i++) z[i] = fmaf(x[i], y[i], z[i]);
+    return _mm256_loadu_ps(z);
+}
+#define Q8_FUSED8(a, c, acc) q8_fused8(a, c, acc)
 #endif
 
-static void one_q8(const int8_t *qx, const float *sx, i64 nb, const int8_t *q, const uint16_t *d, i64 n,
-                   float *out) {
-    i64 kp = nb * QB;
-    float acc = 0.0f;
-    for (i64 b = 0; b < nb; b++) {
-        float c = sx[b] * f16_to_float(d[n * nb + b]);
-        acc = acc + (float)dot_q8(qx + b * QB, q + n * kp + b * QB) * c;
+/* linear_q8_f32 (exact-1) and linear_q8_fma_f32 (exact-2): the same blocks, sums and order; only
+ * how a block's term joins the sum differs (MADD8 / MADD1) */
+#define DEFINE_Q8(AR, MADD8)                                                                        \
+    /* outputs n .. n + 7 of row m (n a multiple of 8) */                                           \
+    static void tile8_q8##AR(const int8_t *qx, const float *sx, i64 nb, const int8_t *q, const uint16_t *d8, \
+                             i64 n, i64 N, float *out) {                                            \
+        i64 kp = nb * QB;                                                                           \
+        __m256 acc = _mm256_setzero_ps();                                                           \
+        const int8_t *next = q + (n + 8) * kp; /* the next tile's rows, fetched ahead (tile##WN's reason) */ \
+        int more = n + 16 <= N;                                                                     \
+        for (i64 b = 0; b < nb; b++) {                                                              \
+            if (more && (b & 1) == 0)                                                               \
+                for (int i = 0; i < 8; i++) __builtin_prefetch(next + i * kp + b * QB, 0, PREFETCH_LOCALITY); \
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(qx + b * QB));                       \
+            __m256i ax = _mm256_sign_epi8(xv, xv);                                                  \
+            const int8_t *w = q + n * kp + b * QB;                                                  \
+            __m256i s = sum8_epi32(dot_q8_avx2(ax, xv, w), dot_q8_avx2(ax, xv, w + kp),             \
+                                   dot_q8_avx2(ax, xv, w + 2 * kp), dot_q8_avx2(ax, xv, w + 3 * kp), \
+                                   dot_q8_avx2(ax, xv, w + 4 * kp), dot_q8_avx2(ax, xv, w + 5 * kp), \
+                                   dot_q8_avx2(ax, xv, w + 6 * kp), dot_q8_avx2(ax, xv, w + 7 * kp)); \
+            __m256 c = _mm256_mul_ps(_mm256_set1_ps(sx[b]), scales8(d8, nb, n, b));                \
+            acc = MADD8(_mm256_cvtepi32_ps(s), c, acc);                                             \
+        }                                                                                           \
+        _mm256_storeu_ps(out + n, acc);                                                             \
     }
-    out[n] = acc;
-}
-
-/* out (M, N) = the rows qx (M, KP), sx (M, NB) (quantize_rows_q8) against q, d, for outputs
- * [n0, n1) (n0 a multiple of 8); in blocks of BLOCK_N outputs whose weights stay in cache while
- * every row passes. d8: the same scales, repacked (ceil(N / 8), NB, 8) for the 8-output tiles. */
-void linear_q8_f32(const int8_t *qx, const float *sx, i64 M, i64 K, const int8_t *q, const uint16_t *d,
-                   const uint16_t *d8, i64 N, const float *bias, float *out, i64 n0, i64 n1) {
-    i64 nb = (K + QB - 1) / QB, kp = nb * QB;
-    for (i64 b0 = n0; b0 < n1; b0 += BLOCK_N) {
-        i64 b1 = b0 + BLOCK_N < n1 ? b0 + BLOCK_N : n1;
-        for (i64 m = 0; m < M; m++) {
-            const int8_t *xr = qx + m * kp;
-            const float *sr = sx + m * nb;
-            float *orow = out + m * N;
-            i64 n = b0;
-#if Q8_TILE > 1
-            for (; n + Q8_TILE <= b1; n += Q8_TILE) tile8_q8(xr, sr, nb, q, d8, n, N, orow);
+DEFINE_Q8(, Q8_SPLIT8)
+DEFINE_Q8(_fma, Q8_FUSED8)
+#define Q8_TILES(AR) for (; n + 8 <= b1; n += 8) tile8_q8##AR(xr, sr, nb, q, d8, n, N, orow);
+#else
+#define Q8_TILES(AR)
 #endif
-            for (; n < b1; n++) one_q8(xr, sr, nb, q, d, n, orow);
-            if (bias)
-                for (i64 j = b0; j < b1; j++) orow[j] = orow[j] + bias[j];
-        }
+
+#define DEFINE_Q8_ONE(AR, MADD1)                                                                    \
+    static void one_q8##AR(const int8_t *qx, const float *sx, i64 nb, const int8_t *q, const uint16_t *d, i64 n, \
+                           float *out) {                                                            \
+        i64 kp = nb * QB;                                                                           \
+        float acc = 0.0f;                                                                           \
+        for (i64 b = 0; b < nb; b++) {                                                              \
+            float c = sx[b] * f16_to_float(d[n * nb + b]);                                          \
+            acc = MADD1((float)dot_q8(qx + b * QB, q + n * kp + b * QB), c, acc);                   \
+        }                                                                                           \
+        out[n] = acc;                                                                               \
+    }                                                                                               \
+    /* out (M, N) = the rows qx (M, KP), sx (M, NB) (quantize_rows_q8) against q, d, for outputs  \
+     * [n0, n1) (n0 a multiple of 8); in blocks of BLOCK_N outputs whose weights stay in cache     \
+     * while every row passes. d8: the same scales, repacked (ceil(N / 8), NB, 8) for the          \
+     * 8-output tiles. */                                                                           \
+    void linear_q8##AR##_f32(const int8_t *qx, const float *sx, i64 M, i64 K, const int8_t *q, const uint16_t *d, \
+                             const uint16_t *d8, i64 N, const float *bias, float *out, i64 n0, i64 n1) { \
+        i64 nb = (K + QB - 1) / QB, kp = nb * QB;                                                   \
+        for (i64 b0 = n0; b0 < n1; b0 += BLOCK_N) {                                                 \
+            i64 b1 = b0 + BLOCK_N < n1 ? b0 + BLOCK_N : n1;                                         \
+            for (i64 m = 0; m < M; m++) {                                                           \
+                const int8_t *xr = qx + m * kp;                                                     \
+                const float *sr = sx + m * nb;                                                      \
+                float *orow = out + m * N;                                                          \
+                i64 n = b0;                                                                         \
+                Q8_TILES(AR)                                                                        \
+                for (; n < b1; n++) one_q8##AR(xr, sr, nb, q, d, n, orow);                          \
+                if (bias)                                                                           \
+                    for (i64 j = b0; j < b1; j++) orow[j] = orow[j] + bias[j];                      \
+            }                                                                                       \
+        }                                                                                           \
     }
-}
+#define Q8_SPLIT1(a, c, acc) ((acc) + (a) * (c))
+#define Q8_FUSED1(a, c, acc) fmaf(a, c, acc)
+DEFINE_Q8_ONE(, Q8_SPLIT1)
+DEFINE_Q8_ONE(_fma, Q8_FUSED1)
 
 /* --- the products on several threads ------------------------------------------------------- */
 /* A job (a product, a scan) is cut into parts of contiguous work units (runs of 16 outputs,
@@ -1140,7 +1199,10 @@ void linear_threads(void *fn, const void *x, i64 M, i64 K, const void *w, i64 N,
     pool_run(linear_part, &j, (N + 15) / 16, threads);
 }
 
+typedef void (*q8_fn)(const int8_t *qx, const float *sx, i64 M, i64 K, const int8_t *q, const uint16_t *d,
+                      const uint16_t *d8, i64 N, const float *bias, float *out, i64 n0, i64 n1);
 struct q8_job {
+    q8_fn fn;
     const int8_t *qx, *q;
     const float *sx, *bias;
     const uint16_t *d, *d8;
@@ -1149,13 +1211,14 @@ struct q8_job {
 };
 static void q8_part(const void *p, i64 u0, i64 u1) {
     const struct q8_job *j = p;
-    linear_q8_f32(j->qx, j->sx, j->M, j->K, j->q, j->d, j->d8, j->N, j->bias, j->out, u0 * 16,
-                  u1 * 16 < j->N ? u1 * 16 : j->N);
+    j->fn(j->qx, j->sx, j->M, j->K, j->q, j->d, j->d8, j->N, j->bias, j->out, u0 * 16,
+          u1 * 16 < j->N ? u1 * 16 : j->N);
 }
 
-void linear_q8_threads(const int8_t *qx, const float *sx, i64 M, i64 K, const int8_t *q, const uint16_t *d,
+/* fn (linear_q8_f32 or linear_q8_fma_f32) over all N outputs, on up to `threads` threads */
+void linear_q8_threads(void *fn, const int8_t *qx, const float *sx, i64 M, i64 K, const int8_t *q, const uint16_t *d,
                        const uint16_t *d8, i64 N, const float *bias, float *out, int threads) {
-    struct q8_job j = {qx, q, sx, bias, d, d8, out, M, K, N};
+    struct q8_job j = {(q8_fn)fn, qx, q, sx, bias, d, d8, out, M, K, N};
     pool_run(q8_part, &j, (N + 15) / 16, threads);
 }
 
@@ -1251,6 +1314,7 @@ DEFINE_CONV_THREADS(double, _f64)
 
 struct exact_weight { /* a product's weight as held (`Q8Weight` or a tensor), and its bias */
     i64 format;       /* 0 the compute dtype, 1 bfloat16, 2 float16, 3 q8 */
+    i64 fused;        /* 1: the exact-2 products (fused multiply-adds), 0: exact-1's */
     const void *w;    /* formats 0-2: (N, K) */
     const int8_t *q;  /* q8: (N, KP) blocks, d (N, NB) and d8 their scales */
     const uint16_t *d, *d8;
@@ -1277,11 +1341,16 @@ static void exact_product(const struct exact_weight *W, const float *x, i64 M, f
     int t = M * W->k * W->n >= threaded_work ? (int)threads : 1;
     if (W->format == 3) {
         quantize_rows_q8(x, M, W->k, qx, sx);
-        linear_q8_threads(qx, sx, M, W->k, W->q, W->d, W->d8, W->n, W->bias, out, t);
+        linear_q8_threads(W->fused ? (void *)linear_q8_fma_f32 : (void *)linear_q8_f32, qx, sx, M, W->k, W->q, W->d,
+                          W->d8, W->n, W->bias, out, t);
         return;
     }
-    void *fn = W->format == 1 ? (void *)linear_bf16_f32 : W->format == 2 ? (void *)linear_f16_f32
-                                                                         : (void *)linear_same_f32;
+    void *fn = W->fused ? (W->format == 1   ? (void *)linear_fma_bf16_f32
+                           : W->format == 2 ? (void *)linear_fma_f16_f32
+                                            : (void *)linear_fma_same_f32)
+                        : (W->format == 1   ? (void *)linear_bf16_f32
+                           : W->format == 2 ? (void *)linear_f16_f32
+                                            : (void *)linear_same_f32);
     linear_threads(fn, x, M, W->k, W->w, W->n, W->bias, out, t);
 }
 

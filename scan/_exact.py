@@ -19,6 +19,15 @@ Every output element is computed by one fixed sequence of IEEE-754 basic operati
 Since none of these operations depends on the instruction set, the results are the same on
 AVX-512, AVX2 and scalar builds: a checksum means the same tokens on any x86-64 worker.
 
+That is arithmetic `exact-1` (backend "exact"). `exact-2` (backend "exact-fma") is the same but
+for one operation: each step of a product's lane sums (and of a q8 product's block sums) is one
+fused multiply-add, rounded once (IEEE fusedMultiplyAdd), where exact-1 rounds the product and
+then the sum. A fused multiply-add has one result on every machine that has the instruction
+(x86-64's FMA3, AVX-512) and on every machine that has not (C's fmaf computes it in software), so
+exact-2 is as machine-independent as exact-1; it takes one instruction where exact-1 takes two,
+which is what an Intel core's two vector ports are short of in a prefill. Its twin computes the
+fused multiply-add exactly in float64 (`scan._fma`). exact-2 computes in float32 only.
+
 Two implementations with the same signatures compute this arithmetic: C kernels (`_exact.c`,
 compiled at first use by the system C compiler or the `ziglang` wheel, vectorized across
 independent elements only) and their pure-PyTorch twins. They give the same bits
@@ -54,7 +63,8 @@ from typing import Any
 
 import torch
 
-from scan._backends import Backend, FixedBackend, RoundState, labelled
+from scan._backends import EXACT_BACKENDS, Backend, FixedBackend, RoundState, labelled
+from scan._fma import fma_twin
 from scan._mamba1 import Mamba1Mixer
 from scan._mamba2 import Mamba2Mixer
 from scan._mamba3 import Mamba3Mixer
@@ -62,18 +72,18 @@ from scan._mixer import States
 from scan._ops import Primitives
 from scan._quant import QB, Q8Weight, linear_q8_twin
 
-__all__ = ["ARITHMETIC", "Probe", "TWIN_OPS", "TWIN_PRIMITIVES", "TWIN_STEP_PRIMITIVES", "build_kernels", "cache_dir",
-           "exact_backend",
-           "exact_primitives", "exact_step_backend", "probe"]
+__all__ = ["ARITHMETIC", "ARITHMETIC_FMA", "Probe", "TWIN_OPS", "TWIN_OPS_FMA", "TWIN_PRIMITIVES",
+           "TWIN_STEP_PRIMITIVES", "build_kernels", "cache_dir", "exact_backend", "exact_primitives",
+           "exact_step_backend", "linear_fma_twin", "probe", "twin_primitives"]
 
 log = logging.getLogger(__name__)
 
 Tensor = torch.Tensor
 
-#: The version of the arithmetic below, recorded in every receipt (`state_codec.Arithmetic`).
-#: Anything that changes a bit of any result (an operation's order, a polynomial, a constant)
-#: is a new version; tests/scan/test_exact.py pins the bits of this one.
-ARITHMETIC = "exact-1"
+#: The versions of the arithmetic below (`scan._backends.EXACT_BACKENDS`): exact-1, and exact-2
+#: with every step of a product's sums one fused multiply-add (module docstring).
+ARITHMETIC = EXACT_BACKENDS["exact"]
+ARITHMETIC_FMA = EXACT_BACKENDS["exact-fma"]
 
 _SOURCE = Path(__file__).with_name("_exact.c")
 # No fused multiply-add, no reassociation: vectorization may only run independent elements side
@@ -214,12 +224,24 @@ def unary_twin(x: Tensor, op: str) -> Tensor:
 
 def linear_twin(x: Tensor, weight: Tensor | Q8Weight, bias: Tensor | None = None) -> Tensor:
     """x (..., K) @ weight (N, K)^T in the kernel's order: 16 lanes (lane j sums k = j, j + 16, ...
-    in order from 0; zeros past K), then the lanes by the fixed tree (j, j + 8), (j, j + 4),
-    (j, j + 2), (0, 1); then + bias. A weight stored narrower (bfloat16, float16) is widened to
-    x's dtype first, which is exact: the kernel widens each value as it reads it. Block-int8
-    weights take their own arithmetic (`scan._quant`)."""
+    in order from 0, a multiply then an add; zeros past K), then the lanes by the fixed tree
+    (j, j + 8), (j, j + 4), (j, j + 2), (0, 1); then + bias. A weight stored narrower (bfloat16,
+    float16) is widened to x's dtype first, which is exact: the kernel widens each value as it
+    reads it. Block-int8 weights take their own arithmetic (`scan._quant`)."""
+    return _lane_product(x, weight, bias, fused=False)
+
+
+def linear_fma_twin(x: Tensor, weight: Tensor | Q8Weight, bias: Tensor | None = None) -> Tensor:
+    """`linear_twin` in the exact-2 arithmetic: each lane step one fused multiply-add
+    (`scan._fma.fma_twin`), as each q8 block's term; float32 only."""
+    if x.dtype != torch.float32:
+        raise TypeError(f"exact-2 products compute in float32, not {x.dtype}")
+    return _lane_product(x, weight, bias, fused=True)
+
+
+def _lane_product(x: Tensor, weight: Tensor | Q8Weight, bias: Tensor | None, fused: bool) -> Tensor:
     if isinstance(weight, Q8Weight):
-        return linear_q8_twin(x, weight, bias)
+        return linear_q8_twin(x, weight, bias, fused=fused)
     if weight.dtype != x.dtype:
         if weight.dtype not in (torch.bfloat16, torch.float16):
             raise TypeError(f"no exact product of {x.dtype} inputs with {weight.dtype} weights")
@@ -230,7 +252,7 @@ def linear_twin(x: Tensor, weight: Tensor | Q8Weight, bias: Tensor | None = None
     w = torch.nn.functional.pad(weight, (0, pad)).reshape(1, weight.shape[0], (k + pad) // 16, 16)
     lanes = torch.zeros((rows.shape[0], weight.shape[0], 16), dtype=x.dtype)
     for b in range((k + pad) // 16):
-        lanes = lanes + rows[:, :, b] * w[:, :, b]
+        lanes = fma_twin(rows[:, :, b], w[:, :, b], lanes) if fused else lanes + rows[:, :, b] * w[:, :, b]
     s8 = lanes[..., :8] + lanes[..., 8:]
     s4 = s8[..., :4] + s8[..., 4:]
     s2 = s4[..., :2] + s4[..., 2:]
@@ -410,7 +432,8 @@ _LINEAR = [_P, _I, _I, _P, _I, _P, _P, _I, _I]
 class _ExactWeight(ctypes.Structure):
     """`struct exact_weight` of _exact.c: a product's weight as held, and its bias."""
 
-    _fields_ = [("format", _I), ("w", _P), ("q", _P), ("d", _P), ("d8", _P), ("bias", _P), ("n", _I), ("k", _I)]
+    _fields_ = [("format", _I), ("fused", _I), ("w", _P), ("q", _P), ("d", _P), ("d8", _P), ("bias", _P), ("n", _I),
+                ("k", _I)]
 
 
 class _Mamba1Layer(ctypes.Structure):
@@ -440,14 +463,16 @@ def _declare(lib: Any) -> None:
             fn.argtypes = args
             fn.restype = None
     for fmt in _WEIGHT_FORMATS:
-        for suf in _SUFFIX.values():
-            fn = getattr(lib, f"linear_{fmt}{suf}")
+        for name in [f"linear_{fmt}{suf}" for suf in _SUFFIX.values()] + [f"linear_fma_{fmt}_f32"]:
+            fn = getattr(lib, name)
             fn.argtypes = _LINEAR
             fn.restype = None
     lib.quantize_rows_q8.argtypes = [_P, _I, _I, _P, _P]
-    lib.linear_q8_f32.argtypes = [_P, _P, _I, _I, _P, _P, _P, _I, _P, _P, _I, _I]
+    for fn in (lib.linear_q8_f32, lib.linear_q8_fma_f32):
+        fn.argtypes = [_P, _P, _I, _I, _P, _P, _P, _I, _P, _P, _I, _I]
+        fn.restype = None
     lib.linear_threads.argtypes = [_P, _P, _I, _I, _P, _I, _P, _P, ctypes.c_int]
-    lib.linear_q8_threads.argtypes = [_P, _P, _I, _I, _P, _P, _P, _I, _P, _P, ctypes.c_int]
+    lib.linear_q8_threads.argtypes = [_P, _P, _P, _I, _I, _P, _P, _P, _I, _P, _P, ctypes.c_int]
     for kind in ("mamba1", "mamba2"):
         getattr(lib, f"{kind}_step_work").argtypes = [_P, _I]
         getattr(lib, f"{kind}_step_work").restype = _I
@@ -458,7 +483,7 @@ def _declare(lib: Any) -> None:
             fn = getattr(lib, f"{name}_threads{suf}")
             fn.argtypes = [*_SIGNATURES[name], ctypes.c_int]
             threaded.append(fn)
-    for fn in (lib.quantize_rows_q8, lib.linear_q8_f32, lib.linear_threads, lib.linear_q8_threads,
+    for fn in (lib.quantize_rows_q8, lib.linear_threads, lib.linear_q8_threads,
                lib.mamba1_step_f32, lib.mamba2_step_f32, *threaded):
         fn.restype = None
 
@@ -499,14 +524,26 @@ def _version(t: Any) -> int | None:
         return None
 
 
-class _Kernels:
-    """The C kernels behind the signatures of the twins (thin: decode is bound by call overhead)."""
+def _address(fn: Any) -> int:
+    return ctypes.cast(fn, ctypes.c_void_p).value
 
-    def __init__(self, lib: Any) -> None:
+
+class _Kernels:
+    """The C kernels behind the signatures of the twins (thin: decode is bound by call overhead).
+    `fused`: the exact-2 products (fused multiply-adds; float32 only), else exact-1's."""
+
+    def __init__(self, lib: Any, fused: bool = False) -> None:
         self.fn = {(name, dt): getattr(lib, name + suf) for name in _SIGNATURES for dt, suf in _SUFFIX.items()}
+        self.fused = fused
         #: (compute dtype, weight dtype) -> the product's address, for `linear_threads` to call
-        self.linears = {(dt, wdt or dt): ctypes.cast(getattr(lib, f"linear_{fmt}{suf}"), ctypes.c_void_p).value
-                        for fmt, wdt in _WEIGHT_FORMATS.items() for dt, suf in _SUFFIX.items()}
+        if fused:
+            self.linears = {(torch.float32, wdt or torch.float32): _address(getattr(lib, f"linear_fma_{fmt}_f32"))
+                            for fmt, wdt in _WEIGHT_FORMATS.items()}
+        else:
+            self.linears = {(dt, wdt or dt): _address(getattr(lib, f"linear_{fmt}{suf}"))
+                            for fmt, wdt in _WEIGHT_FORMATS.items() for dt, suf in _SUFFIX.items()}
+        #: the q8 product's address, for `linear_q8_threads` to call
+        self.linear_q8 = _address(lib.linear_q8_fma_f32 if fused else lib.linear_q8_f32)
         #: the conv over a chunk, the tokens split between threads (same bits as `conv`)
         self.convs = {dt: getattr(lib, "conv_threads" + suf) for dt, suf in _SUFFIX.items()}
         #: the elementwise functions, split between threads (same bits as `unary`)
@@ -529,7 +566,8 @@ class _Kernels:
             qx = torch.empty((m, nb * QB), dtype=torch.int8)
             sx = torch.empty((m, nb), dtype=torch.float32)
             self.lib.quantize_rows_q8(x.data_ptr(), m, k, qx.data_ptr(), sx.data_ptr())
-            self.lib.linear_q8_threads(qx.data_ptr(), sx.data_ptr(), m, k, weight.q.data_ptr(), weight.d.data_ptr(),
+            self.lib.linear_q8_threads(self.linear_q8, qx.data_ptr(), sx.data_ptr(), m, k, weight.q.data_ptr(),
+                                       weight.d.data_ptr(),
                                        weight.d8.data_ptr(), n, None if bias is None else bias.data_ptr(),
                                        out.data_ptr(), _threads(m * k * n))
         return out
@@ -568,14 +606,16 @@ class _Kernels:
             return None
         if isinstance(w, Q8Weight):
             keep += [w.q, w.d, w.d8]
-            out = _ExactWeight(3, None, w.q.data_ptr(), w.d.data_ptr(), w.d8.data_ptr(), None, w.shape[0], w.shape[1])
+            out = _ExactWeight(3, int(self.fused), None, w.q.data_ptr(), w.d.data_ptr(), w.d8.data_ptr(), None,
+                               w.shape[0], w.shape[1])
         else:
             if w.dtype not in _WEIGHT_CODES:
                 return None
             if not w.is_contiguous():
                 w = self._cached(w, "contiguous", w.contiguous)
             keep.append(w)
-            out = _ExactWeight(_WEIGHT_CODES[w.dtype], w.data_ptr(), None, None, None, None, w.shape[0], w.shape[1])
+            out = _ExactWeight(_WEIGHT_CODES[w.dtype], int(self.fused), w.data_ptr(), None, None, None, None,
+                               w.shape[0], w.shape[1])
         if bias is not None:
             keep.append(bias)
             out.bias = bias.data_ptr()
@@ -866,9 +906,11 @@ def ssd_into_twin(x: Tensor, dt: Tensor, a: Tensor, b: Tensor, c: Tensor, h0: Te
 
 
 class _Twins:
-    """The twins, in the kernels' call shape."""
+    """The twins, in the kernels' call shape; `linear` is the arithmetic's product."""
 
-    linear = staticmethod(linear_twin)
+    def __init__(self, linear: Callable[..., Tensor]) -> None:
+        self.linear = linear
+
     unary = staticmethod(unary_twin)
     exp = staticmethod(lambda x: unary_twin(x, "exp"))
     mean = staticmethod(mean_twin)
@@ -884,14 +926,20 @@ class _Twins:
     ssd_into = staticmethod(ssd_into_twin)
 
 
-TWIN_OPS = _Twins()
+TWIN_OPS = _Twins(linear_twin)
+TWIN_OPS_FMA = _Twins(linear_fma_twin)
+
+
+def _kernel_ops(fused: bool = False) -> _Kernels | None:
+    """The kernels, once built (None where they cannot be: `build_kernels` says why); `fused`:
+    with the exact-2 products. One object per arithmetic, however it is asked for."""
+    return _kernels(bool(fused))
 
 
 @functools.cache
-def _kernel_ops() -> _Kernels | None:
-    """The kernels, once built (None where they cannot be: `build_kernels` says why)."""
+def _kernels(fused: bool) -> _Kernels | None:
     lib = build_kernels()[0]
-    return None if lib is None else _Kernels(lib)
+    return None if lib is None else _Kernels(lib, fused)
 
 
 # --- the primitives ------------------------------------------------------------------------------
@@ -951,11 +999,20 @@ def exact_primitives(ops: Any, path: str, *, in_place: bool = False) -> Primitiv
 
 TWIN_PRIMITIVES = exact_primitives(TWIN_OPS, "exact-twin")
 TWIN_STEP_PRIMITIVES = exact_primitives(TWIN_OPS, "exact-twin", in_place=True)
+_TWIN_FMA = {False: exact_primitives(TWIN_OPS_FMA, "exact-twin"),
+             True: exact_primitives(TWIN_OPS_FMA, "exact-twin", in_place=True)}
+
+
+def twin_primitives(fused: bool = False, in_place: bool = False) -> Primitives:
+    """The twins' primitives: exact-1's, or with `fused` exact-2's (`exact_primitives`' `in_place`)."""
+    if fused:
+        return _TWIN_FMA[in_place]
+    return TWIN_STEP_PRIMITIVES if in_place else TWIN_PRIMITIVES
 
 
 @functools.cache
-def _kernel_primitives(in_place: bool = False) -> Primitives | None:
-    ops = _kernel_ops()
+def _kernel_primitives(in_place: bool = False, fused: bool = False) -> Primitives | None:
+    ops = _kernel_ops(fused)
     return None if ops is None else exact_primitives(ops, "exact", in_place=in_place)
 
 
@@ -1005,11 +1062,11 @@ class _KernelBackend(FixedBackend):
     def running(self) -> contextlib.AbstractContextManager[None]:
         return _torch_threads_off()
 
-    def __init__(self, in_place: bool = False) -> None:
-        prims = _kernel_primitives(in_place)
+    def __init__(self, in_place: bool = False, fused: bool = False) -> None:
+        prims = _kernel_primitives(in_place, fused)
         assert prims is not None
-        super().__init__(prims, "exact")
-        self._ops, self._in_place = _kernel_ops(), in_place
+        super().__init__(prims, "exact-fma" if fused else "exact")
+        self._ops, self._in_place = _kernel_ops(fused), in_place
 
     def mix(self, mixer: Any, u: Tensor, states: States, round_state: RoundState = None
             ) -> tuple[Tensor, States, str]:
@@ -1053,9 +1110,10 @@ def _probe_view(lm: torch.nn.Module) -> Any:
                            lm_head=SimpleNamespace(weight=lm.lm_head.weight[:_PROBE_HEAD_ROWS]))
 
 
-def probe(lm: torch.nn.Module, dtype: torch.dtype) -> Probe:
+def probe(lm: torch.nn.Module, dtype: torch.dtype, fused: bool = False) -> Probe:
     """Run the model's layers, shapes, weight format, dtype and threads through the kernels and
-    the twins (`_probe_view`: its first two layers and a slice of its head).
+    the twins (`_probe_view`: its first two layers and a slice of its head), in exact-1 or, with
+    `fused`, exact-2.
 
     Two streams of three tokens, from random states: the kernels must give the twins' bits, one
     stream alone must give its bits in the pair, and the three tokens one at a time must give
@@ -1065,11 +1123,11 @@ def probe(lm: torch.nn.Module, dtype: torch.dtype) -> Probe:
     from scan._forward import forward
 
     t0 = time.perf_counter()
-    prims = _kernel_primitives()
+    prims = _kernel_primitives(False, fused)
     if prims is None:
         return Probe(False, build_kernels()[1], time.perf_counter() - t0)
     lm = _probe_view(lm)
-    kernels, twins = _KernelBackend(), FixedBackend(TWIN_PRIMITIVES)
+    kernels, twins = _KernelBackend(fused=fused), FixedBackend(twin_primitives(fused))
     g = torch.Generator().manual_seed(0)
     states = [tuple((torch.randn((2, *shape), generator=g) * 0.5).to(dtype) for _, shape in blk.mixer.state_shapes())
               for blk in lm.backbone.layers]
@@ -1107,30 +1165,40 @@ def _first(states: list[States]) -> list[States]:
     return [tuple(t[:1] for t in st) for st in states]
 
 
-_PROBED: weakref.WeakKeyDictionary[torch.nn.Module, dict[torch.dtype, tuple[Backend, Probe]]] = (
+_PROBED: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple[torch.dtype, bool], tuple[Backend, Probe]]] = (
     weakref.WeakKeyDictionary())
 
 
-def exact_backend(lm: torch.nn.Module, dtype: torch.dtype) -> tuple[Backend, Probe]:
-    """The exact backend for this model: the kernels if the probe verified them, else the twins.
-    Probed once per model and dtype."""
+def _fused(name: str) -> bool:
+    if name not in EXACT_BACKENDS:
+        raise ValueError(f"{name!r} is not an exact backend ({sorted(EXACT_BACKENDS)})")
+    return EXACT_BACKENDS[name] == ARITHMETIC_FMA
+
+
+def exact_backend(lm: torch.nn.Module, dtype: torch.dtype, name: str = "exact") -> tuple[Backend, Probe]:
+    """The exact backend `name` ("exact": exact-1, "exact-fma": exact-2) for this model: the
+    kernels if the probe verified them, else the twins. Probed once per model, dtype and backend."""
+    fused = _fused(name)
+    if fused and dtype != torch.float32:
+        raise TypeError(f"the {name} backend ({ARITHMETIC_FMA}) computes in float32, not {dtype}")
     cache = _PROBED.setdefault(lm, {})
-    if dtype in cache:
-        return cache[dtype]
-    found = probe(lm, dtype)
+    if (dtype, fused) in cache:
+        return cache[dtype, fused]
+    found = probe(lm, dtype, fused)
     if not found.kernels:
-        log.warning("exact backend: %s; running the pure-PyTorch twins (same results, slower)", found.reason)
+        log.warning("%s backend: %s; running the pure-PyTorch twins (same results, slower)", name, found.reason)
     else:
-        log.info("exact backend: %s in %.0f ms", found.reason, found.seconds * 1000)
-    backend = _KernelBackend() if found.kernels else FixedBackend(TWIN_PRIMITIVES, "exact")
-    cache[dtype] = (backend, found)
+        log.info("%s backend: %s in %.0f ms", name, found.reason, found.seconds * 1000)
+    backend = _KernelBackend(fused=fused) if found.kernels else FixedBackend(twin_primitives(fused), name)
+    cache[dtype, fused] = (backend, found)
     return backend, found
 
 
-_STEP: weakref.WeakKeyDictionary[torch.nn.Module, dict[torch.dtype, Backend]] = weakref.WeakKeyDictionary()
+_STEP: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple[torch.dtype, bool], Backend]] = (
+    weakref.WeakKeyDictionary())
 
 
-def exact_step_backend(lm: torch.nn.Module, dtype: torch.dtype) -> Backend:
+def exact_step_backend(lm: torch.nn.Module, dtype: torch.dtype, name: str = "exact") -> Backend:
     """The exact backend whose conv and Mamba-1/2 scans write new states over the states they are
     given (`exact_primitives(..., in_place=True)`): the slot table's decode step runs it on its
     buffers and copies nothing back. Same arithmetic, same bits, same path as `exact_backend`.
@@ -1139,19 +1207,20 @@ def exact_step_backend(lm: torch.nn.Module, dtype: torch.dtype) -> Backend:
     out-of-place bits on this model (an aliasing the compiler did not expect would show here);
     otherwise the out-of-place kernels run (and the caller copies back). Checked once per model.
     """
+    fused = _fused(name)
     cache = _STEP.setdefault(lm, {})
-    if dtype in cache:
-        return cache[dtype]
-    plain, found = exact_backend(lm, dtype)
+    if (dtype, fused) in cache:
+        return cache[dtype, fused]
+    plain, found = exact_backend(lm, dtype, name)
     if not found.kernels:
-        backend: Backend = FixedBackend(TWIN_STEP_PRIMITIVES, "exact")
+        backend: Backend = FixedBackend(twin_primitives(fused, in_place=True), name)
     else:
-        backend = _KernelBackend(in_place=True)
+        backend = _KernelBackend(in_place=True, fused=fused)
         if not _in_place_agrees(lm, dtype, plain, backend):
-            log.warning("exact backend: the in-place decode step gave other bits on this model; "
-                        "stepping out of place")
+            log.warning("%s backend: the in-place decode step gave other bits on this model; "
+                        "stepping out of place", name)
             backend = plain
-    cache[dtype] = backend
+    cache[dtype, fused] = backend
     return backend
 
 

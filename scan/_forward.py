@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from scan._backends import CHUNKED, REFERENCE, Backend, RoundState
+from scan._backends import CHUNKED, EXACT_BACKENDS, REFERENCE, Backend, RoundState
 from scan._errors import UnsupportedBackend
 from scan._lm import MambaLM
 from scan._mixer import States
@@ -40,18 +40,18 @@ def zero_states(lm: MambaLM, batch: int, like: Tensor) -> LayerStates:
 
 
 def backend_named(name: str, lm: MambaLM | None = None, dtype: torch.dtype | None = None) -> Backend:
-    """The primitives of a backend ("reference", "chunked", "exact" or "triton"); the exact one is
-    probed on the model it runs (`lm`, `dtype`)."""
+    """The primitives of a backend ("reference", "chunked", "exact", "exact-fma" or "triton"); an
+    exact one is probed on the model it runs (`lm`, `dtype`)."""
     if name == "triton":
         from scan._triton import TRITON
 
         return TRITON
-    if name == "exact":
+    if name in EXACT_BACKENDS:
         from scan._exact import exact_backend
 
         if lm is None or dtype is None:
-            raise UnsupportedBackend("the exact backend is probed on its model: pass lm and dtype")
-        return exact_backend(lm, dtype)[0]
+            raise UnsupportedBackend(f"the {name} backend is probed on its model: pass lm and dtype")
+        return exact_backend(lm, dtype, name)[0]
     backends = {"reference": REFERENCE, "chunked": CHUNKED}
     if name not in backends:
         raise UnsupportedBackend(f"unknown backend {name!r}")

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from scan._backends import EXACT_BACKENDS
 from scan._config import ModelConfig
 from scan._errors import CheckpointError, ConfigError, UnsupportedBackend
 from scan._lm import MambaLM
@@ -475,7 +476,8 @@ def load_model(
         source: a preset name (`scan.PRESETS`, built from a seed; `scan.TRAINED_PRESETS`, shipped
             weights) or a directory with config.json and
             model.safetensors (memory-mapped) or pytorch_model.bin (loaded with weights_only).
-        backend: "auto" (exact on a CPU, triton on CUDA), "exact", "reference", "chunked" or "triton".
+        backend: "auto" (exact on a CPU, triton on CUDA), "exact", "exact-fma" (the exact arithmetic
+            with fused multiply-adds in the products: exact-2), "reference", "chunked" or "triton".
         dtype: torch.float32 or torch.float64, for weights and computation.
         device: where the weights and states live.
         state_dtype: the dtype of the state; by default `dtype`. bfloat16 or float16 round the
@@ -519,7 +521,7 @@ def load_model(
         model_id = directory.resolve().name
         log.info("loaded %s checkpoint %s (%s)", layout, directory, cfg.architecture)
     revision = weights_revision(sd) if name in PRESETS else _revision_of(directory, sd)
-    reads_stored = backend == "exact" or (backend == "auto" and device.type == "cpu")
+    reads_stored = backend in EXACT_BACKENDS or (backend == "auto" and device.type == "cpu")
     fmt = _weight_format(weights, sd, cfg, dtype, reads_stored)
     # the exact kernels' bits do not depend on where a weight lies; torch's kernels may (a vector
     # loop peels to alignment), so the other backends get fresh, aligned copies as they always did
@@ -543,7 +545,7 @@ def init_model(
     for `load_model` (the initial weights are float32: "bfloat16" rounds them)."""
     sd = initial_weights(config, seed)
     device = torch.device(device)
-    reads_stored = backend == "exact" or (backend == "auto" and device.type == "cpu")
+    reads_stored = backend in EXACT_BACKENDS or (backend == "auto" and device.type == "cpu")
     built = _build(config, sd, dtype, device, _weight_format(weights, sd, config, dtype, reads_stored))
     transform = ByteTransform() if config.padded_vocab_size >= 256 else None
     return Model(built, model_id=model_id or f"init-{config.architecture}-seed{seed}",

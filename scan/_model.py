@@ -42,7 +42,7 @@ from scan._errors import (
     TokenOutOfRange,
     UnsupportedBackend,
 )
-from scan._backends import Backend, RoundState
+from scan._backends import EXACT_BACKENDS, Backend, RoundState
 from scan._forward import LayerStates, backend_named, embed, forward
 from scan._lm import MambaLM
 from scan._state import State, StepResult
@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 Tensor = torch.Tensor
 
 #: Backends a caller may name; "auto" resolves to one of the others.
-BACKENDS = ("auto", "reference", "chunked", "exact", "triton")
+BACKENDS = ("auto", "reference", "chunked", "exact", "exact-fma", "triton")
 
 #: dtypes the engine computes in
 COMPUTE_DTYPES = {torch.float32: "float32", torch.float64: "float64"}
@@ -125,7 +125,7 @@ class Model:
         config: the ModelConfig.
         schema: the StateSchema of its states.
         revision: "sha256:<hex>" over the checkpoint's weights (independent of dtype/device).
-        backend: the backend `advance` runs ("reference" or "chunked").
+        backend: the backend `advance` runs (`BACKENDS`: "exact", "exact-fma", "reference", ...).
         transform: the default input transform (text <-> token ids), or None.
         dtype: the dtype of weights and computation (float32 or float64).
         state_dtype: the dtype states are kept in; by default `dtype`. A narrower one (bfloat16,
@@ -196,10 +196,8 @@ class Model:
         `path`: the path that ran (a `StepResult.path`); by default the one this backend runs,
         for the exact backend the one its load-time probe chose.
         """
-        if self.backend == "exact":
-            from scan._exact import ARITHMETIC
-
-            scheme, path = ARITHMETIC, path or self.exact_probe.path
+        if self.backend in EXACT_BACKENDS:
+            scheme, path = EXACT_BACKENDS[self.backend], path or self.exact_probe.path
         else:
             scheme, path = "torch", path or self.backend
         build = _torch_build()
@@ -262,10 +260,10 @@ class Model:
     def _step_impl(self) -> Backend:
         """The backend of an in-place step: the exact one's in-place primitives where states are
         kept in the compute dtype (a narrow state is rounded into new tensors anyway)."""
-        if self.backend == "exact" and self.state_dtype == self.dtype:
+        if self.backend in EXACT_BACKENDS and self.state_dtype == self.dtype:
             from scan._exact import exact_step_backend
 
-            return exact_step_backend(self._lm, self.dtype)
+            return exact_step_backend(self._lm, self.dtype, self.backend)
         return self._impl()
 
     def check_tokens(self, tokens: Any) -> Tensor:
@@ -347,11 +345,14 @@ class Model:
                 return "reference"
             else:
                 backend = "triton" if _triton.unavailable_reason(self.device) is None else "chunked"
-        if self.weight_format != COMPUTE_DTYPES.get(self.dtype) and backend != "exact":
+        if self.weight_format != COMPUTE_DTYPES.get(self.dtype) and backend not in EXACT_BACKENDS:
             raise UnsupportedBackend(f"{self.weight_format} weights are read as they are by the exact backend only; "
                                      f"load with weights={COMPUTE_DTYPES[self.dtype]!r} for the {backend} backend")
-        if backend == "exact" and self.device.type != "cpu":
-            raise UnsupportedBackend(f"the exact backend runs on the CPU; the model is on {self.device}")
+        if backend in EXACT_BACKENDS and self.device.type != "cpu":
+            raise UnsupportedBackend(f"the {backend} backend runs on the CPU; the model is on {self.device}")
+        if EXACT_BACKENDS.get(backend) == "exact-2" and self.dtype != torch.float32:
+            raise UnsupportedBackend(f"the {backend} backend (exact-2) computes in float32, not {self.dtype}; "
+                                     "use the exact backend (exact-1) for float64")
         if backend in ("chunked", "triton") and lossy:
             # chunked scans round the state once per call, not once per token: chunking would show
             raise UnsupportedBackend(f"the {backend} backend keeps state in {self.dtype}; "
@@ -360,8 +361,8 @@ class Model:
             reason = _triton.unavailable_reason(self.device)
             if reason is not None:
                 raise UnsupportedBackend(reason)
-        if backend == "exact":
-            backend_named("exact", self._lm, self.dtype)  # the probe runs now, at load
+        if backend in EXACT_BACKENDS:
+            backend_named(backend, self._lm, self.dtype)  # the probe runs now, at load
         return backend
 
     def _check_state(self, state: Any, index: int) -> None:
@@ -452,11 +453,11 @@ class Model:
     @property
     def exact_probe(self) -> Any:
         """What the exact backend's load-time probe found (`scan._exact.Probe`), or None on another backend."""
-        if self.backend != "exact":
+        if self.backend not in EXACT_BACKENDS:
             return None
         from scan._exact import exact_backend
 
-        return exact_backend(self._lm, self.dtype)[1]
+        return exact_backend(self._lm, self.dtype, self.backend)[1]
 
     def _run(self, states: list[State], inputs: list[Tensor], *, embedded: bool) -> list[StepResult]:
         results: list[StepResult | None] = [None] * len(states)

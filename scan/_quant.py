@@ -15,7 +15,9 @@ the same way, with a float32 scale s = max |x| / 127, and computes
     out[m, n] = (((0 + t_0) + t_1) + ... + t_{NB-1}) [+ bias[n]],   t_b = (float)isum_b * (s_b * d_b)
 
 where isum_b is the integer dot product of the block: exact in any order, so the instruction set
-(AVX2's byte multiply-adds, a scalar loop) never shows in the bits. The blocks add in order.
+(AVX2's byte multiply-adds, a scalar loop) never shows in the bits. The blocks add in order. In
+the exact-2 arithmetic (`linear_q8_fma_f32`) each block's term joins the sum in one fused
+multiply-add, acc = fma((float)isum_b, s_b * d_b, acc), rounded once.
 
 A checkpoint holds such a matrix as two tensors, `<name>_q8` (int8) and `<name>_scale`
 (float16), beside the float parameters (`scan.save_checkpoint` of a q8 model writes them).
@@ -24,6 +26,8 @@ A checkpoint holds such a matrix as two tensors, `<name>_q8` (int8) and `<name>_
 from __future__ import annotations
 
 import torch
+
+from scan._fma import fma_twin
 
 __all__ = ["QB", "Q8Weight", "linear_q8_twin", "quantize_q8", "quantize_rows_twin"]
 
@@ -133,8 +137,9 @@ def quantize_rows_twin(x: Tensor) -> tuple[Tensor, Tensor]:
     return vals.flatten(-2).to(torch.int8), s
 
 
-def linear_q8_twin(x: Tensor, weight: Q8Weight, bias: Tensor | None = None) -> Tensor:
-    """x (..., K) float32 @ weight^T in the kernel's arithmetic (module docstring)."""
+def linear_q8_twin(x: Tensor, weight: Q8Weight, bias: Tensor | None = None, *, fused: bool = False) -> Tensor:
+    """x (..., K) float32 @ weight^T in the kernel's arithmetic (module docstring); `fused`: each
+    block's term joins the sum in one fused multiply-add (the exact-2 arithmetic)."""
     if x.dtype != torch.float32:
         raise TypeError(f"q8 products compute in float32, not {x.dtype}")
     lead, k = x.shape[:-1], x.shape[-1]
@@ -146,7 +151,8 @@ def linear_q8_twin(x: Tensor, weight: Q8Weight, bias: Tensor | None = None) -> T
     acc = torch.zeros((m, n), dtype=torch.float32)
     for b in range(nb):
         isum = xb[:, None, b, :].mul(wb[None, :, b, :]).sum(dim=-1)  # (M, N), exact
-        acc = acc + isum.to(torch.float32) * (sx[:, b, None] * dw[None, :, b])
+        c = sx[:, b, None] * dw[None, :, b]
+        acc = fma_twin(isum.to(torch.float32), c, acc) if fused else acc + isum.to(torch.float32) * c
     if bias is not None:
         acc = acc + bias
     return acc.reshape(*lead, n)

@@ -378,6 +378,60 @@ def test_a_product_splits_from_exactly_the_threaded_work(monkeypatch, fmt):
         assert threads == [want_threads] and _equal(got, want), (outputs, threads, _differ(got, want))
 
 
+# --- exact-2: the products' sums in fused multiply-adds ------------------------------------------
+
+#: (rows, k, outputs): tile remainders in k (16, 32) and n (8, 16, BLOCK_N), one row and many
+_FUSED_SHAPES = [(1, 7, 5), (1, 64, 200), (2, 64, 130), (3, 37, 97), (5, 40, 129), (1, 1000, 33), (9, 256, 200),
+                 (33, 16, 1000), (2, 2048, 96)]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_fused_products_give_their_twins_bits_in_every_format_and_split(monkeypatch, threads):
+    """The exact-2 products (`linear_fma_*_f32`, `linear_q8_fma_f32`) against their twin (each lane
+    step `scan._fma.fma_twin`): every shape class, every weight format, biased and not, split
+    across 1-3 threads from any size; a row alone is the same row in a batch; and the bits are
+    not exact-1's (past a few lane steps, most outputs differ: a fused step rounds once)."""
+    g = torch.Generator().manual_seed(13)
+    fused, plain = E._kernel_ops(True), E._kernel_ops()
+    monkeypatch.setattr(E, "_THREADED_WORK", 0)
+    monkeypatch.setattr(E, "_THREADS", threads)
+    differ = total = 0
+    for m, k, n in _FUSED_SHAPES + _threaded_shapes():
+        x, b = _r(g, m, k, dtype=torch.float32), _r(g, n, dtype=torch.float32)
+        for w in _weights_in_every_format(g, n, k):
+            for bias in (b, None):
+                got = fused.linear(x, w, bias)
+                assert _equal(got, E.TWIN_OPS_FMA.linear(x, w, bias)), (m, k, n, threads, getattr(w, "dtype", "q8"))
+                assert torch.equal(fused.linear(x[-1:], w, bias)[0], got[-1])
+            if k >= 64:  # a few lane steps round alike: fma(x, w, 0) is the rounded product
+                other = plain.linear(x, w, b)
+                differ, total = differ + int((fused.linear(x, w, b) != other).sum()), total + other.numel()
+    assert differ > total // 3, (differ, total)
+
+
+def test_the_fma_backend_computes_in_float32_only():
+    from scan import UnsupportedBackend
+
+    with pytest.raises(UnsupportedBackend, match="float32"):
+        load_model("tiny-mamba1", backend="exact-fma", dtype=torch.float64)
+    with pytest.raises(TypeError, match="float32"):
+        E.linear_fma_twin(torch.ones(2, 16, dtype=torch.float64), torch.ones(3, 16, dtype=torch.float64))
+    with pytest.raises(TypeError, match="no exact product"):
+        E._kernel_ops(True).linear(torch.ones(2, 16, dtype=torch.float64), torch.ones(3, 16, dtype=torch.float64))
+
+
+def test_the_fma_backend_is_probed_and_named_on_its_own():
+    """One model, both arithmetics: each probed on its own kernels, each result naming its own
+    arithmetic in the receipt's id, and other bits (the same tokens, another checksum)."""
+    one, two = load_model("tiny-mamba2", backend="exact"), load_model("tiny-mamba2", backend="exact-fma")
+    assert two.exact_probe.kernels and two.exact_probe.path == "exact"
+    assert (one.arithmetic().id, two.arithmetic().id) == ("exact-1/float32", "exact-2/float32")
+    assert one.arithmetic().exact and two.arithmetic().exact
+    a, b = (m.advance(m.initial_state(), tokens(12, 3)) for m in (one, two))
+    assert a.path == b.path == "exact" and not torch.equal(a.logits, b.logits)
+    assert (a.logits - b.logits).abs().max() < 1e-3  # the same function, rounded otherwise
+
+
 def test_products_called_from_many_threads_at_once_each_get_their_own_bits(monkeypatch):
     """Eight Python threads run products at once (the engine's and activities' threads): one at a
     time has the pool, the others run theirs on their own thread; every result has its bits."""
@@ -481,16 +535,21 @@ def test_the_scans_give_their_twins_bits(dtype, length):
         assert _equal(*_both("trapezoid", *args))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+#: the exact arithmetics and the computations each is tested in: exact-2 computes in float32 only
+ARITHMETICS = [("exact", d) for d in ("float32", "float64")] + [("exact-fma", "float32")]
+
+
+@pytest.mark.parametrize(("backend", "dtype"), ARITHMETICS)
 @pytest.mark.parametrize("preset", ARCH_PRESETS)
-def test_a_whole_model_on_the_kernels_gives_the_twins_bits(preset, dtype):
-    model = load_model(preset, backend="exact", dtype=dtype)
+def test_a_whole_model_on_the_kernels_gives_the_twins_bits(preset, backend, dtype):
+    model = load_model(preset, backend=backend, dtype=getattr(torch, dtype))
+    fused = backend == "exact-fma"
     lm = model.module
     states = model._stack([model.initial_state(), model.advance(model.initial_state(), tokens(5, 1)).state])
     with torch.inference_mode():
         hidden = embed(lm, torch.tensor([tokens(21, 2), tokens(21, 3)]))
-        a = forward(lm, hidden, states, E.FixedBackend(E.exact_primitives(E._kernel_ops(), "exact")))
-        b = forward(lm, hidden, states, E.FixedBackend(E.TWIN_PRIMITIVES))
+        a = forward(lm, hidden, states, E.FixedBackend(E.exact_primitives(E._kernel_ops(fused), "exact")))
+        b = forward(lm, hidden, states, E.FixedBackend(E.twin_primitives(fused)))
     assert torch.equal(a[0], b[0]) and E._states_equal(a[1], b[1])
     assert (a[2], b[2]) == ("exact", "exact-twin")
 
@@ -507,14 +566,16 @@ def _schedules(draw: st.DrawFn) -> list[tuple[int, list[int]]]:
 
 #: the computation, or the computation and the format its weights are read in
 COMPUTE = ["float32", "float64", "float32/bfloat16", "float32/float16", "float32/q8"]
+#: ... and the exact arithmetic: exact-1 in each, exact-2 (float32 only) in each float32 one
+EXACT_COMPUTE = [("exact", d) for d in COMPUTE] + [("exact-fma", d) for d in COMPUTE if d != "float64"]
 
 
-@pytest.mark.parametrize("dtype", COMPUTE)
+@pytest.mark.parametrize(("backend", "dtype"), EXACT_COMPUTE)
 @pytest.mark.parametrize("preset", ARCH_PRESETS)
 @settings(max_examples=25, suppress_health_check=[HealthCheck.too_slow], deadline=None)
 @given(schedule=_schedules())
-def test_any_co_scheduled_batch_gives_each_stream_its_solo_bits(preset, dtype, schedule):
-    model = model_for(preset, "exact", dtype)
+def test_any_co_scheduled_batch_gives_each_stream_its_solo_bits(preset, backend, dtype, schedule):
+    model = model_for(preset, backend, dtype)
     states = [model.advance(model.initial_state(), tokens(w, 10 + i)).state for i, (w, _) in enumerate(schedule)]
     chunks = [tokens(c, 50 + i) for i, (_, c) in enumerate(schedule)]
     for s, c, got in zip(states, chunks, model.advance_batch(states, chunks)):
@@ -530,13 +591,15 @@ def test_any_co_scheduled_batch_gives_each_stream_its_solo_bits(preset, dtype, s
         assert all(torch.equal(buffers[k][r], solo.state.tensors[k]) for k in buffers)
 
 
-@pytest.mark.parametrize("dtype", COMPUTE)
+@pytest.mark.parametrize(("backend", "dtype"), EXACT_COMPUTE)
 @pytest.mark.parametrize("preset", ARCH_PRESETS)
-def test_the_in_place_step_gives_the_steps_bits_and_touches_only_its_rows(preset, dtype):
+def test_the_in_place_step_gives_the_steps_bits_and_touches_only_its_rows(preset, backend, dtype):
     """`step_rows(in_place=True)`: the layers write the slot buffers as they run, on a span of rows
     (no copy-back) and on scattered ones, with the bits of the out-of-place step."""
-    model = model_for(preset, "exact", dtype)
-    assert E.exact_step_backend(model.module, model.dtype) is not E.exact_backend(model.module, model.dtype)[0]
+    model = model_for(preset, backend, dtype)
+    step, plain = E.exact_step_backend(model.module, model.dtype, backend), E.exact_backend(model.module, model.dtype,
+                                                                                            backend)[0]
+    assert step is not plain and step.name == plain.name == backend
     states = [model.advance(model.initial_state(), tokens(n, 30 + n)).state for n in (3, 7, 1, 12, 5)]
     stacked = {name: torch.stack([s.tensors[name] for s in states]) for name in states[0].tensors}
     for rows in ([1, 2, 3], [4, 0, 2], [0, 1, 2, 3, 4]):
@@ -557,10 +620,11 @@ def _states(lm, batch: int, seed: int) -> list:  # noqa: ANN001
             for blk in lm.backbone.layers]
 
 
+@pytest.mark.parametrize("backend", ["exact", "exact-fma"])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("dtype", ["float32", "float32/bfloat16", "float32/float16", "float32/q8"])
 @pytest.mark.parametrize("preset", ["tiny-mamba1", "tiny-mamba2"])
-def test_a_decode_step_in_one_kernel_call_gives_the_primitives_bits(monkeypatch, preset, dtype, threads):
+def test_a_decode_step_in_one_kernel_call_gives_the_primitives_bits(monkeypatch, preset, dtype, threads, backend):
     """`mamba1_step_f32` / `mamba2_step_f32` (a layer's decode step in one call) against the same
     step through the kernels' primitives and through the twins: logits and every layer's states,
     for one stream and for five, out of place and in place, on 1-3 threads, in every weight
@@ -571,20 +635,23 @@ def test_a_decode_step_in_one_kernel_call_gives_the_primitives_bits(monkeypatch,
     name = "mamba1_step_f32" if preset == "tiny-mamba1" else "mamba2_step_f32"
     real, calls = getattr(lib, name), []
     monkeypatch.setattr(lib, name, lambda *a: (calls.append(1), real(*a))[1])
-    model = model_for(preset, "exact", dtype)
+    fused = backend == "exact-fma"
+    model = model_for(preset, backend, dtype)
     lm = model.module
     for batch in (1, 5):
         states = _states(lm, batch, 40 + batch)
         hidden = torch.randn((batch, 1, lm.cfg.d_model), generator=torch.Generator().manual_seed(batch))
         with torch.inference_mode():
             calls.clear()
-            got, got_states, path = forward(lm, hidden, states, E._KernelBackend())
+            got, got_states, path = forward(lm, hidden, states, E._KernelBackend(fused=fused))
             assert len(calls) == lm.cfg.n_layer and path == "exact"
-            plain, plain_states, _ = forward(lm, hidden, states, E.FixedBackend(E._kernel_primitives()))
-            twin, twin_states, _ = forward(lm, hidden, states, E.FixedBackend(E.TWIN_PRIMITIVES))
+            plain, plain_states, _ = forward(lm, hidden, states, E.FixedBackend(E._kernel_primitives(fused=fused)))
+            twin, twin_states, _ = forward(lm, hidden, states, E.FixedBackend(E.twin_primitives(fused)))
             work = [tuple(t.clone() for t in st) for st in states]
-            in_place, in_place_states, _ = forward(lm, hidden, work, E._KernelBackend(in_place=True))
+            in_place, in_place_states, _ = forward(lm, hidden, work, E._KernelBackend(in_place=True, fused=fused))
+            other, _, _ = forward(lm, hidden, states, E._KernelBackend(fused=not fused))
         assert torch.equal(got, plain) and torch.equal(got, twin) and torch.equal(in_place, got), (dtype, batch)
+        assert not torch.equal(other, got)  # the one call computes the arithmetic it was asked for
         assert E._states_equal(got_states, plain_states) and E._states_equal(got_states, twin_states)
         assert E._states_equal(in_place_states, got_states)
         assert all(a is b for st, st_w in zip(in_place_states, work) for a, b in zip(st, st_w))  # written in place
@@ -630,10 +697,11 @@ def test_the_one_call_step_rereads_a_mixer_whose_weights_changed(preset):
     assert not torch.equal(after, before) and torch.equal(after, want)
 
 
+@pytest.mark.parametrize("backend", ["exact", "exact-fma"])
 @pytest.mark.parametrize("dtype", ["float32", "float32/bfloat16", "float32/float16", "float32/q8"])
 @pytest.mark.parametrize("preset", ARCH_PRESETS)
-def test_decode_token_by_token_equals_the_prefill_of_the_same_tokens(preset, dtype):
-    model = model_for(preset, "exact", dtype)
+def test_decode_token_by_token_equals_the_prefill_of_the_same_tokens(preset, dtype, backend):
+    model = model_for(preset, backend, dtype)
     start = model.advance(model.initial_state(), tokens(9, 4)).state
     toks = tokens(40, 5)
     chunk = model.advance(start, toks)
@@ -647,8 +715,9 @@ from scan import load_model
 from tests.scan._helpers import tokens
 out = {}
 for entry in sys.argv[1].split(","):
-    name, _, weights = entry.partition("@")
-    m = load_model(name, backend="exact", weights=weights or None)
+    backend, _, model = entry.rpartition(":")
+    name, _, weights = model.partition("@")
+    m = load_model(name, backend=backend or "exact", weights=weights or None)
     r = m.advance(m.advance(m.initial_state(), tokens(30, 1)).state, tokens(17, 2))
     h = hashlib.sha256(r.logits.numpy().tobytes())
     for t in r.state.tensors.values():
@@ -668,7 +737,7 @@ def _checksums(env: dict[str, str], presets: list[str]) -> dict[str, list[str]]:
 def test_the_same_bits_for_every_instruction_set_thread_count_and_without_kernels(tmp_path):
     """Kernels built for plain x86-64 (SSE2), for AVX2 and for this machine, on one or two threads,
     and the twins alone, under torch's scalar build: one checksum per preset."""
-    presets = list(PINNED)
+    presets = [*PINNED, *PINNED_FMA]
     cache = str(tmp_path / "cache")
     runs = {
         "native, 2 threads": {"MAMBA_STREAM_CACHE": cache, "OMP_NUM_THREADS": "2"},
@@ -688,8 +757,10 @@ def test_the_same_bits_for_every_instruction_set_thread_count_and_without_kernel
     # the receipt's arithmetic says so: one id everywhere, naming the weight format where it is narrower
     for sums in got.values():
         assert {k: v[2] for k, v in sums.items()} == {
-            k: E.ARITHMETIC + "/float32" + (f"/weights-{k.partition('@')[2]}" if "@" in k else "") for k in presets}
-    assert {k: v[0] for k, v in first.items()} == PINNED  # and they are this version's bits
+            k: (E.ARITHMETIC_FMA if k.startswith("exact-fma:") else E.ARITHMETIC) + "/float32"
+            + (f"/weights-{k.partition('@')[2]}" if "@" in k else "") for k in presets}
+    # and they are these versions' bits
+    assert {k: v[0] for k, v in first.items()} == {**PINNED, **PINNED_FMA}
 
 
 #: The bits of arithmetic `exact-1` (the `_CHECKSUMS` run), on whatever CPU this runs. A change
@@ -710,9 +781,24 @@ PINNED = {
 }
 
 
+#: The bits of arithmetic `exact-2` (backend "exact-fma"), as `PINNED` for exact-1: each differs
+#: from exact-1's for the same preset (a fused multiply-add rounds once where exact-1 rounds twice).
+PINNED_FMA = {
+    "exact-fma:tiny-mamba1": "d9a6551c537207a7d6db420c3eefa4bfe118eed9bc7e4105bd4cffc38eaa7b77",
+    "exact-fma:tiny-mamba2": "8d8ff8fb8799d8ab2893bbdf71ec1f62ddfca4d3a38a4c3f45fe21559b4a40b7",
+    "exact-fma:tiny-mamba3": "cce01caf59208b20c3dd6495f01bb8d21148431f5dceea7d8d715c8c2076e645",
+    "exact-fma:tiny-mamba3-mimo": "bb7fe65962d0dcbbe97caa09077acd1669d96758edb148ebddcbb6556fe184e8",
+    "exact-fma:tiny-mamba1@bfloat16": "ab86020a93b435d342b49305f1db8cf8b6a429655d13259cfb77c0b7a4a71637",
+    "exact-fma:tiny-mamba3@float16": "78e1627c5767403b47d8889273b849d9420900ed97a7088194527436a5fd1657",
+    "exact-fma:tiny-mamba2@q8": "8995e76a7dfb17ea530d080b4afad77cc74b1155b8cfec1402fb609b2936d090",
+}
+
+
 def test_this_version_of_the_exact_arithmetic_gives_its_pinned_bits():
-    assert E.ARITHMETIC == "exact-1"
-    assert {k: v[0] for k, v in _checksums({}, list(PINNED)).items()} == PINNED
+    assert E.ARITHMETIC == "exact-1" and E.ARITHMETIC_FMA == "exact-2"
+    assert {k: v[0] for k, v in _checksums({}, [*PINNED, *PINNED_FMA]).items()} == {**PINNED, **PINNED_FMA}
+    for entry, digest in PINNED_FMA.items():  # exact-2 is not exact-1 under another name
+        assert digest != PINNED.get(entry.partition(":")[2])
 
 
 # --- the probe ------------------------------------------------------------------------------------

@@ -90,6 +90,38 @@ async def test_weights_read_as_stored_give_one_checksum_for_every_chunking_and_d
         assert (await stack.streams.receipt(resumed)).checksum == cp.receipt.checksum
 
 
+@pytest.mark.parametrize("source", ["tiny-mamba1", "tiny-mamba2#q8", "tiny-mamba3#bfloat16"])
+async def test_the_fma_backend_gives_one_checksum_for_every_chunking_under_its_own_arithmetic(
+        temporal_env, tmp_path, source):
+    """A worker on the exact-fma backend (MAMBA_STREAM_BACKEND=exact-fma: arithmetic exact-2): three
+    chunkings, decode steps between, end with one checksum and one output, a local exact-fma scan's;
+    the receipt names exact-2, and the bits are not exact-1's."""
+    stack = await make_stack(temporal_env, tmp_path, backend="exact-fma", start_worker=False)
+    async with stack.exits:
+        await stack.worker(stack.new_activities(backend="exact-fma", models={"m": source}))
+        name, _, fmt = source.partition("#")
+        rng = random.Random(13)
+        prompt, tail = [rng.randrange(256) for _ in range(45)], [rng.randrange(256) for _ in range(7)]
+        runs = []
+        for chunks in ([45], [1] * 45, chunking(rng, 45)):
+            sid = await stack.streams.open("alice", "m")
+            await feed(stack, sid, "alice", prompt, chunks)
+            gen = await stack.streams.generate(sid, "alice", 4, temperature=0.0)
+            runs.append((gen.tokens, await stack.streams.advance(sid, "alice", tokens=tail)))
+        (gen0, r0), *others = runs
+        weights = f"/weights-{fmt}" if fmt else ""
+        assert r0.receipt.arithmetic.id == f"exact-2/float32{weights}" and r0.receipt.backend == "exact-fma:exact"
+        for gen, r in others:
+            assert gen == gen0 and r.receipt.checksum == r0.receipt.checksum and r.output_digest == r0.output_digest
+        local = load_model(name, backend="exact-fma", weights=fmt or None)
+        one = local.advance(local.initial_state(), prompt + gen0 + tail)
+        assert plaintext_checksum(one.state.tensors) == r0.receipt.checksum
+        assert digest(one.logits[-len(tail):]) == r0.output_digest
+        plain = load_model(name, backend="exact", weights=fmt or None)
+        assert plaintext_checksum(plain.advance(plain.initial_state(), prompt + gen0 + tail).state.tensors) != (
+            r0.receipt.checksum)
+
+
 async def _serving(stack, acts, runtime):
     """A worker for the shared queue only (no affinity), wired by the plugin; stopped on exit."""
     client = await Client.connect(stack.address, runtime=runtime,
