@@ -6,6 +6,7 @@
     step = model.advance(state, [1, 2, 3])      # step.logits (3, V) float32, step.state
 """
 
+from scan._backends import EXACT_BACKENDS
 from scan._config import ModelConfig
 from scan._errors import (
     CheckpointError,
@@ -41,6 +42,7 @@ from scan._verify import PartitionResult, VerifyReport, standard_partitions, ver
 
 __all__ = [
     "BACKENDS",
+    "EXACT_BACKENDS",
     "PRESETS",
     "TOLERANCES",
     "TRAINED_PRESETS",

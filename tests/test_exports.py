@@ -8,7 +8,8 @@ import pytest
 
 EXPECTED = {
     "scan": [
-        "BACKENDS", "PRESETS", "TOLERANCES", "TRAINED_PRESETS", "WEIGHT_FORMATS", "ByteTransform", "CheckpointError",
+        "BACKENDS", "EXACT_BACKENDS", "PRESETS", "TOLERANCES", "TRAINED_PRESETS", "WEIGHT_FORMATS", "ByteTransform",
+        "CheckpointError",
         "ConfigError", "HFTokenizerTransform", "InputTransform", "InvalidInput", "InvalidState", "MambaLM", "Model",
         "ModelConfig", "NonFiniteInput", "NonFiniteOutput", "NonIntegerInput", "PartitionResult", "Q8Weight",
         "ScanError", "State", "StepResult", "TokenOutOfRange", "Tolerance", "UnsupportedBackend", "VerifyReport",

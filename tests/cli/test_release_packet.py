@@ -20,15 +20,26 @@ def test_the_state_schema_reference_is_what_the_code_generates():
         "regenerate: mamba-stream schema --out docs/release/state-schema-reference.md")
 
 
+#: backends whose partitions must give the same bits on every CPU; elsewhere (torch's kernels) a
+#: partition that happens to give the bits is within its bound all the same: whether it does
+#: follows the CPU (tiny-mamba1's chunked "empty chunks around" is "exact" under AVX-512 and
+#: "within" under ATEN_CPU_CAPABILITY=avx2 on one Sapphire Rapids), so both read "pass" there
+_BIT_EXACT = ("exact", "exact-fma", "reference")
+
+
 def _verdicts(text: str) -> list[tuple[str, ...]]:
     """Section titles, partition verdicts and reset-control answers, without the measured values."""
-    out = []
+    out, bit_exact = [], True
     for line in text.splitlines():
         if line.startswith("## ") or line.startswith("Reset control") or "Verdict:" in line:
             out.append((line,))
+            if line.startswith("## "):
+                found = re.search(r"backend `([\w-]+)`", line)
+                bit_exact = found is None or found.group(1) in _BIT_EXACT
         elif line.startswith("| ") and not line.startswith(("| partition", "|---")):
             cells = [c.strip() for c in line.strip("|").split("|")]
-            out.append((cells[0], cells[1], cells[-1]))
+            verdict = cells[-1] if bit_exact or cells[-1] not in ("exact", "within") else "pass"
+            out.append((cells[0], cells[1], verdict))
     return out
 
 

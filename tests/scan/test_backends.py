@@ -58,7 +58,7 @@ def test_one_bad_stream_fails_the_whole_batch_before_any_work(preset):
     assert all(s.equal(snap) for s, snap in zip(states, snapshots))
 
 
-@pytest.mark.parametrize("backend", ["reference", "chunked", "exact"])
+@pytest.mark.parametrize("backend", ["reference", "chunked", "exact", "exact-fma"])
 def test_float32_backends_within_declared_tolerance_and_misalignment_is_caught(preset, backend):
     """Against the float64 truth; misaligned states exceed the bound at least 10x (negative control)."""
     truth = model_for(preset, "reference", "float64")
@@ -151,7 +151,7 @@ def test_narrow_state_dtype_is_rounded_per_token_so_chunking_stays_exact(preset,
     assert model.schema.fingerprint() != wide.schema.fingerprint()
 
 
-@pytest.mark.parametrize("backend", ["reference", "chunked", "exact"])
+@pytest.mark.parametrize("backend", ["reference", "chunked", "exact", "exact-fma"])
 @pytest.mark.parametrize("rows", [[2, 0], [1, 2]], ids=["scattered", "span"])
 def test_step_rows_equals_advance_batch_and_touches_only_its_rows(preset, backend, rows):
     model = model_for(preset, backend)
@@ -164,7 +164,7 @@ def test_step_rows_equals_advance_batch_and_touches_only_its_rows(preset, backen
     tol = tolerance(model.config.architecture, backend, "float32")
     for i, (r, res) in enumerate(zip(rows, solo)):
         got_state = {k: v[r] for k, v in buffers.items()}
-        if backend in ("reference", "exact"):  # the same arithmetic, bit for bit
+        if backend in ("reference", "exact", "exact-fma"):  # the same arithmetic, bit for bit
             assert torch.equal(logits[i : i + 1], res.logits)
             assert all(torch.equal(got_state[k], res.state.tensors[k]) for k in got_state)
         else:
