@@ -12,7 +12,7 @@ the memory's limit.
 
 With LLAMA_BENCH=/path/to/llama-bench (docs/llamacpp.md says how to build it from the
 llama-cpp-python sdist) and GGUF files beside the checkpoints (`<ckpt>/model-<format>.gguf`), the
-same rows run on llama.cpp, interleaved with ours.
+same rows run on llama.cpp, interleaved with ours (LLAMA_BENCH_ARGS: more arguments for it).
 
     python bench/bench_sizes.py [--sizes 130m,1.4b,7b] [--formats float32,bfloat16] [--dir DIR]
 """
@@ -99,8 +99,9 @@ def _llama(bench: str, gguf: Path, prefill: int, steps: int) -> dict | None:
     if not gguf.exists():
         return None
     threads = str(os.cpu_count() or 1)
+    extra = os.environ.get("LLAMA_BENCH_ARGS", "").split()  # e.g. "--repack 0" (docs/llamacpp.md)
     out = subprocess.run([bench, "-m", str(gguf), "-p", str(prefill), "-n", str(steps), "-t", threads, "-r", "3",
-                          "-o", "json"], capture_output=True, text=True, check=True)
+                          "-o", "json", *extra], capture_output=True, text=True, check=True)
     rows = json.loads(out.stdout)
     pre = next(r["avg_ts"] for r in rows if r.get("n_prompt", 0) > 0)
     dec = next(r["avg_ts"] for r in rows if r.get("n_gen", 0) > 0)

@@ -228,6 +228,12 @@ static inline double xcos(double x) {
 #endif
 #define TILE_Q_f32 (TILE_N1_f32 > TILE_N_f32 ? TILE_N1_f32 : TILE_N_f32)
 #define TILE_Q_f64 (TILE_N1_f64 > TILE_N_f64 ? TILE_N1_f64 : TILE_N_f64)
+/* the exact-2 products' tiles (AR _fma): their own, since a fused step frees a register and an
+ * issue slot a multiply-add */
+#define TILE_M_fma_f32 TILE_M_f32
+#define TILE_N_fma_f32 TILE_N_f32
+#define TILE_N1_fma_f32 TILE_N1_f32
+#define TILE_Q_fma_f32 (TILE_N1_fma_f32 > TILE_N_fma_f32 ? TILE_N1_fma_f32 : TILE_N_fma_f32)
 /* A value loaded once into a register, for the tile's products to use from there: left alone,
  * GCC folds each use into its multiply as a memory operand, so a 4 x 4 tile loads its operands 32
  * times a step instead of 8 and the loads, not the arithmetic, set the pace (float32 prefill
@@ -438,7 +444,7 @@ static inline f16x_v4 f16x4(const f16_t *p) {
     /* outputs [m, m + R) x [n, n + Q) */                                                           \
     static inline __attribute__((always_inline)) void tile##AR##WN##SUF(                            \
         const T *x, i64 K, const WT *w, T *out, i64 N, i64 m, i64 n, const int R, const int Q) {    \
-        V##SUF c[TILE_M##SUF][TILE_Q##SUF][NV##SUF];                                                \
+        V##SUF c[TILE_M##AR##SUF][TILE_Q##AR##SUF][NV##SUF];                                                \
         for (int r = 0; r < R; r++)                                                                 \
             for (int q = 0; q < Q; q++)                                                             \
                 for (int v = 0; v < NV##SUF; v++) c[r][q][v] = (V##SUF){0};                         \
@@ -454,7 +460,7 @@ static inline f16x_v4 f16x4(const f16_t *p) {
             if (more)                                                                               \
                 for (int q = 0; q < Q; q++) __builtin_prefetch(next + q * K + k, 0, PREFETCH_LOCALITY); \
             for (int v = 0; v < NV##SUF; v++) {                                                     \
-                V##SUF a[TILE_M##SUF];                                                              \
+                V##SUF a[TILE_M##AR##SUF];                                                              \
                 for (int r = 0; r < R; r++) {                                                       \
                     V##SUF t;                                                                       \
                     memcpy(&t, x + (m + r) * K + k + v * W##SUF, VBYTES);                           \
@@ -482,10 +488,10 @@ static inline f16x_v4 f16x4(const f16_t *p) {
             }                                                                                       \
     }                                                                                               \
     static void tile_mn##AR##WN##SUF(const T *x, i64 K, const WT *w, T *out, i64 N, i64 m, i64 n) { \
-        tile##AR##WN##SUF(x, K, w, out, N, m, n, TILE_M##SUF, TILE_N##SUF);                         \
+        tile##AR##WN##SUF(x, K, w, out, N, m, n, TILE_M##AR##SUF, TILE_N##AR##SUF);                         \
     }                                                                                               \
     static void tile_1n##AR##WN##SUF(const T *x, i64 K, const WT *w, T *out, i64 N, i64 m, i64 n) { \
-        tile##AR##WN##SUF(x, K, w, out, N, m, n, 1, TILE_N1##SUF);                                  \
+        tile##AR##WN##SUF(x, K, w, out, N, m, n, 1, TILE_N1##AR##SUF);                                  \
     }                                                                                               \
     static void tile_11##AR##WN##SUF(const T *x, i64 K, const WT *w, T *out, i64 N, i64 m, i64 n) { \
         tile##AR##WN##SUF(x, K, w, out, N, m, n, 1, 1);                                             \
@@ -495,15 +501,15 @@ static inline f16x_v4 f16x4(const f16_t *p) {
         for (i64 b0 = n0; b0 < n1; b0 += BLOCK_N) {                                                 \
             i64 b1 = b0 + BLOCK_N < n1 ? b0 + BLOCK_N : n1;                                         \
             i64 m = 0;                                                                              \
-            for (; m + TILE_M##SUF <= M; m += TILE_M##SUF) {                                        \
+            for (; m + TILE_M##AR##SUF <= M; m += TILE_M##AR##SUF) {                                        \
                 i64 n = b0;                                                                         \
-                for (; n + TILE_N##SUF <= b1; n += TILE_N##SUF) tile_mn##AR##WN##SUF(x, K, w, out, N, m, n); \
+                for (; n + TILE_N##AR##SUF <= b1; n += TILE_N##AR##SUF) tile_mn##AR##WN##SUF(x, K, w, out, N, m, n); \
                 for (; n < b1; n++)                                                                 \
-                    for (int r = 0; r < TILE_M##SUF; r++) tile_11##AR##WN##SUF(x, K, w, out, N, m + r, n); \
+                    for (int r = 0; r < TILE_M##AR##SUF; r++) tile_11##AR##WN##SUF(x, K, w, out, N, m + r, n); \
             }                                                                                       \
             for (; m < M; m++) {                                                                    \
                 i64 n = b0;                                                                         \
-                for (; n + TILE_N1##SUF <= b1; n += TILE_N1##SUF) tile_1n##AR##WN##SUF(x, K, w, out, N, m, n); \
+                for (; n + TILE_N1##AR##SUF <= b1; n += TILE_N1##AR##SUF) tile_1n##AR##WN##SUF(x, K, w, out, N, m, n); \
                 for (; n < b1; n++) tile_11##AR##WN##SUF(x, K, w, out, N, m, n);                    \
             }                                                                                       \
         }                                                                                           \

@@ -64,7 +64,7 @@ from typing import Any
 import torch
 
 from scan._backends import EXACT_BACKENDS, Backend, FixedBackend, RoundState, labelled
-from scan._fma import fma_twin
+from scan._fma import fma_product
 from scan._mamba1 import Mamba1Mixer
 from scan._mamba2 import Mamba2Mixer
 from scan._mamba3 import Mamba3Mixer
@@ -250,9 +250,12 @@ def _lane_product(x: Tensor, weight: Tensor | Q8Weight, bias: Tensor | None, fus
     pad = (-k) % 16
     rows = torch.nn.functional.pad(x.reshape(-1, k), (0, pad)).reshape(-1, 1, (k + pad) // 16, 16)
     w = torch.nn.functional.pad(weight, (0, pad)).reshape(1, weight.shape[0], (k + pad) // 16, 16)
-    lanes = torch.zeros((rows.shape[0], weight.shape[0], 16), dtype=x.dtype)
-    for b in range((k + pad) // 16):
-        lanes = fma_twin(rows[:, :, b], w[:, :, b], lanes) if fused else lanes + rows[:, :, b] * w[:, :, b]
+    if fused:
+        lanes = _fused_lanes(rows, w)
+    else:
+        lanes = torch.zeros((rows.shape[0], weight.shape[0], 16), dtype=x.dtype)
+        for b in range((k + pad) // 16):
+            lanes = lanes + rows[:, :, b] * w[:, :, b]
     s8 = lanes[..., :8] + lanes[..., 8:]
     s4 = s8[..., :4] + s8[..., 4:]
     s2 = s4[..., :2] + s4[..., 2:]
@@ -260,6 +263,29 @@ def _lane_product(x: Tensor, weight: Tensor | Q8Weight, bias: Tensor | None, fus
     if bias is not None:
         acc = acc + bias
     return acc.reshape(*lead, weight.shape[0])
+
+
+#: lane sums of a fused product's twin are taken this many (row, output, lane) values at a time:
+#: a block's float64 temporaries stay in cache (the load-time probe runs this twin at 1.4B)
+_FMA_BLOCK = 1 << 15
+
+
+def _fused_lanes(rows: Tensor, w: Tensor) -> Tensor:
+    """The 16 lanes of each (row, output), each lane step one fused multiply-add: rows
+    (M, 1, KB, 16), w (1, N, KB, 16) float32 -> (M, N, 16) float32. The operands are widened to
+    float64 once (exactly), their products taken there exactly, and each sum rounded once
+    (`scan._fma.fma_product`); outputs in blocks, which changes no bit."""
+    m, n, kb = rows.shape[0], w.shape[1], rows.shape[2]
+    rows64 = rows.double()
+    step = max(1, _FMA_BLOCK // (16 * max(m, 1)))
+    out = []
+    for n0 in range(0, n, step):
+        w64 = w[:, n0 : n0 + step].double()
+        lanes = torch.zeros((m, w64.shape[1], 16), dtype=torch.float32)
+        for b in range(kb):
+            lanes = fma_product(rows64[:, :, b] * w64[:, :, b], lanes)
+        out.append(lanes)
+    return torch.cat(out, dim=1) if out else torch.zeros((m, 0, 16), dtype=torch.float32)
 
 
 def mean_twin(x: Tensor) -> Tensor:
