@@ -72,9 +72,23 @@ from scan._mixer import States
 from scan._ops import Primitives
 from scan._quant import QB, Q8Weight, linear_q8_twin
 
-__all__ = ["ARITHMETIC", "ARITHMETIC_FMA", "Probe", "TWIN_OPS", "TWIN_OPS_FMA", "TWIN_PRIMITIVES",
-           "TWIN_STEP_PRIMITIVES", "build_kernels", "cache_dir", "exact_backend", "exact_primitives",
-           "exact_step_backend", "linear_fma_twin", "probe", "twin_primitives"]
+__all__ = [
+    "ARITHMETIC",
+    "ARITHMETIC_FMA",
+    "TWIN_OPS",
+    "TWIN_OPS_FMA",
+    "TWIN_PRIMITIVES",
+    "TWIN_STEP_PRIMITIVES",
+    "Probe",
+    "build_kernels",
+    "cache_dir",
+    "exact_backend",
+    "exact_primitives",
+    "exact_step_backend",
+    "linear_fma_twin",
+    "probe",
+    "twin_primitives",
+]
 
 log = logging.getLogger(__name__)
 
@@ -298,7 +312,7 @@ def mean_twin(x: Tensor) -> Tensor:
 
 def _seq_contract(h: Tensor, c: Tensor) -> Tensor:
     """(((0 + h_0 c_0) + h_1 c_1) + ...) over the last dimension."""
-    acc = torch.zeros_like((h[..., 0] * c[..., 0]))
+    acc = torch.zeros_like(h[..., 0] * c[..., 0])
     for n in range(h.shape[-1]):
         acc = acc + h[..., n] * c[..., n]
     return acc

@@ -18,8 +18,8 @@ from scan._config import ModelConfig
 from scan._errors import CheckpointError, ConfigError, UnsupportedBackend
 from scan._lm import MambaLM
 from scan._model import Model
-from scan._quant import Q8Weight, quantize_q8
 from scan._presets import PRESETS, TRAINED_PRESETS, build_preset, initial_weights, trained_preset_dir
+from scan._quant import Q8Weight, quantize_q8
 from scan._transforms import ByteTransform, HFTokenizerTransform
 
 __all__ = [

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from scan._backends import EXACT_BACKENDS, Backend, RoundState
 from scan._config import ModelConfig
 from scan._errors import (
     InvalidInput,
@@ -42,7 +43,6 @@ from scan._errors import (
     TokenOutOfRange,
     UnsupportedBackend,
 )
-from scan._backends import EXACT_BACKENDS, Backend, RoundState
 from scan._forward import LayerStates, backend_named, embed, forward
 from scan._lm import MambaLM
 from scan._state import State, StepResult

@@ -20,10 +20,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scan import load_model
 from scan import _exact as E
-from scan._quant import quantize_q8
+from scan import load_model
 from scan._forward import embed, forward
+from scan._quant import quantize_q8
 from tests.scan._helpers import ARCH_PRESETS, model_for, scan_chunks, tokens
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,8 +20,8 @@ from state_codec.codec import Keyring, plaintext_checksum
 from tests.scan._helpers import tokens
 from tests.workflows.conftest import FAST, make_stack
 from tests.workflows.test_metrics import Meter, free_port
-from workflows import StreamOptions
 from tests.workflows.test_stream_workflow import chunking, digest, feed
+from workflows import StreamOptions
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
