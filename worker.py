@@ -389,8 +389,9 @@ def build_runtime(cfg: WorkerConfig):
     """A Temporal runtime exporting metrics on cfg.metrics (None when "off")."""
     if cfg.metrics.lower() in ("", "off", "none"):
         return None
-    from activities._metrics import HISTOGRAM_BUCKETS
     from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
+
+    from activities import HISTOGRAM_BUCKETS
 
     try:
         return Runtime(telemetry=TelemetryConfig(metrics=PrometheusConfig(
@@ -413,9 +414,7 @@ def deployment_config(cfg: WorkerConfig):
 
 
 def build_activities(cfg: WorkerConfig, keyring, worker_queue: str, metrics=None):
-    from activities import open_store
-    from activities._registry import ModelRegistry
-    from activities._stream import StreamActivities
+    from activities import ModelRegistry, StreamActivities, open_store
     from state_codec.signing import PrincipalKeys
 
     keys = PrincipalKeys.from_spec(cfg.principal_keys) if cfg.principal_keys else None
@@ -442,7 +441,7 @@ async def run_worker(cfg: WorkerConfig, stop: asyncio.Event, *, ready: asyncio.E
     from temporalio.client import Client
     from temporalio.worker import Worker
 
-    from activities._metrics import StreamMetrics
+    from activities import StreamMetrics
     from plugin import MambaStreamPlugin
 
     keyring = load_keyring(cfg)
@@ -530,8 +529,7 @@ async def _claim_store(client, acts, *, close: bool) -> None:
     A worker on another cluster's store would write streams that cluster's sweep finds "not
     found", and its own sweep would find that cluster's live streams "not found": it must not start.
     """
-    from activities._store import StoreOwnedElsewhere
-    from activities._sweep import claim_store
+    from activities import StoreOwnedElsewhere, claim_store
 
     try:
         await claim_store(client, acts.store)
@@ -543,7 +541,7 @@ async def _claim_store(client, acts, *, close: bool) -> None:
 
 
 async def _sweep_forever(cfg: WorkerConfig, client, acts) -> None:
-    from activities._sweep import sweep_orphans
+    from activities import sweep_orphans
 
     while True:
         await asyncio.sleep(cfg.sweep_s)

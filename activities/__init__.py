@@ -23,6 +23,7 @@ from activities._store import (
 )
 
 __all__ = [
+    "HISTOGRAM_BUCKETS",
     "FileStateStore",
     "InvalidStoreKey",
     "MemoryStateStore",
@@ -56,7 +57,8 @@ def __getattr__(name: str):
 
         return PostgresStateStore
     homes = {"StreamActivities": "_stream", "ModelRegistry": "_registry", "StreamEngine": "_engine",
-             "SlotTable": "_slots", "StreamMetrics": "_metrics", "SweepReport": "_sweep", "sweep_orphans": "_sweep",
+             "SlotTable": "_slots", "StreamMetrics": "_metrics", "HISTOGRAM_BUCKETS": "_metrics",
+             "SweepReport": "_sweep", "sweep_orphans": "_sweep",
              "claim_store": "_sweep",
              "agent_feed_stream": "_agent"}
     if name in homes:

@@ -208,7 +208,7 @@ class _TypedJSONPayloadConverter(PydanticJSONPlainPayloadConverter):
         try:
             value = super().from_payload(payload, type_hint)
         except ValidationError as exc:
-            from workflows._failures import InvalidRequest, application_error
+            from workflows import InvalidRequest, application_error
 
             errors = [{"loc": ".".join(str(p) for p in e["loc"]), "msg": e["msg"]} for e in exc.errors()[:8]]
             name = getattr(type_hint, "__name__", "value")

@@ -44,7 +44,7 @@ EXPECTED = {
         "plaintext_checksum", "seal", "seal_bytes", "unseal",
     ],
     "activities": [
-        "FileStateStore", "InvalidStoreKey", "MemoryStateStore", "ModelRegistry", "PostgresStateStore", "SlotTable", "StateStore",
+        "HISTOGRAM_BUCKETS", "FileStateStore", "InvalidStoreKey", "MemoryStateStore", "ModelRegistry", "PostgresStateStore", "SlotTable", "StateStore",
         "StoreCorrupt", "StoreError", "StoreOwnedElsewhere", "StoreOwner", "StoreUnavailable", "StoreUsage",
         "StreamActivities", "StreamEngine", "StreamMetrics", "SweepReport", "WorkerHealth", "agent_feed_stream",
         "claim_store", "open_store", "sweep_orphans", "tune_allocator",
@@ -73,3 +73,24 @@ def test_public_names(package):
     assert list(mod.__all__) == EXPECTED[package]
     for name in mod.__all__:
         assert hasattr(mod, name), name
+
+
+_PACKAGES = ("activities", "cli", "quality", "scan", "state_codec", "workflows")
+
+
+def test_shipped_modules_import_no_other_packages_private_modules():
+    """What two packages share is public: a shipped module imports another package's names from
+    that package, never from one of its `_x` modules (benches and tests may look inside)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    files = [root / "worker.py", root / "plugin.py"] + [p for pkg in _PACKAGES for p in (root / pkg).rglob("*.py")]
+    pattern = re.compile(r"^\s*(?:from|import)\s+(" + "|".join(_PACKAGES) + r")\._\w+", re.M)
+    found = []
+    for path in files:
+        rel = path.relative_to(root)
+        for m in pattern.finditer(path.read_text()):
+            if rel.parts[0] != m.group(1):
+                found.append(f"{rel}: {m.group(0).strip()}")
+    assert not found, found

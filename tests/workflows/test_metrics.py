@@ -15,7 +15,7 @@ from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 from temporalio.worker import Worker
 
 from activities import StreamMetrics, sweep_orphans
-from activities._metrics import HISTOGRAM_BUCKETS
+from activities import HISTOGRAM_BUCKETS
 from plugin import MambaStreamPlugin
 from tests.workflows.conftest import FAST, eventually, make_stack
 from tests.workflows.test_stream_workflow import FailOnce
