@@ -980,9 +980,8 @@ static inline __m256 q8_fused8(__m256 a, __m256 c, __m256 acc) {
 #define Q8_FUSED8(a, c, acc) q8_fused8(a, c, acc)
 #endif
 
-/* linear_q8_f32 (exact-1) and linear_q8_fma_f32 (exact-2): the same blocks, sums and order; only
- * how a block's term joins the sum differs (MADD8 / MADD1) */
-#define DEFINE_Q8(AR, MADD8)                                                                        \
+/* the 8-output tile of linear_q8##AR##_f32: MADD8 adds a block's 8 terms to the 8 sums */
+#define DEFINE_Q8_TILE8(AR, MADD8)                                                                  \
     /* outputs n .. n + 7 of row m (n a multiple of 8) */                                           \
     static void tile8_q8##AR(const int8_t *qx, const float *sx, i64 nb, const int8_t *q, const uint16_t *d8, \
                              i64 n, i64 N, float *out) {                                            \
@@ -1005,14 +1004,16 @@ static inline __m256 q8_fused8(__m256 a, __m256 c, __m256 acc) {
         }                                                                                           \
         _mm256_storeu_ps(out + n, acc);                                                             \
     }
-DEFINE_Q8(, Q8_SPLIT8)
-DEFINE_Q8(_fma, Q8_FUSED8)
+DEFINE_Q8_TILE8(, Q8_SPLIT8)
+DEFINE_Q8_TILE8(_fma, Q8_FUSED8)
 #define Q8_TILES(AR) for (; n + 8 <= b1; n += 8) tile8_q8##AR(xr, sr, nb, q, d8, n, N, orow);
 #else
 #define Q8_TILES(AR)
 #endif
 
-#define DEFINE_Q8_ONE(AR, MADD1)                                                                    \
+/* linear_q8_f32 (exact-1) and linear_q8_fma_f32 (exact-2): the same blocks, sums and order; only
+ * how a block's term joins the sum differs (MADD8 in the tiles, MADD1 for one output) */
+#define DEFINE_Q8_LINEAR(AR, MADD1)                                                                 \
     static void one_q8##AR(const int8_t *qx, const float *sx, i64 nb, const int8_t *q, const uint16_t *d, i64 n, \
                            float *out) {                                                            \
         i64 kp = nb * QB;                                                                           \
@@ -1046,8 +1047,8 @@ DEFINE_Q8(_fma, Q8_FUSED8)
     }
 #define Q8_SPLIT1(a, c, acc) ((acc) + (a) * (c))
 #define Q8_FUSED1(a, c, acc) fmaf(a, c, acc)
-DEFINE_Q8_ONE(, Q8_SPLIT1)
-DEFINE_Q8_ONE(_fma, Q8_FUSED1)
+DEFINE_Q8_LINEAR(, Q8_SPLIT1)
+DEFINE_Q8_LINEAR(_fma, Q8_FUSED1)
 
 /* --- the products on several threads ------------------------------------------------------- */
 /* A job (a product, a scan) is cut into parts of contiguous work units (runs of 16 outputs,

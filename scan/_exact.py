@@ -247,7 +247,7 @@ def linear_twin(x: Tensor, weight: Tensor | Q8Weight, bias: Tensor | None = None
 
 def linear_fma_twin(x: Tensor, weight: Tensor | Q8Weight, bias: Tensor | None = None) -> Tensor:
     """`linear_twin` in the exact-2 arithmetic: each lane step one fused multiply-add
-    (`scan._fma.fma_twin`), as each q8 block's term; float32 only."""
+    (`scan._fma.fma_product`), as each q8 block's term; float32 only."""
     if x.dtype != torch.float32:
         raise TypeError(f"exact-2 products compute in float32, not {x.dtype}")
     return _lane_product(x, weight, bias, fused=True)
