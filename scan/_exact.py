@@ -564,6 +564,20 @@ def _version(t: Any) -> int | None:
         return None
 
 
+_ABSENT = object()
+
+
+def _field(mod: torch.nn.Module, name: str) -> Any:
+    """`getattr(mod, name)` for a parameter, buffer or plain attribute, by the dicts nn.Module
+    keeps them in (it keeps a name in one of them only), without its `__getattr__`."""
+    v = mod._parameters.get(name, _ABSENT)
+    if v is _ABSENT:
+        v = mod._buffers.get(name, _ABSENT)
+        if v is _ABSENT:
+            v = getattr(mod, name)
+    return v
+
+
 def _address(fn: Any) -> int:
     return ctypes.cast(fn, ctypes.c_void_p).value
 
@@ -663,11 +677,19 @@ class _Kernels:
 
     @staticmethod
     def _step_tensors(m: Mamba1Mixer | Mamba2Mixer) -> list[Any]:
+        """The tensors a mixer's decode step reads, as `m.in_proj.weight`... finds them, taken from
+        the modules' dicts: checked before every decode step of every layer, where nn.Module's
+        `__getattr__` cost a 130M model 0.8 ms a token."""
+        mods = m._modules
         if isinstance(m, Mamba1Mixer):
-            return [m.in_proj.weight, m.in_proj.bias, m.conv1d.weight, m.conv1d.bias, m.x_proj.weight,
-                    m.dt_proj.weight, m.dt_proj.bias, m.A_log, m.D, m.out_proj.weight, m.out_proj.bias]
-        return [m.in_proj.weight, m.in_proj.bias, m.conv1d.weight, m.conv1d.bias, m.dt_bias, m.A_log, m.D,
-                m.norm.weight if m.cfg.rmsnorm else None, m.out_proj.weight, m.out_proj.bias]
+            ip, cv, xp, dp, op = mods["in_proj"], mods["conv1d"], mods["x_proj"], mods["dt_proj"], mods["out_proj"]
+            return [_field(ip, "weight"), _field(ip, "bias"), _field(cv, "weight"), _field(cv, "bias"),
+                    _field(xp, "weight"), _field(dp, "weight"), _field(dp, "bias"), _field(m, "A_log"),
+                    _field(m, "D"), _field(op, "weight"), _field(op, "bias")]
+        ip, cv, op = mods["in_proj"], mods["conv1d"], mods["out_proj"]
+        return [_field(ip, "weight"), _field(ip, "bias"), _field(cv, "weight"), _field(cv, "bias"),
+                _field(m, "dt_bias"), _field(m, "A_log"), _field(m, "D"),
+                _field(mods["norm"], "weight") if m.cfg.rmsnorm else None, _field(op, "weight"), _field(op, "bias")]
 
     def _layer(self, m: Mamba1Mixer | Mamba2Mixer) -> tuple[str, ctypes.Structure, list[Tensor]] | None:
         """The C description of a float32 Mamba-1 or Mamba-2 mixer for its one-call decode step

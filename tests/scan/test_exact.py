@@ -679,19 +679,29 @@ def test_a_copied_model_steps_on_its_own_weights():
     assert torch.equal(changed, want) and not torch.equal(changed, original) and torch.equal(again, original)
 
 
+@pytest.mark.parametrize("how", ["written-in-place", "replaced"])
 @pytest.mark.parametrize("preset", ["tiny-mamba1", "tiny-mamba2"])
-def test_the_one_call_step_rereads_a_mixer_whose_weights_changed(preset):
+def test_the_one_call_step_rereads_a_mixer_whose_weights_changed(preset, how):
     """The C description of a mixer is kept while its tensors are unchanged: a weight written in
-    place (a fine-tune, a test) is seen by the next step, with the primitives' bits."""
+    place (a fine-tune, a test) or a parameter replaced by another (`module.weight = ...`, which
+    the step finds in the modules' dicts, not through nn.Module's attribute lookup) is seen by
+    the next step, with the primitives' bits."""
     model = load_model(preset, backend="exact")
     lm = model.module
     states = _states(lm, 1, 50)
     hidden = torch.randn((1, 1, lm.cfg.d_model), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
         before, _, _ = forward(lm, hidden, states, E._KernelBackend())
-        for blk in lm.backbone.layers:
-            blk.mixer.out_proj.weight.mul_(0.5)
-            blk.mixer.D.add_(1.0)
+    for blk in lm.backbone.layers:
+        mixer = blk.mixer
+        if how == "replaced":
+            mixer.out_proj.weight = torch.nn.Parameter(mixer.out_proj.weight.detach() * 0.5)
+            mixer.D = torch.nn.Parameter(mixer.D.detach() + 1.0)
+        else:
+            with torch.no_grad():
+                mixer.out_proj.weight.mul_(0.5)
+                mixer.D.add_(1.0)
+    with torch.inference_mode():
         after, _, _ = forward(lm, hidden, states, E._KernelBackend())
         want, _, _ = forward(lm, hidden, states, E.FixedBackend(E.TWIN_PRIMITIVES))
     assert not torch.equal(after, before) and torch.equal(after, want)
