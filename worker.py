@@ -57,7 +57,9 @@ Environment (all optional):
 
 ctrl-C (or SIGTERM) drains the worker and stops what it started (exit status 0). The embedded
 server never outlives the worker, SIGKILL included, and a leftover one of the same home is
-replaced, not reused (`EmbeddedTemporal`); a port held by anything else exits with status 2. A
+replaced, not reused (`EmbeddedTemporal`); a port held by anything else exits with status 2
+(`EXIT_CONFIG`), and so does a model in MAMBA_STREAM_MODELS it cannot load (an unknown preset, a
+directory without config.json or weights: checked before anything starts, weights unread). A
 worker that fails chunk after chunk of several streams for a reason that is not theirs stops
 taking work and exits with status 3 (`EXIT_UNHEALTHY`), saying why, for its supervisor to
 restart it (activities.WorkerHealth).
@@ -80,9 +82,12 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from workflows import ClientConfig
+
+if TYPE_CHECKING:  # imported where used: it pulls in torch
+    from activities import ModelRegistry
 
 log = logging.getLogger("mamba_stream.worker")
 
@@ -413,15 +418,29 @@ def deployment_config(cfg: WorkerConfig):
         use_worker_versioning=True, default_versioning_behavior=VersioningBehavior.PINNED)
 
 
+def model_registry(cfg: WorkerConfig) -> ModelRegistry:
+    """The models of MAMBA_STREAM_MODELS, each checked without loading its weights.
+
+    Raises:
+        scan.CheckpointError: a model cannot be loaded (an unknown preset, a directory without
+            config.json or weights, an unsupported config); the message names each such model.
+    """
+    from activities import ModelRegistry
+
+    models = ModelRegistry.from_spec(cfg.models, backend=cfg.backend, weights=cfg.weights)
+    models.check()
+    return models
+
+
 def build_activities(cfg: WorkerConfig, keyring, worker_queue: str, metrics=None):
-    from activities import ModelRegistry, StreamActivities, open_store
+    from activities import StreamActivities, open_store
     from state_codec.signing import PrincipalKeys
 
+    models = model_registry(cfg)  # before the store is opened: a bad model changes nothing
     keys = PrincipalKeys.from_spec(cfg.principal_keys) if cfg.principal_keys else None
     if keys is not None:
         log.info("verifying signed requests of %d principals", len(keys))
-    return StreamActivities(models=ModelRegistry.from_spec(cfg.models, backend=cfg.backend, weights=cfg.weights),
-                            store=open_store(cfg.store), keyring=keyring, worker_queue=worker_queue,
+    return StreamActivities(models=models, store=open_store(cfg.store), keyring=keyring, worker_queue=worker_queue,
                             principal_keys=keys, metrics=metrics, drift_check_every=cfg.drift_check_every)
 
 
@@ -558,11 +577,15 @@ async def _sweep_forever(cfg: WorkerConfig, client, acts) -> None:
 #: `python worker.py`'s exit status when the worker stopped taking work because it fails every
 #: chunk for a reason that is not the chunks' (workflows.WorkerUnhealthy): restart it
 EXIT_UNHEALTHY = 3
+#: its exit status when it cannot start as configured (a restart would fail the same way): a
+#: model it cannot load, the embedded server's port held by another process
+EXIT_CONFIG = 2
 
 
 def serve(cfg: WorkerConfig, *, activities=None) -> int:
     """Run the worker until SIGINT or SIGTERM (0) or until it trips its health check
-    (`EXIT_UNHEALTHY`, with an error log saying why). What `main` runs, around the embedded stack."""
+    (`EXIT_UNHEALTHY`, with an error log saying why), or `EXIT_CONFIG` when a model does not load
+    at start. What `main` runs, around the embedded stack."""
     from workflows import WorkerUnhealthy
 
     async def amain() -> None:
@@ -572,11 +595,16 @@ def serve(cfg: WorkerConfig, *, activities=None) -> int:
             loop.add_signal_handler(sig, stop.set)
         await run_worker(cfg, stop, activities=activities)
 
+    from scan import ScanError
+
     try:
         asyncio.run(amain())
     except WorkerUnhealthy as exc:
         log.error("exiting with status %d: %s", EXIT_UNHEALTHY, exc)
         return EXIT_UNHEALTHY
+    except ScanError as exc:  # a model passed the cheap check but does not load (warm): bad weights
+        log.error("refusing to start: %s", exc)
+        return EXIT_CONFIG
     return 0
 
 
@@ -615,7 +643,16 @@ def start_embedded(cfg: WorkerConfig, keyring) -> tuple[EmbeddedTemporal, Any]: 
 def main() -> None:
     logging.basicConfig(level=os.environ.get("MAMBA_STREAM_LOG", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from scan import ScanError
+
     cfg = WorkerConfig()
+    try:
+        # first, before any server, keyring or store: a model that cannot load would otherwise
+        # be found after all of them have started (warm), or by a stream's first open
+        model_registry(cfg)
+    except ScanError as exc:
+        log.error("refusing to start: %s (MAMBA_STREAM_MODELS)", exc)
+        sys.exit(EXIT_CONFIG)
     server = codec = None
     status = 1
     try:
@@ -624,7 +661,7 @@ def main() -> None:
                 server, codec = start_embedded(cfg, load_keyring(cfg))
             except EmbeddedServerError as exc:
                 log.error("%s", exc)
-                raise SystemExit(2) from None
+                raise SystemExit(EXIT_CONFIG) from None
             cfg.address = server.address
             print(f"Temporal UI: http://127.0.0.1:{server.ui_port} (payloads decrypt through the codec server "
                   f"{codec.url} for its token: set the UI's Codec Server endpoint, in your browser, to the one in "

@@ -54,7 +54,7 @@ from activities._metrics import StreamMetrics
 from activities._live import LiveTokens
 from activities._registry import ModelRegistry, UnknownModel
 from activities._store import StateStore, StoreError, check_name
-from scan import Model, ScanError, State
+from scan import CheckpointError, Model, ScanError, State
 from state_codec import (
     BadSignature,
     EpochMismatch,
@@ -314,7 +314,10 @@ class StreamActivities:
         _multinomial_form_holds()
         for mid in model_ids if model_ids is not None else self.models.ids:
             t0 = time.perf_counter()
-            model = self._model(mid)
+            try:
+                model = self._model(mid)
+            except ScanError as exc:  # the worker refuses to start (worker.py): say which model
+                raise CheckpointError(f"model {mid!r} cannot be loaded: {type(exc).__name__}: {exc}") from exc
             engine = self.engine(model)
             # one token in, one sampled: the batched step, the sampler and the engine's pace
             sid = f"warm-{mid}"
@@ -615,7 +618,18 @@ class StreamActivities:
 
     @activity.defn(name=ACTIVITY_GENERATE, no_thread_cancel_exception=True)
     def generate_tokens(self, req: GenerateChunkRequest) -> GenerateChunkResult:
-        """Sample tokens with a seeded generator; each one advances the state like input."""
+        """Sample tokens with a seeded generator; each one advances the state like input.
+
+        The generation ends after `max_tokens` ("length"), after the token that completes one of
+        the `stop` texts ("stop"), or after the model's end-of-sequence token
+        (`Model.eos_token_ids`: "eos"), whichever comes first; a token that completes a stop
+        text and is an end-of-sequence token too ends it as "stop". The token that ends it, stop
+        text's or end-of-sequence, is one of the chunk's tokens: it was sampled, so it advanced
+        the state like any other, and the committed position is the input's plus every token
+        returned. Where the stop is decided (in this activity, between the engine's rounds) and
+        what it depends on (the sampled tokens, the model) are deterministic, so a retry stops at
+        the same token, and the chunk commits once.
+        """
         t0 = time.perf_counter()
         with self._guarded(req.stream_id, req.receipt.model_id):
             self._verify("generate", req.stream_id, req.principal, req.request)
@@ -651,6 +665,7 @@ class StreamActivities:
                                   transform.decode if transform is not None else None)
             sampled: list[int] = []
             finish = "length"
+            eos = frozenset(model.eos_token_ids)
             step_labels = {"model": model.model_id}
             last_t = t0
 
@@ -666,6 +681,9 @@ class StreamActivities:
                     if any(s_ and s_ in transform.decode(sampled) for s_ in ask.stop):
                         finish = "stop"
                         return False
+                if sampled and sampled[-1] in eos:
+                    finish = "eos"
+                    return False
                 return True
 
             def taken(tok: int) -> None:
@@ -686,6 +704,8 @@ class StreamActivities:
             if ask.stop and transform is not None and finish == "length" and \
                     any(s_ and s_ in transform.decode(tokens) for s_ in ask.stop):
                 finish = "stop"  # the last sampled token completed a stop text
+            if finish == "length" and tokens and tokens[-1] in eos:
+                finish = "eos"  # the last token the length allowed was the end of the sequence
             backend = f"{model.backend}:{out.path}"
             text = transform.decode(tokens) if transform is not None else None
 

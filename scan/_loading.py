@@ -461,6 +461,51 @@ def _build(cfg: ModelConfig, sd: dict[str, Any], dtype: torch.dtype, device: tor
     return lm.eval()
 
 
+#: checkpoint directories already warned about having no tokenizer.json (once per model and
+#: process: a worker loads its models once, but tests and tools load the same one again)
+_WARNED_NO_TOKENIZER: set[Path] = set()
+
+
+def _warn_no_tokenizer(directory: Path, vocab: int) -> None:
+    key = directory.resolve()
+    if key in _WARNED_NO_TOKENIZER:
+        return
+    _WARNED_NO_TOKENIZER.add(key)
+    if vocab >= 256:
+        log.warning("checkpoint %s has no tokenizer.json: its text is read as UTF-8 bytes (token ids 0-255 of "
+                    "its %d-token vocabulary); put the tokenizer.json it was trained with beside its config.json "
+                    "for its own tokenizer", directory, vocab)
+    else:
+        log.warning("checkpoint %s has no tokenizer.json and a %d-token vocabulary, too small for bytes: it takes "
+                    "token ids only, no text", directory, vocab)
+
+
+def _eos_ids_of(value: Any, where: str) -> tuple[int, ...] | None:
+    """An `eos_token_id` entry (an id, or a list of ids as Hugging Face allows); None: absent."""
+    if value is None:
+        return None
+    ids = value if isinstance(value, list) else [value]
+    if not ids or any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+        raise ConfigError(f"{value!r} in {where} is not a token id nor a list of them", field="eos_token_id")
+    return tuple(ids)
+
+
+def _eos_token_ids(directory: Path, raw: dict[str, Any], transform: Any) -> tuple[int, ...]:
+    """The checkpoint's end-of-sequence ids: config.json's `eos_token_id`, else
+    generation_config.json's (Hugging Face keeps it there too), else its tokenizer's; () if none.
+    (`Model` checks that they are ids of its vocabulary.)"""
+    found = _eos_ids_of(raw.get("eos_token_id"), "config.json")
+    gen = directory / "generation_config.json"
+    if found is None and gen.is_file():
+        try:
+            found = _eos_ids_of(json.loads(gen.read_text()).get("eos_token_id"), "generation_config.json")
+        except (json.JSONDecodeError, AttributeError) as exc:
+            raise ConfigError(f"generation_config.json is not a JSON object: {exc}", field="eos_token_id") from exc
+    if found is None and getattr(transform, "eos_token_id", None) is not None:
+        found = (transform.eos_token_id,)
+    return found or ()
+
+
 def load_model(
     source: str | Path,
     *,
@@ -490,9 +535,16 @@ def load_model(
             than the computation is recorded in the schema and the arithmetic: a receipt made
             under one format does not resume under another.
 
+    A checkpoint directory's text transform is its tokenizer.json; without one, UTF-8 bytes (a
+    warning is logged, once per directory), or none for a vocabulary under 256 ids. Its
+    end-of-sequence ids (`Model.eos_token_ids`, where a generation stops) are config.json's
+    `eos_token_id` (an id or a list), else generation_config.json's, else the tokenizer's
+    (`HFTokenizerTransform.eos_token_id`); the presets have none.
+
     Raises:
-        ConfigError naming the offending config field; CheckpointError for missing or
-        mismatched tensors; UnsupportedBackend for an unknown backend or dtype.
+        ConfigError naming the offending config field (`eos_token_id` included: not an id of
+        the vocabulary); CheckpointError for missing or mismatched tensors; UnsupportedBackend
+        for an unknown backend or dtype.
     """
     device = torch.device(device)
     name = str(source)
@@ -500,6 +552,7 @@ def load_model(
         cfg, sd = build_preset(name)
         transform: Any = ByteTransform()
         model_id = name
+        eos: tuple[int, ...] = ()  # the presets' byte vocabulary has no end-of-sequence token
     else:
         directory = trained_preset_dir(name) if name in TRAINED_PRESETS else Path(source)
         cfg_path = directory / "config.json"
@@ -518,6 +571,9 @@ def load_model(
         transform = HFTokenizerTransform(tok) if tok.exists() else (
             ByteTransform() if cfg.padded_vocab_size >= 256 else None
         )
+        if not tok.exists() and name not in TRAINED_PRESETS:  # the shipped presets read bytes by design
+            _warn_no_tokenizer(directory, cfg.padded_vocab_size)
+        eos = _eos_token_ids(directory, raw, transform)
         model_id = directory.resolve().name
         log.info("loaded %s checkpoint %s (%s)", layout, directory, cfg.architecture)
     revision = weights_revision(sd) if name in PRESETS else _revision_of(directory, sd)
@@ -527,7 +583,7 @@ def load_model(
     # loop peels to alignment), so the other backends get fresh, aligned copies as they always did
     lm = _build(cfg, sd, dtype, device, fmt, mapped=name not in PRESETS and reads_stored)
     return Model(lm, model_id=model_id, revision=revision, backend=backend, transform=transform,
-                 state_dtype=state_dtype)
+                 state_dtype=state_dtype, eos_token_ids=eos)
 
 
 def init_model(
@@ -594,6 +650,9 @@ def save_checkpoint(model: Model, directory: str | Path) -> Path:
     if model.config.tie_embeddings:
         for name in ("lm_head.weight", "lm_head.weight_q8", "lm_head.weight_scale"):
             sd.pop(name, None)
-    (out / "config.json").write_text(json.dumps(mamba_ssm_config(model.config), indent=2) + "\n")
+    cfg = mamba_ssm_config(model.config)
+    if model.eos_token_ids:  # only where there is one: mamba-ssm's own MambaConfig takes no such field
+        cfg["eos_token_id"] = model.eos_token_ids[0] if len(model.eos_token_ids) == 1 else list(model.eos_token_ids)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     save_file(sd, str(out / "model.safetensors"))
     return out

@@ -35,6 +35,7 @@ import torch
 from scan._backends import EXACT_BACKENDS, Backend, RoundState
 from scan._config import ModelConfig
 from scan._errors import (
+    ConfigError,
     InvalidInput,
     InvalidState,
     NonFiniteInput,
@@ -117,6 +118,18 @@ def build_schema(cfg: ModelConfig, dtype: torch.dtype, lm: MambaLM, state_dtype:
     )
 
 
+def _eos_ids(ids: Sequence[int], vocab: int) -> tuple[int, ...]:
+    """End-of-sequence ids, checked: integers the model can emit (a generation could never stop at
+    one outside its logits' columns, so such a config is refused rather than silently ignored)."""
+    out: list[int] = []
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab:
+            raise ConfigError(f"{i!r} is not a token id of a {vocab}-token vocabulary", field="eos_token_id")
+        if i not in out:
+            out.append(i)
+    return tuple(out)
+
+
 class Model:
     """A Mamba-1/2/3 language model with explicit, immutable per-stream state.
 
@@ -127,6 +140,9 @@ class Model:
         revision: "sha256:<hex>" over the checkpoint's weights (independent of dtype/device).
         backend: the backend `advance` runs (`BACKENDS`: "exact", "exact-fma", "reference", ...).
         transform: the default input transform (text <-> token ids), or None.
+        eos_token_ids: the token ids that end a generation (config.json's `eos_token_id`, or its
+            tokenizer's end-of-sequence token); empty: the model has none, and a generation runs to
+            its length or a stop text.
         dtype: the dtype of weights and computation (float32 or float64).
         state_dtype: the dtype states are kept in; by default `dtype`. A narrower one (bfloat16,
             float16) rounds the state after every token, on the exact and reference backends only
@@ -143,12 +159,14 @@ class Model:
         backend: str = "auto",
         transform: Any = None,
         state_dtype: torch.dtype | None = None,
+        eos_token_ids: Sequence[int] = (),
     ) -> None:
         self._lm = lm
         self.config: ModelConfig = lm.cfg
         self.model_id = model_id
         self.revision = revision
         self.transform = transform
+        self.eos_token_ids: tuple[int, ...] = _eos_ids(eos_token_ids, self.config.padded_vocab_size)
         param = lm.backbone.embedding.weight
         self.dtype: torch.dtype = lm.compute_dtype
         #: the format the matrices are held and read in: the compute dtype's name, "bfloat16",

@@ -7,6 +7,7 @@ sequence, so receipts record `transform_id` and `revision` and resume checks bot
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -44,9 +45,16 @@ class ByteTransform:
 
 
 class HFTokenizerTransform:
-    """A Hugging Face `tokenizers` tokenizer.json; revision = sha256 of the file."""
+    """A Hugging Face `tokenizers` tokenizer.json; revision = sha256 of the file.
+
+    `eos_token_id`: the tokenizer's end-of-sequence token, where the files beside tokenizer.json
+    name one (tokenizer_config.json's or special_tokens_map.json's `eos_token`, a token of the
+    tokenizer's vocabulary); else None. tokenizer.json alone does not say which token ends a text.
+    """
 
     transform_id = "hf-tokenizers"
+    #: files beside tokenizer.json that may name its end-of-sequence token, first found wins
+    EOS_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 
     def __init__(self, path: str | Path) -> None:
         try:
@@ -58,6 +66,22 @@ class HFTokenizerTransform:
         self.revision = "sha256:" + hashlib.sha256(data).hexdigest()
         self._tok = Tokenizer.from_str(data.decode("utf-8"))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eos_token_id: int | None = self._eos_token_id()
+
+    def _eos_token_id(self) -> int | None:
+        for name in self.EOS_FILES:
+            f = self.path.parent / name
+            if not f.is_file():
+                continue
+            try:
+                eos = json.loads(f.read_text()).get("eos_token")
+            except (OSError, ValueError, AttributeError):
+                continue  # unreadable, or not a JSON object: it names no token, and the next may
+            if isinstance(eos, dict):  # an AddedToken written out: {"content": "</s>", ...}
+                eos = eos.get("content")
+            if isinstance(eos, str):
+                return self._tok.token_to_id(eos)
+        return None
 
     def encode(self, text: str) -> list[int]:
         if not isinstance(text, str):

@@ -360,7 +360,9 @@ class GenerateResult(_Model):
     position: int
     tokens: list[int]
     text: str | None = None
-    finish_reason: Literal["length", "stop"]
+    finish_reason: Literal["length", "stop", "eos"] = Field(description=(
+        "length: max_tokens sampled; stop: the last token completed a stop text; eos: the last token is "
+        "the model's end-of-sequence token. The token that ended it is in `tokens` and in the state"))
     receipt: Receipt
     output_digest: str
     backend: str
@@ -440,7 +442,7 @@ class TokenEvent(_Model):
     tokens: list[int] = Field(default_factory=list)
     text: str | None = Field(default=None, description="the tokens' text, where the model has an input transform")
     done: bool = False
-    finish_reason: Literal["length", "stop"] | None = None
+    finish_reason: Literal["length", "stop", "eos"] | None = None
     error: str | None = Field(default=None, description="the reason the chunk failed (a catalogue class name)")
     restart: bool = False
     update_id: str | None = Field(default=None, description="the generate update that made these tokens")
