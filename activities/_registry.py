@@ -12,25 +12,13 @@ between them (a heartbeat, and the point where a cancelled attempt stops waiting
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from pathlib import Path
 
 import torch
 
-from scan import (
-    PRESETS,
-    TRAINED_PRESETS,
-    WEIGHT_FORMATS,
-    CheckpointError,
-    ConfigError,
-    Model,
-    config_from_json,
-    load_model,
-)
+from scan import CheckpointError, Model, checkpoint_problem, load_model
 
 __all__ = ["ModelRegistry", "UnknownModel"]
 
@@ -105,10 +93,9 @@ class ModelRegistry:
             self._lock.release()
 
     def check(self) -> None:
-        """Every configured model, looked at without loading its weights: a preset name, or a
-        directory with a readable config.json that describes a supported model and weight files
-        (model.safetensors, a model.safetensors.index.json and the shards it names, or
-        pytorch_model.bin); a `#<format>` is a known weight format.
+        """Every configured model, looked at without loading its weights (`scan.checkpoint_problem`:
+        a preset name, or a directory with a readable config.json that describes a supported
+        model, and its weight files; a `#<format>` that is a known weight format).
 
         Raises:
             CheckpointError: one or more models cannot be loaded; its message names each (id and
@@ -117,61 +104,8 @@ class ModelRegistry:
         problems = []
         for model_id in self.ids:
             source, _, fmt = self._sources[model_id].partition("#")
-            why = self._problem(source, fmt or self._weights)
+            why = checkpoint_problem(source, fmt or self._weights)
             if why is not None:
                 problems.append(f"model {model_id!r} ({source}): {why}")
         if problems:
             raise CheckpointError("; ".join(problems))
-
-    @staticmethod
-    def _problem(source: str, fmt: str | None) -> str | None:
-        """What keeps `source` from loading, as far as its config and file names tell; None: nothing."""
-        if fmt is not None and fmt not in WEIGHT_FORMATS:
-            return f"unknown weight format {fmt!r}; expected one of {sorted(WEIGHT_FORMATS)}"
-        if source in PRESETS or source in TRAINED_PRESETS:
-            return None
-        directory = Path(source)
-        if not directory.exists():
-            names = ", ".join(sorted([*PRESETS, *TRAINED_PRESETS]))
-            return f"no such preset ({names}) or directory"
-        if not directory.is_dir():
-            return "not a checkpoint directory"
-        cfg_path = directory / "config.json"
-        if not cfg_path.is_file():
-            return "no config.json in the directory"
-        try:
-            raw = json.loads(cfg_path.read_text())
-        except OSError as exc:
-            return f"config.json cannot be read: {exc.strerror or exc}"
-        except ValueError as exc:
-            return f"config.json is not valid JSON: {exc}"
-        if not isinstance(raw, dict):
-            return "config.json is not a JSON object"
-        try:
-            config_from_json(raw)
-        except ConfigError as exc:
-            return f"config.json: {exc}"
-        return ModelRegistry._weights_problem(directory)
-
-    @staticmethod
-    def _weights_problem(directory: Path) -> str | None:
-        """Whether the directory holds readable weight files, in the names `scan.load_model` reads."""
-        index = directory / "model.safetensors.index.json"
-        files = [directory / "model.safetensors"]
-        if not files[0].is_file() and index.is_file():
-            try:
-                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-                return f"model.safetensors.index.json has no readable weight_map: {exc!r}"
-            files = [directory / f for f in shards]
-            missing = [f.name for f in files if not f.is_file()]
-            if missing:
-                return f"model.safetensors.index.json names shards that are not there: {missing[:4]}"
-        elif not files[0].is_file():
-            files = [directory / "pytorch_model.bin"]
-            if not files[0].is_file():
-                return "no weights (model.safetensors, model.safetensors.index.json or pytorch_model.bin)"
-        unreadable = [f.name for f in files if not os.access(f, os.R_OK)]
-        if unreadable:
-            return f"weight files not readable by this user: {unreadable[:4]}"
-        return None

@@ -25,6 +25,7 @@ from scan._init import init_weights
 from scan._lm import MambaLM
 from scan._loading import (
     WEIGHT_FORMATS,
+    checkpoint_problem,
     config_from_json,
     init_model,
     load_model,
@@ -69,6 +70,7 @@ __all__ = [
     "Tolerance",
     "UnsupportedBackend",
     "VerifyReport",
+    "checkpoint_problem",
     "config_from_json",
     "embed",
     "forward",

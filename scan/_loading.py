@@ -269,27 +269,82 @@ def _revision_of(directory: Path, sd: dict[str, Any]) -> str:
     return revision
 
 
-def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
+def _weight_files(directory: Path) -> list[Path]:
+    """The files a checkpoint directory's weights are read from, in the order `_read_weights`
+    looks: model.safetensors, else the shards model.safetensors.index.json names, else
+    pytorch_model.bin. Raises CheckpointError where there are none, or the index is unreadable."""
     st = directory / "model.safetensors"
     index = directory / "model.safetensors.index.json"
+    if st.exists():
+        return [st]
+    if index.exists():
+        try:
+            return sorted({directory / f for f in json.loads(index.read_text())["weight_map"].values()})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{index} has no readable weight_map: {exc!r}") from exc
     binf = directory / "pytorch_model.bin"
-    if st.exists() or index.exists():
-        files = [st] if st.exists() else sorted(
-            {directory / f for f in json.loads(index.read_text())["weight_map"].values()}
-        )
+    if binf.exists():
+        return [binf]
+    raise CheckpointError(f"{directory} holds no model.safetensors or pytorch_model.bin")
+
+
+def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    files = _weight_files(directory)
+    if files[0].name != "pytorch_model.bin":
         out: dict[str, torch.Tensor] = {}
         for f in files:
             out.update(_map_safetensors(f))
         return out
-    if binf.exists():
-        try:
-            sd = torch.load(binf, map_location="cpu", weights_only=True, mmap=True)
-        except Exception as exc:
-            raise CheckpointError(f"{binf}: cannot be loaded with weights_only=True: {exc}") from exc
-        if not isinstance(sd, dict):
-            raise CheckpointError(f"{binf} does not hold a state dict")
-        return sd
-    raise CheckpointError(f"{directory} holds no model.safetensors or pytorch_model.bin")
+    binf = files[0]
+    try:
+        sd = torch.load(binf, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:
+        raise CheckpointError(f"{binf}: cannot be loaded with weights_only=True: {exc}") from exc
+    if not isinstance(sd, dict):
+        raise CheckpointError(f"{binf} does not hold a state dict")
+    return sd
+
+
+def checkpoint_problem(source: str | Path, weights: str | None = None) -> str | None:
+    """What keeps `load_model(source, weights=weights)` from loading, as far as the names, the
+    config.json and the weight files' presence tell, without reading a weight (a worker checks
+    its models with it before it starts); None where nothing is found. A file whose bytes are
+    damaged is found only by the load."""
+    if weights is not None and weights not in WEIGHT_FORMATS:
+        return f"unknown weight format {weights!r}; expected one of {sorted(WEIGHT_FORMATS)}"
+    name = str(source)
+    if name in PRESETS:
+        return None
+    directory = trained_preset_dir(name) if name in TRAINED_PRESETS else Path(source)
+    if not directory.exists():
+        if name in TRAINED_PRESETS:
+            return f"the trained preset's files are missing under {directory}"
+        return f"no such preset ({', '.join(sorted([*PRESETS, *TRAINED_PRESETS]))}) or directory"
+    if not directory.is_dir():
+        return "not a checkpoint directory"
+    cfg_path = directory / "config.json"
+    if not cfg_path.is_file():
+        return "no config.json in the directory"
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except OSError as exc:
+        return f"config.json cannot be read: {exc.strerror or exc}"
+    except ValueError as exc:
+        return f"config.json is not valid JSON: {exc}"
+    if not isinstance(raw, dict):
+        return "config.json is not a JSON object"
+    try:
+        config_from_json(raw)
+        files = _weight_files(directory)
+    except (ConfigError, CheckpointError) as exc:
+        return f"config.json: {exc}" if isinstance(exc, ConfigError) else str(exc)
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        return f"model.safetensors.index.json names shards that are not there: {missing[:4]}"
+    unreadable = [f.name for f in files if not os.access(f, os.R_OK)]
+    if unreadable:
+        return f"weight files not readable by this user: {unreadable[:4]}"
+    return None
 
 
 def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

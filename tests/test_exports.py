@@ -13,7 +13,7 @@ EXPECTED = {
         "ConfigError", "HFTokenizerTransform", "InputTransform", "InvalidInput", "InvalidState", "MambaLM", "Model",
         "ModelConfig", "NonFiniteInput", "NonFiniteOutput", "NonIntegerInput", "PartitionResult", "Q8Weight",
         "ScanError", "State", "StepResult", "TokenOutOfRange", "Tolerance", "UnsupportedBackend", "VerifyReport",
-        "config_from_json", "embed", "forward", "init_model", "init_weights", "load_model", "parameter_shapes",
+        "checkpoint_problem", "config_from_json", "embed", "forward", "init_model", "init_weights", "load_model", "parameter_shapes",
         "quantize_q8", "save_checkpoint", "standard_partitions", "tolerance", "verify_chunking", "weights_revision",
         "zero_states",
     ],
