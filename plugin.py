@@ -17,13 +17,21 @@ after chunk of several streams, none succeeding) is shut down by the plugin, and
 restarted rather than fail every stream that reaches it.
 
 A client imports nothing heavy here: no torch, no checkpoint codec, no worker.
+
+A program that connects through the plugin exits cleanly: when the interpreter exits, the
+plugin closes the Temporal clients it connected and the runtimes they ran on, before
+finalization (`close_native_clients`), so that no native Temporal thread is left to call into
+a finalizing interpreter. Such a client cannot be used after that: not from a daemon thread,
+nor from an `atexit` hook registered before this module was imported.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import logging
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from datetime import timedelta
@@ -41,6 +49,7 @@ from temporalio.converter import (
 )
 from temporalio.contrib.pydantic import PydanticPayloadConverter
 from temporalio.plugin import SimplePlugin
+from temporalio.service import ConnectConfig, ServiceClient
 from temporalio.worker import WorkerConfig, WorkflowRunner
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
@@ -56,7 +65,7 @@ from state_codec.payload import (
 )
 from workflows import PROGRESS_INTERVAL_S, AgentWorkflow, ClientConfig, MambaStreamWorkflow, WorkerUnhealthy
 
-__all__ = ["MambaStreamPlugin", "data_converter", "heartbeat_throttle"]
+__all__ = ["MambaStreamPlugin", "close_native_clients", "data_converter", "heartbeat_throttle"]
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +153,60 @@ def _runner(existing: WorkflowRunner | None) -> WorkflowRunner:
     return existing  # unsandboxed: nothing to let through
 
 
+#: the service clients the plugin connected; closed with their runtimes at interpreter exit
+_connected: weakref.WeakSet[ServiceClient] = weakref.WeakSet()
+
+
+class _ClosedClient:
+    """What a closed client's native handle becomes: any call says why, instead of `None` has no attribute."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError("this Temporal client was closed at interpreter exit (plugin.close_native_clients)")
+
+
+def close_native_clients() -> None:
+    """Close the Temporal clients the plugin connected and the runtimes they ran on; the plugin
+    calls it at interpreter exit, before finalization. A closed client cannot be used again.
+
+    Why: a Temporal runtime is a pool of native (Tokio) threads, and each RPC's result reaches
+    the event loop through one of them calling into Python (`loop.call_soon_threadsafe`, which
+    releases the GIL to wake the loop). The default runtime is a module global of temporalio,
+    so without this it lives until the interpreter is finalizing. If the main thread gets there
+    while such a thread is still inside its call (it woke the loop, the program finished, and
+    the thread had not been scheduled again: common on a loaded machine), the thread is ended
+    when it asks for the GIL back, and releasing its thread state then aborts the process:
+    "Fatal Python error: PyGILState_Release: thread state ... must be current when releasing".
+    Releasing the last references to the runtime here lets temporalio's bridge shut it down the
+    way it is built to, with the GIL released, waiting for each thread to finish its call.
+
+    A runtime that something else still holds (a `Worker` object, a `WorkflowEnvironment`, a
+    client connected without the plugin) stays up; only its clients connected here are closed.
+    """
+    runtimes: dict[int, Any] = {}
+    for service in list(_connected):
+        # temporalio's bridge service client: `_bridge_client` (None until connected, for a lazy
+        # client) owns the native client, which holds a share of the runtime `_runtime`
+        bridge = getattr(service, "_bridge_client", None)
+        if bridge is None or not hasattr(bridge, "_ref"):
+            continue
+        runtime = getattr(service, "_runtime", None)
+        if runtime is not None:
+            runtimes[id(runtime)] = runtime
+        bridge._ref = _ClosedClient()
+    for runtime in runtimes.values():
+        core = getattr(runtime, "_core_runtime", None)  # temporalio.bridge.runtime.Runtime
+        if core is not None and hasattr(core, "_ref"):
+            # the last share: the bridge shuts the runtime down here, joining its threads
+            core._ref = _ClosedClient()
+    if runtimes:
+        log.debug("closed %d Temporal runtime(s) before interpreter exit", len(runtimes))
+
+
+# Registered at import, before anything of the program's: atexit runs its hooks last registered
+# first, so the program's own exit hooks can still use their clients when they run.
+atexit.register(close_native_clients)
+
+
 def heartbeat_throttle(existing: timedelta | None = None) -> timedelta:
     """A worker's `max_heartbeat_throttle_interval`: `PROGRESS_INTERVAL_S`, or less if it was less."""
     ours = timedelta(seconds=PROGRESS_INTERVAL_S)
@@ -178,6 +241,14 @@ class MambaStreamPlugin(SimplePlugin):
             workflow_runner=_runner,
             run_context=self._serving if activities is not None else None,
         )
+
+    async def connect_service_client(self, config: ConnectConfig,
+                                     next: Callable[[ConnectConfig], Awaitable[ServiceClient]]) -> ServiceClient:
+        """See base class. The client is closed, with its runtime, when the interpreter exits
+        (`close_native_clients`: a program that returns after using it exits cleanly)."""
+        service = await super().connect_service_client(config, next)
+        _connected.add(service)
+        return service
 
     def configure_worker(self, config: WorkerConfig) -> WorkerConfig:
         """See base class. Heartbeats are throttled to `PROGRESS_INTERVAL_S` at most: a streaming

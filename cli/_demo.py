@@ -182,4 +182,4 @@ def add_demo_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="run the stream lifecycle end to end on the embedded stack")
     p.add_argument("--model", default="recall-mamba2",
                    help="a model trained on quality.tasks' recall format (recall-mamba2)")
-    p.set_defaults(func=lambda args: asyncio.run(_demo(args)), hard_exit=True)
+    p.set_defaults(func=lambda args: asyncio.run(_demo(args)))

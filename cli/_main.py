@@ -175,13 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     add_demo_command(sub)
     args = parser.parse_args(argv)
     code = int(args.func(args))
-    if getattr(args, "hard_exit", False):
-        # The Temporal client's native runtime threads can race interpreter shutdown and abort
-        # the process after the work is done ("PyGILState_Release ... finalizing"): leave
-        # without finalizing once everything is flushed.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    # What was said reaches its pipe before the interpreter shuts down. (The stream commands used
+    # to leave here by os._exit, `hard_exit`, as the Temporal runtime's threads could abort a
+    # finalizing interpreter; the plugin now shuts them down first: plugin.close_native_clients.)
+    sys.stdout.flush()
+    sys.stderr.flush()
     return code
 
 
