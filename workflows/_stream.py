@@ -113,6 +113,7 @@ with workflow.unsafe.imports_passed_through():
         chunk_digest,
         parse_update_id,
     )
+    from workflows._records import RecentResults, TokenLog
 
 __all__ = ["MambaStreamWorkflow"]
 
@@ -140,11 +141,6 @@ PATCH_LOCAL_PAUSE = "local-pause-after-timeout"
 #: requests refused replay as they ran (`workflow.patched`: false only when replaying such a history)
 PATCH_SEALED = "requests-by-sealer"
 
-#: the most a token read returns, in JSON bytes, past its first entry (a query's answer is one payload)
-_READ_BYTES = 512 * 1024
-#: the most the token log holds, in JSON bytes, past its newest entry (it is workflow memory, on
-#: every worker that caches the stream)
-_LOG_BYTES = 2 * 1024 * 1024
 
 
 def _refused_arguments(model: type, args: tuple[Any, ...]) -> ApplicationError | None:
@@ -254,8 +250,7 @@ class MambaStreamWorkflow:
         self._info: ModelInfo | None = carry.info if carry else None
         self._stats = carry.stats if carry else StreamStats(
             stream_id=workflow.info().workflow_id, principal=inp.principal, model_id=inp.model_id)
-        self._recent: dict[str, RecentResult] = {r.update_id: r for r in (carry.recent if carry else [])}
-        self._by_seq: dict[int, RecentResult] = {_seq(r): r for r in self._recent.values()}
+        self._recent = RecentResults(self._opts.recent_results, carry.recent if carry else ())
         self._kept: list[str] = list(carry.kept) if carry else []
         self._pinned: list[str] = list(carry.pinned) if carry else []
         self._worker_queue: str | None = carry.worker_queue if carry else None
@@ -268,14 +263,11 @@ class MambaStreamWorkflow:
         self._rewound: tuple[Receipt, int] | None = None  # a rewind's target and chunk, for the next run
         self._leaving = False  # settled what moves to the next run: continuing as new
         self._open_error: ApplicationError | None = None
-        # the token log: each finished generate's tokens, for readers (`read_tokens`, a query);
-        # kept in memory and carried across continue-as-new in part, never in history. Tokens of a
-        # generate still running reach readers as its activity's heartbeats, not through here.
-        self._log: list[TokenEvent] = []
-        self._log_sizes: list[int] = []  # each entry's JSON bytes
-        self._log_base = carry.token_base if carry else 0
-        for ev in carry.token_log if carry else []:
-            self._keep(ev)
+        # the token log: each finished generate's tokens, for readers (`read_tokens`, a query).
+        # Tokens of a generate still running reach readers as its activity's heartbeats, not
+        # through here.
+        self._log = TokenLog(self._opts.token_log_events, carry.token_base if carry else 0,
+                             carry.token_log if carry else ())
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -543,31 +535,10 @@ class MambaStreamWorkflow:
         store's records, while those fit another `carry_bytes`: at most twice `carry_bytes` of
         results whatever the chunks' sizes."""
         assert self._receipt is not None and self._info is not None
-        full, digests = self._opts.carry_bytes, self._opts.carry_bytes
-        kept: list[RecentResult] = []
-        for rec in reversed(list(self._recent.values())[-self._opts.recent_results :]):
-            if rec.advance is not None or rec.generate is not None:
-                size = len(rec.model_dump_json())
-                if size <= full:
-                    full -= size
-                    kept.append(rec)
-                    continue
-                rec = _digest_only(rec)
-            digests -= len(rec.model_dump_json())
-            if digests < 0:
-                break
-            kept.append(rec)
-        log: list[TokenEvent] = []
-        room = self._opts.carry_bytes // 4
-        for ev, size in zip(reversed(self._log), reversed(self._log_sizes)):
-            room -= size
-            if room < 0:
-                break
-            log.append(ev)
-        base = self._log_base + len(self._log) - len(log)
-        return StreamCarry(receipt=self._receipt, info=self._info, stats=self._stats, recent=kept[::-1],
-                           kept=self._kept, pinned=self._pinned, worker_queue=self._worker_queue,
-                           token_log=log[::-1], token_base=base)
+        log, base = self._log.carried(self._opts.carry_bytes // 4)
+        return StreamCarry(receipt=self._receipt, info=self._info, stats=self._stats,
+                           recent=self._recent.carried(self._opts.carry_bytes), kept=self._kept, pinned=self._pinned,
+                           worker_queue=self._worker_queue, token_log=log, token_base=base)
 
     @property
     def _stream_id(self) -> str:
@@ -730,7 +701,7 @@ class MambaStreamWorkflow:
                                             expected=self._receipt.epoch, actual=named[2]))
         other = self._in_flight.get(seq)
         if other is None and seq <= self._stats.chunk_seq:
-            known = self._by_seq.get(seq)
+            known = self._recent.by_seq(seq)
             other = known.digest if known is not None else None
             if other is None:
                 raise application_error(ChunkSequenceMismatch(f"chunk_seq {seq} is already committed", field="chunk_seq",
@@ -759,7 +730,7 @@ class MambaStreamWorkflow:
     def _known(self) -> RecentResult | None:
         """The recent result of the current update's id, if it has one (a carry's only once verified)."""
         info = workflow.current_update_info()
-        return self._recent.get(info.id) if info is not None and self._verified else None
+        return self._recent.by_id(info.id) if info is not None and self._verified else None
 
     @workflow.update
     async def advance(self, req: AdvanceRequest) -> AdvanceResult:
@@ -793,7 +764,7 @@ class MambaStreamWorkflow:
         """Sample up to max_tokens (seeded); the generated tokens advance the state like input."""
         return await self._chunk(req, "generate", ACTIVITY_GENERATE, GenerateChunkResult, lambda: GenerateChunkRequest(
             stream_id=self._stream_id, principal=req.principal, receipt=self._receipt, request=req,
-            drop_keys=self._to_drop(), update_id=_current_update_id(), log_offset=self._log_base + len(self._log)))
+            drop_keys=self._to_drop(), update_id=_current_update_id(), log_offset=self._log.end))
 
     @generate.validator
     @_takes(GenerateRequest)
@@ -805,7 +776,7 @@ class MambaStreamWorkflow:
         if req.max_tokens > self._opts.max_generate_tokens:
             raise application_error(ChunkTooLarge(f"max_tokens {req.max_tokens} exceeds {self._opts.max_generate_tokens}",
                                         limit=self._opts.max_generate_tokens, actual=req.max_tokens))
-        if self._receipt is not None and self._receipt.position == 0 and req.chunk_seq not in self._by_seq:
+        if self._receipt is not None and self._receipt.position == 0 and self._recent.by_seq(req.chunk_seq) is None:
             raise application_error(EmptyContext("nothing to continue from: feed a prompt before generating"))
 
     @workflow.update
@@ -960,8 +931,7 @@ class MambaStreamWorkflow:
         assert self._rewound is not None
         receipt, index = self._rewound
         self._kept = self._kept[: index + 1]
-        self._recent = {u: r for u, r in self._recent.items() if _line(r) <= (receipt.epoch, receipt.chunk_seq)}
-        self._by_seq = {_seq(r): r for r in self._recent.values()}
+        self._recent.up_to(receipt.epoch, receipt.chunk_seq)
         self._receipt = receipt
         self._stats = self._stats.model_copy(update={
             "position": receipt.position, "chunk_seq": receipt.chunk_seq, "epoch": receipt.epoch,
@@ -1069,65 +1039,21 @@ class MambaStreamWorkflow:
     @_takes(ReadTokensRequest)
     def read_tokens(self, req: ReadTokensRequest) -> TokenBatch:
         """The log's entries from `from_offset` (of one chunk or update, if named), now."""
-        return self._batch(req)
+        return self._log.read(req, closed=self._cancelled)
 
     @workflow.query
     def token_offset(self) -> int:
         """Where the token log ends: a reader that starts here gets what comes next."""
-        return self._log_base + len(self._log)
-
-    def _batch(self, req: ReadTokensRequest) -> TokenBatch:
-        """The entries a read gets: at least one if there are any, then as many as `max_events` and
-        `_READ_BYTES` allow; the next read starts after the last one returned, or at the log's end
-        when none were held back."""
-        events: list[TokenEvent] = []
-        size, full = 0, False
-        for ev, n in self._entries(req, req.max_events):
-            size += n
-            if events and size > _READ_BYTES:
-                full = True
-                break
-            events.append(ev)
-        full = full or len(events) == req.max_events
-        nxt = events[-1].offset + 1 if full else max(req.from_offset, self._log_base + len(self._log))
-        return TokenBatch(events=events, next_offset=nxt, base_offset=self._log_base,
-                          closed=self._cancelled and not events, more=full)
-
-    def _entries(self, req: ReadTokensRequest, limit: int) -> list[tuple[TokenEvent, int]]:
-        start = max(req.from_offset - self._log_base, 0)
-        out = []
-        for ev, n in zip(self._log[start:], self._log_sizes[start:]):
-            if (req.chunk_seq is None or ev.chunk_seq == req.chunk_seq) and \
-                    (req.update_id is None or ev.update_id == req.update_id):
-                out.append((ev, n))
-                if len(out) >= limit:
-                    break
-        return out
+        return self._log.end
 
     @property
     def _epoch(self) -> int:
         return self._receipt.epoch if self._receipt is not None else 0
 
-    def _append(self, ev: TokenEvent) -> None:
-        self._keep(ev.model_copy(update={"offset": self._log_base + len(self._log)}))
-
-    def _keep(self, ev: TokenEvent) -> None:
-        """Add an entry (its offset set), then drop the oldest past `token_log_events` or `_LOG_BYTES`."""
-        self._log.append(ev)
-        self._log_sizes.append(len(ev.model_dump_json()))
-        excess = max(len(self._log) - self._opts.token_log_events, 0)
-        total = sum(self._log_sizes[excess:])
-        while excess < len(self._log) - 1 and total > _LOG_BYTES:
-            total -= self._log_sizes[excess]
-            excess += 1
-        if excess > 0:
-            del self._log[:excess], self._log_sizes[:excess]
-            self._log_base += excess
-
     def _log_result(self, result: GenerateResult) -> None:
         """A committed generate's entry: all its tokens and text (a reader that showed some of them
         live yields the rest, or all of them again as a `restart` if they differ)."""
-        self._append(TokenEvent(chunk_seq=result.chunk_seq, epoch=result.receipt.epoch, tokens=result.tokens,
+        self._log.append(TokenEvent(chunk_seq=result.chunk_seq, epoch=result.receipt.epoch, tokens=result.tokens,
                                 text=result.text, done=True, finish_reason=result.finish_reason,
                                 update_id=_current_update_id()))
 
@@ -1135,7 +1061,7 @@ class MambaStreamWorkflow:
         """A generate that failed: its readers are told, and stop."""
         if kind != "generate":
             return
-        self._append(TokenEvent(chunk_seq=chunk_seq, epoch=self._epoch, done=True, error=reason,
+        self._log.append(TokenEvent(chunk_seq=chunk_seq, epoch=self._epoch, done=True, error=reason,
                                 update_id=_current_update_id()))
 
     # --- bookkeeping -----------------------------------------------------------------------------
@@ -1153,7 +1079,7 @@ class MambaStreamWorkflow:
         try:
             async with self._lock:
                 await workflow.wait_condition(lambda: self._open_now)
-                same = self._by_seq.get(req.chunk_seq)
+                same = self._recent.by_seq(req.chunk_seq)
                 if same is not None and same.digest == digest and (getattr(same, kind) is not None
                                                                     or same.kind == kind):
                     return await self._answer(same, kind)  # the same chunk, sent again under another id
@@ -1177,7 +1103,7 @@ class MambaStreamWorkflow:
                 else:
                     self._commit(result.receipt, out.worker_queue, generated=len(result.tokens))
                     self._log_result(result)
-                self._remember(RecentResult(update_id=workflow.current_update_info().id, digest=digest,
+                self._recent.remember(RecentResult(update_id=workflow.current_update_info().id, digest=digest,
                                             **{kind: result}))
                 return result
         finally:
@@ -1219,14 +1145,6 @@ class MambaStreamWorkflow:
             "position": receipt.position, "chunk_seq": receipt.chunk_seq, "chunks": s.chunks + 1,
             "tokens": s.tokens + tokens, "generated_tokens": s.generated_tokens + generated,
             "last_backend": receipt.backend, **_arithmetic(before, receipt, s)})
-
-    def _remember(self, rec: RecentResult) -> None:
-        self._recent[rec.update_id] = rec
-        self._by_seq[_seq(rec)] = rec
-        while len(self._recent) > self._opts.recent_results:
-            old = self._recent.pop(next(iter(self._recent)))
-            if self._by_seq.get(_seq(old)) is old:
-                del self._by_seq[_seq(old)]
 
     async def _answer(self, rec: RecentResult, kind: str) -> Any:
         """A committed chunk's result again: from memory, or (a digest-only entry) from its record."""
@@ -1278,30 +1196,6 @@ def _retry(attempts: int) -> RetryPolicy:
 def _current_update_id() -> str | None:
     info = workflow.current_update_info()
     return info.id if info is not None else None
-
-
-def _seq(rec: RecentResult) -> int:
-    if rec.chunk_seq is not None:
-        return rec.chunk_seq
-    res = rec.advance or rec.generate
-    return res.chunk_seq if res is not None else -1
-
-
-def _line(rec: RecentResult) -> tuple[int, int]:
-    """(epoch, chunk_seq) of the chunk a recent result is for."""
-    res = rec.advance or rec.generate
-    if res is not None:
-        return res.receipt.epoch, res.chunk_seq
-    parsed = parse_state_key(rec.state_key) if rec.state_key else None
-    return (parsed.epoch if parsed else 0), _seq(rec)
-
-
-def _digest_only(rec: RecentResult) -> RecentResult:
-    """`rec` without its result: the id, digest, sequence and where the result is recorded."""
-    res = rec.advance or rec.generate
-    assert res is not None
-    return RecentResult(update_id=rec.update_id, digest=rec.digest, kind="advance" if rec.advance else "generate",
-                        chunk_seq=res.chunk_seq, state_key=res.receipt.state_key)
 
 
 def _size(req: AdvanceRequest | GenerateRequest) -> int:
