@@ -94,13 +94,11 @@ log = logging.getLogger("mamba_stream.worker")
 
 @dataclass
 class WorkerConfig(ClientConfig):
-    """The client's settings (address, task queue, home, keyring), and what only a worker has."""
+    """The client's settings (address, task queue, home, keyring, the embedded server's port, the
+    models served), and what only a worker has."""
 
     store_url: str | None = field(default_factory=lambda: os.environ.get("MAMBA_STREAM_STORE") or None)
-    models: str = field(default_factory=lambda: os.environ.get(
-        "MAMBA_STREAM_MODELS", "tiny-mamba1,tiny-mamba2,tiny-mamba3,recall-mamba1,recall-mamba2,recall-mamba3"))
     codec_port: int = field(default_factory=lambda: int(os.environ.get("MAMBA_STREAM_CODEC_PORT", "8081")))
-    temporal_port: int = field(default_factory=lambda: int(os.environ.get("MAMBA_STREAM_TEMPORAL_PORT", "7233")))
     ui_port: int = field(default_factory=lambda: int(os.environ.get("MAMBA_STREAM_UI_PORT", "8233")))
     backend: str = field(default_factory=lambda: os.environ.get("MAMBA_STREAM_BACKEND", "auto"))
     weights: str | None = field(default_factory=lambda: os.environ.get("MAMBA_STREAM_WEIGHTS") or None)

@@ -21,8 +21,10 @@ from temporalio.client import (
     WorkflowUpdateRPCTimeoutOrCancelledError,
 )
 from temporalio.api.common.v1 import WorkflowExecution
-from temporalio.api.enums.v1 import EventType
+from temporalio.api.enums.v1 import EventType, PendingWorkflowTaskState, TaskQueueType
+from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import (
+    DescribeTaskQueueRequest,
     GetWorkflowExecutionHistoryRequest,
     ResetStickyTaskQueueRequest,
 )
@@ -33,7 +35,14 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from state_codec import Receipt, stream_tag
 from workflows._config import DEFAULT_TASK_QUEUE
-from workflows._failures import InvalidRequest, RewindPastWindow, RewindUnavailable, StreamMoving, StreamOpening
+from workflows._failures import (
+    InvalidRequest,
+    OpenFailed,
+    RewindPastWindow,
+    RewindUnavailable,
+    StreamMoving,
+    StreamOpening,
+)
 from workflows._models import (
     ACTIVITY_GENERATE,
     ACTIVITY_OPEN,
@@ -98,6 +107,13 @@ def transient(err: BaseException) -> bool:
     return False
 
 log = logging.getLogger(__name__)
+
+#: how long `StreamClient.open` lets a stream wait for a worker to take it, by default: a worker that
+#: polls the queue takes a new stream in milliseconds, even a loaded one in a few seconds
+OPEN_WORKER_TIMEOUT_S = 10.0
+#: `open`'s first look whether a worker took the stream, then twice as long each time up to the max
+_TAKEN_POLL_S = 0.25
+_TAKEN_POLL_MAX_S = 1.0
 
 
 def new_stream_id(tag: str | None = None) -> str:
@@ -194,6 +210,12 @@ class StreamClient:
             try:
                 return await call()
             except (RPCError, WorkflowUpdateRPCTimeoutOrCancelledError, WorkflowUpdateFailedError) as err:
+                # the SDK turns a cancelled update call into WorkflowUpdateRPCTimeoutOrCancelledError,
+                # which is transient: sent again, the caller's cancellation (a Ctrl-C, a wait_for
+                # that expired) would be lost and the call would go on forever
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise asyncio.CancelledError() from err
                 if not transient(err) or loop.time() + delay > deadline:
                     raise
                 if stream_id is not None and "no poller seen" in str(err):
@@ -237,12 +259,21 @@ class StreamClient:
 
     async def open(self, principal: str, model_id: str, *, options: StreamOptions | None = None,
                    input_transform: str | None = None, resume: Receipt | None = None,
-                   stream_id: str | None = None, wait: bool = True) -> str:
+                   stream_id: str | None = None, wait: bool = True,
+                   worker_timeout_s: float | None = OPEN_WORKER_TIMEOUT_S) -> str:
         """Start a stream; returns its id (server-made unless given) once it is open.
+
+        `worker_timeout_s`: with `wait`, how long the stream may wait for a worker to take it
+        (to start its first workflow task) while no worker polls the task queue; None waits as
+        long as a worker takes to come. Once a worker has it, or one polls the queue (a busy
+        worker takes a new stream late), its opening is waited for however long it takes.
 
         Raises:
             WorkflowFailureError: opening failed; its cause is typed by reason (a resume from an
                 incompatible checkpoint: PrincipalMismatch, SchemaMismatch, ...).
+            OpenFailed: no worker took the stream within `worker_timeout_s` and none polls the task
+                queue; the stream was terminated, before any of it ran, so it leaves nothing
+                behind. Its details name the `stream_id`, the `task_queue` and the `waited_s`.
         """
         sid = stream_id or new_stream_id(_principal_tag(self.client, principal))
         inp = self.sign("open", sid, OpenStreamInput(principal=principal, model_id=model_id,
@@ -268,7 +299,7 @@ class StreamClient:
         handle = await self._retrying(start)
         if wait:
             try:
-                await self._update(handle, MambaStreamWorkflow.ready, id="ready")
+                await self._ready(handle, worker_timeout_s)
             except WorkflowUpdateFailedError:
                 await handle.result()  # raises the typed reason the stream failed to open with
                 raise
@@ -279,6 +310,91 @@ class StreamClient:
                     await handle.result()
                 raise
         return sid
+
+    async def _ready(self, handle: WorkflowHandle, worker_timeout_s: float | None) -> None:
+        """The `ready` update, while watching that a worker takes the stream: with none polling
+        its task queue, the update would wait (and the SDK poll for it) forever. A stream no worker
+        took is terminated when the wait ends unanswered, by the bound or by the caller's
+        cancellation (a Ctrl-C): else it would wait Running, its id known to no one."""
+        ready = asyncio.ensure_future(self._update(handle, MambaStreamWorkflow.ready, id="ready"))
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        pause, taken = _TAKEN_POLL_S, False
+        try:
+            while True:
+                # an open that a worker takes answers in tens of milliseconds: most opens never describe
+                await asyncio.wait({ready}, timeout=pause)
+                if ready.done():
+                    ready.result()
+                    return
+                taken = await self._taken(handle)
+                if taken:
+                    await ready  # a worker has it: its open takes as long as it takes
+                    return
+                if worker_timeout_s is not None and loop.time() - t0 >= worker_timeout_s:
+                    if not await self._polled():
+                        break
+                    # a worker polls the queue, busy: a loaded machine takes a new stream late, not never
+                    worker_timeout_s = None
+                pause = min(pause * 2, _TAKEN_POLL_MAX_S) if worker_timeout_s is None else \
+                    min(pause * 2, _TAKEN_POLL_MAX_S, max(0.01, t0 + worker_timeout_s - loop.time()))
+        except asyncio.CancelledError:
+            if not taken:
+                try:
+                    if not await self._taken(handle):
+                        await self._abandon(handle, "the open was cancelled before any worker took the stream")
+                except RPCError as err:  # the caller's cancellation is what it raises, not this
+                    log.warning("stream %s: its open was cancelled, and it could not be terminated: %s",
+                                handle.id, err)
+            raise
+        finally:
+            if not ready.done():
+                await _drop(ready)
+        waited = loop.time() - t0
+        await self._abandon(handle, f"no worker took the stream within {worker_timeout_s:g} s (task queue "
+                                    f"{self.task_queue!r})")
+        raise OpenFailed(f"no worker took stream {handle.id} within {worker_timeout_s:g} s: none polls task queue "
+                         f"{self.task_queue!r} (start one: `python worker.py`, with the same "
+                         f"MAMBA_STREAM_TASK_QUEUE); the stream was terminated",
+                         stream_id=handle.id, task_queue=self.task_queue, waited_s=round(waited, 3))
+
+    async def _abandon(self, handle: WorkflowHandle, why: str) -> None:
+        """Terminate a stream no worker has taken. Terminated, not cancelled: a cancel needs a
+        worker to carry it out, and would leave the stream Running until one comes. No worker ran
+        a task of it, so no state of it exists to dispose of (were one to take it in the instant
+        between the check and the terminate, what it stored is an orphan `sweep_orphans` deletes)."""
+        try:
+            await handle.terminate(reason=why)
+        except RPCError as err:
+            if err.status != RPCStatusCode.NOT_FOUND:  # NOT_FOUND: it closed on its own meanwhile
+                raise
+        log.info("stream %s terminated: %s", handle.id, why)
+
+    async def _polled(self) -> bool:
+        """Whether a worker polled the stream's task queue for workflow tasks lately (the server
+        lists the pollers it saw in the last minutes): with one there, a stream not taken yet waits
+        its turn. (A worker that died in those minutes still counts: the open then waits as before.)"""
+        try:
+            # the legacy mode: it lists the pollers seen lately, also a busy worker's that stopped
+            # polling while its task slots are full (the enhanced mode lists only polls in flight)
+            desc = await self.client.workflow_service.describe_task_queue(DescribeTaskQueueRequest(
+                namespace=self.client.namespace, task_queue=TaskQueue(name=self.task_queue),
+                task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW))
+        except RPCError as err:  # no answer: do not guess that nobody polls
+            log.warning("task queue %s could not be described: %s", self.task_queue, err)
+            return True
+        return len(desc.pollers) > 0
+
+    async def _taken(self, handle: WorkflowHandle) -> bool:
+        """Whether a worker has started a workflow task of the stream (or it closed: the `ready`
+        update's answer says how), from `describe`."""
+        desc = await handle.describe()
+        if desc.status != WorkflowExecutionStatus.RUNNING:
+            return True
+        pending = desc.raw_description.pending_workflow_task
+        # started, scheduled and nothing else yet: two events; a started or completed task adds more
+        return desc.history_length > 2 or \
+            pending.state == PendingWorkflowTaskState.PENDING_WORKFLOW_TASK_STATE_STARTED
 
     async def next_seq(self, stream_id: str) -> int:
         return (await self._position(stream_id))[0] + 1

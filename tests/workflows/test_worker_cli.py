@@ -410,7 +410,7 @@ async def test_stream_commands_of_the_cli(stack: Stack, tmp_path):
     first = await _cli(stack, keyfile, "feed", sid, "--principal", "alice", "--text", "hello")
     assert first["chunk_seq"] == 1 and first["position"] == 5
     again = await _cli(stack, keyfile, "feed", sid, "--principal", "alice", "--text", "hello", "--seq", "1")
-    assert again == first  # the same chunk is the same update id: the first result
+    assert again == {**first, "duplicate": True}  # the same chunk is the same update id: the first result
     other = await _run(stack, keyfile, "feed", sid, "--principal", "alice", "--text", "other", "--seq", "1")
     assert other.returncode == 2 and other.stderr.startswith("error: ConflictingChunk: "), other.stderr
     second = await _cli(stack, keyfile, "feed", sid, "--principal", "alice", "--tokens", "1,2,3")

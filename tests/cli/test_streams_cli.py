@@ -1,0 +1,376 @@
+"""The stream commands of `mamba-stream` as a person meets them (issue 28, item 5), each run for real:
+the CLI in a subprocess, against a real Temporal dev server and a real worker."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import inspect
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from temporalio.client import WorkflowExecutionStatus
+
+from activities import StreamActivities
+from cli._streams import add_stream_commands
+from tests.workflows import conftest as workflow_fixtures
+from tests.workflows.conftest import Stack, eventually, make_stack
+from worker import WorkerConfig
+from workflows import ClientConfig, OpenFailed, StreamClient
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+# the real dev server and a worker stack per test, as tests/workflows/ has them (a conftest there only)
+temporal_env = workflow_fixtures.temporal_env
+stack = workflow_fixtures.stack
+ROOT = Path(__file__).resolve().parents[2]
+STREAM_ID = re.compile(r"ms[.-][0-9a-f.]+")
+#: every subcommand add_stream_commands adds
+COMMANDS = ("open", "feed", "generate", "tokens", "receipt", "reset", "rewind", "cancel", "list", "checkpoint",
+            "resume", "sweep", "codec-server")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(stack: Stack, keyfile: Path, **extra: str | None) -> dict[str, str]:
+    """The CLI's environment: this test's server, queue and keyring; `extra` over it (None: unset)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAMBA_STREAM_TEMPORAL_PORT", "MAMBA_STREAM_MODELS")}
+    env.update(TEMPORAL_ADDRESS=stack.address, MAMBA_STREAM_KEYRING=str(keyfile), MAMBA_STREAM_TASK_QUEUE=stack.queue,
+               COLUMNS="400")  # help on one line per option: no hyphen of a model id wrapped away
+    for k, v in extra.items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v
+    return env
+
+
+async def _run(env: dict[str, str], *args: str) -> tuple[subprocess.CompletedProcess, float]:
+    """The real CLI in a subprocess, off the event loop the test's worker runs on; and its seconds."""
+    t0 = time.monotonic()
+    out = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "cli", *args], env=env, cwd=ROOT,
+                                  capture_output=True, text=True, timeout=120)
+    return out, time.monotonic() - t0
+
+
+async def _json(env: dict[str, str], *args: str) -> dict | list:
+    out, _ = await _run(env, *args, "--json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def _one_error_line(out: subprocess.CompletedProcess) -> str:
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, (out.returncode, out.stderr)
+    assert "Traceback" not in out.stderr
+    return lines[0]
+
+
+def _keyfile(stack: Stack, tmp_path: Path) -> Path:
+    path = tmp_path / "ring.json"
+    stack.keyring.save(path)
+    return path
+
+
+# --- open with no worker ------------------------------------------------------------------------------
+
+
+async def test_open_with_no_worker_prints_the_id_fails_fast_and_leaves_no_stream_running(temporal_env, tmp_path):
+    stack = await make_stack(temporal_env, tmp_path, start_worker=False)  # nobody polls its queue
+    async with stack.exits:
+        env = _env(stack, _keyfile(stack, tmp_path))
+        out, seconds = await _run(env, "open", "--principal", "alice", "--model", "tiny-mamba2", "--worker-timeout", "2")
+        line = _one_error_line(out)
+        sid = out.stdout.strip()
+        assert STREAM_ID.fullmatch(sid), out.stdout  # the id, alone on stdout
+        assert line.startswith(f"error: OpenFailed: no worker took stream {sid} within 2 s: none polls task "
+                               f"queue '{stack.queue}'") and "python worker.py" in line, line
+        # the wait, the interpreter's start and a connect, on a loaded machine (it used to hang for good)
+        assert seconds < 2 + 20, seconds
+        # terminated, not left Running: no worker ever ran it, so nothing of it is stored
+        desc = await stack.client.get_workflow_handle(sid).describe()
+        assert desc.status == WorkflowExecutionStatus.TERMINATED
+        assert not (Path(stack.store_url.removeprefix("file://")) / "streams" / sid).exists()
+        # --json names the stream, not opened
+        out, _ = await _run(env, "open", "--principal", "alice", "--model", "tiny-mamba2", "--worker-timeout", "0.5",
+                            "--json")
+        assert _one_error_line(out).startswith("error: OpenFailed: ")
+        got = json.loads(out.stdout)
+        assert got["opened"] is False and STREAM_ID.fullmatch(got["stream_id"]) and got["stream_id"] != sid
+        # the default bound, for the CLI and the library: about 10 s
+        assert inspect.signature(StreamClient.open).parameters["worker_timeout_s"].default == 10.0
+        running = [w async for w in stack.client.list_workflows(
+            f"TaskQueue = '{stack.queue}' AND ExecutionStatus = 'Running'")]
+        assert running == []
+
+
+async def test_open_waits_for_a_late_worker_when_told_to(temporal_env, tmp_path):
+    """The library keeps the longer wait: `worker_timeout_s=None` waits for a worker however long
+    it takes to come, where a bounded open has failed meanwhile (typed, the stream terminated)."""
+    stack = await make_stack(temporal_env, tmp_path, start_worker=False)
+    async with stack.exits:
+        patient = asyncio.ensure_future(stack.streams.open("alice", "tiny-mamba2", worker_timeout_s=None))
+        with pytest.raises(OpenFailed) as err:
+            await stack.streams.open("alice", "tiny-mamba2", worker_timeout_s=0.5)
+        details = err.value.details()
+        assert details["task_queue"] == stack.queue and details["waited_s"] >= 0.5
+        assert (await stack.client.get_workflow_handle(details["stream_id"]).describe()).status == \
+            WorkflowExecutionStatus.TERMINATED
+        assert not patient.done()  # still waiting, past the bound the other one failed at
+        await stack.worker(stack.acts)
+        sid = await asyncio.wait_for(patient, 30)
+        assert (await stack.streams.stats(sid)).position == 0
+        assert (await stack.client.get_workflow_handle(sid).describe()).status == WorkflowExecutionStatus.RUNNING
+
+
+async def test_a_bounded_open_waits_on_while_a_worker_polls_the_queue(temporal_env, tmp_path):
+    """The bound is for a queue nobody polls: where a worker polled lately (a busy one, which takes
+    a new stream late), a bounded open waits past it, and opens once the worker comes to it."""
+    from datetime import timedelta
+
+    from temporalio.api.enums.v1 import TaskQueueKind
+    from temporalio.api.taskqueue.v1 import TaskQueue
+    from temporalio.api.workflowservice.v1 import PollWorkflowTaskQueueRequest
+    from temporalio.service import RPCError
+
+    stack = await make_stack(temporal_env, tmp_path, start_worker=False)
+    async with stack.exits:
+        # a poll that takes nothing (there is nothing yet) and gives up, as a worker whose task slots
+        # are full stops polling: the server has seen a poller (3 s: a long poll's shortest)
+        try:
+            took = await stack.client.workflow_service.poll_workflow_task_queue(PollWorkflowTaskQueueRequest(
+                namespace=stack.client.namespace, identity="busy-worker",
+                task_queue=TaskQueue(name=stack.queue, kind=TaskQueueKind.TASK_QUEUE_KIND_NORMAL)),
+                timeout=timedelta(seconds=3))
+        except RPCError:  # the server may let the poll run out instead of answering it empty
+            took = None
+        assert took is None or not took.task_token
+        bounded = asyncio.ensure_future(stack.streams.open("alice", "tiny-mamba2", worker_timeout_s=0.5))
+        await asyncio.sleep(2.0)  # four times the bound: what is checked is that nothing happened
+        assert not bounded.done()
+        await stack.worker(stack.acts)
+        sid = await asyncio.wait_for(bounded, 30)
+        assert (await stack.streams.stats(sid)).position == 0
+
+
+async def test_an_open_its_caller_gives_up_on_leaves_no_stream_running(temporal_env, tmp_path):
+    """Cancelled while no worker has the stream (a Ctrl-C, a wait_for): terminated, not left waiting
+    Running under an id nobody was told."""
+    stack = await make_stack(temporal_env, tmp_path, start_worker=False)
+    async with stack.exits:
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(stack.streams.open("alice", "tiny-mamba2", worker_timeout_s=None), 1.0)
+        [wf] = await eventually(lambda: _on_queue(stack))
+        assert (await stack.client.get_workflow_handle(wf.id).describe()).status == WorkflowExecutionStatus.TERMINATED
+
+
+async def _on_queue(stack: Stack) -> list:
+    return [w async for w in stack.client.list_workflows(f"TaskQueue = '{stack.queue}'")]
+
+
+# --- a client configured like the worker ----------------------------------------------------------------
+
+
+async def test_a_client_configured_like_the_worker_finds_its_server_and_a_refused_one_says_what_to_set(
+        stack: Stack, tmp_path):
+    port = stack.address.rsplit(":", 1)[1]
+    assert ClientConfig(address=None, temporal_port=int(port)).target == f"127.0.0.1:{port}"
+    assert ClientConfig(address="elsewhere:7233", temporal_port=int(port)).target == "elsewhere:7233"
+    # no TEMPORAL_ADDRESS: the embedded server's port, as worker.py reads it
+    env = _env(stack, _keyfile(stack, tmp_path), TEMPORAL_ADDRESS=None, MAMBA_STREAM_TEMPORAL_PORT=port)
+    sid = (await _json(env, "open", "--principal", "alice", "--model", "tiny-mamba2"))["stream_id"]
+    assert (await _json(env, "feed", sid, "--principal", "alice", "--text", "hi"))["position"] == 2
+    # nothing there: one line that says what to set, no transport error
+    nowhere = str(_free_port())
+    refused, _ = await _run(dict(env, MAMBA_STREAM_TEMPORAL_PORT=nowhere), "feed", sid, "--principal", "alice",
+                            "--text", "hi")
+    line = _one_error_line(refused)
+    assert line.startswith(f"error: Unreachable: no Temporal server at 127.0.0.1:{nowhere} (connection refused): ")
+    assert all(w in line for w in ("TEMPORAL_ADDRESS", "MAMBA_STREAM_TEMPORAL_PORT", "python worker.py")), line
+    assert "tonic" not in line and "transport" not in line.lower()
+    assert refused.stdout == ""
+    # TEMPORAL_ADDRESS, when set, is the server, whatever the port says
+    out = await _json(dict(env, MAMBA_STREAM_TEMPORAL_PORT=nowhere, TEMPORAL_ADDRESS=stack.address), "receipt", sid)
+    assert out["receipt"]["position"] == 2
+
+
+# --- Ctrl-C during a streamed generate ----------------------------------------------------------------
+
+
+class SlowSampling(StreamActivities):
+    """Each decode step takes a while: the generate is still running when the CLI is interrupted."""
+
+    step_s = 0.01
+
+    def engine(self, model):  # the base class's engine, its decode steps slowed
+        eng = super().engine(model)
+        if not getattr(eng, "_slowed", False):
+            inner = eng.slots.step
+
+            def step(handles, tokens):
+                time.sleep(self.step_s)
+                return inner(handles, tokens)
+
+            eng.slots.step = step
+            eng._slowed = True
+        return eng
+
+
+async def test_ctrl_c_during_a_streamed_generate_says_where_the_result_will_be(temporal_env, tmp_path):
+    stack = await make_stack(temporal_env, tmp_path, acts_cls=SlowSampling)
+    async with stack.exits:
+        env = _env(stack, _keyfile(stack, tmp_path))
+        sid = await stack.streams.open("alice", "tiny-mamba2")
+        await stack.streams.advance(sid, "alice", text="Once upon a time")
+        proc = await asyncio.to_thread(
+            subprocess.Popen, [sys.executable, "-m", "cli", "generate", sid, "--principal", "alice", "-n", "400",
+                               "--seed", "3"], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            first = await asyncio.to_thread(proc.stdout.read, 1)  # its first tokens are on the screen
+            assert first, proc.stderr.read().decode()
+            assert (await stack.streams.stats(sid)).chunk_seq == 1  # chunk 2 is running
+            proc.send_signal(signal.SIGINT)
+            code = await asyncio.to_thread(proc.wait, 30)
+            err = proc.stderr.read().decode()
+            # at once: the command does not wait for the chunk it no longer shows (it used to retry its update)
+            assert (await stack.streams.stats(sid)).chunk_seq == 1
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        assert code == 130, err
+        assert err.strip().splitlines() == [
+            f"interrupted: chunk 2 goes on in the worker; its result: mamba-stream tokens {sid} --seq 2"], err
+        # it did: the chunk commits, whole, and the command named gets its result
+        await eventually(lambda: _committed(stack, sid, 2), timeout=30)
+        [entry] = [json.loads(line) for line in (await _ok(env, "tokens", sid, "--seq", "2", "--json")).splitlines()]
+        assert entry["done"] and entry["chunk_seq"] == 2 and len(entry["tokens"]) == 400
+
+
+async def _committed(stack: Stack, sid: str, seq: int) -> bool:
+    return (await stack.streams.stats(sid)).chunk_seq == seq
+
+
+async def _ok(env: dict[str, str], *args: str) -> str:
+    out, _ = await _run(env, *args)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+# --- help, list, cancel -----------------------------------------------------------------------------------
+
+
+def _parsers() -> dict[str, argparse.ArgumentParser]:
+    sub = argparse.ArgumentParser(prog="mamba-stream").add_subparsers()
+    add_stream_commands(sub)
+    return dict(sub.choices)
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+async def test_every_stream_command_describes_every_option_and_the_top_level_lists_the_models(
+        stack: Stack, tmp_path, monkeypatch):
+    monkeypatch.delenv("MAMBA_STREAM_MODELS", raising=False)  # the defaults, here as in the CLI's environment
+    parsers = _parsers()
+    assert set(parsers) == set(COMMANDS)
+    env = _env(stack, _keyfile(stack, tmp_path))
+    helps = await asyncio.gather(*(_run(env, cmd, "--help") for cmd in COMMANDS))
+    for cmd, (out, _) in zip(COMMANDS, helps, strict=True):
+        assert out.returncode == 0, out.stderr
+        shown = _flat(out.stdout)
+        for action in parsers[cmd]._actions:
+            described = str(action.help or "").strip()
+            assert described, f"{cmd}: {action.option_strings or action.dest} has no help"
+            # what the real command shows: the description's first words
+            assert _flat(described.split("%")[0])[:30] in shown, (cmd, action.dest, shown)
+    # the top level lists the models the workers serve: the worker's default when nothing says otherwise
+    top = _flat(await _ok(env, "--help"))
+    default = ", ".join(ClientConfig(models=WorkerConfig().models).model_ids())
+    assert "tiny-mamba2" in default and f"open a stream on a model: {default}" in top, top
+    assert "a worker may serve others" in top
+    assert "list the streams on the server: id, status, start time" in top
+    mine = _flat(await _ok(dict(env, MAMBA_STREAM_MODELS="tiny-mamba1, mine=/models/mine#bfloat16"), "--help"))
+    assert "open a stream on a model: tiny-mamba1, mine (from MAMBA_STREAM_MODELS; a worker may serve others)" in mine
+    model_help = _flat(await _ok(dict(env, MAMBA_STREAM_MODELS="tiny-mamba3"), "open", "--help"))
+    assert "--model MODEL the model's id: tiny-mamba3 (from MAMBA_STREAM_MODELS" in model_help
+
+
+async def test_list_cancel_and_the_errors_of_a_missing_or_cancelled_stream(stack: Stack, tmp_path):
+    env = _env(stack, _keyfile(stack, tmp_path))
+    kept, gone = await asyncio.gather(*(_json(env, "open", "--principal", "alice", "--model", "tiny-mamba2")
+                                         for _ in range(2)))
+    kept, gone = kept["stream_id"], gone["stream_id"]
+    assert (await _ok(env, "cancel", gone)).strip() == f"{gone} cancelled: its state is deleted"
+    assert (await stack.client.get_workflow_handle(gone).describe()).status == WorkflowExecutionStatus.CANCELED
+    store = Path(stack.store_url.removeprefix("file://")) / "streams" / gone
+    assert not store.exists() or not any(store.rglob("*"))
+
+    async def listed() -> list | None:  # visibility is eventually consistent
+        rows = await _json(env, "list")
+        return rows if {r["stream_id"]: r["status"] for r in rows} == {kept: "running", gone: "canceled"} else None
+
+    rows = await eventually(listed, timeout=30)
+    assert all(r["task_queue"] == stack.queue and r["start_time"] for r in rows)
+    assert [r["stream_id"] for r in await _json(env, "list", "--running")] == [kept]
+    human = (await _ok(env, "list")).splitlines()
+    assert sorted(line.split()[:2] for line in human) == sorted([[kept, "running"], [gone, "canceled"]])
+    # errors name what is wrong with the stream, not the RPC that found it
+    nowhere = "ms-" + "0" * 32
+    outs = await asyncio.gather(
+        _run(env, "feed", nowhere, "--principal", "alice", "--text", "x"),
+        _run(env, "receipt", nowhere),
+        _run(env, "feed", gone, "--principal", "alice", "--text", "x"),
+        _run(env, "generate", gone, "--principal", "alice", "-n", "2"),
+        _run(env, "cancel", gone))
+    lines = [_one_error_line(out) for out, _ in outs]
+    assert lines[:2] == [f"error: NoSuchStream: no such stream: {nowhere}"] * 2, lines
+    assert lines[2:] == [f"error: StreamCancelled: the stream was cancelled: {gone}"] * 3, lines
+
+
+# --- what each command prints ------------------------------------------------------------------------------
+
+
+async def test_resume_prints_the_id_receipt_prints_json_and_a_duplicate_says_so(stack: Stack, tmp_path):
+    env = _env(stack, _keyfile(stack, tmp_path))
+    sid = (await _ok(env, "open", "--principal", "alice", "--model", "tiny-mamba2")).strip()
+    assert STREAM_ID.fullmatch(sid)
+    first = await _json(env, "feed", sid, "--principal", "alice", "--text", "hello")
+    assert first["duplicate"] is False and first["chunk_seq"] == 1
+    gen = await _json(env, "generate", sid, "--principal", "alice", "-n", "3", "--seed", "5")
+    assert gen["duplicate"] is False and gen["chunk_seq"] == 2
+    # the same chunks again: the first results, said to be duplicates
+    again, gen_again, human_feed, human_gen = await asyncio.gather(
+        _json(env, "feed", sid, "--principal", "alice", "--text", "hello", "--seq", "1"),
+        _json(env, "generate", sid, "--principal", "alice", "-n", "3", "--seed", "5", "--seq", "2"),
+        _ok(env, "feed", sid, "--principal", "alice", "--text", "hello", "--seq", "1"),
+        _ok(env, "generate", sid, "--principal", "alice", "-n", "3", "--seed", "5", "--seq", "2"))
+    assert again == {**first, "duplicate": True} and gen_again == {**gen, "duplicate": True}
+    assert human_feed.startswith("chunk 1: 5 tokens, position 5 (duplicate: first result returned)\n"), human_feed
+    assert "generated 3 tokens (length), position 8 (duplicate: first result returned)" in human_gen, human_gen
+    assert (await stack.streams.stats(sid)).chunks == 2  # nothing ran twice
+    # receipt: JSON on stdout, --json or not, the receipt and the stats together
+    rec = json.loads(await _ok(env, "receipt", sid))
+    assert set(rec) == {"receipt", "stats"} and rec["receipt"]["position"] == 8 and rec["stats"]["chunks"] == 2
+    assert json.loads((await _run(env, "receipt", sid, "--json"))[0].stdout) == rec
+    # resume: the new id alone on stdout, as open prints it; where it came from on stderr
+    cp = tmp_path / "cp.json"
+    await _ok(env, "checkpoint", sid, "--principal", "alice", "--out", str(cp))
+    out, _ = await _run(env, "resume", "--principal", "alice", "--checkpoint", str(cp))
+    assert out.returncode == 0, out.stderr
+    new = out.stdout.strip()
+    assert STREAM_ID.fullmatch(new) and new != sid and out.stdout == new + "\n"
+    assert out.stderr.strip() == f"resumed from {sid} at position 8"
+    assert (await stack.streams.stats(new)).position == 8
+
