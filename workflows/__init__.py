@@ -8,7 +8,8 @@
 """
 
 from workflows._agent import AgentWorkflow
-from workflows._client import GenerateStream, StreamClient, id_key, new_stream_id, update_id
+from workflows._client import GenerateStream, StreamClient, id_key, new_stream_id
+from workflows._config import DEFAULT_TASK_QUEUE, ClientConfig
 from workflows._failures import (
     NOT_THE_CHUNKS_FAULT,
     ActivityFailed,
@@ -33,7 +34,6 @@ from workflows._failures import (
     application_error,
     catalogue,
 )
-from workflows._config import DEFAULT_TASK_QUEUE, ClientConfig
 from workflows._models import (
     ACTIVITY_ADVANCE,
     ACTIVITY_AGENT_FEED,
@@ -91,6 +91,7 @@ from workflows._models import (
     chunk_digest,
     id_digest,
     parse_update_id,
+    update_id,
 )
 from workflows._stream import MambaStreamWorkflow
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import random
 import uuid
@@ -64,14 +63,14 @@ from workflows._models import (
     TokenBatch,
     TokenEvent,
     TokenProgress,
-    id_digest,
+    update_id,
 )
 from workflows._stream import MambaStreamWorkflow
 
 if TYPE_CHECKING:
     from state_codec.signing import RequestSigner
 
-__all__ = ["GenerateStream", "StreamClient", "id_key", "new_stream_id", "transient", "update_id"]
+__all__ = ["GenerateStream", "StreamClient", "id_key", "new_stream_id", "transient"]
 
 T = TypeVar("T")
 
@@ -159,27 +158,6 @@ def id_key(client: Client, stream_id: str) -> bytes:
         return ring.id_key(stream_tag(stream_id))
     except Exception as exc:  # noqa: BLE001 - UnknownKeyId: another principal's stream
         raise LookupError(f"this client's keyring holds no key for stream {stream_id}: {exc}") from exc
-
-
-def update_id(kind: str, request: AdvanceRequest | GenerateRequest, *, epoch: int, key: bytes,
-              attempt: int = 0) -> str:
-    """The idempotency key of a chunk: `<kind>-<chunk_seq>-e<epoch>-<digest>[-a<attempt>]`.
-
-    The digest is the chunk's content (`chunk_digest`) keyed by the stream's id key (`id_key`):
-    update ids are in clear in history, and an unkeyed digest of a short text is a dictionary
-    search away from the text. Re-sending the same chunk (same sequence, epoch and content) from
-    any client of the stream's principal derives the same id and returns the first result; other
-    content under the same sequence is another id, which the stream refuses as
-    `ConflictingChunk` instead of answering it with the first writer's result. A signed chunk's id
-    also names its signature, so a forged request refused under one id cannot take the id of the
-    real one. The epoch (the stream's reset count) and `attempt` let a chunk whose update failed
-    for a reason that was not its own (`workflows.NOT_THE_CHUNKS_FAULT`: a store fault, a rewind
-    past the window) be sent again once the cause is gone: a failed update id keeps its failure.
-    """
-    uid = f"{kind}-{request.chunk_seq}-e{epoch}-{id_digest(key, kind, request)}"
-    if request.signature is not None:
-        uid += "-s" + hashlib.sha256(request.signature.encode()).hexdigest()[:16]
-    return uid + (f"-a{attempt}" if attempt else "")
 
 
 class StreamClient:

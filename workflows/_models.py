@@ -70,6 +70,7 @@ __all__ = [
     "chunk_digest",
     "id_digest",
     "parse_update_id",
+    "update_id",
 ]
 
 ACTIVITY_OPEN = "open_stream"
@@ -719,6 +720,27 @@ def id_digest(key: bytes, kind: str, request: AdvanceRequest | GenerateRequest) 
     the stream's id key (`Keyring.id_key`), so that the id says nothing of the content to anyone
     without the key."""
     return hmac.new(key, chunk_digest(kind, request).encode(), hashlib.sha256).hexdigest()[:16]
+
+
+def update_id(kind: str, request: AdvanceRequest | GenerateRequest, *, epoch: int, key: bytes,
+              attempt: int = 0) -> str:
+    """The idempotency key of a chunk: `<kind>-<chunk_seq>-e<epoch>-<digest>[-a<attempt>]`.
+
+    The digest is the chunk's content (`chunk_digest`) keyed by the stream's id key (`id_key`):
+    update ids are in clear in history, and an unkeyed digest of a short text is a dictionary
+    search away from the text. Re-sending the same chunk (same sequence, epoch and content) from
+    any client of the stream's principal derives the same id and returns the first result; other
+    content under the same sequence is another id, which the stream refuses as
+    `ConflictingChunk` instead of answering it with the first writer's result. A signed chunk's id
+    also names its signature, so a forged request refused under one id cannot take the id of the
+    real one. The epoch (the stream's reset count) and `attempt` let a chunk whose update failed
+    for a reason that was not its own (`workflows.NOT_THE_CHUNKS_FAULT`: a store fault, a rewind
+    past the window) be sent again once the cause is gone: a failed update id keeps its failure.
+    """
+    uid = f"{kind}-{request.chunk_seq}-e{epoch}-{id_digest(key, kind, request)}"
+    if request.signature is not None:
+        uid += "-s" + hashlib.sha256(request.signature.encode()).hexdigest()[:16]
+    return uid + (f"-a{attempt}" if attempt else "")
 
 
 def parse_update_id(uid: str) -> tuple[str, int, int, str] | None:
