@@ -413,9 +413,9 @@ class StreamEngine:
         tokens is n rounds; a prefill, one per `prefill_piece` tokens); None before its first round."""
         return rounds * self._round_s if self._round_s > 0 else None
 
-    def commit(self, stream_id: str, state_key: str) -> None:
+    def mark_committed(self, stream_id: str, state_key: str) -> None:
         """The chunk's checkpoint is in the store: its slot now holds that committed state."""
-        self._call(lambda: self._commit(stream_id, state_key))
+        self._call(lambda: self._mark_committed(stream_id, state_key))
 
     def put(self, stream_id: str, state: State, *, epoch: int, state_key: str,
             logits: torch.Tensor | None = None) -> None:
@@ -451,10 +451,10 @@ class StreamEngine:
 
     # --- the engine thread -----------------------------------------------------------------------
 
-    def _commit(self, stream_id: str, key: str) -> None:
+    def _mark_committed(self, stream_id: str, key: str) -> None:
         h = self.slots.handle(stream_id)
         if h is not None:
-            self.slots.commit(h, key)
+            self.slots.mark_committed(h, key)
             with self._lock:
                 self._committed[stream_id] = key
 

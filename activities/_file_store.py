@@ -108,7 +108,7 @@ class FileStateStore(StateStore):
             n = os.write(fd, chunk)
             chunk = chunk[n:]
 
-    def _commit(self, tmp: Path, final: Path, chunks: list[memoryview]) -> bool:
+    def _write_then_rename(self, tmp: Path, final: Path, chunks: list[memoryview]) -> bool:
         """Write `chunks` to `tmp`, fsync it, link it to `final`; False if `final` exists.
 
         The caller removes `tmp` afterwards, whatever happened. A descriptor is closed quietly
@@ -147,7 +147,7 @@ class FileStateStore(StateStore):
             marker.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             marker.touch(mode=0o600, exist_ok=True)
             head = memoryview(_MAGIC + struct.pack("<I", len(header)) + header)
-            return self._commit(tmp, final, [head, view])
+            return self._write_then_rename(tmp, final, [head, view])
         except OSError as exc:
             raise _os_error(exc, f"cannot write {key}") from exc
         finally:
@@ -287,7 +287,7 @@ class FileStateStore(StateStore):
             return False
         tmp = self.root / "tmp" / f"meta.{kind}.{uuid.uuid4().hex}.part"
         try:
-            return self._commit(tmp, final, [memoryview(bytes(data))])
+            return self._write_then_rename(tmp, final, [memoryview(bytes(data))])
         except OSError as exc:
             raise _os_error(exc, f"cannot write metadata {kind}/{name}") from exc
         finally:

@@ -145,7 +145,7 @@ class SlotTable:
         """One token for each handle's stream, computed on the buffers in place (one batched step).
 
         Positions advance, the slots' next-token logits are replaced, and the slots become
-        uncommitted (state_key None) until `commit`. The layers write the new states straight
+        uncommitted (state_key None) until `mark_committed`. The layers write the new states straight
         into the slots where the backend can (`Model.step_rows(in_place=True)`), so a step that
         raises may leave them partly advanced: its streams are then released (zeroed and freed)
         before the error propagates, and their next chunk reloads from the store.
@@ -184,7 +184,8 @@ class SlotTable:
         """A copy of the slot's state (the caller's own tensors)."""
         return self.view(h).clone()
 
-    def commit(self, h: SlotHandle, state_key: str) -> None:
+    def mark_committed(self, h: SlotHandle, state_key: str) -> None:
+        """The slot's state is the one committed under `state_key` (its checkpoint is in the store)."""
         self._check(h).state_key = state_key
 
     def release(self, stream_id: str) -> bool:

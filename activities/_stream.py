@@ -324,7 +324,7 @@ class StreamActivities:
             engine.put(sid, model.initial_state(), epoch=0, state_key="warm/0")
             try:
                 engine.advance(sid, [0], expected_key="warm/0", epoch=0, load=lambda: (model.initial_state(), None))
-                engine.commit(sid, "warm/1")
+                engine.mark_committed(sid, "warm/1")
                 engine.generate(sid, SeededSampler(1.0, 0, torch.Generator().manual_seed(0)), 1,
                                 expected_key="warm/1", epoch=0, load=lambda: (model.initial_state(), None))
             finally:
@@ -475,7 +475,7 @@ class StreamActivities:
             if done.adopted:  # the engine wrote ours; the store holds an earlier attempt's
                 engine.put(stream_id, done.state, epoch=before.epoch, state_key=key, logits=last)
             else:
-                engine.commit(stream_id, key)
+                engine.mark_committed(stream_id, key)
 
         return self.commits.complete(model, state, stream_id=stream_id, principal=principal, before=before,
                                      chunk_seq=chunk_seq, key=key, path=path, last=last, make_result=make_result,

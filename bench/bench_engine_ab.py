@@ -66,7 +66,7 @@ def _run(engine, n: int, rounds: int, gen_tokens: int, first, batched: bool) -> 
             out = engine.generate(sid, sampler, gen_tokens, expected_key="k0", epoch=0,
                                   load=lambda: (first.state, first.logits[-1]))
             toks += out.tokens
-            engine.commit(sid, "k0")
+            engine.mark_committed(sid, "k0")
         got[sid] = toks
 
     steps0, streams0 = engine.stats.steps, engine.stats.stepped_streams

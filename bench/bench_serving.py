@@ -253,7 +253,7 @@ def _engine_rows(levels: list[int], gen_tokens: int, tmp: Path, backend: str, ba
             for _ in range(4):
                 engine.generate(sid, sampler, gen_tokens, expected_key="k0", epoch=0,
                                 load=lambda: (first.state, first.logits[-1]))
-                engine.commit(sid, "k0")
+                engine.mark_committed(sid, "k0")
 
         steps0, streams0, step_s0 = engine.stats.steps, engine.stats.stepped_streams, engine.stats.step_seconds
         t0 = time.perf_counter()

@@ -700,7 +700,7 @@ class GenerateStream:
                 last = TokenEvent(offset=shown.offset if shown is not None else -1, chunk_seq=seq,
                                   epoch=r.receipt.epoch, tokens=r.tokens, text=r.text, done=True,
                                   finish_reason=r.finish_reason, update_id=uid)
-                yield shown.commit(last) if shown is not None else last
+                yield shown.settle(last) if shown is not None else last
                 c._epochs[sid] = r.receipt.epoch
                 return
             finally:
@@ -762,7 +762,7 @@ class _Shown:
         return TokenEvent(offset=self.offset, chunk_seq=p.chunk_seq, epoch=p.epoch, index=n, tokens=new, text=text,
                           update_id=p.update_id)
 
-    def commit(self, ev: TokenEvent) -> TokenEvent:
+    def settle(self, ev: TokenEvent) -> TokenEvent:
         """The chunk's committed entry `ev`, less what was shown; all of it again (`restart`) if
         what was shown is not what was committed."""
         n = len(self.tokens)
@@ -941,7 +941,7 @@ class _Reader:
             for ev in batch.events:
                 if self.shown is not None and ev.offset >= self.shown.offset:
                     if ev.offset == self.shown.offset:
-                        ev = self.shown.commit(ev)
+                        ev = self.shown.settle(ev)
                     self.shown = None
                 out.append(ev)
             self.offset = batch.next_offset

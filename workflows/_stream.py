@@ -678,7 +678,7 @@ class MambaStreamWorkflow:
 
     # --- admission (validators: no side effects) --------------------------------------------------
 
-    def _admit(self, kind: str, req: AdvanceRequest | GenerateRequest) -> None:
+    def _check_chunk(self, kind: str, req: AdvanceRequest | GenerateRequest) -> None:
         """Refuse what cannot be this stream's next chunk, or the same chunk again (a duplicate passes:
         its handler answers it with the first result)."""
         self._taking()
@@ -746,7 +746,7 @@ class MambaStreamWorkflow:
         self._sealed_by(req, "advance")
         if self._known() is not None:
             return
-        self._admit("advance", req)
+        self._check_chunk("advance", req)
         o = self._opts
         if req.tokens is not None:
             if len(req.tokens) > o.max_chunk_tokens:
@@ -772,7 +772,7 @@ class MambaStreamWorkflow:
         self._sealed_by(req, "generate")
         if self._known() is not None:
             return
-        self._admit("generate", req)
+        self._check_chunk("generate", req)
         if req.max_tokens > self._opts.max_generate_tokens:
             raise application_error(ChunkTooLarge(f"max_tokens {req.max_tokens} exceeds {self._opts.max_generate_tokens}",
                                         limit=self._opts.max_generate_tokens, actual=req.max_tokens))
@@ -1099,9 +1099,9 @@ class MambaStreamWorkflow:
                     raise
                 result = out.result
                 if kind == "advance":
-                    self._commit(result.receipt, out.worker_queue, tokens=result.n_tokens)
+                    self._record_commit(result.receipt, out.worker_queue, tokens=result.n_tokens)
                 else:
-                    self._commit(result.receipt, out.worker_queue, generated=len(result.tokens))
+                    self._record_commit(result.receipt, out.worker_queue, generated=len(result.tokens))
                     self._log_result(result)
                 self._recent.remember(RecentResult(update_id=workflow.current_update_info().id, digest=digest,
                                             **{kind: result}))
@@ -1135,7 +1135,7 @@ class MambaStreamWorkflow:
         excess = len(self._kept) + 1 - stored
         return [k for k in self._kept[: max(excess, 0)] if k not in self._pinned]
 
-    def _commit(self, receipt: Receipt, worker_queue: str | None, *, tokens: int = 0, generated: int = 0) -> None:
+    def _record_commit(self, receipt: Receipt, worker_queue: str | None, *, tokens: int = 0, generated: int = 0) -> None:
         dropped = set(self._to_drop())  # the activity deleted these after committing
         self._kept = [k for k in self._kept if k not in dropped] + [receipt.state_key]
         before, self._receipt = self._receipt, receipt

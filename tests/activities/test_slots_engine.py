@@ -148,7 +148,7 @@ def test_engine_batches_concurrent_decode_steps_and_equals_solo_runs():
             for i, tok in enumerate(tokens(6, hash(sid) % 1000)):
                 out = engine.advance(sid, [tok], expected_key=key, epoch=0, load=lambda: (_ for _ in ()).throw(AssertionError))
                 key = f"{sid}-{i + 1}"
-                engine.commit(sid, key)
+                engine.mark_committed(sid, key)
                 got.append((tok, out))
             outs[sid] = got
 
@@ -186,7 +186,7 @@ def test_a_long_prefill_does_not_starve_decode_and_is_split_invisibly():
             engine.advance("fast", [i], expected_key=key, epoch=0, load=lambda: None)
             waits.append(time.perf_counter() - t0)
             key = f"f{i + 1}"
-            engine.commit("fast", key)
+            engine.mark_committed("fast", key)
         t.join()
         whole = model.advance(model.initial_state(), big)
         assert torch.equal(result["long"].logits, whole.logits) and result["long"].state.equal(whole.state)
@@ -264,7 +264,7 @@ def test_a_retry_of_an_uncommitted_chunk_reloads_its_receipts_state_not_the_slot
 
         first = chunk()
         assert loads == []  # the first attempt ran hot, from the slot "a0" was put in
-        retry = chunk()  # no engine.commit("a", ...) between them: the store refused the checkpoint
+        retry = chunk()  # no engine.mark_committed("a", ...) between them: the store refused the checkpoint
         if kind == "generate":
             toks, logits, state, last = _decode_alone(model, start.state, start.logits[-1], (1.0, 0, 5), 4)
         else:
@@ -280,7 +280,7 @@ def test_a_retry_of_an_uncommitted_chunk_reloads_its_receipts_state_not_the_slot
         assert loads == [1] and engine.stats.loads == 1  # the retry reloaded from the store, not hot
         # the slot runs ahead of every committed key until the retry's checkpoint is in the store
         assert not engine.holds("a", "a0") and "a" not in engine.hot_stream_ids()
-        engine.commit("a", "a1")  # the retry's checkpoint made it: the next chunk runs hot from it
+        engine.mark_committed("a", "a1")  # the retry's checkpoint made it: the next chunk runs hot from it
         assert engine.holds("a", "a1")
         nxt = engine.advance("a", [3], expected_key="a1", epoch=0,
                              load=lambda: (_ for _ in ()).throw(AssertionError))
@@ -406,7 +406,7 @@ def test_an_evicted_stream_reloads_and_continues_exactly():
         engine.put("a", start.state, epoch=0, state_key="a0", logits=start.logits[-1])
         first = engine.generate("a", SeededSampler(1.0, 0, gen), 5, expected_key="a0", epoch=0,
                                 load=lambda: (_ for _ in ()).throw(AssertionError))
-        engine.commit("a", "a1")
+        engine.mark_committed("a", "a1")
         stored = (first.state, first.last_logits)  # what the activity seals into the store
         for s in "bc":
             engine.put(s, model.initial_state(), epoch=0, state_key=f"{s}0")
@@ -491,7 +491,7 @@ def test_a_lone_stream_does_not_wait_for_company():
         for i, tok in enumerate(tokens(6, 2)):
             engine.advance("solo", [tok], expected_key=key, epoch=0, load=lambda: (_ for _ in ()).throw(AssertionError))
             key = f"k{i + 1}"
-            engine.commit("solo", key)
+            engine.mark_committed("solo", key)
         assert time.perf_counter() - t0 < 1.5
         assert engine.stats.steps == 6 and engine.stats.max_batch == 1
     finally:

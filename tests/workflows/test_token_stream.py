@@ -493,7 +493,7 @@ async def test_a_reader_shows_each_token_once_and_the_commit_brings_the_rest():
     assert (ev.index, ev.tokens, ev.text) == (3, [4, 5], "de")
     entry = TokenEvent(offset=5, chunk_seq=2, update_id="generate-2-e0-x", tokens=[1, 2, 3, 4, 5, 6], text="abcdef",
                        done=True, finish_reason="length")
-    done = shown.commit(entry)
+    done = shown.settle(entry)
     assert (done.index, done.tokens, done.text, done.done, done.restart) == (5, [6], "f", True, False)
 
 
@@ -506,17 +506,17 @@ async def test_a_reader_that_fell_behind_or_saw_a_retry_sample_others_waits_for_
     behind.live(_progress(0, [1], 0, "a"))
     assert behind.live(_progress(3, [9], 3, "!")) is None  # token 2 is no longer in the window
     assert behind.live(_progress(0, [1, 2, 9, 9], 0, "ab!!")) is None  # and it shows no more live
-    done = behind.commit(entry)
+    done = behind.settle(entry)
     assert (done.index, done.tokens, done.text, done.restart) == (1, [2, 9, 9], "b!!", False)
     other = _Shown(_progress(0, [1, 2, 3], 0, "abc"))
     other.live(_progress(0, [1, 2, 3], 0, "abc"))
     # a retry sampled other tokens (an approximate backend): its progress is not shown
     assert other.live(_progress(0, [1, 2, 9, 9], 0, "ab!!", attempt=2)) is None
-    done = other.commit(entry)
+    done = other.settle(entry)
     assert (done.index, done.tokens, done.text, done.restart) == (0, [1, 2, 9, 9], "ab!!", True)
     failed = _Shown(_progress(0, [1], 0, "a"))
     failed.live(_progress(0, [1], 0, "a"))
-    err = failed.commit(TokenEvent(offset=5, chunk_seq=2, update_id="generate-2-e0-x", done=True,
+    err = failed.settle(TokenEvent(offset=5, chunk_seq=2, update_id="generate-2-e0-x", done=True,
                                    error="StreamCancelled"))
     assert (err.index, err.tokens, err.error, err.restart) == (1, [], "StreamCancelled", False)
 
