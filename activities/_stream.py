@@ -558,15 +558,36 @@ class StreamActivities:
             self._gauge()
             return OpenStreamResult(receipt=receipt, info=info, worker_queue=self.worker_queue)
 
+    def _chunk_model(self, kind: str, req: AdvanceChunkRequest | GenerateChunkRequest) -> Model:
+        """The prologue of a chunk (advance or generate), before any work: the request is the
+        principal's (`_verify`) under the update id that names it, and the receipt is this
+        stream's, of the model that serves it (returned)."""
+        self._verify(kind, req.stream_id, req.principal, req.request)
+        self._check_update_id(kind, req.stream_id, req.update_id, req.request)
+        model = self._model(req.receipt.model_id)
+        self._check(model, req.receipt, req.principal, req.stream_id)
+        return model
+
+    def _prior(self, req: AdvanceChunkRequest | GenerateChunkRequest, model: Model, digest: str
+               ) -> tuple[str, Any | None]:
+        """The chunk's key in the commit protocol (its stream, receipt, sequence and content
+        `digest`), and the result an earlier attempt committed under it, if one did (None: this
+        attempt computes it). An earlier attempt may have died before its bookkeeping: its drops
+        are done again."""
+        key = self.commits.chunk_key(req.stream_id, req.receipt, req.request.chunk_seq, digest)
+        prior = self.commits.prior(key, req.principal)
+        if prior is None:
+            return key, None
+        self.metrics.duplicate_chunks.add(1, {"model": model.model_id})
+        self.commits.drop(req.drop_keys, stream_id=req.stream_id, principal=req.principal)
+        return key, prior.result
+
     @activity.defn(name=ACTIVITY_ADVANCE, no_thread_cancel_exception=True)
     def advance_chunk(self, req: AdvanceChunkRequest) -> AdvanceChunkResult:
         """Advance the stream by one chunk, exactly once."""
         t0 = time.perf_counter()
         with self._guarded(req.stream_id, req.receipt.model_id):
-            self._verify("advance", req.stream_id, req.principal, req.request)
-            self._check_update_id("advance", req.stream_id, req.update_id, req.request)
-            model = self._model(req.receipt.model_id)
-            self._check(model, req.receipt, req.principal, req.stream_id)
+            model = self._chunk_model("advance", req)
             ask = req.request
             if ask.text is not None:
                 if model.transform is None:
@@ -580,14 +601,9 @@ class StreamActivities:
             model.check_tokens(tokens)  # typed InvalidInput before any work
             digest = hashlib.sha256(f"advance|{ask.top_k}|".encode() + torch.tensor(tokens, dtype=torch.int64)
                                     .numpy().tobytes()).hexdigest()
-            key = self.commits.chunk_key(req.stream_id, req.receipt, ask.chunk_seq, digest)
-            prior = self.commits.prior(key, req.principal)
+            key, prior = self._prior(req, model, digest)
             if prior is not None:  # an earlier attempt finished: its result, not a second advance
-                self.metrics.duplicate_chunks.add(1, {"model": model.model_id})
-                # that attempt may have died before its bookkeeping
-                self.commits.drop(req.drop_keys, stream_id=req.stream_id, principal=req.principal)
-                return AdvanceChunkResult(result=AdvanceResult.model_validate(prior.result),
-                                          worker_queue=self.worker_queue)
+                return AdvanceChunkResult(result=AdvanceResult.model_validate(prior), worker_queue=self.worker_queue)
             self._local_fits(model, 1 + len(tokens) // max(self._engine_args["prefill_piece"], 1))
             _cancel_point()
             self._edge("admitted", req.stream_id, ask.chunk_seq)
@@ -632,10 +648,7 @@ class StreamActivities:
         """
         t0 = time.perf_counter()
         with self._guarded(req.stream_id, req.receipt.model_id):
-            self._verify("generate", req.stream_id, req.principal, req.request)
-            self._check_update_id("generate", req.stream_id, req.update_id, req.request)
-            model = self._model(req.receipt.model_id)
-            self._check(model, req.receipt, req.principal, req.stream_id)
+            model = self._chunk_model("generate", req)
             ask = req.request
             seed = ask.seed if ask.seed is not None else int.from_bytes(
                 hashlib.sha256(f"{req.stream_id}|{ask.chunk_seq}".encode()).digest()[:8], "little") >> 1
@@ -643,13 +656,9 @@ class StreamActivities:
                 json.dumps(ask.model_dump(mode="json", exclude={"principal", *PRESENTATION}) | {"seed": seed},
                            sort_keys=True).encode()
             ).hexdigest()
-            key = self.commits.chunk_key(req.stream_id, req.receipt, ask.chunk_seq, digest)
-            prior = self.commits.prior(key, req.principal)
-            if prior is not None:
-                self.metrics.duplicate_chunks.add(1, {"model": model.model_id})
-                self.commits.drop(req.drop_keys, stream_id=req.stream_id, principal=req.principal)
-                return GenerateChunkResult(result=GenerateResult.model_validate(prior.result),
-                                           worker_queue=self.worker_queue)
+            key, prior = self._prior(req, model, digest)
+            if prior is not None:  # an earlier attempt finished: its result, not a second generate
+                return GenerateChunkResult(result=GenerateResult.model_validate(prior), worker_queue=self.worker_queue)
             self._local_fits(model, ask.max_tokens)
             _cancel_point()
             self._edge("admitted", req.stream_id, ask.chunk_seq)
