@@ -1,0 +1,69 @@
+"""One chunk's trip: the files and calls of this repository's code that one `advance` runs, from
+`StreamClient.advance` through the stream workflow, its activity, the engine and the scan to the
+store and back (issue 28: "count the files and calls of one advance before and after").
+
+A real dev server and an in-process worker (tests/workflows/conftest.py's stack, `exact` backend,
+tiny-mamba2); the stream is opened and advanced twice first, so that what is counted is a warm
+chunk's trip. Counted: Python function calls whose code is in this repository (tests and
+installed packages left out), in every thread, by file.
+
+    python bench/trip_count.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.workflows.conftest import _start, make_stack
+
+_ON = [False]
+_CALLS: collections.Counter[tuple[str, str]] = collections.Counter()
+
+
+def _profile(frame: FrameType, event: str, arg: Any) -> None:
+    if _ON[0] and event == "call":
+        f = frame.f_code.co_filename
+        root = str(ROOT) + "/"
+        if f.startswith(root) and "/tests/" not in f and "/.venv/" not in f:
+            _CALLS[(f[len(root):], frame.f_code.co_name)] += 1
+
+
+async def main() -> None:
+    # before any thread starts: the worker's threads inherit the hook, which counts only while on
+    sys.setprofile(_profile)
+    threading.setprofile(_profile)
+    env = await _start([])
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            stack = await make_stack(env, Path(d), backend="exact", replay_at_exit=False)
+            async with stack.exits:
+                sid = await stack.streams.open("alice", "tiny-mamba2")
+                await stack.streams.advance(sid, "alice", tokens=[1, 2, 3])
+                await stack.streams.advance(sid, "alice", tokens=[7, 8, 9])
+                _ON[0] = True
+                await stack.streams.advance(sid, "alice", tokens=[4, 5, 6])
+                _ON[0] = False
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+        await env.shutdown()
+    by_file: collections.Counter[str] = collections.Counter()
+    for (f, _), n in _CALLS.items():
+        by_file[f] += n
+    print(f"one advance: {len(by_file)} files, {sum(_CALLS.values())} calls, {len(_CALLS)} distinct functions")
+    for f, n in by_file.most_common():
+        print(f"{n:6d}  {f}")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
