@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 from temporalio.client import WorkflowExecutionStatus
 
-from activities import StreamActivities
 from cli._streams import add_stream_commands
 from tests.workflows import conftest as workflow_fixtures
 from tests.workflows.conftest import Stack, eventually, make_stack
+from tests.workflows.test_token_stream import SlowSampling as _SlowSampling
 from worker import WorkerConfig
 from workflows import ClientConfig, OpenFailed, StreamClient
 
@@ -208,23 +208,11 @@ async def test_a_client_configured_like_the_worker_finds_its_server_and_a_refuse
 # --- Ctrl-C during a streamed generate ----------------------------------------------------------------
 
 
-class SlowSampling(StreamActivities):
-    """Each decode step takes a while: the generate is still running when the CLI is interrupted."""
+class SlowSampling(_SlowSampling):
+    """Each decode step takes 50 ms: the 400-token generate runs 20 s at least, longer than a CLI on
+    a saturated machine takes to leave after Ctrl-C (it took more than the 4 s of 10 ms steps)."""
 
-    step_s = 0.01
-
-    def engine(self, model):  # the base class's engine, its decode steps slowed
-        eng = super().engine(model)
-        if not getattr(eng, "_slowed", False):
-            inner = eng.slots.step
-
-            def step(handles, tokens):
-                time.sleep(self.step_s)
-                return inner(handles, tokens)
-
-            eng.slots.step = step
-            eng._slowed = True
-        return eng
+    step_s = 0.05
 
 
 async def test_ctrl_c_during_a_streamed_generate_says_where_the_result_will_be(temporal_env, tmp_path):
@@ -252,7 +240,7 @@ async def test_ctrl_c_during_a_streamed_generate_says_where_the_result_will_be(t
         assert err.strip().splitlines() == [
             f"interrupted: chunk 2 goes on in the worker; its result: mamba-stream tokens {sid} --seq 2"], err
         # it did: the chunk commits, whole, and the command named gets its result
-        await eventually(lambda: _committed(stack, sid, 2), timeout=30)
+        await eventually(lambda: _committed(stack, sid, 2), timeout=90)
         [entry] = [json.loads(line) for line in (await _ok(env, "tokens", sid, "--seq", "2", "--json")).splitlines()]
         assert entry["done"] and entry["chunk_seq"] == 2 and len(entry["tokens"]) == 400
 
