@@ -85,7 +85,8 @@ _TRANSIENT = {RPCStatusCode.UNAVAILABLE, RPCStatusCode.DEADLINE_EXCEEDED, RPCSta
 def transient(err: BaseException) -> bool:
     """Whether `err` is a client call that may pass if sent again unchanged: an update or query
     RPC that timed out, a server that could not take it now, a stream whose workflow task is being
-    retried, a stream moving to a new run (`StreamMoving`). A chunk's own failure, or a refusal,
+    retried, a query the worker's deadlock detector cut short, a stream moving to a new run
+    (`StreamMoving`). A chunk's own failure, or a refusal,
     is never transient."""
     if isinstance(err, WorkflowUpdateRPCTimeoutOrCancelledError):
         return True
@@ -103,6 +104,11 @@ def transient(err: BaseException) -> bool:
             return True
         # a query the stream's worker did not answer in time (its task expired in the queue)
         return err.status == RPCStatusCode.NOT_FOUND and "query task not found" in str(err)
+    if isinstance(err, WorkflowQueryFailedError):
+        # the worker's deadlock detector failed the activation that ran the query: it took over
+        # 2 s (TMPRL1101: a long GC pause of a worker holding many streams, a saturated machine).
+        # A query only reads: asked again, it is answered. Its own failures stay failures.
+        return "_DeadlockError" in str(err) or "TMPRL1101" in str(err)
     return False
 
 log = logging.getLogger(__name__)
@@ -187,7 +193,8 @@ class StreamClient:
         while True:
             try:
                 return await call()
-            except (RPCError, WorkflowUpdateRPCTimeoutOrCancelledError, WorkflowUpdateFailedError) as err:
+            except (RPCError, WorkflowUpdateRPCTimeoutOrCancelledError, WorkflowUpdateFailedError,
+                    WorkflowQueryFailedError) as err:
                 # the SDK turns a cancelled update call into WorkflowUpdateRPCTimeoutOrCancelledError,
                 # which is transient: sent again, the caller's cancellation (a Ctrl-C, a wait_for
                 # that expired) would be lost and the call would go on forever

@@ -13,16 +13,17 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 from temporalio.client import WorkflowExecutionStatus
 
+from activities import StreamActivities
 from cli._streams import add_stream_commands
 from tests.workflows import conftest as workflow_fixtures
 from tests.workflows.conftest import Stack, eventually, make_stack
-from tests.workflows.test_token_stream import SlowSampling as _SlowSampling
 from worker import WorkerConfig
 from workflows import ClientConfig, OpenFailed, StreamClient
 
@@ -208,32 +209,51 @@ async def test_a_client_configured_like_the_worker_finds_its_server_and_a_refuse
 # --- Ctrl-C during a streamed generate ----------------------------------------------------------------
 
 
-class SlowSampling(_SlowSampling):
-    """Each decode step takes 50 ms: the 400-token generate runs 20 s at least, longer than a CLI on
-    a saturated machine takes to leave after Ctrl-C (it took more than the 4 s of 10 ms steps)."""
+class GatedSampling(StreamActivities):
+    """A generate whose decode steps stop after the first few, until the test opens the gate: the
+    chunk cannot commit before the CLI has left, however loaded the machine (a 4 s chunk of 10 ms
+    steps, then a 20 s one of 50 ms steps, each committed first on a saturated machine)."""
 
-    step_s = 0.05
+    gate = threading.Event()
+    open_steps = 8
+
+    def engine(self, model):  # the base class's engine, its decode steps held at the gate
+        eng = super().engine(model)
+        if not getattr(eng, "_gated", False):
+            inner, steps = eng.slots.step, [0]
+
+            def step(handles, tokens):
+                steps[0] += 1
+                if steps[0] > self.open_steps:
+                    self.gate.wait(120)  # bounded: a test that fails never leaves the engine held
+                return inner(handles, tokens)
+
+            eng.slots.step = step
+            eng._gated = True
+        return eng
 
 
 async def test_ctrl_c_during_a_streamed_generate_says_where_the_result_will_be(temporal_env, tmp_path):
-    stack = await make_stack(temporal_env, tmp_path, acts_cls=SlowSampling)
+    GatedSampling.gate.clear()
+    stack = await make_stack(temporal_env, tmp_path, acts_cls=GatedSampling)
     async with stack.exits:
         env = _env(stack, _keyfile(stack, tmp_path))
         sid = await stack.streams.open("alice", "tiny-mamba2")
         await stack.streams.advance(sid, "alice", text="Once upon a time")
         proc = await asyncio.to_thread(
-            subprocess.Popen, [sys.executable, "-m", "cli", "generate", sid, "--principal", "alice", "-n", "400",
+            subprocess.Popen, [sys.executable, "-m", "cli", "generate", sid, "--principal", "alice", "-n", "40",
                                "--seed", "3"], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
             first = await asyncio.to_thread(proc.stdout.read, 1)  # its first tokens are on the screen
             assert first, proc.stderr.read().decode()
-            assert (await stack.streams.stats(sid)).chunk_seq == 1  # chunk 2 is running
             proc.send_signal(signal.SIGINT)
-            code = await asyncio.to_thread(proc.wait, 30)
+            # the command leaves while the chunk is held: it does not wait for the chunk it no longer
+            # shows (it used to retry its update until the chunk committed)
+            code = await asyncio.to_thread(proc.wait, 60)
             err = proc.stderr.read().decode()
-            # at once: the command does not wait for the chunk it no longer shows (it used to retry its update)
             assert (await stack.streams.stats(sid)).chunk_seq == 1
         finally:
+            GatedSampling.gate.set()
             if proc.poll() is None:
                 proc.kill()
         assert code == 130, err
@@ -242,7 +262,7 @@ async def test_ctrl_c_during_a_streamed_generate_says_where_the_result_will_be(t
         # it did: the chunk commits, whole, and the command named gets its result
         await eventually(lambda: _committed(stack, sid, 2), timeout=90)
         [entry] = [json.loads(line) for line in (await _ok(env, "tokens", sid, "--seq", "2", "--json")).splitlines()]
-        assert entry["done"] and entry["chunk_seq"] == 2 and len(entry["tokens"]) == 400
+        assert entry["done"] and entry["chunk_seq"] == 2 and len(entry["tokens"]) == 40
 
 
 async def _committed(stack: Stack, sid: str, seq: int) -> bool:
