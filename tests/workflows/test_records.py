@@ -24,6 +24,10 @@ def test_entries_are_numbered_from_the_streams_first_and_the_oldest_leave_past_t
     # a reader behind the base gets what is left, and learns where the log now starts
     assert [e.chunk_seq for e in batch.events] == [3, 4, 5] and batch.base_offset == 2
     assert batch.next_offset == 5 and not batch.more and not batch.closed
+    # a reader behind the base whose read is cut at its count goes on after the last entry it got
+    # (docs/mutants/31-2: counting from the request's offset would read entries 2 and 3 again)
+    cut = log.read(ReadTokensRequest(from_offset=0, max_events=2))
+    assert [e.offset for e in cut.events] == [2, 3] and cut.more and cut.next_offset == 4
     assert log.read(ReadTokensRequest(from_offset=5)).events == []
     assert log.read(ReadTokensRequest(from_offset=5), closed=True).closed
     assert not log.read(ReadTokensRequest(from_offset=4), closed=True).closed  # closed only once read out
