@@ -3,7 +3,7 @@
     client = await Client.connect(address, plugins=[MambaStreamPlugin()])          # a client
     client = await Client.connect(address, plugins=[MambaStreamPlugin(keyring=ring, activities=acts)])
 
-It registers MambaStreamWorkflow and the example AgentWorkflow, the stream activities (when
+It registers MambaStreamWorkflow and the example ChatAgent (a workflow that owns its stream), the stream activities (when
 given), and builds on the data converter and workflow runner it is given rather than replacing
 them: the payload converter becomes the pydantic one (with the typed refusal of payloads the
 keyring cannot open), the keyring's AES-256-GCM codec is added after any codec already there
@@ -53,7 +53,6 @@ from temporalio.service import ConnectConfig, ServiceClient
 from temporalio.worker import WorkerConfig, WorkflowRunner
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
-from activities import agent_feed_stream
 from state_codec.keyring import Keyring
 from state_codec import SEALER_KEY
 from state_codec.payload import (
@@ -63,7 +62,7 @@ from state_codec.payload import (
     TypedFailureConverter,
     with_sealer,
 )
-from workflows import PROGRESS_INTERVAL_S, AgentWorkflow, ClientConfig, MambaStreamWorkflow, WorkerUnhealthy
+from workflows import PROGRESS_INTERVAL_S, ChatAgent, ClientConfig, MambaStreamWorkflow, WorkerUnhealthy
 
 __all__ = ["MambaStreamPlugin", "close_native_clients", "data_converter", "heartbeat_throttle"]
 
@@ -224,9 +223,7 @@ class MambaStreamPlugin(SimplePlugin):
 
     def __init__(self, *, keyring: Keyring | None = None, activities: Any = None) -> None:
         ring = keyring if keyring is not None else ClientConfig().load_keyring()
-        served: list[Callable[..., Any]] = [agent_feed_stream]
-        if activities is not None:
-            served = [*activities.activities(), *served]
+        served: list[Callable[..., Any]] = list(activities.activities()) if activities is not None else []
         self._activities = activities
         self._running = 0
 
@@ -236,7 +233,7 @@ class MambaStreamPlugin(SimplePlugin):
         super().__init__(
             "mamba_stream.MambaStreamPlugin",
             data_converter=lambda existing: data_converter(ring, existing),
-            workflows=lambda existing: [*(existing or []), MambaStreamWorkflow, AgentWorkflow],
+            workflows=lambda existing: [*(existing or []), MambaStreamWorkflow, ChatAgent],
             activities=add,
             workflow_runner=_runner,
             run_context=self._serving if activities is not None else None,

@@ -1,5 +1,5 @@
 """Worker-side pieces: the stream activities, the models they serve, their engines (slot tables and
-batching), state stores, and the example agent's activity (`agent_feed_stream`).
+batching), state stores.
 
     from activities import open_store
     store = open_store("file:///var/lib/mamba-stream")     # or postgresql://user@host/db
@@ -42,7 +42,6 @@ __all__ = [
     "StreamMetrics",
     "SweepReport",
     "WorkerHealth",
-    "agent_feed_stream",
     "claim_store",
     "open_store",
     "sweep_orphans",
@@ -59,8 +58,7 @@ def __getattr__(name: str):
     homes = {"StreamActivities": "_stream", "ModelRegistry": "_registry", "StreamEngine": "_engine",
              "SlotTable": "_slots", "StreamMetrics": "_metrics", "HISTOGRAM_BUCKETS": "_metrics",
              "SweepReport": "_sweep", "sweep_orphans": "_sweep",
-             "claim_store": "_sweep",
-             "agent_feed_stream": "_agent"}
+             "claim_store": "_sweep"}
     if name in homes:
         import importlib
 

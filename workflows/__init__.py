@@ -7,7 +7,7 @@
     result = await streams.advance(sid, "alice", text="hello")   # update id: chunk_seq, epoch, content
 """
 
-from workflows._agent import AgentWorkflow
+from workflows._agent import ChatAgent, ChatEnd, ChatInput, ChatMessage, ChatReply
 from workflows._client import GenerateStream, StreamClient, id_key, new_stream_id
 from workflows._config import DEFAULT_TASK_QUEUE, ClientConfig
 from workflows._failures import (
@@ -36,7 +36,6 @@ from workflows._failures import (
 )
 from workflows._models import (
     ACTIVITY_ADVANCE,
-    ACTIVITY_AGENT_FEED,
     ACTIVITY_CHECKPOINT,
     ACTIVITY_DISPOSE,
     ACTIVITY_GENERATE,
@@ -54,10 +53,8 @@ from workflows._models import (
     AdvanceChunkResult,
     AdvanceRequest,
     AdvanceResult,
-    AgentFeedRequest,
-    AgentInput,
-    AgentResult,
     CancelRequest,
+    CarriedStream,
     CarrySeal,
     CarrySealRequest,
     CheckpointRequest,
@@ -76,6 +73,7 @@ from workflows._models import (
     RecallResultRequest,
     RecallResultResult,
     ResetRequest,
+    SealedRequest,
     ResetStreamRequest,
     RewindRequest,
     RewindResult,
@@ -93,6 +91,7 @@ from workflows._models import (
     parse_update_id,
     update_id,
 )
+from workflows._model_stream import ModelStream, TokenLogQueries, check_sender
 from workflows._stream import MambaStreamWorkflow
 
 __all__ = [
@@ -102,10 +101,13 @@ __all__ = [
     "ActivityFailed",
     "AdvanceRequest",
     "AdvanceResult",
-    "AgentInput",
-    "AgentResult",
-    "AgentWorkflow",
     "CancelRequest",
+    "CarriedStream",
+    "ChatAgent",
+    "ChatEnd",
+    "ChatInput",
+    "ChatMessage",
+    "ChatReply",
     "CheckpointRequest",
     "CheckpointResult",
     "ChunkTooLarge",
@@ -119,11 +121,13 @@ __all__ = [
     "InvalidRequest",
     "LocalTooSlow",
     "MambaStreamWorkflow",
+    "ModelStream",
     "ModelInfo",
     "OpenFailed",
     "OpenStreamInput",
     "ResetRequest",
     "ResultExpired",
+    "SealedRequest",
     "RewindPastWindow",
     "RewindRequest",
     "RewindResult",
@@ -137,6 +141,7 @@ __all__ = [
     "StreamStats",
     "TokenBatch",
     "TokenEvent",
+    "TokenLogQueries",
     "TokenLogprob",
     "TokenOutOfRange",
     "TokenProgress",
@@ -145,6 +150,7 @@ __all__ = [
     "WorkerUnhealthy",
     "application_error",
     "catalogue",
+    "check_sender",
     "chunk_digest",
     "id_key",
     "new_stream_id",
@@ -154,7 +160,6 @@ __all__ = [
 #: the workflow<->activity contract: activity names, their request and result models
 __all__ += [
     "ACTIVITY_ADVANCE",
-    "ACTIVITY_AGENT_FEED",
     "ACTIVITY_CHECKPOINT",
     "ACTIVITY_DISPOSE",
     "ACTIVITY_GENERATE",
@@ -169,7 +174,6 @@ __all__ += [
     "PROGRESS_BYTES",
     "AdvanceChunkRequest",
     "AdvanceChunkResult",
-    "AgentFeedRequest",
     "CarrySeal",
     "CarrySealRequest",
     "CheckpointStreamRequest",

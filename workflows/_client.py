@@ -242,6 +242,12 @@ class StreamClient:
     def handle(self, stream_id: str) -> WorkflowHandle:
         return self.client.get_workflow_handle_for(MambaStreamWorkflow.run, stream_id)
 
+    def new_id(self, principal: str) -> str:
+        """A new stream id for `principal` (`new_stream_id`, tagged from this client's keyring):
+        the id to start a workflow that owns a `ModelStream` under, so that its payloads are
+        sealed under the principal's history key and this client's readers open them."""
+        return new_stream_id(_principal_tag(self.client, principal))
+
     async def open(self, principal: str, model_id: str, *, options: StreamOptions | None = None,
                    input_transform: str | None = None, resume: Receipt | None = None,
                    stream_id: str | None = None, wait: bool = True,
@@ -260,7 +266,7 @@ class StreamClient:
                 queue; the stream was terminated, before any of it ran, so it leaves nothing
                 behind. Its details name the `stream_id`, the `task_queue` and the `waited_s`.
         """
-        sid = stream_id or new_stream_id(_principal_tag(self.client, principal))
+        sid = stream_id or self.new_id(principal)
         inp = self.sign("open", sid, OpenStreamInput(principal=principal, model_id=model_id,
                                                      input_transform=input_transform, resume=resume,
                                                      options=options or StreamOptions()))
@@ -816,6 +822,9 @@ class _Reader:
         self.token = b""  # where this reader's history of the run ends (the server's page token)
         self.names: dict[str, str] = {}  # update id -> update name, accepted in this run
         self.live: int | None = None  # the scheduled event of a generate activity running now
+        #: a workflow of another type than MambaStreamWorkflow, owning a `ModelStream`: any of its updates
+        #: may have generated (its own names), so each one's completion reads the log
+        self.owner = False
         self.next_read = 0.0  # (event loop time) no history read before this
         self.shown: _Shown | None = None
         self._closed = False  # the last read said the stream is cancelled
@@ -874,6 +883,7 @@ class _Reader:
         if desc.status != WorkflowExecutionStatus.RUNNING:
             return False
         self.run_id, self.token, self.names, self.live = desc.run_id, b"", {}, None
+        self.owner = desc.workflow_type != getattr(MambaStreamWorkflow, "__temporal_workflow_definition").name
         seen = 0
         while seen < desc.history_length:
             page = await self._call(lambda: self._page(False))
@@ -910,12 +920,13 @@ class _Reader:
                 self.names[req.meta.update_id] = req.input.name
             elif e.HasField("workflow_execution_update_completed_event_attributes"):
                 uid = e.workflow_execution_update_completed_event_attributes.meta.update_id
-                read = read or self.names.get(uid) == _GENERATE
+                read = read or self.owner or self.names.get(uid) == _GENERATE
             elif e.HasField("activity_task_scheduled_event_attributes"):
                 if e.activity_task_scheduled_event_attributes.activity_type.name == ACTIVITY_GENERATE:
                     self.live = e.event_id
             elif any(e.HasField(f) and getattr(e, f).scheduled_event_id == self.live for f in _ACTIVITY_ENDS):
                 self.live = None
+                read = read or self.owner  # an owner's generate may have run outside an update
             elif e.event_type in _CLOSING:
                 over = True
         return read, over

@@ -17,7 +17,6 @@ from state_codec import Receipt
 
 __all__ = [
     "ACTIVITY_ADVANCE",
-    "ACTIVITY_AGENT_FEED",
     "ACTIVITY_CHECKPOINT",
     "ACTIVITY_DISPOSE",
     "ACTIVITY_GENERATE",
@@ -32,10 +31,8 @@ __all__ = [
     "AdvanceChunkResult",
     "AdvanceRequest",
     "AdvanceResult",
-    "AgentFeedRequest",
-    "AgentInput",
-    "AgentResult",
     "CancelRequest",
+    "CarriedStream",
     "CarrySeal",
     "CarrySealRequest",
     "CheckpointRequest",
@@ -109,7 +106,7 @@ class _ActivityResult(_Sealed, _Model):
     by its id with a result of their own (`MambaStreamWorkflow._call` takes only the workers')."""
 
 
-class _Strict(_Sealed, _Model):
+class SealedRequest(_Sealed, _Model):
     """A request from a caller: no coercion ("7" is not 7, true is not 1), no NaN or infinity,
     every number bounded. A request that does not validate is refused before it reaches history.
     Who sealed it (the key that opened its payload) travels beside it (`_Sealed`)."""
@@ -127,7 +124,7 @@ _SIGNATURE = Field(default=None, description="Ed25519 signature of the request b
                    "(state_codec.signing); required by workers configured with principals' keys")
 
 
-class _Signed(_Strict):
+class _Signed(SealedRequest):
     """A request a client may sign: its claims are its fields but the signature."""
 
     signature: str | None = _SIGNATURE
@@ -165,7 +162,7 @@ TIMEOUT_FLOORS: dict[str, float] = {
 }
 
 
-class StreamOptions(_Strict):
+class StreamOptions(SealedRequest):
     """Per-stream knobs, fixed at open time. Timeouts have floors (`TIMEOUT_FLOORS`)."""
 
     affinity: bool = Field(default=True, description="send activities to the worker holding the hot state")
@@ -483,7 +480,7 @@ class TokenProgress(_Model):
 READ_EVENTS = 256
 
 
-class ReadTokensRequest(_Strict):
+class ReadTokensRequest(SealedRequest):
     """Read a stream's token log from `from_offset` (the `read_tokens` query)."""
 
     from_offset: int = Field(default=0, ge=0, le=MAX_INDEX)
@@ -537,7 +534,18 @@ class CarrySealRequest(_Model):
                                          "as the server says (workflow.info().continued_run_id)")
 
 
-class OpenStreamInput(_Strict):
+class CarriedStream(_Model):
+    """A `ModelStream` handed to the next run of its workflow (`ModelStream.carry_over`, then
+    `ModelStream.carried_over` in the run that continue-as-new starts): the stream's record and
+    the workers' seal on it for this workflow and run."""
+
+    carry: StreamCarry
+    seal: CarrySeal | None = None
+    options: StreamOptions = Field(default_factory=StreamOptions)
+    input_transform: str | None = None
+
+
+class OpenStreamInput(SealedRequest):
     """Start input of MambaStreamWorkflow."""
 
     principal: str
@@ -672,30 +680,6 @@ class DisposeStreamResult(_ActivityResult):
 
 
 # --- the example agent -------------------------------------------------------------------------
-
-ACTIVITY_AGENT_FEED = "agent_feed_stream"
-
-
-class AgentInput(_Model):
-    """A conversation: each turn's text is fed to the agent's own stream, in order."""
-
-    principal: str
-    model_id: str
-    turns: list[str]
-    options: StreamOptions = Field(default_factory=StreamOptions)
-
-
-class AgentFeedRequest(_Model):
-    stream_id: str
-    principal: str
-    chunk_seq: int
-    text: str
-
-
-class AgentResult(_Model):
-    stream_id: str
-    turns: list[AdvanceResult]
-
 
 def carry_digest(carry: StreamCarry) -> str:
     """sha256 of the carry's JSON, fields at their defaults left out (so a field added later with

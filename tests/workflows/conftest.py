@@ -21,11 +21,10 @@ from temporalio.worker import Replayer, Worker
 from activities import open_store
 from activities._registry import ModelRegistry
 from activities._stream import StreamActivities
-from activities._agent import agent_feed_stream
 from plugin import MambaStreamPlugin, _runner, data_converter, heartbeat_throttle
 from state_codec.codec import Keyring
 from worker import start_dev_server, worker_slots
-from workflows import AgentWorkflow, MambaStreamWorkflow, StreamClient, StreamOptions
+from workflows import ChatAgent, MambaStreamWorkflow, StreamClient, StreamOptions
 
 # Short timeouts so that a dead worker is noticed in seconds, not minutes.
 # A worker that dies inside a workflow task (a local chunk) holds the stream up for task_timeout_s.
@@ -69,6 +68,8 @@ class Stack:
     store_url: str
     queue: str
     exits: AsyncExitStack
+    #: workflows of the test's own that own a `ModelStream` (run by its workers, replayed at exit)
+    owners: tuple[type, ...] = ()
 
     @property
     def address(self) -> str:
@@ -84,11 +85,11 @@ class Stack:
         acts = acts or self.new_activities()
         if workflows and activities:
             client = await Client.connect(self.address, plugins=[MambaStreamPlugin(keyring=self.keyring, activities=acts)])
-            kw: dict = {}
+            kw: dict = {"workflows": list(self.owners)} if workflows and self.owners else {}
         else:
             client = await Client.connect(self.address, data_converter=data_converter(self.keyring))
-            kw = {"workflows": [MambaStreamWorkflow, AgentWorkflow] if workflows else [],
-                  "activities": [*acts.activities(), agent_feed_stream] if activities else [],
+            kw = {"workflows": [MambaStreamWorkflow, ChatAgent, *self.owners] if workflows else [],
+                  "activities": acts.activities() if activities else [],
                   "workflow_runner": _runner(None), "max_heartbeat_throttle_interval": heartbeat_throttle()}
         await self.exits.enter_async_context(Worker(client, task_queue=self.queue, **kw,
                                                     **worker_slots(workflows=workflows, activities=8, locals_=8)))
@@ -126,7 +127,8 @@ def failed_tasks(history: WorkflowHistory) -> list[str]:
             if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED]
 
 
-async def replay(client: Client, queue: str, keyring: Keyring, keep: Path | None = None) -> int:
+async def replay(client: Client, queue: str, keyring: Keyring, keep: Path | None = None,
+                 owners: tuple[type, ...] = ()) -> int:
     """Replay every run recorded on `queue` with this checkout's workflow code (the determinism
     check a deployment's new version must pass); keep the histories as JSON in `keep`. Returns how
     many runs were replayed; raises on the first that does not replay."""
@@ -135,7 +137,7 @@ async def replay(client: Client, queue: str, keyring: Keyring, keep: Path | None
         keep.mkdir(parents=True, exist_ok=True)
         for h in runs:
             (keep / f"{h.workflow_id}.{h.events[0].event_time.ToMilliseconds()}.json").write_text(h.to_json())
-    replayer = Replayer(workflows=[MambaStreamWorkflow, AgentWorkflow], data_converter=data_converter(keyring),
+    replayer = Replayer(workflows=[MambaStreamWorkflow, ChatAgent, *owners], data_converter=data_converter(keyring),
                         workflow_runner=_runner(None))
     # a run that has decided nothing yet (continued as new as its worker stopped: its history is the
     # started event alone) has nothing to replay, and the Replayer waits on it forever
@@ -155,7 +157,7 @@ async def _aiter(items):
 
 async def make_stack(env: WorkflowEnvironment, tmp_path: Path, *, backend: str = "reference",
                      acts_cls: type[StreamActivities] = StreamActivities, start_worker: bool = True,
-                     replay_at_exit: bool = True) -> Stack:
+                     replay_at_exit: bool = True, owners: tuple[type, ...] = ()) -> Stack:
     """A test's world; when it closes, every run it recorded is replayed (`replay`)."""
     ring = Keyring.generate()
     store_url = f"file://{tmp_path / 'states'}"
@@ -166,8 +168,8 @@ async def make_stack(env: WorkflowEnvironment, tmp_path: Path, *, backend: str =
         keep = Path(HISTORIES) / re.sub(r"[^\w.-]+", "_", os.environ.get("PYTEST_CURRENT_TEST", queue))[:150] \
             if HISTORIES else tmp_path / "histories"
         # registered first, so it runs last: after the test's workers have stopped
-        exits.push_async_callback(lambda: replay(client, queue, ring, keep))
-    stack = Stack(env, client, StreamClient(client, queue), None, ring, store_url, queue, exits)  # type: ignore[arg-type]
+        exits.push_async_callback(lambda: replay(client, queue, ring, keep, owners))
+    stack = Stack(env, client, StreamClient(client, queue), None, ring, store_url, queue, exits, owners)  # type: ignore[arg-type]
     stack.acts = stack.new_activities(acts_cls, backend=backend)
     if start_worker:
         await stack.worker(stack.acts)

@@ -15,7 +15,6 @@ from state_codec.payload import ENCRYPTED_ENCODING
 from tests.workflows.conftest import Stack, eventually, local_marker_meta
 from tests.workflows.test_stream_workflow import digest, local, reason
 from worker import temporal_binary
-from workflows import AgentInput, AgentWorkflow
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -214,22 +213,6 @@ async def test_history_holds_no_plaintext(stack: Stack):
     for needle in (secret.encode(), b"SECRET", r.receipt.state_key.encode(), r.receipt.checksum.encode(),
                    b"alice", b"principal", b"receipt"):
         assert needle not in raw, needle
-
-
-async def test_agent_workflow_owns_its_stream(stack: Stack):
-    model = local("tiny-mamba2")
-    turns = ["Hi, I am an agent. ", "Turn two. ", "Turn three."]
-    handle = await stack.client.start_workflow(
-        AgentWorkflow.run, AgentInput(principal="alice", model_id="tiny-mamba2", turns=turns),
-        id=f"agent-{stack.queue}", task_queue=stack.queue)
-    res = await handle.result()
-    assert [t.chunk_seq for t in res.turns] == [1, 2, 3]
-    truth = model.advance(model.initial_state(), model.transform.encode("".join(turns)))
-    assert res.turns[-1].receipt.checksum == plaintext_checksum(truth.state.tensors)
-    # the agent is done: its stream was asked to cancel, and disposed of its state
-    with pytest.raises(WorkflowFailureError):
-        await stack.streams.handle(res.stream_id).result()
-    await eventually(lambda: _empty(stack, res.stream_id))
 
 
 async def _empty(stack: Stack, sid: str) -> bool:

@@ -92,6 +92,6 @@ def test_every_caller_request_with_tokens_and_text_is_covered_here():
     """A request model added later with both fields must take exactly one of them as well: the
     tests above name the ones there are. (Results, e.g. GenerateResult, carry both on purpose.)"""
     requests = sorted(name for name, cls in vars(models).items()
-                      if isinstance(cls, type) and issubclass(cls, models._Strict)
-                      and cls is not models._Strict and {"tokens", "text"} <= set(cls.model_fields))
+                      if isinstance(cls, type) and issubclass(cls, models.SealedRequest)
+                      and cls is not models.SealedRequest and {"tokens", "text"} <= set(cls.model_fields))
     assert requests == ["AdvanceRequest"]

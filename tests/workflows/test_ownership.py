@@ -12,6 +12,7 @@ import json
 import uuid
 
 import pytest
+from temporalio import workflow
 from temporalio.api.common.v1 import Payload, Payloads, WorkflowExecution
 from temporalio.api.enums.v1 import UpdateWorkflowExecutionLifecycleStage
 from temporalio.api.update.v1 import Input, Meta, Request, WaitPolicy
@@ -31,6 +32,7 @@ from workflows import (
     CheckpointRequest,
     GenerateRequest,
     MambaStreamWorkflow,
+    ModelStream,
     OpenStreamInput,
     ResetRequest,
     StreamClient,
@@ -385,14 +387,14 @@ async def test_a_carry_from_a_version_that_did_not_seal_carries_is_taken_on_the_
     run continues nothing, is refused (the forged-carry test above)."""
     from tests.workflows.conftest import make_stack
 
-    sealing = MambaStreamWorkflow._seal_carry
+    sealing = ModelStream.seal_carry
 
     async def unsealed(self, carry):  # noqa: ANN001, ANN202
         # the first run is the old version's: it continues as new without a seal (and without
         # marking history: the real code replays it as such); the runs after it are this version's
-        return None if self._inp.carry is None else await sealing(self, carry)
+        return None if workflow.info().continued_run_id is None else await sealing(self, carry)
 
-    monkeypatch.setattr(MambaStreamWorkflow, "_seal_carry", unsealed)
+    monkeypatch.setattr(ModelStream, "seal_carry", unsealed)
     stack = await make_stack(can_env, tmp_path)
     async with stack.exits:
         model = local("tiny-mamba2")

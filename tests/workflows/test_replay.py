@@ -13,8 +13,8 @@ from activities._stream import StreamActivities
 from state_codec.codec import plaintext_checksum
 from tests.workflows.conftest import FAST, Stack, failed_tasks, histories, make_stack, replay
 from tests.workflows.test_stream_workflow import local
-from workflows import MambaStreamWorkflow
-from workflows._stream import LOCAL_PAUSE_CHUNKS
+from workflows import ModelStream
+from workflows._model_stream import LOCAL_PAUSE_CHUNKS
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -28,12 +28,12 @@ async def test_the_replay_pass_fails_when_the_code_takes_another_path_than_histo
     assert await replay(stack.client, stack.queue, stack.keyring) == 1  # the code that recorded it replays it
 
     # the same history, replayed by code that would send these chunks the regular way
-    original = MambaStreamWorkflow._run_chunk
+    original = ModelStream._run_chunk
 
     async def regular(self, name, arg, result_type, size, chunk_seq, *, local=True):
         return await original(self, name, arg, result_type, size, chunk_seq, local=False)
 
-    monkeypatch.setattr(MambaStreamWorkflow, "_run_chunk", regular)
+    monkeypatch.setattr(ModelStream, "_run_chunk", regular)
     with pytest.raises(AssertionError, match="does not replay.*[Nn]ondetermin"):
         await replay(stack.client, stack.queue, stack.keyring)
     monkeypatch.undo()  # the stack's own replay at exit runs the real code
