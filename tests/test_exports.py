@@ -51,7 +51,7 @@ EXPECTED = {
     ],
     "workflows": [
         "DEFAULT_TASK_QUEUE", "NOT_THE_CHUNKS_FAULT", "PROGRESS_INTERVAL_S", "ActivityFailed", "AdvanceRequest", "AdvanceResult",
-        "CancelRequest", "CarriedStream", "ChatAgent", "ChatEnd", "ChatInput", "ChatMessage", "ChatReply", "CheckpointRequest", "CheckpointResult",
+        "CancelRequest", "CarriedStream", "ChatAgent", "ChatInput", "ChatMessage", "CheckpointRequest", "CheckpointResult",
         "ChunkTooLarge", "ClientConfig", "ConflictingChunk", "EmptyContext", "GenerateRequest",
         "GenerateResult", "GenerateStream", "InternalError", "InvalidRequest", "LocalTooSlow", "MambaStreamWorkflow", "ModelStream", "ModelInfo",
         "OpenFailed", "OpenStreamInput", "ResetRequest", "ResultExpired", "SealedRequest", "RewindPastWindow", "RewindRequest",

@@ -27,3 +27,12 @@ def test_the_readmes_stream_ids_have_the_shape_open_prints():
     assert re.search(shape, README)
     assert re.fullmatch(r"ms\.[0-9a-f]+\.[0-9a-f]{32}", new_stream_id("3b1f0c2a"))
     assert "ms-" not in README  # the old shape
+
+
+def test_the_readmes_agent_is_the_shipped_example_whole():
+    """The "Embed a stream" section shows workflows/_agent.py's models and workflow as they are
+    (which tests/workflows/test_agent.py runs through a SIGKILL), not a copy that drifts."""
+    [block] = re.findall(r"### Embed a stream in your agent workflow\n.*?```python\n(.*?)```", README, re.S)
+    shipped = (ROOT / "workflows" / "_agent.py").read_text()
+    assert block.startswith("class ChatInput(") and shipped.rstrip().endswith(block.rstrip())
+    assert len(block.strip().splitlines()) <= 50

@@ -7,7 +7,7 @@
     result = await streams.advance(sid, "alice", text="hello")   # update id: chunk_seq, epoch, content
 """
 
-from workflows._agent import ChatAgent, ChatEnd, ChatInput, ChatMessage, ChatReply
+from workflows._agent import ChatAgent, ChatInput, ChatMessage
 from workflows._client import GenerateStream, StreamClient, id_key, new_stream_id
 from workflows._config import DEFAULT_TASK_QUEUE, ClientConfig
 from workflows._failures import (
@@ -104,10 +104,8 @@ __all__ = [
     "CancelRequest",
     "CarriedStream",
     "ChatAgent",
-    "ChatEnd",
     "ChatInput",
     "ChatMessage",
-    "ChatReply",
     "CheckpointRequest",
     "CheckpointResult",
     "ChunkTooLarge",
