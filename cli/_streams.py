@@ -17,7 +17,6 @@ __all__ = ["add_stream_commands"]
 
 #: the stream workflow's type name (`@workflow.defn(name=...)` of workflows.MambaStreamWorkflow):
 #: what `list` asks Temporal's visibility for
-_STREAM_TYPE = "MambaStream"
 
 
 class _CliError(Exception):
@@ -217,10 +216,10 @@ async def _cancel(args: argparse.Namespace) -> int:
 
 
 async def _list(args: argparse.Namespace) -> int:
-    from workflows import ClientConfig
+    from workflows import STREAM_WORKFLOW_TYPE, ClientConfig
 
     client = await _connect(args)
-    query = f"WorkflowType = '{_STREAM_TYPE}'"
+    query = f"WorkflowType = '{STREAM_WORKFLOW_TYPE}'"
     if not args.all_queues:
         queue = args.task_queue or ClientConfig().task_queue
         if "'" in queue:

@@ -208,12 +208,9 @@ class _TypedJSONPayloadConverter(PydanticJSONPlainPayloadConverter):
         try:
             value = super().from_payload(payload, type_hint)
         except ValidationError as exc:
-            from workflows import InvalidRequest, application_error
+            from workflows import invalid_request
 
-            errors = [{"loc": ".".join(str(p) for p in e["loc"]), "msg": e["msg"]} for e in exc.errors()[:8]]
-            name = getattr(type_hint, "__name__", "value")
-            first = "; ".join(f"{e['loc'] or name}: {e['msg']}" for e in errors[:3])
-            raise application_error(InvalidRequest(f"invalid {name}: {first}", errors=errors)) from None
+            raise invalid_request(getattr(type_hint, "__name__", "value"), exc) from None
         private = getattr(value, "__private_attributes__", None)
         if private and SEALED_ATTR in private:
             # who sealed the request, as the codec found (None: it did not pass through one)

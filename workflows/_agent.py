@@ -45,8 +45,7 @@ class ChatAgent(TokenLogQueries):  # read_tokens, token_offset, receipt, stats: 
     @workflow.run
     async def run(self, inp: ChatInput) -> None:
         check_sender(inp, inp.principal, "start")  # the start input is the principal's
-        self.stream = await (ModelStream.carried_over(inp.carried) if inp.carried
-                             else ModelStream.open(inp.principal, inp.model_id, inp.options))
+        self.stream = await ModelStream.open(inp.principal, inp.model_id, inp.options, carried=inp.carried)
         try:
             await workflow.wait_condition(lambda: self.ended or workflow.info().is_continue_as_new_suggested())
             await workflow.wait_condition(workflow.all_handlers_finished)

@@ -10,6 +10,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from temporalio.api.common.v1 import WorkflowExecution
+from temporalio.api.enums.v1 import EventType, PendingWorkflowTaskState, TaskQueueType
+from temporalio.api.taskqueue.v1 import TaskQueue
+from temporalio.api.workflowservice.v1 import (
+    DescribeTaskQueueRequest,
+    GetWorkflowExecutionHistoryRequest,
+    ResetStickyTaskQueueRequest,
+)
 from temporalio.client import (
     Client,
     WorkflowExecutionDescription,
@@ -18,14 +26,6 @@ from temporalio.client import (
     WorkflowQueryFailedError,
     WorkflowUpdateFailedError,
     WorkflowUpdateRPCTimeoutOrCancelledError,
-)
-from temporalio.api.common.v1 import WorkflowExecution
-from temporalio.api.enums.v1 import EventType, PendingWorkflowTaskState, TaskQueueType
-from temporalio.api.taskqueue.v1 import TaskQueue
-from temporalio.api.workflowservice.v1 import (
-    DescribeTaskQueueRequest,
-    GetWorkflowExecutionHistoryRequest,
-    ResetStickyTaskQueueRequest,
 )
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.converter import WorkflowSerializationContext
@@ -47,6 +47,7 @@ from workflows._models import (
     ACTIVITY_OPEN,
     PROGRESS_INTERVAL_S,
     READ_EVENTS,
+    STREAM_WORKFLOW_TYPE,
     AdvanceRequest,
     AdvanceResult,
     CancelRequest,
@@ -883,7 +884,7 @@ class _Reader:
         if desc.status != WorkflowExecutionStatus.RUNNING:
             return False
         self.run_id, self.token, self.names, self.live = desc.run_id, b"", {}, None
-        self.owner = desc.workflow_type != getattr(MambaStreamWorkflow, "__temporal_workflow_definition").name
+        self.owner = desc.workflow_type != STREAM_WORKFLOW_TYPE
         seen = 0
         while seen < desc.history_length:
             page = await self._call(lambda: self._page(False))

@@ -47,6 +47,7 @@ __all__ = [
     "UpdateIdMismatch",
     "WorkerUnhealthy",
     "application_error",
+    "invalid_request",
     "catalogue",
 ]
 
@@ -199,3 +200,12 @@ def application_error(exc: BaseException, *, retryable: bool | None = None) -> A
     if retryable is None:
         retryable = bool(getattr(exc, "retryable", False))
     return ApplicationError(message, *([details] if details else []), type=reason, non_retryable=not retryable)
+
+
+def invalid_request(name: str, exc: Any) -> ApplicationError:
+    """A value that does not validate as model `name` (`exc`: pydantic's ValidationError), refused
+    typed `InvalidRequest`: its first fields in the message, up to eight in the details. An untyped
+    ValidationError would be retried (and, in workflow code, fail the workflow task each time)."""
+    errors = [{"loc": ".".join(str(p) for p in e["loc"]), "msg": e["msg"]} for e in exc.errors()[:8]]
+    first = "; ".join(f"{e['loc'] or name}: {e['msg']}" for e in errors[:3])
+    return application_error(InvalidRequest(f"invalid {name}: {first}", errors=errors))

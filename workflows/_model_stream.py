@@ -5,7 +5,7 @@ stream's receipt and returns the next one, exactly once through the commit proto
 it is short (on the worker that holds the stream's hot state), regular otherwise, affine to that
 worker while it lives. Chunk sequence and idempotency follow the owning workflow's history (a
 replay, a workflow-task retry or a worker's SIGKILL finds the chunk's record and answers it from
-there); continue-as-new carries the stream (`carry_over`, `carried_over`, sealed by the workers);
+there); continue-as-new carries the stream (`carry_over`, then `open(..., carried=)`, sealed by the workers);
 `dispose` destroys its state.
 
     stream = await ModelStream.open(inp.principal, inp.model_id, options)
@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+import functools
+from collections.abc import AsyncIterator, Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -63,6 +64,7 @@ with workflow.unsafe.imports_passed_through():
         StreamMoving,
         TokenOutOfRange,
         application_error,
+        invalid_request,
     )
     from workflows._models import (
         ACTIVITY_ADVANCE,
@@ -113,7 +115,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows._records import RecentResults, TokenLog
 
 __all__ = ["FORGED_RESULTS", "LOCAL_PAUSE_CHUNKS", "ModelStream", "TokenLogQueries", "check_advance",
-           "check_generate", "check_sender"]
+           "check_generate", "check_sender", "refused_arguments", "takes"]
 
 T = TypeVar("T")
 
@@ -152,6 +154,33 @@ def check_generate(req: GenerateRequest, opts: StreamOptions, position: int | No
                                               limit=opts.max_generate_tokens, actual=req.max_tokens))
     if position == 0:
         raise application_error(EmptyContext("nothing to continue from: feed a prompt before generating"))
+
+
+def refused_arguments(model: type, args: tuple[Any, ...]) -> ApplicationError | None:
+    """Why `args` are not what a handler takes, typed `InvalidRequest` (None: they are): exactly
+    one `model`. A payload that does not validate as `model` is refused by the converter already;
+    this catches what it lets through: no argument, JSON null, one too many. (The SDK drops the
+    arguments of a handler that takes none.)"""
+    if len(args) == 1 and isinstance(args[0], model):
+        return None
+    got = ", ".join(type(a).__name__ for a in args) or "no argument"
+    return application_error(InvalidRequest(f"the request takes one {model.__name__}, not {got}",
+                                            expected=model.__name__, actual=got))
+
+
+def takes(model: type) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """A validator's or a query's arguments, checked before it runs (`refused_arguments`): a
+    refused update writes nothing to history, a refused query nothing at all. The signature stays
+    the handler's, so the SDK converts the payloads as before."""
+    def wrap(fn: Callable[..., T]) -> Callable[..., T]:
+        @functools.wraps(fn)
+        def checked(self: Any, *args: Any) -> T:
+            refused = refused_arguments(model, args)
+            if refused is not None:
+                raise refused
+            return fn(self, *args)
+        return checked
+    return wrap
 
 
 def check_sender(req: Any, principal: str, what: str, *, replayable: bool = False) -> str:
@@ -193,8 +222,8 @@ def check_sender(req: Any, principal: str, what: str, *, replayable: bool = Fals
 class ModelStream:
     """One model stream, held by the workflow that owns it (its id is that workflow's id).
 
-    Build it with `open` (a new state, or one resumed from a receipt) or `carried_over` (what the
-    run before a continue-as-new handed over); then `advance`, `generate`, `reset`, `checkpoint`,
+    Build it with `open` (a new state, one resumed from a receipt, or what the run before a
+    continue-as-new handed over); then `advance`, `generate`, `reset`, `checkpoint`,
     and at the end `dispose`. Calls run one at a time, in the order they were made. A failure is
     raised typed (`ApplicationError`, `type` naming a class of `workflows.catalogue()`), and
     changes nothing of the stream. The workflow's cancellation cancels a chunk that runs; its
@@ -203,7 +232,7 @@ class ModelStream:
 
     def __init__(self, request: OpenStreamRequest, options: StreamOptions, carry: StreamCarry | None = None) -> None:
         """The stream's record, before any activity: opened by `start`, or carried and verified by
-        `verify_carry`. (`open` and `carried_over` do both.)"""
+        `verify_carry`. (`open` does either.)"""
         self.stream_id = request.stream_id
         self.principal = request.principal
         self.opts = options
@@ -232,24 +261,24 @@ class ModelStream:
 
     @classmethod
     async def open(cls, principal: str, model_id: str, options: StreamOptions | None = None, *,
-                   receipt: Receipt | None = None, input_transform: str | None = None) -> ModelStream:
-        """A new stream of `model_id` for `principal` in this workflow (`receipt`: continuing
-        from that checkpoint, which the workers verify belongs to this model and principal)."""
-        stream = cls(OpenStreamRequest(stream_id=workflow.info().workflow_id, principal=principal, model_id=model_id,
-                                       input_transform=input_transform, resume=receipt),
-                     options or StreamOptions())
-        await stream.start()
-        return stream
-
-    @classmethod
-    async def carried_over(cls, carried: CarriedStream) -> ModelStream:
-        """The stream the run before this one handed over (`carry_over`), once the workers verified
-        their seal on it: a carry that is not theirs, for this workflow and the run it continues,
-        fails typed `ForgedCarry` before anything of it is used."""
-        stats = carried.carry.stats
-        stream = cls(OpenStreamRequest(stream_id=workflow.info().workflow_id, principal=stats.principal,
-                                       model_id=stats.model_id, input_transform=carried.input_transform),
-                     carried.options, carried.carry)
+                   receipt: Receipt | None = None, input_transform: str | None = None,
+                   carried: CarriedStream | None = None) -> ModelStream:
+        """The stream of `model_id` for `principal` in this workflow: a new one (`receipt`:
+        continuing from that checkpoint, which the workers verify belongs to this model and
+        principal), or, `carried`, the one the run before this one handed over (`carry_over`),
+        once the workers verified their seal on it: a carry that is not theirs, for this workflow
+        and the run it continues, fails typed `ForgedCarry` before anything of it is used."""
+        request = OpenStreamRequest(stream_id=workflow.info().workflow_id, principal=principal, model_id=model_id,
+                                    input_transform=input_transform, resume=receipt)
+        stream = cls(request, options or StreamOptions(), carried.carry if carried else None)
+        if carried is None:
+            await stream.start()
+            return stream
+        was = carried.carry.stats
+        if (was.principal, was.model_id) != (principal, model_id):
+            raise application_error(InvalidRequest(
+                f"the carried stream is {was.model_id!r} of {was.principal!r}, not {model_id!r} of {principal!r}",
+                field="carried", expected=[principal, model_id], actual=[was.principal, was.model_id]))
         await stream.verify_carry(carried.carry, carried.seal)
         return stream
 
@@ -257,11 +286,10 @@ class ModelStream:
         """What `workflow.continue_as_new` passes to the next run, sealed by the workers. The stream
         takes no more chunks in this run (`StreamMoving`)."""
         async with self._lock:
-            self._taking()
+            self.taking()
             self.moving = True
             carry = self.carry()
-            return CarriedStream(carry=carry, seal=await self.seal_carry(carry), options=self.opts,
-                                 input_transform=self._opening.input_transform)
+            return CarriedStream(carry=carry, seal=await self.seal_carry(carry))
 
     @property
     def position(self) -> int:
@@ -291,7 +319,7 @@ class ModelStream:
     async def reset(self, *, revoke: bool = False) -> Receipt:
         """A new epoch at position 0 (`revoke`: every checkpoint of the earlier epochs deleted)."""
         async with self._turn():
-            self._taking()
+            self.taking()
             await self.reset_state(ResetRequest(principal=self.principal, revoke=revoke))
             assert self.receipt is not None
             return self.receipt
@@ -299,7 +327,7 @@ class ModelStream:
     async def checkpoint(self) -> Receipt:
         """A portable receipt of the state now, kept in the store until the stream is disposed."""
         async with self._turn():
-            self._taking()
+            self.taking()
             return await self.pin(CheckpointRequest(principal=self.principal))
 
     async def dispose(self) -> None:
@@ -415,15 +443,17 @@ class ModelStream:
             return application_error(StreamMoving(f"the stream moved to a new run while {what}; send it again"))
         return application_error(StreamCancelled(f"the stream was cancelled while {what}"))
 
-    def _taking(self) -> None:
+    def taking(self) -> None:
+        """The first refusals of a request: a cancelled stream takes nothing more, and one moving
+        to a new run refuses without storing (the same request goes to the next run)."""
         if self.cancelled:
             raise application_error(StreamCancelled("the stream is cancelled"))
         if self.moving:
-            raise application_error(StreamMoving("the stream is moving to a new run"))
+            raise application_error(StreamMoving("the stream is moving to a new run; send it again"))
 
     def _next(self) -> int:
         """The next chunk's sequence, once the stream takes one."""
-        self._taking()
+        self.taking()
         return self.stats.chunk_seq + 1
 
     # --- activities, with affinity ---------------------------------------------------------------
@@ -726,13 +756,15 @@ class ModelStream:
 
 
 class TokenLogQueries:
-    """The token log's queries, for a workflow that owns a `ModelStream` as `self.stream`: its
-    readers (`StreamClient.tokens`, `read_tokens`, `token_offset`, `receipt`, `stats`) read it as
-    they read a `MambaStreamWorkflow`. Inherit it in the workflow class."""
+    """The queries of a workflow that owns a `ModelStream` as `self.stream` (None until it is
+    open): its receipt, its stats and its token log, which `StreamClient` (`tokens`,
+    `read_tokens`, `receipt`, `stats`) reads as it reads a `MambaStreamWorkflow`'s, whose queries
+    these are. Inherit it in the workflow class."""
 
     stream: ModelStream | None
 
     @workflow.query
+    @takes(ReadTokensRequest)
     def read_tokens(self, req: ReadTokensRequest) -> TokenBatch:
         """The log's entries from `from_offset` (of one chunk or update, if named), now."""
         if self.stream is None:
@@ -784,9 +816,7 @@ def _request(model: type[T], **fields: Any) -> T:
     try:
         return model(**fields)
     except ValidationError as exc:
-        first = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or model.__name__}: {e['msg']}"
-                          for e in exc.errors()[:3])
-        raise application_error(InvalidRequest(f"invalid {model.__name__}: {first}")) from None
+        raise invalid_request(model.__name__, exc) from None
 
 
 def _arithmetic(before: Receipt | None, receipt: Receipt, stats: StreamStats) -> dict[str, Any]:

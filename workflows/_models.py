@@ -56,6 +56,7 @@ __all__ = [
     "RewindRequest",
     "RewindResult",
     "RewindStreamRequest",
+    "STREAM_WORKFLOW_TYPE",
     "StateResult",
     "StreamCarry",
     "StreamOptions",
@@ -69,6 +70,9 @@ __all__ = [
     "parse_update_id",
     "update_id",
 ]
+
+#: the Temporal workflow type of `MambaStreamWorkflow` (the CLI lists streams by it)
+STREAM_WORKFLOW_TYPE = "MambaStream"
 
 ACTIVITY_OPEN = "open_stream"
 ACTIVITY_ADVANCE = "advance_chunk"
@@ -103,7 +107,7 @@ class _Sealed(BaseModel):
 class _ActivityResult(_Sealed, _Model):
     """An activity's result. Who sealed it travels beside it, as a request's does: the workers seal
     it under the stream's key, and anyone who reaches the frontend can complete a running activity
-    by its id with a result of their own (`MambaStreamWorkflow._call` takes only the workers')."""
+    by its id with a result of their own (`ModelStream.call` takes only the workers')."""
 
 
 class SealedRequest(_Sealed, _Model):
@@ -536,13 +540,11 @@ class CarrySealRequest(_Model):
 
 class CarriedStream(_Model):
     """A `ModelStream` handed to the next run of its workflow (`ModelStream.carry_over`, then
-    `ModelStream.carried_over` in the run that continue-as-new starts): the stream's record and
-    the workers' seal on it for this workflow and run."""
+    `ModelStream.open(..., carried=)` in the run that continue-as-new starts): the stream's record
+    and the workers' seal on it for this workflow and run."""
 
     carry: StreamCarry
     seal: CarrySeal | None = None
-    options: StreamOptions = Field(default_factory=StreamOptions)
-    input_transform: str | None = None
 
 
 class OpenStreamInput(SealedRequest):
@@ -678,8 +680,6 @@ class DisposeStreamResult(_ActivityResult):
     deleted: int
     evicted: int
 
-
-# --- the example agent -------------------------------------------------------------------------
 
 def carry_digest(carry: StreamCarry) -> str:
     """sha256 of the carry's JSON, fields at their defaults left out (so a field added later with

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from datetime import timedelta
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any, TypeVar
 
 from temporalio import workflow
@@ -42,15 +42,24 @@ with workflow.unsafe.imports_passed_through():
         RewindPastWindow,
         RewindUnavailable,
         StreamCancelled,
-        StreamMoving,
         StreamOpening,
         UnknownRequest,
         UpdateIdMismatch,
         application_error,
     )
-    from workflows._model_stream import PATCH_SEALED, ModelStream, check_advance, check_generate, check_sender
+    from workflows._model_stream import (
+        PATCH_SEALED,
+        ModelStream,
+        TokenLogQueries,
+        check_advance,
+        check_generate,
+        check_sender,
+        refused_arguments,
+        takes,
+    )
     from workflows._models import (
         ACTIVITY_VERIFY,
+        STREAM_WORKFLOW_TYPE,
         AdvanceRequest,
         AdvanceResult,
         CancelRequest,
@@ -60,13 +69,11 @@ with workflow.unsafe.imports_passed_through():
         GenerateResult,
         OpenStreamInput,
         OpenStreamRequest,
-        ReadTokensRequest,
         RecentResult,
         ResetRequest,
         RewindRequest,
         RewindResult,
         StreamStats,
-        TokenBatch,
         VerifyRequest,
         chunk_digest,
         parse_update_id,
@@ -89,33 +96,6 @@ HISTORY_CRITICAL_EVENTS = 10_240
 CANCEL_GRACE_S = 10.0
 
 
-def _refused_arguments(model: type, args: tuple[Any, ...]) -> ApplicationError | None:
-    """Why `args` are not what a handler takes, typed `InvalidRequest` (None: they are): exactly
-    one `model`. A payload that does not validate as `model` is refused by the converter already;
-    this catches what it lets through: no argument, JSON null, one too many. (The SDK drops the
-    arguments of a handler that takes none.)"""
-    if len(args) == 1 and isinstance(args[0], model):
-        return None
-    got = ", ".join(type(a).__name__ for a in args) or "no argument"
-    return application_error(InvalidRequest(f"the request takes one {model.__name__}, not {got}",
-                                            expected=model.__name__, actual=got))
-
-
-def _takes(model: type) -> Callable[[Callable[..., T]], Callable[..., T]]:
-    """A validator's or a query's arguments, checked before it runs (`_refused_arguments`): a
-    refused update writes nothing to history, a refused query nothing at all. The signature stays
-    the handler's, so the SDK converts the payloads as before."""
-    def wrap(fn: Callable[..., T]) -> Callable[..., T]:
-        @functools.wraps(fn)
-        def checked(self: Any, *args: Any) -> T:
-            refused = _refused_arguments(model, args)
-            if refused is not None:
-                raise refused
-            return fn(self, *args)
-        return checked
-    return wrap
-
-
 def _signal_takes(model: type, refuse: Callable[[Any, ApplicationError], None]
                   ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """A signal's arguments, decoded and checked before it runs. A signal has no caller to answer,
@@ -134,7 +114,7 @@ def _signal_takes(model: type, refuse: Callable[[Any, ApplicationError], None]
             except ApplicationError as err:
                 refuse(self, err)
                 return
-            refused = _refused_arguments(model, values)
+            refused = refused_arguments(model, values)
             if refused is not None:
                 refuse(self, refused)
                 return
@@ -156,7 +136,7 @@ def _init_takes(fn: Callable[..., None]) -> Callable[..., None]:
     workflow task instead, and every retry of it: a stream that neither ran nor ended."""
     @functools.wraps(fn)
     def checked(self: Any, *args: Any) -> None:
-        self._start_refused = _refused_arguments(OpenStreamInput, args)
+        self._start_refused = refused_arguments(OpenStreamInput, args)
         fn(self, *(args if self._start_refused is None else (OpenStreamInput(principal="", model_id=""),)))
     return checked
 
@@ -174,8 +154,8 @@ def _run_takes(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 # Pinned by the versioned worker's default behavior (worker.deployment_config), not here: a
 # behavior on the definition is refused by unversioned workers.
-@workflow.defn(name="MambaStream")
-class MambaStreamWorkflow:
+@workflow.defn(name=STREAM_WORKFLOW_TYPE)
+class MambaStreamWorkflow(TokenLogQueries):  # its queries: receipt, stats, the token log's
     @workflow.init
     @_init_takes
     def __init__(self, inp: OpenStreamInput) -> None:
@@ -183,7 +163,7 @@ class MambaStreamWorkflow:
         # the stream itself (its record, its activities); what the carry says is trusted once the
         # workers verified it (`ModelStream.verify_carry`, first in `run`): until then no request is
         # admitted, and queries show it as it came
-        self._s = ModelStream(OpenStreamRequest(
+        self.stream = ModelStream(OpenStreamRequest(
             stream_id=workflow.info().workflow_id, principal=inp.principal, model_id=inp.model_id,
             input_transform=inp.input_transform, resume=inp.resume, signature=inp.signature), inp.options, inp.carry)
         self._lock = asyncio.Lock()
@@ -219,7 +199,7 @@ class MambaStreamWorkflow:
                 if self._cancel_by is not None:
                     break
                 if not workflow.patched(PATCH_SEALED):  # replaying a run that took a bare cancel
-                    self._cancel_by, self._s.cancelled = "operator", True
+                    self._cancel_by, self.stream.cancelled = "operator", True
                     break
                 self._refuse("cancel", application_error(UnsealedRequest(
                     "a Temporal cancel request carries no key: the stream's principal or the operator sends "
@@ -231,14 +211,14 @@ class MambaStreamWorkflow:
         until it moves on (continue-as-new: raised) or its principal or the operator cancels it
         (returns). Interrupted by a refused Temporal cancel, it is entered again and goes on from
         where it was."""
-        if not self._s.verified:
+        if not self.stream.verified:
             if workflow.patched(PATCH_SEALED):
-                await self._s.verify_carry(inp.carry, inp.carry_seal)
+                await self.stream.verify_carry(inp.carry, inp.carry_seal)
             else:
-                self._s.verified = True  # replaying a run that took its carry as it came
-        if self._s.receipt is None:
+                self.stream.verified = True  # replaying a run that took its carry as it came
+        if self.stream.receipt is None:
             try:
-                await self._s.start()
+                await self.stream.start()
             except ApplicationError as err:
                 # e.g. a resume from an incompatible checkpoint: the run fails with the reason,
                 # after telling whoever waits in `ready`
@@ -251,8 +231,8 @@ class MambaStreamWorkflow:
                 return
         moving = self._version_changed()
         while True:
-            carry = self._s.carry()
-            seal = await self._s.seal_carry(carry)
+            carry = self.stream.carry()
+            seal = await self.stream.seal_carry(carry)
             if self._cancel_by is not None:
                 return
             if workflow.all_handlers_finished():
@@ -282,8 +262,8 @@ class MambaStreamWorkflow:
             # it could end the stream (terminated), so the chunk is stopped uncommitted and its
             # caller sends it again to the next run (StreamMoving); a reset signal, which
             # nobody would send again, is let finish
-            self._s.moving = True
-            self._s.stats = self._s.stats.model_copy(update={"forced_moves": self._s.stats.forced_moves + 1})
+            self.stream.moving = True
+            self.stream.stats = self.stream.stats.model_copy(update={"forced_moves": self.stream.stats.forced_moves + 1})
             workflow.logger.warning("history at %d events, %d bytes: moving to a new run now",
                                     workflow.info().get_current_history_length(),
                                     workflow.info().get_current_history_size())
@@ -293,13 +273,13 @@ class MambaStreamWorkflow:
         await workflow.wait_condition(workflow.all_handlers_finished)
         if self._cancel_by is not None:
             return
-        self._s.moving = True  # from here the stream takes nothing more in this run
+        self.stream.moving = True  # from here the stream takes nothing more in this run
         if self._rewound is not None:
-            self._s.rewound(*self._rewound)
+            self.stream.rewound(*self._rewound)
             self._rewound = None
-        self._s.stats = self._s.stats.model_copy(update={
-            "continued_as_new": self._s.stats.continued_as_new + 1,
-            "version_moves": self._s.stats.version_moves + int(self._version_changed())})
+        self.stream.stats = self.stream.stats.model_copy(update={
+            "continued_as_new": self.stream.stats.continued_as_new + 1,
+            "version_moves": self.stream.stats.version_moves + int(self._version_changed())})
         self._leaving = True
 
     async def _end(self) -> StreamStats:
@@ -315,20 +295,20 @@ class MambaStreamWorkflow:
                 pass
             except asyncio.CancelledError:
                 self._cancel_requested = True
-        self._s.cancelled = True
-        self._s.stats = self._s.stats.model_copy(update={"cancelled": True, "cancelled_by": self._cancel_by or ""})
+        self.stream.cancelled = True
+        self.stream.stats = self.stream.stats.model_copy(update={"cancelled": True, "cancelled_by": self._cancel_by or ""})
         for task in list(self._tasks):  # a handler stuck in a retrying activity must not hold up the end
             task.cancel()
         while True:  # the Temporal cancel request may come in the middle: it changes nothing here
             try:
                 await workflow.wait_condition(workflow.all_handlers_finished)
-                await self._s.destroy()
+                await self.stream.destroy()
                 break
             except asyncio.CancelledError:
                 self._cancel_requested = True
         if self._cancel_requested:
             raise asyncio.CancelledError()
-        return self._s.stats
+        return self.stream.stats
 
     @staticmethod
     def _history_critical() -> bool:
@@ -359,8 +339,8 @@ class MambaStreamWorkflow:
     def _check_chunk(self, kind: str, req: AdvanceRequest | GenerateRequest) -> None:
         """Refuse what cannot be this stream's next chunk, or the same chunk again (a duplicate passes:
         its handler answers it with the first result)."""
-        self._taking()
-        if not self._s.open_now:
+        self.stream.taking()
+        if not self.stream.open_now:
             # Refused, not failed: a refused update is not stored, so the same id can come again.
             raise application_error(StreamOpening("the stream is still opening; try again"))
         seq, digest = req.chunk_seq, chunk_digest(kind, req)
@@ -372,14 +352,14 @@ class MambaStreamWorkflow:
             if (named[0], named[1]) != (kind, seq):
                 raise application_error(UpdateIdMismatch(f"update id {info.id!r} does not name this {kind} of chunk {seq}",
                                                update_id=info.id))
-            if named[2] != self._s.receipt.epoch:
+            if named[2] != self.stream.receipt.epoch:
                 # refused, not stored: the client asks for the epoch and sends the chunk again
                 raise application_error(EpochMismatch(f"update id {info.id!r} is for epoch {named[2]}; the stream is at "
-                                            f"epoch {self._s.receipt.epoch}", field="epoch",
-                                            expected=self._s.receipt.epoch, actual=named[2]))
+                                            f"epoch {self.stream.receipt.epoch}", field="epoch",
+                                            expected=self.stream.receipt.epoch, actual=named[2]))
         other = self._in_flight.get(seq)
-        if other is None and seq <= self._s.stats.chunk_seq:
-            known = self._s.recent.by_seq(seq)
+        if other is None and seq <= self.stream.stats.chunk_seq:
+            known = self.stream.recent.by_seq(seq)
             other = known.digest if known is not None else None
             if other is None:
                 raise application_error(ChunkSequenceMismatch(f"chunk_seq {seq} is already committed", field="chunk_seq",
@@ -394,21 +374,13 @@ class MambaStreamWorkflow:
             raise application_error(ChunkSequenceMismatch(f"chunk_seq {seq} is not the next one ({expected})",
                                                 field="chunk_seq", expected=expected, actual=seq))
 
-    def _taking(self) -> None:
-        """A validator's first refusals: a cancelled stream takes nothing more, and one moving to a
-        new run refuses without storing (the same update id goes to the next run)."""
-        if self._s.cancelled:
-            raise application_error(StreamCancelled("the stream is cancelled"))
-        if self._s.moving:
-            raise application_error(StreamMoving("the stream is moving to a new run; send it again"))
-
     def _next_seq(self) -> int:
-        return max(self._s.stats.chunk_seq, *self._in_flight) + 1 if self._in_flight else self._s.stats.chunk_seq + 1
+        return max(self.stream.stats.chunk_seq, *self._in_flight) + 1 if self._in_flight else self.stream.stats.chunk_seq + 1
 
     def _known(self) -> RecentResult | None:
         """The recent result of the current update's id, if it has one (a carry's only once verified)."""
         info = workflow.current_update_info()
-        return self._s.recent.by_id(info.id) if info is not None and self._s.verified else None
+        return self.stream.recent.by_id(info.id) if info is not None and self.stream.verified else None
 
     @workflow.update
     async def advance(self, req: AdvanceRequest) -> AdvanceResult:
@@ -416,13 +388,13 @@ class MambaStreamWorkflow:
         return await self._chunk(req, "advance")
 
     @advance.validator
-    @_takes(AdvanceRequest)
+    @takes(AdvanceRequest)
     def _validate_advance(self, req: AdvanceRequest) -> None:
         self._sealed_by(req, "advance")
         if self._known() is not None:
             return
         self._check_chunk("advance", req)
-        check_advance(req, self._s.opts, self._s.info)
+        check_advance(req, self.stream.opts, self.stream.info)
 
     @workflow.update
     async def generate(self, req: GenerateRequest) -> GenerateResult:
@@ -430,34 +402,34 @@ class MambaStreamWorkflow:
         return await self._chunk(req, "generate")
 
     @generate.validator
-    @_takes(GenerateRequest)
+    @takes(GenerateRequest)
     def _validate_generate(self, req: GenerateRequest) -> None:
         self._sealed_by(req, "generate")
         if self._known() is not None:
             return
         self._check_chunk("generate", req)
         # a chunk answered from its record needs no context (`None`: not checked)
-        known = self._s.recent.by_seq(req.chunk_seq) is not None or self._s.receipt is None
-        check_generate(req, self._s.opts, None if known else self._s.receipt.position)
+        known = self.stream.recent.by_seq(req.chunk_seq) is not None or self.stream.receipt is None
+        check_generate(req, self.stream.opts, None if known else self.stream.receipt.position)
 
     @workflow.update
     async def checkpoint(self, req: CheckpointRequest) -> CheckpointResult:
         """A portable receipt: verified in the store, kept until the stream is cancelled."""
         async with self._lock:
-            await workflow.wait_condition(lambda: self._s.open_now)
-            if self._s.cancelled or self._s.moving:
-                raise self._s.interrupted("the checkpoint waited")
+            await workflow.wait_condition(lambda: self.stream.open_now)
+            if self.stream.cancelled or self.stream.moving:
+                raise self.stream.interrupted("the checkpoint waited")
             try:
-                receipt = await self._cancellable(self._s.pin(req))
+                receipt = await self._cancellable(self.stream.pin(req))
             except asyncio.CancelledError:
-                raise self._s.interrupted("the checkpoint ran") from None
-            return CheckpointResult(stream_id=self._s.stream_id, receipt=receipt)
+                raise self.stream.interrupted("the checkpoint ran") from None
+            return CheckpointResult(stream_id=self.stream.stream_id, receipt=receipt)
 
     @checkpoint.validator
-    @_takes(CheckpointRequest)
+    @takes(CheckpointRequest)
     def _validate_checkpoint(self, req: CheckpointRequest) -> None:
         self._sealed_by(req, "checkpoint")
-        self._taking()
+        self.stream.taking()
 
     @workflow.signal
     @_signal_takes(ResetRequest, lambda wf, err: wf._refuse("reset", err))
@@ -472,20 +444,20 @@ class MambaStreamWorkflow:
         except ApplicationError as err:
             self._refuse("reset", err)
             return
-        if self._s.cancelled:
+        if self.stream.cancelled:
             self._refuse("reset", application_error(StreamCancelled("the stream is cancelled")))
             return
         async with self._lock:
-            await workflow.wait_condition(lambda: self._s.open_now)
-            assert self._s.receipt is not None
-            if req.epoch is not None and req.epoch != self._s.receipt.epoch + 1:
+            await workflow.wait_condition(lambda: self.stream.open_now)
+            assert self.stream.receipt is not None
+            if req.epoch is not None and req.epoch != self.stream.receipt.epoch + 1:
                 # a reset meant for another epoch: a replayed or stale signal resets nothing
                 self._refuse("reset", application_error(EpochMismatch(
-                    f"the reset is for epoch {req.epoch}; the stream is at epoch {self._s.receipt.epoch}",
-                    field="epoch", expected=self._s.receipt.epoch + 1, actual=req.epoch)))
+                    f"the reset is for epoch {req.epoch}; the stream is at epoch {self.stream.receipt.epoch}",
+                    field="epoch", expected=self.stream.receipt.epoch + 1, actual=req.epoch)))
                 return
             try:
-                await self._cancellable(self._s.reset_state(req, by_operator=who == "operator"), movable=False)
+                await self._cancellable(self.stream.reset_state(req, by_operator=who == "operator"), movable=False)
             except asyncio.CancelledError:
                 return  # the stream is being cancelled: nothing to reset
             except ApplicationError as err:
@@ -509,7 +481,7 @@ class MambaStreamWorkflow:
             return  # already cancelled
         self._cancel_checks += 1
         try:
-            await self._s.quick(ACTIVITY_VERIFY, VerifyRequest(stream_id=self._s.stream_id, principal=req.principal,
+            await self.stream.quick(ACTIVITY_VERIFY, VerifyRequest(stream_id=self.stream.stream_id, principal=req.principal,
                                                              kind="cancel", request=req), VerifyRequest)
         except ApplicationError as err:
             self._refuse("cancel", err)
@@ -518,7 +490,7 @@ class MambaStreamWorkflow:
             self._cancel_checks -= 1
         if self._cancel_by is None:
             self._cancel_by = who
-            self._s.cancelled = True  # validators refuse from now on; `_end` stops what was admitted
+            self.stream.cancelled = True  # validators refuse from now on; `_end` stops what was admitted
 
     @workflow.update
     async def rewind(self, req: RewindRequest) -> RewindResult:
@@ -528,43 +500,43 @@ class MambaStreamWorkflow:
         window (`rewind_window`: the line's newest `checkpoints_kept` checkpoints) can be reached,
         and after a rewind any of the new window's; the undone chunks' checkpoints are deleted."""
         async with self._lock:
-            await workflow.wait_condition(lambda: self._s.open_now)
-            if self._s.cancelled or self._s.moving:
-                raise self._s.interrupted("the rewind waited")
-            assert self._s.receipt is not None
+            await workflow.wait_condition(lambda: self.stream.open_now)
+            if self.stream.cancelled or self.stream.moving:
+                raise self.stream.interrupted("the rewind waited")
+            assert self.stream.receipt is not None
             key, index = self._rewind_target(req.to_seq)
-            undone = [k for k in self._s.kept[index + 1:] if k not in self._s.pinned]
+            undone = [k for k in self.stream.kept[index + 1:] if k not in self.stream.pinned]
             try:
-                receipt = await self._cancellable(self._s.rewind_state(req, key, undone))
+                receipt = await self._cancellable(self.stream.rewind_state(req, key, undone))
             except asyncio.CancelledError:
-                raise self._s.interrupted("the rewind ran") from None
+                raise self.stream.interrupted("the rewind ran") from None
             # the undone line is gone from the store: the stream takes no more chunks in this run
             # (StreamMoving: they are sent again to the next, which continues from here)
             self._rewound = (receipt, index)
-            self._s.moving = True
-            return RewindResult(stream_id=self._s.stream_id, chunk_seq=req.to_seq, position=receipt.position,
+            self.stream.moving = True
+            return RewindResult(stream_id=self.stream.stream_id, chunk_seq=req.to_seq, position=receipt.position,
                                 receipt=receipt)
 
     @rewind.validator
-    @_takes(RewindRequest)
+    @takes(RewindRequest)
     def _validate_rewind(self, req: RewindRequest) -> None:
         self._sealed_by(req, "rewind")
-        self._taking()
-        if not self._s.open_now:
+        self.stream.taking()
+        if not self.stream.open_now:
             raise application_error(StreamOpening("the stream is still opening; try again"))
         self._rewind_target(req.to_seq)
 
     def _rewind_target(self, to_seq: int) -> tuple[str, int]:
         """The checkpoint a rewind to `to_seq` goes back to (the first of the window committed at
         that chunk: the chunk's own, before any reset at it) and its index in the line."""
-        if to_seq > self._s.stats.chunk_seq:
+        if to_seq > self.stream.stats.chunk_seq:
             raise application_error(RewindUnavailable(f"chunk {to_seq} is not committed (the stream is at chunk "
-                                                      f"{self._s.stats.chunk_seq})", chunk_seq=to_seq))
-        window = self._s.kept[-self._s.opts.checkpoints_kept:]
+                                                      f"{self.stream.stats.chunk_seq})", chunk_seq=to_seq))
+        window = self.stream.kept[-self.stream.opts.checkpoints_kept:]
         for key in window:
             parsed = parse_state_key(key)
             if parsed is not None and parsed.chunk_seq == to_seq:
-                return key, self._s.kept.index(key)
+                return key, self.stream.kept.index(key)
         raise application_error(RewindPastWindow(
             f"chunk {to_seq} is outside the stream's rewind window (its newest {len(window)} checkpoints); "
             f"nothing was rewound", chunk_seq=to_seq, window=len(window)))
@@ -579,10 +551,10 @@ class MambaStreamWorkflow:
         reason = err.type or InvalidRequest.reason
         update: dict[str, Any] = {"last_refusal": f"{kind}: {reason}: {err.message}"[:512]}
         if kind == "reset":
-            update["rejected_resets"] = self._s.stats.rejected_resets + 1
+            update["rejected_resets"] = self.stream.stats.rejected_resets + 1
         elif kind == "cancel":
-            update["refused_cancels"] = self._s.stats.refused_cancels + 1
-        self._s.stats = self._s.stats.model_copy(update=update)
+            update["refused_cancels"] = self.stream.stats.refused_cancels + 1
+        self.stream.stats = self.stream.stats.model_copy(update=update)
         workflow.logger.warning("%s refused: %s (%s)", kind, err.message, reason)
         workflow.metric_meter().create_counter(
             "mamba_stream_refused_requests", "requests a stream refused that had no caller to tell").add(
@@ -602,7 +574,7 @@ class MambaStreamWorkflow:
     @workflow.signal(dynamic=True)
     def _unknown_signal(self, name: str, args: Sequence[RawValue]) -> None:
         # counted and dropped: without a handler the SDK would buffer it for the run's lifetime
-        self._s.stats = self._s.stats.model_copy(update={"unknown_signals": self._s.stats.unknown_signals + 1})
+        self.stream.stats = self.stream.stats.model_copy(update={"unknown_signals": self.stream.stats.unknown_signals + 1})
         workflow.logger.warning("signal %r refused: the stream has no such signal", name)
 
     @workflow.query(dynamic=True)
@@ -613,41 +585,20 @@ class MambaStreamWorkflow:
     async def ready(self) -> Receipt:
         """Returns once the stream is open (its first receipt exists)."""
         await workflow.wait_condition(
-            lambda: self._s.open_now or self._s.cancelled or self._open_error is not None)
+            lambda: self.stream.open_now or self.stream.cancelled or self._open_error is not None)
         if self._open_error is not None:
             err = self._open_error
             raise ApplicationError(err.message, *(list(err.details) if err.details else []),
                                    type=err.type or OpenFailed.reason, non_retryable=True)
-        if self._s.receipt is None:
+        if self.stream.receipt is None:
             raise application_error(StreamCancelled("the stream was cancelled before it opened"))
-        return self._s.receipt
-
-    @workflow.query
-    def receipt(self) -> Receipt | None:
-        return self._s.receipt
-
-    @workflow.query
-    def stats(self) -> StreamStats:
-        return self._s.stats
+        return self.stream.receipt
 
     @workflow.query
     def rewind_window(self) -> list[str]:
         """The state keys a rewind may go back to, oldest first: the line's newest
         `checkpoints_kept` checkpoints (`StreamClient.rewind` refuses any other before it resets)."""
-        return self._s.kept[-self._s.opts.checkpoints_kept :]
-
-    # --- the token log ---------------------------------------------------------------------------
-
-    @workflow.query
-    @_takes(ReadTokensRequest)
-    def read_tokens(self, req: ReadTokensRequest) -> TokenBatch:
-        """The log's entries from `from_offset` (of one chunk or update, if named), now."""
-        return self._s.log.read(req, closed=self._s.cancelled)
-
-    @workflow.query
-    def token_offset(self) -> int:
-        """Where the token log ends: a reader that starts here gets what comes next."""
-        return self._s.log.end
+        return self.stream.kept[-self.stream.opts.checkpoints_kept :]
 
     # --- bookkeeping -----------------------------------------------------------------------------
 
@@ -662,13 +613,13 @@ class MambaStreamWorkflow:
             self._in_flight[req.chunk_seq] = digest
         try:
             async with self._lock:
-                await workflow.wait_condition(lambda: self._s.open_now)
-                same = self._s.recent.by_seq(req.chunk_seq)
+                await workflow.wait_condition(lambda: self.stream.open_now)
+                same = self.stream.recent.by_seq(req.chunk_seq)
                 if same is not None and same.digest == digest and (getattr(same, kind) is not None
                                                                     or same.kind == kind):
                     return await self._answer(same, kind)  # the same chunk, sent again under another id
-                result = await self._cancellable(self._s.run_chunk(kind, req))
-                self._s.recent.remember(RecentResult(update_id=workflow.current_update_info().id, digest=digest,
+                result = await self._cancellable(self.stream.run_chunk(kind, req))
+                self.stream.recent.remember(RecentResult(update_id=workflow.current_update_info().id, digest=digest,
                                                      **{kind: result}))
                 return result
         finally:
@@ -677,10 +628,10 @@ class MambaStreamWorkflow:
 
     async def _answer(self, rec: RecentResult, kind: str) -> Any:
         """A committed chunk's result again: from memory, or (a digest-only entry) from its record."""
-        return self._duplicate(await self._s.recall(rec, kind))
+        return self._duplicate(await self.stream.recall(rec, kind))
 
     def _duplicate(self, result: Any) -> Any:
-        self._s.stats = self._s.stats.model_copy(update={"duplicates": self._s.stats.duplicates + 1})
+        self.stream.stats = self.stream.stats.model_copy(update={"duplicates": self.stream.stats.duplicates + 1})
         return result.model_copy(update={"duplicate": True})
 
 

@@ -33,8 +33,7 @@ class StreamOwner(TokenLogQueries):
     @workflow.run
     async def run(self, inp: OwnerInput) -> None:
         check_sender(inp, inp.principal, "start")
-        self.stream = await (ModelStream.carried_over(inp.carried) if inp.carried
-                             else ModelStream.open(inp.principal, inp.model_id, inp.options))
+        self.stream = await ModelStream.open(inp.principal, inp.model_id, inp.options, carried=inp.carried)
         try:
             for i in range(inp.done, len(inp.chunks)):
                 if i == inp.reset_before:
