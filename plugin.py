@@ -49,6 +49,7 @@ from temporalio.converter import (
 )
 from temporalio.contrib.pydantic import PydanticPayloadConverter
 from temporalio.plugin import SimplePlugin
+from temporalio.runtime import Runtime
 from temporalio.service import ConnectConfig, ServiceClient
 from temporalio.worker import WorkerConfig, WorkflowRunner
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
@@ -152,8 +153,11 @@ def _runner(existing: WorkflowRunner | None) -> WorkflowRunner:
     return existing  # unsandboxed: nothing to let through
 
 
-#: the service clients the plugin connected; closed with their runtimes at interpreter exit
+#: the service clients the plugin connected; closed at interpreter exit
 _connected: weakref.WeakSet[ServiceClient] = weakref.WeakSet()
+#: the runtimes the plugin connected on (id -> runtime), a connect that failed included: a refused
+#: connect leaves no client, but its runtime's threads ran; closed at interpreter exit
+_runtimes: dict[int, Runtime] = {}
 
 
 class _ClosedClient:
@@ -164,8 +168,9 @@ class _ClosedClient:
 
 
 def close_native_clients() -> None:
-    """Close the Temporal clients the plugin connected and the runtimes they ran on; the plugin
-    calls it at interpreter exit, before finalization. A closed client cannot be used again.
+    """Close the Temporal clients the plugin connected and the runtimes it connected on (a connect
+    that failed included); the plugin calls it at interpreter exit, before finalization. A closed
+    client cannot be used again.
 
     Why: a Temporal runtime is a pool of native (Tokio) threads, and each RPC's result reaches
     the event loop through one of them calling into Python (`loop.call_soon_threadsafe`, which
@@ -181,18 +186,15 @@ def close_native_clients() -> None:
     A runtime that something else still holds (a `Worker` object, a `WorkflowEnvironment`, a
     client connected without the plugin) stays up; only its clients connected here are closed.
     """
-    runtimes: dict[int, Any] = {}
     for service in list(_connected):
         # temporalio's bridge service client: `_bridge_client` (None until connected, for a lazy
-        # client) owns the native client, which holds a share of the runtime `_runtime`
+        # client) owns the native client, which holds a share of its runtime
         bridge = getattr(service, "_bridge_client", None)
-        if bridge is None or not hasattr(bridge, "_ref"):
-            continue
-        runtime = getattr(service, "_runtime", None)
-        if runtime is not None:
-            runtimes[id(runtime)] = runtime
-        bridge._ref = _ClosedClient()
-    for runtime in runtimes.values():
+        if bridge is not None and hasattr(bridge, "_ref"):
+            bridge._ref = _ClosedClient()
+    runtimes = list(_runtimes.values())
+    _runtimes.clear()
+    for runtime in runtimes:
         core = getattr(runtime, "_core_runtime", None)  # temporalio.bridge.runtime.Runtime
         if core is not None and hasattr(core, "_ref"):
             # the last share: the bridge shuts the runtime down here, joining its threads
@@ -243,6 +245,8 @@ class MambaStreamPlugin(SimplePlugin):
                                      next: Callable[[ConnectConfig], Awaitable[ServiceClient]]) -> ServiceClient:
         """See base class. The client is closed, with its runtime, when the interpreter exits
         (`close_native_clients`: a program that returns after using it exits cleanly)."""
+        runtime = config.runtime or Runtime.default()  # what the connect runs on, as temporalio picks it
+        _runtimes[id(runtime)] = runtime
         service = await super().connect_service_client(config, next)
         _connected.add(service)
         return service

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -26,6 +27,7 @@ import pytest
 import pytest_asyncio
 from temporalio.testing import WorkflowEnvironment
 
+from state_codec.codec import Keyring
 from tests.workflows.conftest import Stack, make_stack
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -51,6 +53,13 @@ from workflows import ClientConfig, StreamClient
 
 async def main() -> None:
     cfg = ClientConfig()
+    refused_at = os.environ.get("REFUSED_AT")
+    if refused_at:  # nothing listens there: the connect fails, and the program goes on to its end
+        try:
+            await Client.connect(refused_at, plugins=[MambaStreamPlugin()])
+        except RuntimeError as exc:
+            print("refused", type(exc).__name__)
+        return
     client = await Client.connect(cfg.target, plugins=[MambaStreamPlugin()])
     streams = StreamClient(client, cfg.task_queue)
     sid = await streams.open("alice", "tiny-mamba1")
@@ -87,6 +96,12 @@ async def served(temporal_env: WorkflowEnvironment, tmp_path: Path) -> AsyncIter
         yield s
 
 
+def _all_clean(results: list[tuple[int, str, str]]) -> None:
+    bad = [(i, code, err) for i, (code, _, err) in enumerate(results) if code != 0 or "Fatal Python error" in err]
+    assert not bad, (f"{len(bad)} of {len(results)} runs did not exit cleanly (runs {[i for i, _, _ in bad]}, "
+                     f"exit statuses {[c for _, c, _ in bad]}); the first one's stderr:\n{bad[0][2][-3000:]}")
+
+
 async def _run(script: Path, env: dict[str, str], cwd: Path) -> tuple[int, str, str]:
     proc = await asyncio.create_subprocess_exec(sys.executable, str(script), env=env, cwd=cwd,
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
@@ -114,9 +129,7 @@ async def test_a_client_script_exits_cleanly_every_time(served: Stack, tmp_path:
             return await _run(script, {**env, "SLOW_WAKEUPS_S": str(SLOW_WAKEUP_S if i % 2 else 0)}, tmp_path)
 
     results = await asyncio.gather(*(one(i) for i in range(RUNS)))
-    bad = [(i, code, err) for i, (code, _, err) in enumerate(results) if code != 0 or "Fatal Python error" in err]
-    assert not bad, (f"{len(bad)} of {RUNS} runs did not exit cleanly (runs {[i for i, _, _ in bad]}, "
-                     f"exit statuses {[c for _, c, _ in bad]}); the first one's stderr:\n{bad[0][2][-3000:]}")
+    _all_clean(results)
     # each run did its work before it exited: a stream of its own, advanced by 5 tokens
     sids = set()
     for _, out, _ in results:
@@ -124,3 +137,26 @@ async def test_a_client_script_exits_cleanly_every_time(served: Stack, tmp_path:
         assert position == "5"
         sids.add(sid)
     assert len(sids) == RUNS
+
+
+async def test_a_client_script_whose_connection_is_refused_exits_cleanly_every_time(tmp_path: Path) -> None:
+    """The CLI's "no Temporal server at ..." path died at exit now and then (SIGABRT, the same
+    fatal error): a refused connect leaves no client, so closing the plugin's clients did not
+    reach the runtime the connect had started. The plugin closes every runtime it connected on."""
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "client.py"
+    script.write_text(SCRIPT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TEMPORAL_", "MAMBA_STREAM_"))}
+    env.update(REFUSED_AT=f"127.0.0.1:{port}", MAMBA_STREAM_HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT),
+               PYTHONFAULTHANDLER="1", MAMBA_STREAM_KEYRING=Keyring.generate().to_json())
+    gate = asyncio.Semaphore(AT_ONCE)
+
+    async def one(i: int) -> tuple[int, str, str]:
+        async with gate:
+            return await _run(script, {**env, "SLOW_WAKEUPS_S": str(SLOW_WAKEUP_S if i % 2 else 0)}, tmp_path)
+
+    results = await asyncio.gather(*(one(i) for i in range(RUNS)))
+    _all_clean(results)
+    assert all(out.split() == ["refused", "RuntimeError"] for _, out, _ in results), results[0]
