@@ -823,8 +823,9 @@ class _Reader:
         self.token = b""  # where this reader's history of the run ends (the server's page token)
         self.names: dict[str, str] = {}  # update id -> update name, accepted in this run
         self.live: int | None = None  # the scheduled event of a generate activity running now
-        #: a workflow of another type than MambaStreamWorkflow, owning a `ModelStream`: any of its updates
-        #: may have generated (its own names), so each one's completion reads the log
+        #: a workflow of another type than MambaStreamWorkflow, owning a `ModelStream`: it may generate in
+        #: any update of its own or outside one, so the log is read after each of its workflow tasks
+        #: (the log changes only in one)
         self.owner = False
         self.next_read = 0.0  # (event loop time) no history read before this
         self.shown: _Shown | None = None
@@ -921,13 +922,14 @@ class _Reader:
                 self.names[req.meta.update_id] = req.input.name
             elif e.HasField("workflow_execution_update_completed_event_attributes"):
                 uid = e.workflow_execution_update_completed_event_attributes.meta.update_id
-                read = read or self.owner or self.names.get(uid) == _GENERATE
+                read = read or self.names.get(uid) == _GENERATE
             elif e.HasField("activity_task_scheduled_event_attributes"):
                 if e.activity_task_scheduled_event_attributes.activity_type.name == ACTIVITY_GENERATE:
                     self.live = e.event_id
             elif any(e.HasField(f) and getattr(e, f).scheduled_event_id == self.live for f in _ACTIVITY_ENDS):
                 self.live = None
-                read = read or self.owner  # an owner's generate may have run outside an update
+            elif e.HasField("workflow_task_completed_event_attributes"):
+                read = read or self.owner
             elif e.event_type in _CLOSING:
                 over = True
         return read, over

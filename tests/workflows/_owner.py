@@ -1,6 +1,6 @@
 """A workflow of the tests' own that owns a `ModelStream` (tests/workflows/test_model_stream.py):
 it feeds its chunks, resets before one of them, continues as new when the server suggests it,
-generates, and waits until it is cancelled, which disposes the stream."""
+generates when signalled, and waits until it is cancelled, which disposes the stream."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class StreamOwner(TokenLogQueries):
     @workflow.init
     def __init__(self, inp: OwnerInput) -> None:
         self.stream: ModelStream | None = None
-        self.finished = False
+        self.fed = self.go = self.finished = False
 
     @workflow.run
     async def run(self, inp: OwnerInput) -> None:
@@ -42,7 +42,9 @@ class StreamOwner(TokenLogQueries):
                 if workflow.info().is_continue_as_new_suggested() and i + 1 < len(inp.chunks):
                     workflow.continue_as_new(inp.model_copy(update={"done": i + 1,
                                                                     "carried": await self.stream.carry_over()}))
-            if inp.generate:
+            self.fed = True
+            if inp.generate:  # once told to, outside any update (a reader learns of it from history alone)
+                await workflow.wait_condition(lambda: self.go)
                 await self.stream.generate(inp.generate, temperature=0.0)
             self.finished = True
             await workflow.wait_condition(lambda: False)  # until cancelled
@@ -50,6 +52,14 @@ class StreamOwner(TokenLogQueries):
             await self.stream.dispose()
             raise
 
+    @workflow.signal
+    def generate_now(self) -> None:
+        self.go = True
+
     @workflow.query
     def done(self) -> bool:
         return self.finished
+
+    @workflow.query
+    def all_fed(self) -> bool:
+        return self.fed

@@ -4,6 +4,8 @@ the same tokens; the recorded histories replay (the stack's replay at exit)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from temporalio.client import WorkflowFailureError
 
@@ -11,11 +13,12 @@ from state_codec.codec import plaintext_checksum
 from tests.workflows._owner import OwnerInput, StreamOwner
 from tests.workflows.conftest import FAST, eventually, histories, make_stack
 from tests.workflows.test_stream_workflow import local
+from workflows import TokenEvent
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 
-async def test_a_stream_owned_by_a_workflow_moves_resets_and_is_disposed(can_env, tmp_path):
+async def test_a_stream_owned_by_a_workflow_moves_resets_and_is_disposed(can_env, tmp_path, monkeypatch):
     s = await make_stack(can_env, tmp_path, owners=(StreamOwner,))
     async with s.exits:
         chunks = [[(7 * i + j) % 200 + 1 for j in range(3 + i % 4)] for i in range(12)]
@@ -26,12 +29,35 @@ async def test_a_stream_owned_by_a_workflow_moves_resets_and_is_disposed(can_env
                                         options=FAST.model_copy(update={"local_chunks": False}),
                                         reset_before=4, generate=5), id=sid, task_queue=s.queue)
 
-        async def finished() -> bool:
+        async def asked(query) -> bool:  # noqa: ANN001
             try:
-                return await handle.query(StreamOwner.done)
+                return await handle.query(query)
             except Exception:  # noqa: BLE001 - between runs (continue-as-new)
                 return False
-        await eventually(finished, timeout=90)
+        await eventually(lambda: asked(StreamOwner.all_fed), timeout=90)
+
+        # a reader on the last run, then the generate, which the owner runs outside any update: the
+        # reader learns of it from the run's history (a completed workflow task) and reads the log
+        shown: list[TokenEvent] = []
+        reads = 0
+        real_read = s.streams.read_tokens
+
+        async def counted(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+            nonlocal reads
+            reads += 1
+            return await real_read(*a, **kw)
+        monkeypatch.setattr(s.streams, "read_tokens", counted)
+
+        async def follow() -> None:
+            async for ev in s.streams.tokens(sid):
+                shown.append(ev)
+        reader = asyncio.create_task(follow())
+
+        async def attached() -> bool:  # the reader read the log once: what comes next comes by history
+            return reads >= 1
+        await eventually(attached)
+        await handle.signal(StreamOwner.generate_now)
+        await eventually(lambda: asked(StreamOwner.done), timeout=90)
         runs = await histories(s.client, s.queue)
         assert len(runs) >= 2  # the server suggested continue-as-new after 24 events: it moved
 
@@ -40,6 +66,12 @@ async def test_a_stream_owned_by_a_workflow_moves_resets_and_is_disposed(can_env
         batch = await s.streams.read_tokens(sid)
         [generated] = [e for e in batch.events if e.done]
         assert generated.chunk_seq == 13 and len(generated.tokens) == 5
+
+        async def read_out() -> bool:  # generated in `run`, outside any update: the reader has it too
+            return any(e.done for e in shown)
+        await eventually(read_out)
+        reader.cancel()
+        assert [(e.chunk_seq, e.tokens) for e in shown if e.done] == [(13, generated.tokens)]
         out, greedy = model.advance(model.initial_state(), fed), []  # temperature 0: each token the argmax
         for _ in range(5):
             greedy.append(int(out.logits[-1].argmax()))
