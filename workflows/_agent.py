@@ -6,7 +6,8 @@ feeds it to its stream, generates a reply (streamed to the workflow's token-log 
 `MambaStreamWorkflow`'s are) and answers with it. Every chunk is an activity of this workflow,
 exactly once through a worker's SIGKILL (the commit protocol finds the chunk's record). A long
 conversation continues as new with its stream carried over; an empty message ends it, and the
-stream is disposed of (so does the workflow's cancellation).
+stream is disposed of. A Temporal cancel request, which anyone who reaches the frontend can send
+without a key, is refused: the conversation goes on.
 """
 
 from __future__ import annotations
@@ -46,12 +47,13 @@ class ChatAgent(TokenLogQueries):  # read_tokens, token_offset, receipt, stats: 
     async def run(self, inp: ChatInput) -> None:
         check_sender(inp, inp.principal, "start")  # the start input is the principal's
         self.stream = await ModelStream.open(inp.principal, inp.model_id, inp.options, carried=inp.carried)
-        try:
-            await workflow.wait_condition(lambda: self.ended or workflow.info().is_continue_as_new_suggested())
-            await workflow.wait_condition(workflow.all_handlers_finished)
-        except asyncio.CancelledError:
-            await self.stream.dispose()
-            raise
+        while True:
+            try:
+                await workflow.wait_condition(lambda: self.ended or workflow.info().is_continue_as_new_suggested())
+                await workflow.wait_condition(workflow.all_handlers_finished)
+                break
+            except asyncio.CancelledError:
+                pass  # a Temporal cancel request carries no key: only the principal's empty message ends it
         if self.ended:
             return await self.stream.dispose()
         workflow.continue_as_new(inp.model_copy(update={"carried": await self.stream.carry_over()}))

@@ -98,7 +98,8 @@ async def test_the_example_agent_feeds_every_turn_once_through_a_sigkill(tempora
 
 async def test_only_the_agents_principal_talks_to_it(stack: Stack):
     """A message sealed by another principal's key, or by none, is refused before it reaches
-    history; so is a start input of alice's agent that alice's key did not seal."""
+    history; a bare Temporal cancel request ends nothing; a start input of alice's agent that
+    alice's key did not seal fails before anything is stored."""
     sid = stack.streams.new_id("alice")
     handle = await stack.client.start_workflow(
         ChatAgent.run, ChatInput(principal="alice", model_id="tiny-mamba2", options=FAST, reply_tokens=2),
@@ -119,6 +120,12 @@ async def test_only_the_agents_principal_talks_to_it(stack: Stack):
     assert len(accepted) == 1  # alice's first message only: the refused ones never reached history
     receipt = await stack.streams.receipt(sid)
     assert receipt.chunk_seq == 2 and receipt.position == first.position  # nothing of theirs was fed
+    # a Temporal cancel request carries no key (anyone who reaches the frontend can send one): refused,
+    # the conversation goes on, its state kept
+    await plain.get_workflow_handle(sid).cancel()
+    second = await handle.execute_update(ChatAgent.say, ChatMessage(principal="alice", text="still there?"))
+    assert second.chunk_seq == 4 and second.position > first.position
+    assert stack.acts.store.list_stream(stream_id=sid) != []
 
     # bob starts an agent under alice's id form: it fails typed before it opens anything
     forged = stack.streams.new_id("alice")
