@@ -34,6 +34,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_sizes.py --sizes 130m
 	$(PY) bench/bench_codec.py
 	$(PY) bench/bench_temporal.py
+	$(PY) bench/bench_agent.py
 	$(PY) bench/bench_readers.py
 	$(PY) bench/bench_serving.py
 

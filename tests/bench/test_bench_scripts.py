@@ -103,3 +103,15 @@ def test_readers_table_on_a_small_run():
     assert float(rows[1][1]) > 0 and float(rows[1][3]) >= 0 and float(rows[1][4]) > 0  # the readers read the log
     assert rows[0][-1] == rows[1][-1]  # the same history events over the generate, readers or not
 
+
+
+def test_agent_turn_table_on_a_small_run():
+    mod = _load("bench_agent")
+    with pytest.raises(SystemExit):
+        mod.parse_args(["--feed", "0"])
+    text = mod.run(mod.parse_args(["--n", "2", "--warmup", "1", "--feed", "4", "--generate", "2"]))
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()
+            if line.startswith("| ") and not line.startswith("| path")]
+    assert [r[0] for r in rows] == list(mod.ROWS)
+    assert all(float(c.rstrip("x")) > 0 for r in rows for c in r[1:])
+    assert "in-workflow / child path:" in text and "in-workflow / stream workflow's own" in text
