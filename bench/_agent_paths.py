@@ -69,9 +69,19 @@ class InWorkflowAgent:
         await self.stream.advance(tokens=t.tokens)
         return (await self.stream.generate(t.generate, temperature=0.0)).tokens
 
+    @workflow.update
+    async def feed(self, t: Turn) -> int:
+        """One advance alone (bench/trip_count.py)."""
+        await workflow.wait_condition(lambda: self.stream is not None)
+        return (await self.stream.advance(tokens=t.tokens)).position
+
     @turn.validator
     def _check(self, t: Turn) -> None:
         check_sender(t, self.inp.principal, "turn")
+
+    @feed.validator
+    def _check_feed(self, t: Turn) -> None:
+        check_sender(t, self.inp.principal, "feed")
 
     @workflow.signal
     def finish(self) -> None:

@@ -5,9 +5,11 @@ store and back (issue 28: "count the files and calls of one advance before and a
 A real dev server and an in-process worker (tests/workflows/conftest.py's stack, `exact` backend,
 tiny-mamba2); the stream is opened and advanced twice first, so that what is counted is a warm
 chunk's trip. Counted: Python function calls whose code is in this repository (tests and
-installed packages left out), in every thread, by file.
+installed packages left out), in every thread, by file. `--owner`: the advance of a workflow that
+owns its stream (`ModelStream.advance`, in bench/_agent_paths.py's agent, whose own update is not
+counted) instead of a client's to a stream workflow.
 
-    python bench/trip_count.py
+    python bench/trip_count.py [--owner]
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench._agent_paths import AgentInput, InWorkflowAgent, Turn
 from tests.workflows.conftest import _start, make_stack
 
 _ON = [False]
@@ -38,21 +41,36 @@ def _profile(frame: FrameType, event: str, arg: Any) -> None:
             _CALLS[(f[len(root):], frame.f_code.co_name)] += 1
 
 
-async def main() -> None:
+async def main(owner: bool) -> None:
     # before any thread starts: the worker's threads inherit the hook, which counts only while on
     sys.setprofile(_profile)
     threading.setprofile(_profile)
     env = await _start([])
     try:
         with tempfile.TemporaryDirectory() as d:
-            stack = await make_stack(env, Path(d), backend="exact", replay_at_exit=False)
+            stack = await make_stack(env, Path(d), backend="exact", replay_at_exit=False, owners=(InWorkflowAgent,))
             async with stack.exits:
-                sid = await stack.streams.open("alice", "tiny-mamba2")
-                await stack.streams.advance(sid, "alice", tokens=[1, 2, 3])
-                await stack.streams.advance(sid, "alice", tokens=[7, 8, 9])
+                if owner:
+                    agent = await stack.client.start_workflow(
+                        InWorkflowAgent.run, AgentInput(principal="alice", model_id="tiny-mamba2"),
+                        id=stack.streams.new_id("alice"), task_queue=stack.queue)
+
+                    async def advance(tokens: list[int]) -> None:
+                        await agent.execute_update(InWorkflowAgent.feed, Turn(principal="alice", tokens=tokens,
+                                                                             generate=0))
+                else:
+                    sid = await stack.streams.open("alice", "tiny-mamba2")
+
+                    async def advance(tokens: list[int]) -> None:
+                        await stack.streams.advance(sid, "alice", tokens=tokens)
+                await advance([1, 2, 3])
+                await advance([7, 8, 9])
                 _ON[0] = True
-                await stack.streams.advance(sid, "alice", tokens=[4, 5, 6])
+                await advance([4, 5, 6])
                 _ON[0] = False
+                if owner:
+                    await agent.signal(InWorkflowAgent.finish)
+                    await agent.result()
     finally:
         sys.setprofile(None)
         threading.setprofile(None)
@@ -60,10 +78,10 @@ async def main() -> None:
     by_file: collections.Counter[str] = collections.Counter()
     for (f, _), n in _CALLS.items():
         by_file[f] += n
-    print(f"one advance: {len(by_file)} files, {sum(_CALLS.values())} calls, {len(_CALLS)} distinct functions")
+    print(f"one advance{' through ModelStream' if owner else ''}: {len(by_file)} files, {sum(_CALLS.values())} calls, {len(_CALLS)} distinct functions")
     for f, n in by_file.most_common():
         print(f"{n:6d}  {f}")
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    asyncio.run(main("--owner" in sys.argv[1:]))
