@@ -32,9 +32,10 @@ from workflows._failures import (
     UpdateIdMismatch,
     WorkerUnhealthy,
     application_error,
-    invalid_request,
     catalogue,
+    invalid_request,
 )
+from workflows._model_stream import ModelStream, StreamOwner, check_sender
 from workflows._models import (
     ACTIVITY_ADVANCE,
     ACTIVITY_CHECKPOINT,
@@ -50,6 +51,7 @@ from workflows._models import (
     PRESENTATION,
     PROGRESS_BYTES,
     PROGRESS_INTERVAL_S,
+    STREAM_WORKFLOW_TYPE,
     AdvanceChunkRequest,
     AdvanceChunkResult,
     AdvanceRequest,
@@ -79,7 +81,6 @@ from workflows._models import (
     RewindResult,
     RewindStreamRequest,
     SealedRequest,
-    STREAM_WORKFLOW_TYPE,
     StateResult,
     StreamOptions,
     StreamStats,
@@ -93,7 +94,6 @@ from workflows._models import (
     parse_update_id,
     update_id,
 )
-from workflows._model_stream import ModelStream, TokenLogQueries, check_sender
 from workflows._stream import MambaStreamWorkflow
 
 __all__ = [
@@ -138,10 +138,10 @@ __all__ = [
     "StreamMoving",
     "StreamOpening",
     "StreamOptions",
+    "StreamOwner",
     "StreamStats",
     "TokenBatch",
     "TokenEvent",
-    "TokenLogQueries",
     "TokenLogprob",
     "TokenOutOfRange",
     "TokenProgress",

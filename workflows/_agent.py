@@ -18,7 +18,7 @@ from pydantic import Field
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from workflows._model_stream import ModelStream, TokenLogQueries, check_sender
+    from workflows._model_stream import ModelStream, StreamOwner, check_sender
     from workflows._models import CarriedStream, GenerateResult, SealedRequest, StreamOptions
 
 __all__ = ["ChatAgent", "ChatInput", "ChatMessage"]
@@ -38,7 +38,7 @@ class ChatMessage(SealedRequest):
 
 
 @workflow.defn(name="ChatAgent")
-class ChatAgent(TokenLogQueries):  # read_tokens, token_offset, receipt, stats: for StreamClient's readers
+class ChatAgent(StreamOwner):  # read_tokens, token_offset, receipt, stats: for StreamClient's readers
     @workflow.init
     def __init__(self, inp: ChatInput) -> None:
         self.inp, self.stream, self.ended, self.lock = inp, None, False, asyncio.Lock()

@@ -18,7 +18,7 @@ The stream's id is its owning workflow's id: its payloads are sealed under the p
 key when that id names the principal (start the workflow with `StreamClient.new_id(principal)`),
 and the workers run its activities only when that workflow scheduled them. A streamed generate
 publishes its tokens to the owning workflow's token log: a workflow that declares the queries of
-`TokenLogQueries` is read by `StreamClient.tokens` as a `MambaStreamWorkflow` is.
+`StreamOwner` is read by `StreamClient.tokens` as a `MambaStreamWorkflow` is.
 
 `MambaStreamWorkflow` is this class behind updates and signals from outside: its handlers admit
 a client's request (who sealed it, its sequence, its update id) and hand it to the same methods.
@@ -63,6 +63,7 @@ with workflow.unsafe.imports_passed_through():
         StreamCancelled,
         StreamMoving,
         TokenOutOfRange,
+        UnknownRequest,
         application_error,
         invalid_request,
     )
@@ -114,7 +115,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from workflows._records import RecentResults, TokenLog
 
-__all__ = ["FORGED_RESULTS", "LOCAL_PAUSE_CHUNKS", "ModelStream", "TokenLogQueries", "check_advance",
+__all__ = ["FORGED_RESULTS", "LOCAL_PAUSE_CHUNKS", "ModelStream", "StreamOwner", "check_advance",
            "check_generate", "check_sender", "refused_arguments", "takes"]
 
 T = TypeVar("T")
@@ -755,11 +756,13 @@ class ModelStream:
                               "sweep deletes what is left", self.stream_id, FORGED_RESULTS)
 
 
-class TokenLogQueries:
-    """The queries of a workflow that owns a `ModelStream` as `self.stream` (None until it is
-    open): its receipt, its stats and its token log, which `StreamClient` (`tokens`,
-    `read_tokens`, `receipt`, `stats`) reads as it reads a `MambaStreamWorkflow`'s, whose queries
-    these are. Inherit it in the workflow class."""
+class StreamOwner:
+    """What every workflow that owns a `ModelStream` as `self.stream` (None until it is open)
+    answers, inherited by the workflow class (`MambaStreamWorkflow` is one): the queries of its
+    receipt, its stats and its token log, which `StreamClient` (`tokens`, `read_tokens`,
+    `receipt`, `stats`) reads as it reads a stream workflow's; and a refusal of requests of no
+    known name (an update or query refused typed `UnknownRequest`, nothing in history; a signal,
+    which cannot be refused, counted and dropped instead of kept for the run's lifetime)."""
 
     stream: ModelStream | None
 
@@ -783,6 +786,31 @@ class TokenLogQueries:
     @workflow.query
     def stats(self) -> StreamStats | None:
         return self.stream.stats if self.stream is not None else None
+
+    @workflow.update(dynamic=True)
+    async def _unknown_update(self, name: str, args: Sequence[RawValue]) -> None:
+        raise _unknown("update", name)  # never reached: the validator refuses
+
+    @_unknown_update.validator
+    def _refuse_unknown_update(self, name: str, args: Sequence[RawValue]) -> None:
+        # refused by the validator: nothing reaches history
+        raise _unknown("update", name)
+
+    @workflow.signal(dynamic=True)
+    def _unknown_signal(self, name: str, args: Sequence[RawValue]) -> None:
+        # counted and dropped: without a handler the SDK would buffer it for the run's lifetime
+        if self.stream is not None:
+            s = self.stream.stats
+            self.stream.stats = s.model_copy(update={"unknown_signals": s.unknown_signals + 1})
+        workflow.logger.warning("signal %r refused: the workflow has no such signal", name)
+
+    @workflow.query(dynamic=True)
+    def _unknown_query(self, name: str, args: Sequence[RawValue]) -> None:
+        raise _unknown("query", name)
+
+
+def _unknown(kind: str, name: str) -> ApplicationError:
+    return application_error(UnknownRequest(f"the stream has no {kind} {name!r}", kind=kind, name=name))
 
 
 class _Unconverted(Exception):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -43,14 +43,13 @@ with workflow.unsafe.imports_passed_through():
         RewindUnavailable,
         StreamCancelled,
         StreamOpening,
-        UnknownRequest,
         UpdateIdMismatch,
         application_error,
     )
     from workflows._model_stream import (
         PATCH_SEALED,
         ModelStream,
-        TokenLogQueries,
+        StreamOwner,
         check_advance,
         check_generate,
         check_sender,
@@ -125,10 +124,6 @@ def _signal_takes(model: type, refuse: Callable[[Any, ApplicationError], None]
     return wrap
 
 
-def _unknown(kind: str, name: str) -> ApplicationError:
-    return application_error(UnknownRequest(f"the stream has no {kind} {name!r}", kind=kind, name=name))
-
-
 def _init_takes(fn: Callable[..., None]) -> Callable[..., None]:
     """`__init__` of a start input that is not one OpenStreamInput (none, JSON null, one too
     many): it initializes from a placeholder and keeps the refusal, which `run` raises at once
@@ -155,7 +150,7 @@ def _run_takes(fn: Callable[..., Any]) -> Callable[..., Any]:
 # Pinned by the versioned worker's default behavior (worker.deployment_config), not here: a
 # behavior on the definition is refused by unversioned workers.
 @workflow.defn(name=STREAM_WORKFLOW_TYPE)
-class MambaStreamWorkflow(TokenLogQueries):  # its queries: receipt, stats, the token log's
+class MambaStreamWorkflow(StreamOwner):  # its queries (receipt, stats, the token log's); unknown requests refused
     @workflow.init
     @_init_takes
     def __init__(self, inp: OpenStreamInput) -> None:
@@ -559,27 +554,6 @@ class MambaStreamWorkflow(TokenLogQueries):  # its queries: receipt, stats, the 
         workflow.metric_meter().create_counter(
             "mamba_stream_refused_requests", "requests a stream refused that had no caller to tell").add(
             1, {"kind": kind, "reason": reason})
-
-    # --- requests of no known name: refused typed, and a signal counted ---------------------------
-
-    @workflow.update(dynamic=True)
-    async def _unknown_update(self, name: str, args: Sequence[RawValue]) -> None:
-        raise _unknown("update", name)  # never reached: the validator refuses
-
-    @_unknown_update.validator
-    def _refuse_unknown_update(self, name: str, args: Sequence[RawValue]) -> None:
-        # refused by the validator: nothing reaches history
-        raise _unknown("update", name)
-
-    @workflow.signal(dynamic=True)
-    def _unknown_signal(self, name: str, args: Sequence[RawValue]) -> None:
-        # counted and dropped: without a handler the SDK would buffer it for the run's lifetime
-        self.stream.stats = self.stream.stats.model_copy(update={"unknown_signals": self.stream.stats.unknown_signals + 1})
-        workflow.logger.warning("signal %r refused: the stream has no such signal", name)
-
-    @workflow.query(dynamic=True)
-    def _unknown_query(self, name: str, args: Sequence[RawValue]) -> None:
-        raise _unknown("query", name)
 
     @workflow.update
     async def ready(self) -> Receipt:

@@ -9,7 +9,7 @@ import asyncio
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from workflows import CarriedStream, ModelStream, SealedRequest, StreamOptions, TokenLogQueries, check_sender
+    from workflows import CarriedStream, ModelStream, SealedRequest, StreamOptions, StreamOwner, check_sender
 
 
 class OwnerInput(SealedRequest):
@@ -24,7 +24,7 @@ class OwnerInput(SealedRequest):
 
 
 @workflow.defn(name="TestStreamOwner")
-class StreamOwner(TokenLogQueries):
+class TestOwner(StreamOwner):
     @workflow.init
     def __init__(self, inp: OwnerInput) -> None:
         self.stream: ModelStream | None = None

@@ -126,6 +126,18 @@ async def test_only_the_agents_principal_talks_to_it(stack: Stack):
     second = await handle.execute_update(ChatAgent.say, ChatMessage(principal="alice", text="still there?"))
     assert second.chunk_seq == 4 and second.position > first.position
     assert stack.acts.store.list_stream(stream_id=sid) != []
+    # signals and updates of no known name: dropped and counted, refused; the agent goes on
+    for i in range(3):
+        await plain.get_workflow_handle(sid).signal(f"nonsense-{i}", "x")
+    with pytest.raises(Exception):  # noqa: B017, PT011 - refused (UnknownRequest, sealed for alice)
+        await plain.get_workflow_handle(sid).execute_update("nonsense", "x")
+    history = await handle.fetch_history()
+    assert not [e for e in history.events if e.HasField("workflow_execution_update_accepted_event_attributes")
+                and e.workflow_execution_update_accepted_event_attributes.accepted_request.input.name == "nonsense"]
+
+    async def counted() -> bool:
+        return (await stack.streams.stats(sid)).unknown_signals == 3
+    await eventually(counted)
 
     # bob starts an agent under alice's id form: it fails typed before it opens anything
     forged = stack.streams.new_id("alice")

@@ -10,7 +10,7 @@ import pytest
 from temporalio.client import WorkflowFailureError
 
 from state_codec.codec import plaintext_checksum
-from tests.workflows._owner import OwnerInput, StreamOwner
+from tests.workflows._owner import OwnerInput, TestOwner
 from tests.workflows.conftest import FAST, eventually, histories, make_stack
 from tests.workflows.test_stream_workflow import local
 from workflows import TokenEvent
@@ -19,13 +19,13 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 
 async def test_a_stream_owned_by_a_workflow_moves_resets_and_is_disposed(can_env, tmp_path, monkeypatch):
-    s = await make_stack(can_env, tmp_path, owners=(StreamOwner,))
+    s = await make_stack(can_env, tmp_path, owners=(TestOwner,))
     async with s.exits:
         chunks = [[(7 * i + j) % 200 + 1 for j in range(3 + i % 4)] for i in range(12)]
         sid = s.streams.new_id("alice")
         handle = await s.client.start_workflow(
             # regular activities: each chunk grows the history, so the server suggests continue-as-new
-            StreamOwner.run, OwnerInput(principal="alice", model_id="tiny-mamba2", chunks=chunks,
+            TestOwner.run, OwnerInput(principal="alice", model_id="tiny-mamba2", chunks=chunks,
                                         options=FAST.model_copy(update={"local_chunks": False}),
                                         reset_before=4, generate=5), id=sid, task_queue=s.queue)
 
@@ -34,7 +34,7 @@ async def test_a_stream_owned_by_a_workflow_moves_resets_and_is_disposed(can_env
                 return await handle.query(query)
             except Exception:  # noqa: BLE001 - between runs (continue-as-new)
                 return False
-        await eventually(lambda: asked(StreamOwner.all_fed), timeout=90)
+        await eventually(lambda: asked(TestOwner.all_fed), timeout=90)
 
         # a reader on the last run, then the generate, which the owner runs outside any update: the
         # reader learns of it from the run's history (a completed workflow task) and reads the log
@@ -56,8 +56,8 @@ async def test_a_stream_owned_by_a_workflow_moves_resets_and_is_disposed(can_env
         async def attached() -> bool:  # the reader read the log once: what comes next comes by history
             return reads >= 1
         await eventually(attached)
-        await handle.signal(StreamOwner.generate_now)
-        await eventually(lambda: asked(StreamOwner.done), timeout=90)
+        await handle.signal(TestOwner.generate_now)
+        await eventually(lambda: asked(TestOwner.done), timeout=90)
         runs = await histories(s.client, s.queue)
         assert len(runs) >= 2  # the server suggested continue-as-new after 24 events: it moved
 
