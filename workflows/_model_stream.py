@@ -369,7 +369,7 @@ class ModelStream:
                 f"the start request's task_timeout (the workflow task timeout) {given.total_seconds():g} s is "
                 f"under its floor {floor:g} s",
                 field="task_timeout", floor=floor, actual=given.total_seconds()))
-        res = await self.call(ACTIVITY_OPEN, self._opening, OpenStreamResult, affine=False)
+        res = await self._call(ACTIVITY_OPEN, self._opening, OpenStreamResult, affine=False)
         self.receipt, self.info = res.receipt, res.info
         self._bind(res.worker_queue)
         self.kept = [res.receipt.state_key]
@@ -378,7 +378,7 @@ class ModelStream:
                                                    **_arithmetic(None, res.receipt, self.stats)})
 
     @property
-    def mine(self) -> str:
+    def _mine(self) -> str:
         """Who seals this stream's payloads: the tag of the principal its id names (the workers
         encode for the stream under that principal's history key), or the master key's."""
         tag = stream_tag(self.stream_id)
@@ -390,7 +390,7 @@ class ModelStream:
         return self.receipt is not None and self.verified
 
     @property
-    def epoch(self) -> int:
+    def _epoch(self) -> int:
         return self.receipt.epoch if self.receipt is not None else 0
 
     async def verify_carry(self, carry: StreamCarry, seal: CarrySeal | None) -> None:
@@ -463,7 +463,7 @@ class ModelStream:
         if self.opts.affinity and queue:
             self.worker_queue = queue
 
-    async def call(self, name: str, arg: Any, result_type: type[T], *, affine: bool = True) -> T:
+    async def _call(self, name: str, arg: Any, result_type: type[T], *, affine: bool = True) -> T:
         """A regular activity (`_attempt`), its outcome taken only when the workers sealed it:
         anyone who reaches the frontend can complete or fail a running activity by its id, with a
         result or failure of their own. Such an outcome is dropped and the activity run again,
@@ -475,7 +475,7 @@ class ModelStream:
                 sealer: str | None = f"unconverted ({err.args[0]})"
             else:
                 sealer = sealer_of(out)
-                if sealer == self.mine:
+                if sealer == self._mine:
                     return out
             self.stats = self.stats.model_copy(update={"forged_results": self.stats.forged_results + 1})
             workflow.logger.warning("activity %s completed with a result the workers did not seal (sealer %s): "
@@ -495,7 +495,7 @@ class ModelStream:
         try:
             if affine and o.affinity and self.worker_queue:
                 try:
-                    return await _converted(result_type, self.mine, workflow.execute_activity(
+                    return await _converted(result_type, self._mine, workflow.execute_activity(
                         name, arg, task_queue=self.worker_queue,
                         schedule_to_start_timeout=timedelta(seconds=o.schedule_to_start_s),
                         retry_policy=RetryPolicy(maximum_attempts=1), **common))
@@ -510,7 +510,7 @@ class ModelStream:
                                             name, self.worker_queue, err.cause or err)
                     self.worker_queue = None
                     self.stats = self.stats.model_copy(update={"migrations": self.stats.migrations + 1})
-            return await _converted(result_type, self.mine, workflow.execute_activity(
+            return await _converted(result_type, self._mine, workflow.execute_activity(
                 name, arg, retry_policy=_retry(o.retry_max_attempts), **common))
         except ActivityError as err:
             raise self._failed(err.cause) or err from err
@@ -536,7 +536,7 @@ class ModelStream:
                          local: bool = True) -> T:
         """A chunk's activity: local when it is short (it runs on this worker, which holds the
         stream's hot state, with no task queue in between), else, or when the local attempt fails
-        for a reason that is not the chunk's own, the regular path (`call`). Either way the
+        for a reason that is not the chunk's own, the regular path (`_call`). Either way the
         commit protocol makes it exactly once: a local activity re-runs on replay if the worker
         died before its workflow task completed, and finds the chunk's record.
 
@@ -575,25 +575,25 @@ class ModelStream:
                         # (patched: a history recorded before this rule replays without it)
                         update["regular_until"] = chunk_seq + LOCAL_PAUSE_CHUNKS
                 self.stats = self.stats.model_copy(update=update)
-        return await self.call(name, arg, result_type)
+        return await self._call(name, arg, result_type)
 
     # --- chunks and the line of checkpoints --------------------------------------------------------
 
     async def run_chunk(self, kind: str, req: AdvanceRequest | GenerateRequest) -> Any:
-        """Run chunk `req` (the next one: `recheck`) and commit it to the stream's record; a
+        """Run chunk `req` (the next one: `_recheck`) and commit it to the stream's record; a
         generate's result goes to the token log (a failed one too, so that its readers stop)."""
-        self.recheck(req.chunk_seq)
+        self._recheck(req.chunk_seq)
         uid = _current_update_id()
         if isinstance(req, GenerateRequest):
             activity, result_type = ACTIVITY_GENERATE, GenerateChunkResult
             arg: Any = GenerateChunkRequest(stream_id=self.stream_id, principal=req.principal, receipt=self.receipt,
-                                            request=req, drop_keys=self.to_drop(), update_id=uid,
+                                            request=req, drop_keys=self._to_drop(), update_id=uid,
                                             log_offset=self.log.end)
         else:
             activity, result_type = ACTIVITY_ADVANCE, AdvanceChunkResult
             arg = AdvanceChunkRequest(stream_id=self.stream_id, principal=req.principal, receipt=self.receipt,
                                       request=req, max_chunk_tokens=self.opts.max_chunk_tokens,
-                                      drop_keys=self.to_drop(), update_id=uid)
+                                      drop_keys=self._to_drop(), update_id=uid)
         # a streamed generate heartbeats its tokens while it runs: a regular activity (a local one
         # has no heartbeat)
         streamed = isinstance(req, GenerateRequest) and req.stream
@@ -616,7 +616,7 @@ class ModelStream:
                                        update_id=uid))
         return result
 
-    def recheck(self, chunk_seq: int) -> None:
+    def _recheck(self, chunk_seq: int) -> None:
         """Admission ran earlier; by the time a chunk runs, an earlier one may have failed, or the
         stream may be cancelled or moving."""
         if self.cancelled or self.moving:
@@ -630,10 +630,10 @@ class ModelStream:
     def _log_failed(self, kind: str, chunk_seq: int, reason: str) -> None:
         """A generate that failed: its readers are told, and stop."""
         if kind == "generate":
-            self.log.append(TokenEvent(chunk_seq=chunk_seq, epoch=self.epoch, done=True, error=reason,
+            self.log.append(TokenEvent(chunk_seq=chunk_seq, epoch=self._epoch, done=True, error=reason,
                                        update_id=_current_update_id()))
 
-    def to_drop(self) -> list[str]:
+    def _to_drop(self) -> list[str]:
         """Checkpoints that leave the store once the next one is committed: those that have been
         out of the rewind window (the line's newest `checkpoints_kept`) for a whole window, so
         the store holds up to 2 x checkpoints_kept - 1 of the line.
@@ -649,7 +649,7 @@ class ModelStream:
         return [k for k in self.kept[: max(excess, 0)] if k not in self.pinned]
 
     def _record_commit(self, receipt: Receipt, worker_queue: str | None, *, tokens: int = 0, generated: int = 0) -> None:
-        dropped = set(self.to_drop())  # the activity deleted these after committing
+        dropped = set(self._to_drop())  # the activity deleted these after committing
         self.kept = [k for k in self.kept if k not in dropped] + [receipt.state_key]
         before, self.receipt = self.receipt, receipt
         self._bind(worker_queue)
@@ -664,7 +664,7 @@ class ModelStream:
         result = getattr(rec, kind)
         if result is None:
             assert rec.state_key is not None
-            out = await self.call(ACTIVITY_RECALL, RecallResultRequest(
+            out = await self._call(ACTIVITY_RECALL, RecallResultRequest(
                 stream_id=self.stream_id, principal=self.principal, state_key=rec.state_key, kind=kind),
                 RecallResultResult)
             result = getattr(out, kind)
@@ -673,7 +673,7 @@ class ModelStream:
     async def reset_state(self, req: ResetRequest, *, by_operator: bool = False) -> None:
         """A new epoch at position 0, by `req` (admitted by the caller)."""
         assert self.receipt is not None
-        out = await self.call(ACTIVITY_RESET, ResetStreamRequest(
+        out = await self._call(ACTIVITY_RESET, ResetStreamRequest(
             stream_id=self.stream_id, principal=req.principal, receipt=self.receipt,
             epoch=self.receipt.epoch + 1, request=req), StateResult)
         self.receipt = out.receipt
@@ -688,7 +688,7 @@ class ModelStream:
 
     async def pin(self, req: CheckpointRequest) -> Receipt:
         """The state now, verified in the store and kept until the stream is disposed."""
-        out = await self.call(ACTIVITY_CHECKPOINT, CheckpointStreamRequest(
+        out = await self._call(ACTIVITY_CHECKPOINT, CheckpointStreamRequest(
             stream_id=self.stream_id, principal=req.principal, receipt=self.receipt, request=req), StateResult)
         if out.receipt.state_key not in self.pinned:
             self.pinned.append(out.receipt.state_key)
@@ -697,7 +697,7 @@ class ModelStream:
     async def rewind_state(self, req: RewindRequest, state_key: str, undone: list[str]) -> Receipt:
         """The stream's state set back to checkpoint `state_key`, the `undone` ones deleted: the
         stream continues from there in its next run (`rewound`)."""
-        out = await self.call(ACTIVITY_REWIND, RewindStreamRequest(
+        out = await self._call(ACTIVITY_REWIND, RewindStreamRequest(
             stream_id=self.stream_id, principal=req.principal, receipt=self.receipt, state_key=state_key,
             drop_keys=undone, request=req), StateResult)
         return out.receipt
@@ -730,7 +730,7 @@ class ModelStream:
                                       result_type=RawValue)
         if o.affinity and self.worker_queue:
             try:
-                await _converted(DisposeStreamResult, self.mine, workflow.execute_activity(
+                await _converted(DisposeStreamResult, self._mine, workflow.execute_activity(
                     ACTIVITY_DISPOSE, req, task_queue=self.worker_queue,
                     schedule_to_start_timeout=timedelta(seconds=o.schedule_to_start_s),
                     retry_policy=RetryPolicy(maximum_attempts=1), **common))
@@ -740,9 +740,9 @@ class ModelStream:
                                         self.worker_queue, getattr(err, "cause", None) or err)
         for _ in range(FORGED_RESULTS):
             try:
-                out = await _converted(DisposeStreamResult, self.mine, workflow.execute_activity(
+                out = await _converted(DisposeStreamResult, self._mine, workflow.execute_activity(
                     ACTIVITY_DISPOSE, req, retry_policy=_retry(0), **common))
-                if sealer_of(out) == self.mine:
+                if sealer_of(out) == self._mine:
                     return
             except _Unconverted:
                 pass

@@ -107,7 +107,7 @@ class _Sealed(BaseModel):
 class _ActivityResult(_Sealed, _Model):
     """An activity's result. Who sealed it travels beside it, as a request's does: the workers seal
     it under the stream's key, and anyone who reaches the frontend can complete a running activity
-    by its id with a result of their own (`ModelStream.call` takes only the workers')."""
+    by its id with a result of their own (`ModelStream._call` takes only the workers')."""
 
 
 class SealedRequest(_Sealed, _Model):
