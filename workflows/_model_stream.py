@@ -17,7 +17,7 @@ there); continue-as-new carries the stream (`carry_over`, then `open(..., carrie
 The stream's id is its owning workflow's id: its payloads are sealed under the principal's history
 key when that id names the principal (start the workflow with `StreamClient.new_id(principal)`),
 and the workers run its activities only when that workflow scheduled them. A streamed generate
-publishes its tokens to the owning workflow's token log: a workflow that declares the queries of
+publishes its tokens to the owning workflow's token log: a workflow that inherits
 `StreamOwner` is read by `StreamClient.tokens` as a `MambaStreamWorkflow` is.
 
 `MambaStreamWorkflow` is this class behind updates and signals from outside: its handlers admit
