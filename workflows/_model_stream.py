@@ -129,6 +129,29 @@ PATCH_LOCAL_PAUSE = "local-pause-after-timeout"
 #: histories recorded before requests were taken by their sealer, carries sealed and bare cancel
 #: requests refused replay as they ran (`workflow.patched`: false only when replaying such a history)
 PATCH_SEALED = "requests-by-sealer"
+#: marks a run whose every patch above is decided at its first workflow task (`mark_patches`)
+PATCH_AT_START = "patches-at-start"
+
+
+def mark_patches() -> None:
+    """Decide the patches of the stream's code in the run's first workflow task, from the stream's
+    construction (the stream workflow's init, `ModelStream.open`): one marker there,
+    `PATCH_AT_START`, stands for every patch before it (`patched`).
+
+    `workflow.patched` is answered from the markers of the workflow task it is called in. A run
+    that first asks right after a local activity's result (a cancel's check, a timed-out chunk)
+    records its marker in whichever task that result was handed over in; a replay may hand the
+    result over a task earlier, find no marker there yet, answer False, and fail nondeterministic
+    when it meets the marker. Asked at construction, the marker lies in the first task, where
+    every replay finds it."""
+    workflow.patched(PATCH_AT_START)
+
+
+def patched(patch_id: str) -> bool:
+    """Whether the run takes `patch_id`'s code: yes for a run marked at its start
+    (`mark_patches`); a history recorded before that marker existed asks `workflow.patched` where
+    it asked when it was recorded."""
+    return workflow.patched(PATCH_AT_START) or workflow.patched(patch_id)
 
 
 def check_advance(req: AdvanceRequest, opts: StreamOptions, info: ModelInfo | None) -> None:
@@ -198,7 +221,9 @@ def check_sender(req: Any, principal: str, what: str, *, replayable: bool = Fals
     were taken by their sealer replays."""
     tag = stream_tag(workflow.info().workflow_id)
     sealer, mine = sealer_of(req), tag if tag is not None else MASTER
-    if replayable and sealer != mine and not workflow.patched(PATCH_SEALED):
+    if replayable:
+        mark_patches()  # a signal may come before the stream is built, in the same first task
+    if replayable and sealer != mine and not patched(PATCH_SEALED):
         # replaying a run that took what it was sent by what it said (a signal, a start input:
         # they replay; an update's validator does not, and may not mark history)
         sealer = mine
@@ -234,6 +259,7 @@ class ModelStream:
     def __init__(self, request: OpenStreamRequest, options: StreamOptions, carry: StreamCarry | None = None) -> None:
         """The stream's record, before any activity: opened by `start`, or carried and verified by
         `verify_carry`. (`open` does either.)"""
+        mark_patches()
         self.stream_id = request.stream_id
         self.principal = request.principal
         self.opts = options
@@ -405,7 +431,7 @@ class ModelStream:
     async def seal_carry(self, carry: StreamCarry) -> CarrySeal | None:
         """The workers' seal on what this run carries to the next (None: replaying a run that
         continued as new before carries were sealed)."""
-        if not workflow.patched(PATCH_SEALED):
+        if not patched(PATCH_SEALED):
             return None
         return await self.quick(ACTIVITY_SEAL_CARRY, CarrySealRequest(
             stream_id=self.stream_id, digest=carry_digest(carry)), CarrySeal)
@@ -570,7 +596,7 @@ class ModelStream:
                     workflow.logger.info("local %s declined (%s); taking the regular path", name, cause)
                 else:
                     workflow.logger.warning("local %s failed (%s); taking the regular path", name, cause)
-                    if isinstance(cause, ActivityTimeout) and workflow.patched(PATCH_LOCAL_PAUSE):
+                    if isinstance(cause, ActivityTimeout) and patched(PATCH_LOCAL_PAUSE):
                         # the worker is too loaded for local attempts to fit: stop trying for a while
                         # (patched: a history recorded before this rule replays without it)
                         update["regular_until"] = chunk_seq + LOCAL_PAUSE_CHUNKS

@@ -53,6 +53,7 @@ with workflow.unsafe.imports_passed_through():
         check_advance,
         check_generate,
         check_sender,
+        patched,
         refused_arguments,
         takes,
     )
@@ -193,7 +194,7 @@ class MambaStreamWorkflow(StreamOwner):  # its queries (receipt, stats, the toke
                 await workflow.wait_condition(lambda: not self._cancel_checks)
                 if self._cancel_by is not None:
                     break
-                if not workflow.patched(PATCH_SEALED):  # replaying a run that took a bare cancel
+                if not patched(PATCH_SEALED):  # replaying a run that took a bare cancel
                     self._cancel_by, self.stream.cancelled = "operator", True
                     break
                 self._refuse("cancel", application_error(UnsealedRequest(
@@ -207,7 +208,7 @@ class MambaStreamWorkflow(StreamOwner):  # its queries (receipt, stats, the toke
         (returns). Interrupted by a refused Temporal cancel, it is entered again and goes on from
         where it was."""
         if not self.stream.verified:
-            if workflow.patched(PATCH_SEALED):
+            if patched(PATCH_SEALED):
                 await self.stream.verify_carry(inp.carry, inp.carry_seal)
             else:
                 self.stream.verified = True  # replaying a run that took its carry as it came

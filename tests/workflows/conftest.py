@@ -127,6 +127,20 @@ def failed_tasks(history: WorkflowHistory) -> list[str]:
             if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED]
 
 
+def late_patches(history: WorkflowHistory) -> list[str]:
+    """The patch markers of a history that are not in its first workflow task's commands: a replay
+    decides `workflow.patched` from the markers of the task it runs, so a marker recorded later
+    than the first task replays only as long as every replay hands each activity's result over
+    in the same task as the run did (`workflows._model_stream.mark_patches`)."""
+    first = next((e.event_id for e in history.events
+                  if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED), None)
+    return [f"event {e.event_id} (task {e.marker_recorded_event_attributes.workflow_task_completed_event_id})"
+            for e in history.events
+            if e.event_type == EventType.EVENT_TYPE_MARKER_RECORDED
+            and e.marker_recorded_event_attributes.marker_name == "core_patch"
+            and e.marker_recorded_event_attributes.workflow_task_completed_event_id != first]
+
+
 async def replay(client: Client, queue: str, keyring: Keyring, keep: Path | None = None,
                  owners: tuple[type, ...] = ()) -> int:
     """Replay every run recorded on `queue` with this checkout's workflow code (the determinism
@@ -142,6 +156,10 @@ async def replay(client: Client, queue: str, keyring: Keyring, keep: Path | None
     # a run that has decided nothing yet (continued as new as its worker stopped: its history is the
     # started event alone) has nothing to replay, and the Replayer waits on it forever
     runs = [h for h in runs if any(e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED for e in h.events)]
+    for h in runs:
+        late = late_patches(h)
+        if late:
+            raise AssertionError(f"{h.workflow_id}: patch markers after the first workflow task: {late}")
     async with replayer.workflow_replay_iterator(_aiter(runs)) as results:
         async for result in results:
             if result.replay_failure is not None:
@@ -202,20 +220,37 @@ pytestmark = pytest.mark.asyncio(loop_scope="session")
 #: clear (it never passes through the data converter); the result beside it is encrypted
 LOCAL_MARKER_META_KEYS = {"seq", "attempt", "activity_id", "activity_type", "complete_time", "backoff",
                           "original_schedule_time", "activation_index"}
+#: the patches of the workflows' code (`workflows._model_stream`), whose markers hold their id in
+#: clear: names of the code's versions, the same in every history. They are history's format:
+#: renaming one breaks the replay of every history that recorded it.
+PATCH_IDS = {"patches-at-start", "requests-by-sealer", "local-pause-after-timeout"}
 
 
-def local_marker_meta(events) -> list:
-    """The `data` payloads of a history's local-activity markers, each checked to hold nothing but
-    sdk-core's bookkeeping (no input, result, principal or state key)."""
+def sdk_bookkeeping(events) -> list:
+    """The payloads the SDK writes in a history in clear, each checked to hold nothing but its
+    bookkeeping: a local activity's marker (no input, result, principal or state key; the result
+    beside it is encrypted), a patch's marker and the search attribute listing the run's patches
+    (ids of `PATCH_IDS`)."""
     import json
 
     from temporalio.api.enums.v1 import EventType
 
     metas = []
     for e in events:
+        if e.event_type == EventType.EVENT_TYPE_UPSERT_WORKFLOW_SEARCH_ATTRIBUTES:
+            for name, p in e.upsert_workflow_search_attributes_event_attributes.search_attributes \
+                    .indexed_fields.items():
+                assert name == "TemporalChangeVersion" and set(json.loads(p.data)) <= PATCH_IDS, (name, p)
+                metas.append(p)
         if e.event_type != EventType.EVENT_TYPE_MARKER_RECORDED:
             continue
         attrs = e.marker_recorded_event_attributes
+        if attrs.marker_name == "core_patch":
+            for p in attrs.details["patch-data"].payloads:
+                body = json.loads(p.data)
+                assert set(body) == {"id", "deprecated"} and body["id"] in PATCH_IDS, body
+                metas.append(p)
+            continue
         if attrs.marker_name != "core_local_activity":
             continue
         for p in attrs.details["data"].payloads:  # "result" holds the activity's (encrypted) result

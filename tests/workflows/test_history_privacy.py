@@ -7,7 +7,7 @@ import pytest
 from temporalio.client import WorkflowUpdateFailedError
 
 from state_codec import parse_state_key
-from tests.workflows.conftest import Stack, local_marker_meta
+from tests.workflows.conftest import Stack, sdk_bookkeeping
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -157,7 +157,7 @@ async def test_a_principal_keyring_reads_its_own_streams_and_no_one_elses(stack:
     assert (await clients["alice"].stats(sid)).chunk_seq == 1  # nothing advanced
     # the raw history, decoded with each keyring
     events = [e async for e in stack.streams.handle(sid).fetch_history_events()]
-    metas = local_marker_meta(events)  # sdk-core's bookkeeping of the local chunk, checked there
+    metas = sdk_bookkeeping(events)  # the SDK's bookkeeping (the local chunk's, the patch's), checked there
     payloads = [p for p in _payloads(events) if p not in metas]
     assert len(payloads) >= 4
     for who, ring in (("bob", rings["bob"]), ("alice", rings["alice"]), ("workers", stack.keyring)):

@@ -12,7 +12,7 @@ from temporalio.client import WorkflowFailureError, WorkflowUpdateFailedError
 
 from state_codec.codec import plaintext_checksum
 from state_codec.payload import ENCRYPTED_ENCODING
-from tests.workflows.conftest import Stack, eventually, local_marker_meta
+from tests.workflows.conftest import Stack, eventually, sdk_bookkeeping
 from tests.workflows.test_stream_workflow import digest, local, reason
 from worker import temporal_binary
 
@@ -204,11 +204,13 @@ async def test_history_holds_no_plaintext(stack: Stack):
     payloads = []
     for e in events:
         _payloads(e, payloads)
-    metas = local_marker_meta(events)  # sdk-core's own bookkeeping of the local chunks, checked there
-    assert len(metas) == 3
+    metas = sdk_bookkeeping(events)  # the SDK's own bookkeeping, checked there
+    # the three local chunks' markers; the first workflow task's patch marker and the search
+    # attribute that lists it
+    assert len(metas) == 3 + 2
     payloads = [p for p in payloads if p not in metas]
     assert len(payloads) >= 10
-    assert all(p.metadata.get("encoding") == ENCRYPTED_ENCODING for p in payloads)
+    assert [p for p in payloads if p.metadata.get("encoding") != ENCRYPTED_ENCODING] == []
     raw = b"".join(e.SerializeToString() for e in events)
     for needle in (secret.encode(), b"SECRET", r.receipt.state_key.encode(), r.receipt.checksum.encode(),
                    b"alice", b"principal", b"receipt"):
@@ -254,10 +256,14 @@ async def test_malformed_update_from_the_cli_is_refused_before_history(stack: St
         assert shown.returncode == 0 and plain in shown.stdout and sealed not in shown.stdout
         hidden = await cli(stack, "show", "--workflow-id", sid, "--output", "json")
         assert hidden.returncode == 0 and sealed in hidden.stdout
-        # in clear, only sdk-core's bookkeeping of the local chunk (test_history_holds_no_plaintext)
+        # in clear, only the SDK's bookkeeping: of the local chunk, and of the code's patches (a
+        # marker and a search attribute; test_history_holds_no_plaintext)
         events = json.loads(hidden.stdout)["events"]
         for e in events:
-            e.get("markerRecordedEventAttributes", {}).get("details", {}).pop("data", None)
+            details = e.get("markerRecordedEventAttributes", {}).get("details", {})
+            details.pop("data", None)
+            details.pop("patch-data", None)
+            e.pop("upsertWorkflowSearchAttributesEventAttributes", None)
         assert plain not in json.dumps(events)
     finally:
         codec.stop()

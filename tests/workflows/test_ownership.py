@@ -385,16 +385,22 @@ async def test_a_carry_from_a_version_that_did_not_seal_carries_is_taken_on_the_
     version's carry has no seal. The new run takes it because the server's history says the run it
     continues continued as new into it (only the workflow's own code can); a client's start, whose
     run continues nothing, is refused (the forged-carry test above)."""
+    import workflows._model_stream as model_stream
     from tests.workflows.conftest import make_stack
 
-    sealing = ModelStream.seal_carry
+    sealing, marking = ModelStream.seal_carry, model_stream.mark_patches
 
     async def unsealed(self, carry):  # noqa: ANN001, ANN202
         # the first run is the old version's: it continues as new without a seal (and without
         # marking history: the real code replays it as such); the runs after it are this version's
         return None if workflow.info().continued_run_id is None else await sealing(self, carry)
 
+    def unmarked() -> None:  # nor did that version mark its patches
+        if workflow.info().continued_run_id is not None:
+            marking()
+
     monkeypatch.setattr(ModelStream, "seal_carry", unsealed)
+    monkeypatch.setattr(model_stream, "mark_patches", unmarked)
     stack = await make_stack(can_env, tmp_path)
     async with stack.exits:
         model = local("tiny-mamba2")
