@@ -239,7 +239,7 @@ class ChunkCommit:
         after the checkpoint is stored, before the record (the caller's slot bookkeeping)."""
         self.edge("computed", stream_id, chunk_seq)
         done = self.commit(model, state, stream_id=stream_id, principal=principal, chunk_seq=chunk_seq,
-                           epoch=before.epoch, key=key, backend=f"{model.backend}:{path}", before=before, path=path)
+                           epoch=before.epoch, key=key, backend=model.ran(path), before=before, path=path)
         on_committed(done)
         result = make_result(done.receipt)
         self.edge("written", stream_id, chunk_seq)

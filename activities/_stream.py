@@ -552,7 +552,7 @@ class StreamActivities:
             origin = req.resume.checksum if req.resume else "initial"
             key = self.commits.state_key(req.stream_id, 0, 0, f"open|{origin}")
             receipt = self._commit(model, req.stream_id, req.principal, state, chunk_seq=0, epoch=0, key=key,
-                                   backend=f"{model.backend}:open", before=req.resume, last=last)
+                                   backend=model.ran("open"), before=req.resume, last=last)
             # its receipt recorded beside it, as a chunk's is: what a rewind to it goes back to
             self.commits.write_record(receipt, {"kind": "open", "receipt": receipt.model_dump(mode="json")}, last)
             self._gauge()
@@ -619,7 +619,7 @@ class StreamActivities:
             self.metrics.tokens.add(len(tokens), {"model": model.model_id, "kind": "prefill"})
             if reference is not None:
                 self._drift_sample(model, reference, tokens, logits, state)
-            backend = f"{model.backend}:{out.path}"
+            backend = model.ran(out.path)
 
             def result(receipt: Receipt) -> AdvanceResult:
                 return AdvanceResult(
@@ -715,7 +715,7 @@ class StreamActivities:
                 finish = "stop"  # the last sampled token completed a stop text
             if finish == "length" and tokens and tokens[-1] in eos:
                 finish = "eos"  # the last token the length allowed was the end of the sequence
-            backend = f"{model.backend}:{out.path}"
+            backend = model.ran(out.path)
             text = transform.decode(tokens) if transform is not None else None
 
             def result(receipt: Receipt) -> GenerateResult:
@@ -746,7 +746,7 @@ class StreamActivities:
             key = self.commits.state_key(req.stream_id, req.epoch, req.receipt.chunk_seq, "reset|initial")
             receipt = self._commit(model, req.stream_id, req.principal, model.initial_state(),
                                    chunk_seq=req.receipt.chunk_seq, epoch=req.epoch, key=key,
-                                   backend=f"{model.backend}:reset", before=None)
+                                   backend=model.ran("reset"), before=None)
             self.commits.write_record(receipt, {"kind": "reset", "receipt": receipt.model_dump(mode="json")}, None)
             if req.request is not None and req.request.revoke:
                 n = self.commits.revoke_before(req.stream_id, req.principal, req.epoch)

@@ -208,6 +208,13 @@ class Model:
             state_schema=self.schema,
         )
 
+    def ran(self, path: str) -> str:
+        """What receipts and results record as their `backend`: this model's backend and the path
+        of it that ran (a `StepResult.path`, or "open" / "reset" for a state of its own), as
+        "<backend>:<path>" ("exact:fused", "reference:open"). A backend name alone is
+        `Model.backend`; the primitives it runs are a `Backend`."""
+        return f"{self.backend}:{path}"
+
     def arithmetic(self, path: str | None = None) -> Arithmetic:
         """What decides the bits of this model's results (`state_codec.Arithmetic`).
 

@@ -118,6 +118,8 @@ class SealedRequest(_Sealed, _Model):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
 
 
+#: what a result's `backend` says (`scan.Model.ran` builds it)
+BACKEND_RAN = 'the backend and the path of it that ran, "<backend>:<path>" ("exact:fused", "reference:open")'
 #: the largest chunk sequence, epoch or count a request may name (far beyond any real stream)
 MAX_INDEX = 2**53
 #: token ids fit int32 in every vocabulary we serve
@@ -291,7 +293,7 @@ class StreamStats(_Model):
     forced_moves: int = Field(default=0, description="continue-as-new forced by a history near the server's "
                               "limits while a chunk ran (the chunk was stopped and sent again to the next run)")
     version_moves: int = Field(default=0, description="continue-as-new onto a new worker deployment version")
-    last_backend: str = ""
+    last_backend: str = Field(default="", description=BACKEND_RAN + ", of the last state committed")
     arithmetic: str = Field(default="", description="the current state's arithmetic id (what decided its bits)")
     arithmetic_changes: int = Field(default=0, description="chunks that continued the state under another "
                                     "arithmetic (a move to a worker whose bits differ)")
@@ -334,7 +336,7 @@ class AdvanceResult(_Model):
     receipt: Receipt
     top_k: list[TokenLogprob] = Field(description="log-probabilities of the most likely next tokens")
     output_digest: str = Field(description="sha256 of the chunk's float32 logits, all positions")
-    backend: str
+    backend: str = Field(description=BACKEND_RAN)
     duplicate: bool = False
 
 
@@ -367,7 +369,7 @@ class GenerateResult(_Model):
         "the model's end-of-sequence token. The token that ended it is in `tokens` and in the state"))
     receipt: Receipt
     output_digest: str
-    backend: str
+    backend: str = Field(description=BACKEND_RAN)
     duplicate: bool = False
 
 
