@@ -454,10 +454,11 @@ class StreamActivities:
         validate_resume(receipt, model.identity(), principal, stream_id=stream_id)
         self.metrics.used(receipt.state_key, model.model_id)
 
-    def _commit(self, model: Model, stream_id: str, principal: str, state: State, *, chunk_seq: int,
-                epoch: int, key: str, backend: str, before: Receipt | None, last: torch.Tensor | None = None
-                ) -> Receipt:
-        """A state of its own (open, reset) committed, and put in the stream's slot."""
+    def _start_epoch(self, model: Model, stream_id: str, principal: str, state: State, *, chunk_seq: int,
+                     epoch: int, key: str, backend: str, before: Receipt | None, last: torch.Tensor | None = None
+                     ) -> Receipt:
+        """An epoch's first state, its own (open: initial or resumed; reset: initial), committed
+        and held in the stream's slot."""
         _cancel_point()
         done = self.commits.commit(model, state, stream_id=stream_id, principal=principal, chunk_seq=chunk_seq,
                                    epoch=epoch, key=key, backend=backend, before=before)
@@ -551,7 +552,7 @@ class StreamActivities:
                 state, last = self._fetch(model, req.resume, req.principal, current=False)
             origin = req.resume.checksum if req.resume else "initial"
             key = self.commits.state_key(req.stream_id, 0, 0, f"open|{origin}")
-            receipt = self._commit(model, req.stream_id, req.principal, state, chunk_seq=0, epoch=0, key=key,
+            receipt = self._start_epoch(model, req.stream_id, req.principal, state, chunk_seq=0, epoch=0, key=key,
                                    backend=model.ran("open"), before=req.resume, last=last)
             # its receipt recorded beside it, as a chunk's is: what a rewind to it goes back to
             self.commits.write_record(receipt, {"kind": "open", "receipt": receipt.model_dump(mode="json")}, last)
@@ -744,7 +745,7 @@ class StreamActivities:
                 raise EpochMismatch(f"epoch {req.epoch} does not follow {req.receipt.epoch}",
                                     field="epoch", expected=req.receipt.epoch + 1, actual=req.epoch)
             key = self.commits.state_key(req.stream_id, req.epoch, req.receipt.chunk_seq, "reset|initial")
-            receipt = self._commit(model, req.stream_id, req.principal, model.initial_state(),
+            receipt = self._start_epoch(model, req.stream_id, req.principal, model.initial_state(),
                                    chunk_seq=req.receipt.chunk_seq, epoch=req.epoch, key=key,
                                    backend=model.ran("reset"), before=None)
             self.commits.write_record(receipt, {"kind": "reset", "receipt": receipt.model_dump(mode="json")}, None)

@@ -634,9 +634,9 @@ class ModelStream:
             raise
         result = out.result
         if kind == "advance":
-            self._record_commit(result.receipt, out.worker_queue, tokens=result.n_tokens)
+            self._move_to(result.receipt, out.worker_queue, tokens=result.n_tokens)
         else:
-            self._record_commit(result.receipt, out.worker_queue, generated=len(result.tokens))
+            self._move_to(result.receipt, out.worker_queue, generated=len(result.tokens))
             self.log.append(TokenEvent(chunk_seq=result.chunk_seq, epoch=result.receipt.epoch, tokens=result.tokens,
                                        text=result.text, done=True, finish_reason=result.finish_reason,
                                        update_id=uid))
@@ -674,7 +674,9 @@ class ModelStream:
         excess = len(self.kept) + 1 - stored
         return [k for k in self.kept[: max(excess, 0)] if k not in self.pinned]
 
-    def _record_commit(self, receipt: Receipt, worker_queue: str | None, *, tokens: int = 0, generated: int = 0) -> None:
+    def _move_to(self, receipt: Receipt, worker_queue: str | None, *, tokens: int = 0, generated: int = 0) -> None:
+        """The stream's bookkeeping after a committed chunk: its receipt, its line of kept
+        checkpoints, its stats."""
         dropped = set(self._to_drop())  # the activity deleted these after committing
         self.kept = [k for k in self.kept if k not in dropped] + [receipt.state_key]
         before, self.receipt = self.receipt, receipt
