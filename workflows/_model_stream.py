@@ -294,7 +294,11 @@ class ModelStream:
         continuing from that checkpoint, which the workers verify belongs to this model and
         principal), or, `carried`, the one the run before this one handed over (`carry_over`),
         once the workers verified their seal on it: a carry that is not theirs, for this workflow
-        and the run it continues, fails typed `ForgedCarry` before anything of it is used."""
+        and the run it continues, fails typed `ForgedCarry` before anything of it is used.
+
+        Open it first thing in `run` (the run's first workflow task): that is where the stream's
+        code records which of its versions the run takes (`mark_patches`), so that every replay
+        finds the record where it asks."""
         request = OpenStreamRequest(stream_id=workflow.info().workflow_id, principal=principal, model_id=model_id,
                                     input_transform=input_transform, resume=receipt)
         stream = cls(request, options or StreamOptions(), carried.carry if carried else None)
