@@ -7,7 +7,9 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import sys
+import threading
 from collections import UserString
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -414,7 +416,57 @@ async def _explain(args: argparse.Namespace, exc: BaseException) -> tuple[str, s
     return reason, message
 
 
+#: how long a command may take to stop after Ctrl-C before it leaves at once (`_leave_if_stuck`)
+INTERRUPT_GRACE_S = 10.0
+
+
+def _leave_if_stuck() -> None:
+    """After the first Ctrl-C, the command stops (asyncio.run cancels it, and what it was doing
+    says what goes on); should it still be here `INTERRUPT_GRACE_S` later, it says so in one line
+    and leaves (exit 130) instead of leaving the user guessing. Seen once in a saturated CI run:
+    a command that printed nothing after Ctrl-C and was still waiting a minute later. With
+    MAMBA_STREAM_DEBUG set, the stacks of the tasks it was waiting on come first."""
+    runner_sigint = signal.getsignal(signal.SIGINT)
+    if not callable(runner_sigint):
+        return
+    loop = asyncio.get_running_loop()
+    armed: list[threading.Timer] = []
+
+    def leave() -> None:
+        if os.environ.get("MAMBA_STREAM_DEBUG"):
+            for task in list(asyncio.all_tasks(loop)):  # a snapshot for the record: the loop is stuck
+                print(f"--- {task!r}", *_awaiting(task.get_coro()), sep="\n", file=sys.stderr)
+        print(f"interrupted: the command did not stop within {INTERRUPT_GRACE_S:.0f} s of Ctrl-C; leaving",
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(EXIT_INTERRUPTED)
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        if not armed:
+            timer = threading.Timer(INTERRUPT_GRACE_S, leave)
+            timer.daemon = True
+            timer.start()
+            armed.append(timer)
+        runner_sigint(signum, frame)
+
+    signal.signal(signal.SIGINT, on_sigint)
+
+
+def _awaiting(coro: Any) -> list[str]:
+    """Where a task waits: its coroutine and each one it awaits, outermost first (a task's own
+    stack shows only the outermost)."""
+    lines = []
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is None:
+            break
+        lines.append(f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return lines
+
+
 async def _guarded(fn: Callable[[argparse.Namespace], Awaitable[int]], args: argparse.Namespace) -> int:
+    _leave_if_stuck()
     try:
         return await fn(args)
     except Exception as exc:  # noqa: BLE001 - the CLI reports, with the typed reason

@@ -237,7 +237,9 @@ async def test_ctrl_c_during_a_streamed_generate_says_where_the_result_will_be(t
     GatedSampling.gate.clear()
     stack = await make_stack(temporal_env, tmp_path, acts_cls=GatedSampling)
     async with stack.exits:
-        env = _env(stack, _keyfile(stack, tmp_path), PYTHONFAULTHANDLER="1")
+        # a command still here 10 s after Ctrl-C leaves anyway (`_leave_if_stuck`), first printing
+        # the stacks of the tasks it waited on (MAMBA_STREAM_DEBUG): this test then fails with them
+        env = _env(stack, _keyfile(stack, tmp_path), PYTHONFAULTHANDLER="1", MAMBA_STREAM_DEBUG="1")
         sid = await stack.streams.open("alice", "tiny-mamba2")
         await stack.streams.advance(sid, "alice", text="Once upon a time")
         proc = await asyncio.to_thread(
@@ -270,6 +272,48 @@ async def test_ctrl_c_during_a_streamed_generate_says_where_the_result_will_be(t
         await eventually(lambda: _committed(stack, sid, 2), timeout=90)
         [entry] = [json.loads(line) for line in (await _ok(env, "tokens", sid, "--seq", "2", "--json")).splitlines()]
         assert entry["done"] and entry["chunk_seq"] == 2 and len(entry["tokens"]) == 40
+
+
+STUCK_COMMAND = """
+import asyncio, sys
+import cli._streams as streams
+
+streams.INTERRUPT_GRACE_S = 1.0
+
+
+async def stuck(args):
+    while True:  # a command that does not stop when cancelled
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            pass
+
+
+async def main():
+    print("ready", flush=True)
+    return await stuck(None)
+
+sys.exit(streams._run(lambda args: main())(None))
+"""
+
+
+def test_a_command_that_does_not_stop_after_ctrl_c_leaves_within_the_grace_and_says_so():
+    proc = subprocess.Popen([sys.executable, "-c", STUCK_COMMAND], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, "MAMBA_STREAM_DEBUG": "1"})
+    try:
+        assert proc.stdout.readline() == b"ready\n"
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(30)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.stderr.read().decode()
+    assert code == 130 and took < 20, (code, took, err)
+    lines = err.strip().splitlines()
+    assert lines[-1] == "interrupted: the command did not stop within 1 s of Ctrl-C; leaving", err
+    assert "in stuck" in err  # the stuck task's stack, for the record (MAMBA_STREAM_DEBUG)
 
 
 async def _committed(stack: Stack, sid: str, seq: int) -> bool:
