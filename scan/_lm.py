@@ -52,7 +52,12 @@ class _Block(nn.Module):
 class _Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.embedding = nn.Embedding(cfg.padded_vocab_size, cfg.d_model)
+        # Built on the meta device (`scan._loading` does, then assigns the weights), the
+        # embedding's random init would run torch's Python reference of normal_, whose first call
+        # imports torch._dynamo: about a second of every process that loads a model. There it is
+        # given its (meta) weight instead; on a real device it is initialized as torch does.
+        weight = torch.empty(cfg.padded_vocab_size, cfg.d_model) if torch.empty(0).is_meta else None
+        self.embedding = nn.Embedding(cfg.padded_vocab_size, cfg.d_model, _weight=weight)
         self.layers = nn.ModuleList([_Block(cfg) for _ in range(cfg.n_layer)])
         self.norm_f = _Norm(cfg.d_model, cfg.rms_norm)
 

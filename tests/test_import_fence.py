@@ -44,3 +44,15 @@ def test_the_keyring_needs_no_cryptography_and_the_record_never_imports_the_engi
     assert _loaded("import state_codec.keyring", ("cryptography", "msgpack", "torch")) == []
     # the checkpoint codec is worker-side (torch, msgpack) but sits below the engine
     assert _loaded("import state_codec.codec", ("scan", "activities", "workflows", "worker")) == []
+
+
+def test_loading_a_model_and_advancing_it_does_not_import_torch_dynamo():
+    # torch._dynamo takes about a second to import: a worker that loads a model must not pay it
+    # (building the module on the meta device once did, through the embedding's init)
+    statement = ("from scan import ModelConfig, init_model\n"
+                 "cfg = ModelConfig.create(architecture='mamba2', d_model=64, n_layer=2, vocab_size=300,"
+                 " d_state=16, headdim=16)\n"
+                 "m = init_model(cfg, seed=0, backend='exact')\n"
+                 "m.advance(m.initial_state(), [1, 2, 3])\n"
+                 "init_model(cfg, seed=0, backend='reference').advance(m.initial_state(), [4])")
+    assert _loaded(statement, ("torch._dynamo",)) == []
