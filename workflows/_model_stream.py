@@ -131,12 +131,16 @@ PATCH_LOCAL_PAUSE = "local-pause-after-timeout"
 PATCH_SEALED = "requests-by-sealer"
 #: marks a run whose every patch above is decided at its first workflow task (`mark_patches`)
 PATCH_AT_START = "patches-at-start"
+#: the markers recorded in a run's first workflow task, each with the patches it stands for. A patch
+#: added later gets a marker of its own here, never a place in an existing marker's list: a run
+#: recorded with that marker before the patch existed would replay as if it had taken it.
+START_MARKERS: dict[str, tuple[str, ...]] = {PATCH_AT_START: (PATCH_SEALED, PATCH_LOCAL_PAUSE)}
 
 
 def mark_patches() -> None:
     """Decide the patches of the stream's code in the run's first workflow task, from the stream's
-    construction (the stream workflow's init, `ModelStream.open`): one marker there,
-    `PATCH_AT_START`, stands for every patch before it (`patched`).
+    construction (the stream workflow's init, `ModelStream.open`): the markers of `START_MARKERS`
+    stand for the patches they list (`patched`).
 
     `workflow.patched` is answered from the markers of the workflow task it is called in. A run
     that first asks right after a local activity's result (a cancel's check, a timed-out chunk)
@@ -144,14 +148,16 @@ def mark_patches() -> None:
     result over a task earlier, find no marker there yet, answer False, and fail nondeterministic
     when it meets the marker. Asked at construction, the marker lies in the first task, where
     every replay finds it."""
-    workflow.patched(PATCH_AT_START)
+    for marker in START_MARKERS:
+        workflow.patched(marker)
 
 
 def patched(patch_id: str) -> bool:
-    """Whether the run takes `patch_id`'s code: yes for a run marked at its start
-    (`mark_patches`); a history recorded before that marker existed asks `workflow.patched` where
-    it asked when it was recorded."""
-    return workflow.patched(PATCH_AT_START) or workflow.patched(patch_id)
+    """Whether the run takes `patch_id`'s code (one of `START_MARKERS`' patches): yes for a run
+    marked at its start (`mark_patches`); a history recorded before its marker existed asks
+    `workflow.patched(patch_id)` where it asked when it was recorded."""
+    marker = next(m for m, patches in START_MARKERS.items() if patch_id in patches)
+    return workflow.patched(marker) or workflow.patched(patch_id)
 
 
 def check_advance(req: AdvanceRequest, opts: StreamOptions, info: ModelInfo | None) -> None:

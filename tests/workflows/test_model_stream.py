@@ -91,3 +91,13 @@ async def test_a_stream_owned_by_a_workflow_moves_resets_and_is_disposed(can_env
         async def disposed() -> bool:
             return s.acts.store.list_stream(stream_id=sid) == []
         await eventually(disposed)
+
+
+def test_every_patch_is_decided_by_one_start_marker_and_their_ids_are_the_recorded_ones():
+    from tests.workflows.conftest import PATCH_IDS
+    from workflows._model_stream import START_MARKERS
+
+    listed = [p for patches in START_MARKERS.values() for p in patches]
+    assert len(listed) == len(set(listed)) and not set(listed) & set(START_MARKERS)
+    # the ids are history's format: the recorded histories' check (`sdk_bookkeeping`) knows them all
+    assert set(START_MARKERS) | set(listed) == PATCH_IDS
