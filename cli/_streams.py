@@ -422,10 +422,11 @@ INTERRUPT_GRACE_S = 10.0
 
 def _leave_if_stuck() -> None:
     """After the first Ctrl-C, the command stops (asyncio.run cancels it, and what it was doing
-    says what goes on); should it still be here `INTERRUPT_GRACE_S` later, it says so in one line
-    and leaves (exit 130) instead of leaving the user guessing. Seen once in a saturated CI run:
-    a command that printed nothing after Ctrl-C and was still waiting a minute later. With
-    MAMBA_STREAM_DEBUG set, the stacks of the tasks it was waiting on come first."""
+    says what goes on); should it still be here `INTERRUPT_GRACE_S` later (an await that does not
+    end when cancelled: a bug), it says so in one line and leaves (exit 130) instead of leaving the
+    user waiting. With MAMBA_STREAM_DEBUG set, where each task waits comes first. A command
+    started with SIGINT ignored (in the background of a shell without job control) keeps it
+    ignored, as Python does."""
     runner_sigint = signal.getsignal(signal.SIGINT)
     if not callable(runner_sigint):
         return

@@ -1,45 +1,48 @@
-"""A cold worker process: nothing loaded, and a slow disk under the modules a model's first load imports.
+"""A cold worker process: nothing loaded, and a first model load that imports a slow module.
 
     python -m tests.workflows._cold_worker ADDRESS QUEUE STORE_URL KEYRING_FILE READY_FILE IMPORTS_FILE
 
 It serves the workflows and the stream activities of tiny-mamba2 (reference backend) on QUEUE and
 its own queue, wired by MambaStreamPlugin as worker.py's are, but without worker.py's warm-up: its
-first chunk loads the model inside the attempt. Each module of sympy and torch._dynamo (what that
-first load imports) takes 10 ms more to find, as on a loaded machine's disk, so the load takes
-seconds more than the local timeout's floor on any machine, and an exception raised into the
-loading thread would land inside an import. READY_FILE gets JSON: its own queue, and whether those
-modules were imported yet (they must not be). IMPORTS_FILE gets a line each time sympy or
-torch._dynamo itself is looked for: once in a healthy process; a second time means an exception
-broke the first import half-way (Python forgets a module whose import raised, not its submodules).
+first chunk loads the model inside the attempt. That first load imports `_slow_first_load` (3 s, as
+a large package on a loaded machine's disk: a model's first load used to import torch._dynamo and
+sympy, which took seconds there), so the load takes seconds more than the local timeout's floor on
+any machine, and an exception raised into the loading thread would land inside an import.
+READY_FILE gets JSON: its own queue, and whether that module was imported yet (it must not be).
+IMPORTS_FILE gets a line each time the module is looked for: once in a healthy process; a second
+time means an exception broke the first import half-way (Python forgets a module whose import
+raised).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import importlib
 import importlib.abc
 import json
 import sys
-import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from temporalio.client import Client
 from temporalio.worker import Worker
 
+import activities._registry as registry
 from activities import open_store
 from activities._registry import ModelRegistry
 from activities._stream import StreamActivities
 from plugin import MambaStreamPlugin
 from state_codec.codec import Keyring
 
-#: what a model's first load imports (torch.nn.init under the meta device imports torch._dynamo)
-SLOW = ("sympy", "torch._dynamo")
+#: what this worker's first model load imports
+SLOW = ("tests.workflows._slow_first_load",)
 
 
-class SlowDisk(importlib.abc.MetaPathFinder):
-    """Finds nothing itself; takes 10 ms per module of SLOW before the real finders do, and notes
-    each time a module of SLOW itself is looked for."""
+class NoteImports(importlib.abc.MetaPathFinder):
+    """Finds nothing itself; notes each time a module of SLOW is looked for."""
 
     def __init__(self, imports: Path) -> None:
         self.imports = imports
@@ -48,14 +51,22 @@ class SlowDisk(importlib.abc.MetaPathFinder):
         if name in SLOW:
             with open(self.imports, "a") as f:
                 f.write(name + "\n")
-        if name.startswith(SLOW):
-            time.sleep(0.01)
         return None
+
+
+def _slow_first_load(load: Callable[..., Any]) -> Callable[..., Any]:
+    """`load`, after importing SLOW (at once, once imported)."""
+    def first_load(*args: Any, **kw: Any) -> Any:
+        for name in SLOW:
+            importlib.import_module(name)
+        return load(*args, **kw)
+    return first_load
 
 
 async def main() -> None:
     address, queue, store_url, keyring_file, ready, imports = sys.argv[1:7]
-    sys.meta_path.insert(0, SlowDisk(Path(imports)))
+    sys.meta_path.insert(0, NoteImports(Path(imports)))
+    registry.load_model = _slow_first_load(registry.load_model)
     ring = Keyring.from_file(keyring_file)
     own = f"{queue}@cold-{uuid.uuid4().hex[:6]}"
     acts = StreamActivities(models=ModelRegistry(["tiny-mamba2"], backend="reference"),

@@ -61,8 +61,8 @@ async def _open_elsewhere(stack: Stack, options: StreamOptions) -> str:
 
 
 async def test_a_cold_worker_whose_first_local_chunk_times_out_at_the_floor_is_not_poisoned(temporal_env, tmp_path):
-    """A fresh worker process whose first work is a local chunk: the model's first load (torch._dynamo,
-    sympy, on a slow disk) outlasts `local_timeout_s` at its floor, the attempt times out, and the
+    """A fresh worker process whose first work is a local chunk: the model's first load (a slow
+    import, as torch._dynamo and sympy once were on a loaded disk) outlasts `local_timeout_s` at its floor, the attempt times out, and the
     worker stays healthy: the load runs once, to its end; the chunk goes the regular way on the
     same worker and commits what one scan gives, and later chunks and opens on it succeed. It used
     to raise CancelledError into the import, which Python then ran again over what the first one
@@ -109,7 +109,7 @@ async def test_a_cold_worker_whose_first_local_chunk_times_out_at_the_floor_is_n
             assert (await stack.streams.stats(other)).local_chunks == 1
             assert proc.poll() is None, logfile.read_text()
             # the first load ran once, to its end: nothing was imported twice (half, then again)
-            assert imports.read_text().split() == ["torch._dynamo", "sympy"], logfile.read_text()
+            assert imports.read_text().split() == ["tests.workflows._slow_first_load"], logfile.read_text()
             assert "has no attribute" not in logfile.read_text()
         finally:
             if proc.poll() is None:
