@@ -454,14 +454,14 @@ class StreamActivities:
         validate_resume(receipt, model.identity(), principal, stream_id=stream_id)
         self.metrics.used(receipt.state_key, model.model_id)
 
-    def _start_epoch(self, model: Model, stream_id: str, principal: str, state: State, *, chunk_seq: int,
-                     epoch: int, key: str, backend: str, before: Receipt | None, last: torch.Tensor | None = None
-                     ) -> Receipt:
-        """An epoch's first state, its own (open: initial or resumed; reset: initial), committed
-        and held in the stream's slot."""
+    def _start_epoch(self, model: Model, stream_id: str, principal: str, state: State, *, kind: str,
+                     chunk_seq: int, epoch: int, key: str, before: Receipt | None,
+                     last: torch.Tensor | None = None) -> Receipt:
+        """An epoch's first state, its own (`kind` "open": initial or resumed; "reset": initial),
+        committed and held in the stream's slot."""
         _cancel_point()
         done = self.commits.commit(model, state, stream_id=stream_id, principal=principal, chunk_seq=chunk_seq,
-                                   epoch=epoch, key=key, backend=backend, before=before)
+                                   epoch=epoch, key=key, backend=model.ran(kind), before=before)
         self.engine(model).put(stream_id, done.state, epoch=epoch, state_key=key, logits=last)
         return done.receipt
 
@@ -552,8 +552,8 @@ class StreamActivities:
                 state, last = self._fetch(model, req.resume, req.principal, current=False)
             origin = req.resume.checksum if req.resume else "initial"
             key = self.commits.state_key(req.stream_id, 0, 0, f"open|{origin}")
-            receipt = self._start_epoch(model, req.stream_id, req.principal, state, chunk_seq=0, epoch=0, key=key,
-                                   backend=model.ran("open"), before=req.resume, last=last)
+            receipt = self._start_epoch(model, req.stream_id, req.principal, state, kind="open", chunk_seq=0,
+                                        epoch=0, key=key, before=req.resume, last=last)
             # its receipt recorded beside it, as a chunk's is: what a rewind to it goes back to
             self.commits.write_record(receipt, {"kind": "open", "receipt": receipt.model_dump(mode="json")}, last)
             self._gauge()
@@ -745,9 +745,8 @@ class StreamActivities:
                 raise EpochMismatch(f"epoch {req.epoch} does not follow {req.receipt.epoch}",
                                     field="epoch", expected=req.receipt.epoch + 1, actual=req.epoch)
             key = self.commits.state_key(req.stream_id, req.epoch, req.receipt.chunk_seq, "reset|initial")
-            receipt = self._start_epoch(model, req.stream_id, req.principal, model.initial_state(),
-                                   chunk_seq=req.receipt.chunk_seq, epoch=req.epoch, key=key,
-                                   backend=model.ran("reset"), before=None)
+            receipt = self._start_epoch(model, req.stream_id, req.principal, model.initial_state(), kind="reset",
+                                        chunk_seq=req.receipt.chunk_seq, epoch=req.epoch, key=key, before=None)
             self.commits.write_record(receipt, {"kind": "reset", "receipt": receipt.model_dump(mode="json")}, None)
             if req.request is not None and req.request.revoke:
                 n = self.commits.revoke_before(req.stream_id, req.principal, req.epoch)

@@ -56,7 +56,8 @@ class _Backbone(nn.Module):
         # embedding's random init would run torch's Python reference of normal_, whose first call
         # imports torch._dynamo: about a second of every process that loads a model. There it is
         # given its (meta) weight instead; on a real device it is initialized as torch does.
-        weight = torch.empty(cfg.padded_vocab_size, cfg.d_model) if torch.empty(0).is_meta else None
+        meta = torch.get_default_device().type == "meta"
+        weight = torch.empty(cfg.padded_vocab_size, cfg.d_model) if meta else None
         self.embedding = nn.Embedding(cfg.padded_vocab_size, cfg.d_model, _weight=weight)
         self.layers = nn.ModuleList([_Block(cfg) for _ in range(cfg.n_layer)])
         self.norm_f = _Norm(cfg.d_model, cfg.rms_norm)

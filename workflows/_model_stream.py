@@ -227,12 +227,10 @@ def check_sender(req: Any, principal: str, what: str, *, replayable: bool = Fals
     were taken by their sealer replays."""
     tag = stream_tag(workflow.info().workflow_id)
     sealer, mine = sealer_of(req), tag if tag is not None else MASTER
-    if replayable:
+    if replayable:  # a signal or the start input: they replay (an update's validator may not mark history)
         mark_patches()  # a signal may come before the stream is built, in the same first task
-    if replayable and sealer != mine and not patched(PATCH_SEALED):
-        # replaying a run that took what it was sent by what it said (a signal, a start input:
-        # they replay; an update's validator does not, and may not mark history)
-        sealer = mine
+        if sealer != mine and not patched(PATCH_SEALED):
+            sealer = mine  # replaying a run that took what it was sent by what it said
     if sealer is None or sealer == CLEAR:
         raise application_error(UnsealedRequest(
             f"the {what} request is not encrypted: only the stream's principal or the operator may send it",
