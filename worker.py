@@ -109,6 +109,14 @@ class WorkerConfig(ClientConfig):
     deployment: str = field(default_factory=lambda: os.environ.get("MAMBA_STREAM_DEPLOYMENT", "mamba-stream"))
     sweep_s: float = field(default_factory=lambda: float(os.environ.get("MAMBA_STREAM_SWEEP_S", "600")))
     orphan_grace_s: float = field(default_factory=lambda: float(os.environ.get("MAMBA_STREAM_ORPHAN_GRACE_S", "3600")))
+    #: the prefix store's bound on each scope's bytes (a principal's, the shared one); 0: no prefix store
+    prefix_bytes: int = field(default_factory=lambda: int(os.environ.get("MAMBA_STREAM_PREFIX_BYTES", str(1 << 30))))
+    #: decoded prefix states a worker keeps in memory for hits
+    prefix_ram_bytes: int = field(
+        default_factory=lambda: int(os.environ.get("MAMBA_STREAM_PREFIX_RAM_BYTES", str(256 << 20))))
+    #: a JSON file of the operator's shared prefixes, served to every principal:
+    #: {"<model id>": ["<text>" or [token ids], ...]}
+    shared_prefixes: str | None = field(default_factory=lambda: os.environ.get("MAMBA_STREAM_SHARED_PREFIXES") or None)
 
     @property
     def store(self) -> str:
@@ -435,11 +443,39 @@ def build_activities(cfg: WorkerConfig, keyring, worker_queue: str, metrics=None
     from state_codec.signing import PrincipalKeys
 
     models = model_registry(cfg)  # before the store is opened: a bad model changes nothing
+    shared = shared_prefixes(cfg)
     keys = PrincipalKeys.from_spec(cfg.principal_keys) if cfg.principal_keys else None
     if keys is not None:
         log.info("verifying signed requests of %d principals", len(keys))
     return StreamActivities(models=models, store=open_store(cfg.store), keyring=keyring, worker_queue=worker_queue,
-                            principal_keys=keys, metrics=metrics, drift_check_every=cfg.drift_check_every)
+                            principal_keys=keys, metrics=metrics, drift_check_every=cfg.drift_check_every,
+                            prefix_bytes=cfg.prefix_bytes, prefix_ram_bytes=cfg.prefix_ram_bytes,
+                            shared_prefixes=shared)
+
+
+def shared_prefixes(cfg: WorkerConfig) -> dict[str, list[str | list[int]]] | None:
+    """The operator's shared prefixes (MAMBA_STREAM_SHARED_PREFIXES), checked for their form.
+
+    Raises:
+        scan.CheckpointError: the file is unreadable, or not {model id: [text or token ids, ...]}
+            for models this worker serves (the worker exits `EXIT_CONFIG`, saying why).
+    """
+    if not cfg.shared_prefixes:
+        return None
+    from scan import CheckpointError
+
+    try:
+        data = json.loads(Path(cfg.shared_prefixes).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"shared prefixes {cfg.shared_prefixes}: {exc}") from exc
+    ok = isinstance(data, dict) and all(
+        isinstance(m, str) and isinstance(ps, list) and all(
+            isinstance(p, str) or (isinstance(p, list) and all(isinstance(t, int) and t >= 0 for t in p))
+            for p in ps) for m, ps in data.items())
+    if not ok:
+        raise CheckpointError(f"shared prefixes {cfg.shared_prefixes}: expected {{model id: [text or [token ids], "
+                              f"...]}}")
+    return data
 
 
 async def run_worker(cfg: WorkerConfig, stop: asyncio.Event, *, ready: asyncio.Event | None = None,

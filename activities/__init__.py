@@ -29,6 +29,8 @@ __all__ = [
     "MemoryStateStore",
     "ModelRegistry",
     "PostgresStateStore",
+    "PrefixStore",
+    "PrefixSweep",
     "SlotTable",
     "StateStore",
     "StoreCorrupt",
@@ -58,7 +60,7 @@ def __getattr__(name: str):
     homes = {"StreamActivities": "_stream", "ModelRegistry": "_registry", "StreamEngine": "_engine",
              "SlotTable": "_slots", "StreamMetrics": "_metrics", "HISTOGRAM_BUCKETS": "_metrics",
              "SweepReport": "_sweep", "sweep_orphans": "_sweep",
-             "claim_store": "_sweep"}
+             "claim_store": "_sweep", "PrefixStore": "_prefix", "PrefixSweep": "_prefix"}
     if name in homes:
         import importlib
 

@@ -43,6 +43,7 @@ from activities._store import StateStore
 from scan import Model, State
 from state_codec import (
     CheckpointNotFound,
+    Origin,
     Receipt,
     arithmetic_moved,
     continue_arithmetic,
@@ -195,16 +196,19 @@ class ChunkCommit:
         return len(old)
 
     def commit(self, model: Model, state: State, *, stream_id: str, principal: str, chunk_seq: int, epoch: int,
-               key: str, backend: str, before: Receipt | None, path: str | None = None) -> Committed:
+               key: str, backend: str, before: Receipt | None, path: str | None = None,
+               origin: Origin | None = None) -> Committed:
         """Seal `state` and store it put-if-absent under `key`; if an earlier attempt committed
         this key, adopt its bytes (and say so when its arithmetic gave other bits).
 
         `before`: the receipt whose state this one continues (None: a state of its own, the
-        initial one); `path`: the path that computed it.
+        initial one); `path`: the path that computed it; `origin`: where the epoch's first state
+        came from (its receipt and every later one of the epoch name it).
         """
         arithmetic = continue_arithmetic(before, model.arithmetic(path))
         receipt, blob = seal(model, state, stream_id=stream_id, principal=principal, chunk_seq=chunk_seq,
-                             epoch=epoch, keyring=self.keyring, state_key=key, backend=backend, arithmetic=arithmetic)
+                             epoch=epoch, keyring=self.keyring, state_key=key, backend=backend, arithmetic=arithmetic,
+                             origin=origin)
         adopted = False
         if self.store.put_if_absent(key=key, data=blob, stream_id=stream_id, principal=principal):
             self.metrics.committed(key, len(blob), model.model_id)
@@ -239,7 +243,8 @@ class ChunkCommit:
         after the checkpoint is stored, before the record (the caller's slot bookkeeping)."""
         self.edge("computed", stream_id, chunk_seq)
         done = self.commit(model, state, stream_id=stream_id, principal=principal, chunk_seq=chunk_seq,
-                           epoch=before.epoch, key=key, backend=model.ran(path), before=before, path=path)
+                           epoch=before.epoch, key=key, backend=model.ran(path), before=before, path=path,
+                           origin=before.origin)
         on_committed(done)
         result = make_result(done.receipt)
         self.edge("written", stream_id, chunk_seq)

@@ -293,6 +293,36 @@ class FileStateStore(StateStore):
         finally:
             _quiet_unlink(tmp)
 
+    def put_meta(self, *, kind: str, name: str, data: bytes) -> None:
+        """See base class. Written to a tmp file, fsynced, renamed over the record (atomic)."""
+        final = self._meta(kind, name)
+        tmp = self.root / "tmp" / f"meta.{kind}.{uuid.uuid4().hex}.part"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                self._write_chunk(fd, memoryview(bytes(data)))
+                os.fsync(fd)
+            except BaseException:
+                _quiet_close(fd)
+                raise
+            os.close(fd)
+            final.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            os.replace(tmp, final)
+            _fsync_dir(final.parent)
+        except OSError as exc:
+            raise _os_error(exc, f"cannot write metadata {kind}/{name}") from exc
+        finally:
+            _quiet_unlink(tmp)
+
+    def read_meta(self, *, kind: str) -> dict[str, bytes]:
+        """See base class."""
+        out: dict[str, bytes] = {}
+        for name in self.list_meta(kind=kind):
+            data = self.get_meta(kind=kind, name=name)
+            if data is not None:  # deleted since the listing
+                out[name] = data
+        return out
+
     def delete_meta(self, *, kind: str, name: str) -> bool:
         """See base class."""
         path = self._meta(kind, name)

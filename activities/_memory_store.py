@@ -88,3 +88,13 @@ class MemoryStateStore(StateStore):
     def list_meta(self, *, kind: str) -> list[str]:
         with self._lock:
             return sorted(n for k, n in self._meta if k == kind)
+
+    def put_meta(self, *, kind: str, name: str, data: bytes) -> None:
+        check_name("metadata kind", kind)
+        check_name("metadata name", name)
+        with self._lock:
+            self._meta[(kind, name)] = bytes(data)
+
+    def read_meta(self, *, kind: str) -> dict[str, bytes]:
+        with self._lock:
+            return {n: d for (k, n), d in sorted(self._meta.items()) if k == kind}

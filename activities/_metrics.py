@@ -99,6 +99,21 @@ class StreamMetrics:
         self.worker_unhealthy = m.create_counter(
             "mamba_stream_worker_unhealthy",
             "1 once this worker tripped: it stops taking work and exits (python worker.py: status 3)")
+        self.prefix_hits = m.create_counter(
+            "mamba_stream_prefix_hits", "opens with a prefix that started from a stored prefix state, by scope "
+            "(principal, shared) and whether it was the whole prefix (full) or a shorter one (partial)")
+        self.prefix_misses = m.create_counter(
+            "mamba_stream_prefix_misses", "opens with a prefix no stored prefix state began (computed from position 0)")
+        self.prefix_tokens = m.create_counter(
+            "mamba_stream_prefix_tokens", "prefix tokens opened, by how (stored: loaded with a stored state; "
+            "computed: prefilled, once for concurrent opens of the same prefix)")
+        self.prefix_bytes = m.create_counter(
+            "mamba_stream_prefix_bytes_written", "bytes of sealed prefix states stored", "By")
+        self.prefix_evictions = m.create_counter(
+            "mamba_stream_prefix_evictions", "prefix states removed, by why (lru: the scope's bytes bound; "
+            "incomplete: a fill that never finished; unreadable)")
+        self.prefix_store_bytes = m.create_gauge(
+            "mamba_stream_prefix_store_bytes", "bytes of prefix states in the store, as of the last sweep", "By")
         self._committed_at: OrderedDict[str, float] = OrderedDict()
 
     # --- helpers the activities call ------------------------------------------------------------

@@ -264,6 +264,22 @@ class PostgresStateStore(StateStore):
                 f"INSERT INTO {self.meta_table} (kind, name, data) VALUES (%s, %s, %b)"
                 " ON CONFLICT (kind, name) DO NOTHING", (kind, name, bytes(data))).rowcount == 1
 
+    def put_meta(self, *, kind: str, name: str, data: bytes) -> None:
+        """See base class."""
+        check_name("metadata kind", kind)
+        check_name("metadata name", name)
+        with self._conn() as conn:
+            conn.execute(f"INSERT INTO {self.meta_table} (kind, name, data) VALUES (%s, %s, %b)"
+                         " ON CONFLICT (kind, name) DO UPDATE SET data = EXCLUDED.data", (kind, name, bytes(data)))
+
+    def read_meta(self, *, kind: str) -> dict[str, bytes]:
+        """See base class."""
+        check_name("metadata kind", kind)
+        with self._conn() as conn:
+            rows = conn.execute(f"SELECT name, data FROM {self.meta_table} WHERE kind = %s ORDER BY name",
+                                (kind,), binary=True).fetchall()
+        return {r[0]: bytes(r[1]) for r in rows}
+
     def delete_meta(self, *, kind: str, name: str) -> bool:
         """See base class."""
         check_name("metadata kind", kind)

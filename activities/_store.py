@@ -161,8 +161,16 @@ class StateStore(ABC):
         """Write a metadata record unless it exists (first writer wins). True if this call wrote it."""
         raise NotImplementedError(f"{type(self).__name__} keeps no metadata")
 
+    def put_meta(self, *, kind: str, name: str, data: bytes) -> None:
+        """Write a metadata record, replacing one that exists (last writer wins)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no metadata")
+
     def delete_meta(self, *, kind: str, name: str) -> bool:
         """Remove a metadata record. True if it existed."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no metadata")
+
+    def read_meta(self, *, kind: str) -> dict[str, bytes]:
+        """Every metadata record of `kind`, by name, in one read."""
         raise NotImplementedError(f"{type(self).__name__} keeps no metadata")
 
     def list_meta(self, *, kind: str) -> list[str]:

@@ -52,6 +52,7 @@ from activities._engine import SeededSampler, StreamBusy, StreamEngine, _multino
 from activities._health import WorkerHealth
 from activities._metrics import StreamMetrics
 from activities._live import LiveTokens
+from activities._prefix import PrefixStore, is_prefix_stream
 from activities._registry import ModelRegistry, UnknownModel
 from activities._store import StateStore, StoreError, check_name
 from scan import CheckpointError, Model, ScanError, State
@@ -60,6 +61,7 @@ from state_codec import (
     EpochMismatch,
     ForgedCarry,
     InputTransformMismatch,
+    Origin,
     PrincipalMismatch,
     Receipt,
     RequestRejected,
@@ -253,13 +255,18 @@ class StreamActivities:
             exact backend in another partition, which must give the same bits (else counted as an
             exact mismatch), elsewhere on the reference backend; max |logits difference| goes to
             the drift histogram; 0: off.
+        prefix_bytes, prefix_ram_bytes, shared_prefixes: the prefix store's bound per scope (0:
+            prefixes are computed for each stream, never stored), the decoded prefix states kept
+            in memory, and the operator's shared prefixes (texts or token ids, by model id), served
+            to every principal (`activities.PrefixStore`).
     """
 
     def __init__(self, *, models: ModelRegistry, store: StateStore, keyring: Keyring,
                  worker_queue: str | None = None, slots: int = 256, max_batch: int = 64,
                  max_wait_s: float = 0.002, prefill_piece: int = 256,
                  principal_keys: PrincipalKeys | None = None, metrics: StreamMetrics | None = None,
-                 drift_check_every: int = 0) -> None:
+                 drift_check_every: int = 0, prefix_bytes: int = 1 << 30, prefix_ram_bytes: int = 256 << 20,
+                 shared_prefixes: dict[str, list[str | list[int]]] | None = None) -> None:
         self.models = models
         self.store = store
         self.keyring = keyring
@@ -278,6 +285,8 @@ class StreamActivities:
         self.commits = ChunkCommit(store, keyring, self.metrics,
                                    edge=lambda name, sid, seq: self._edge(name, sid, seq))
         self._carry_key = keyring.subkey("mamba-stream/carry/v1")
+        self.prefixes = PrefixStore(store, keyring, self.metrics, max_bytes=prefix_bytes, ram_bytes=prefix_ram_bytes,
+                                    shared=shared_prefixes)
         #: whether this worker's failures are its own; the plugin stops a tripped worker
         self.health = WorkerHealth()
         self.health.on_trip(lambda why: self.metrics.worker_unhealthy.add(1))
@@ -456,12 +465,12 @@ class StreamActivities:
 
     def _start_epoch(self, model: Model, stream_id: str, principal: str, state: State, *, kind: str,
                      chunk_seq: int, epoch: int, key: str, before: Receipt | None,
-                     last: torch.Tensor | None = None) -> Receipt:
-        """An epoch's first state, its own (`kind` "open": initial or resumed; "reset": initial),
-        committed and held in the stream's slot."""
+                     last: torch.Tensor | None = None, origin: Origin | None = None) -> Receipt:
+        """An epoch's first state, its own (`kind` "open": initial, a prefix's or resumed; "reset":
+        initial), committed and held in the stream's slot; `origin` where it came from."""
         _cancel_point()
         done = self.commits.commit(model, state, stream_id=stream_id, principal=principal, chunk_seq=chunk_seq,
-                                   epoch=epoch, key=key, backend=model.ran(kind), before=before)
+                                   epoch=epoch, key=key, backend=model.ran(kind), before=before, origin=origin)
         self.engine(model).put(stream_id, done.state, epoch=epoch, state_key=key, logits=last)
         return done.receipt
 
@@ -529,6 +538,8 @@ class StreamActivities:
         """Bind a new stream to a model: its initial state, or a validated checkpoint to resume."""
         with self._guarded(req.stream_id, req.model_id):
             check_name("stream id", req.stream_id)
+            if is_prefix_stream(req.stream_id):
+                raise InvalidRequest(f"stream id {req.stream_id!r} is in the prefix store's namespace", field="stream_id")
             self._verify("open", req.stream_id, req.principal, req)
             tag = stream_tag(req.stream_id)
             if tag is not None and tag != self.keyring.principal_tag(req.principal):
@@ -543,21 +554,60 @@ class StreamActivities:
                 raise InputTransformMismatch(
                     f"model {req.model_id} reads {info.input_transform!r}, not {req.input_transform!r}",
                     field="input_transform", expected=info.input_transform, actual=req.input_transform)
-            last = None
-            if req.resume is None:
-                state = model.initial_state()
-            else:
+            prefix = self._prefix_tokens(model, req)
+            if prefix and req.resume is not None:
+                raise InvalidRequest("a stream opens from a prefix or from a checkpoint, not both", field="prefix")
+            last, origin, what = None, None, "initial"
+            if prefix:
+                opened = self.prefixes.state_for(model, req.principal, prefix, self._prefill(model), on_wait=_beat)
+                state, last, origin = opened.state, opened.logits, opened.origin
+                what = f"prefix|{origin.digest}"
+            elif req.resume is not None:
                 # another stream's checkpoint: everything but the stream id must match
                 validate_resume(req.resume, model.identity(), req.principal)
                 state, last = self._fetch(model, req.resume, req.principal, current=False)
-            origin = req.resume.checksum if req.resume else "initial"
-            key = self.commits.state_key(req.stream_id, 0, 0, f"open|{origin}")
+                origin = Origin(kind="checkpoint", stream_id=req.resume.stream_id, chunk_seq=req.resume.chunk_seq,
+                                epoch=req.resume.epoch, checksum=req.resume.checksum)
+                what = req.resume.checksum
+            else:
+                state = model.initial_state()
+            key = self.commits.state_key(req.stream_id, 0, 0, f"open|{what}")
             receipt = self._start_epoch(model, req.stream_id, req.principal, state, kind="open", chunk_seq=0,
-                                        epoch=0, key=key, before=req.resume, last=last)
+                                        epoch=0, key=key, before=req.resume, last=last, origin=origin)
             # its receipt recorded beside it, as a chunk's is: what a rewind to it goes back to
             self.commits.write_record(receipt, {"kind": "open", "receipt": receipt.model_dump(mode="json")}, last)
             self._gauge()
             return OpenStreamResult(receipt=receipt, info=info, worker_queue=self.worker_queue)
+
+    def _prefix_tokens(self, model: Model, req: OpenStreamRequest) -> list[int]:
+        """An open's prefix as checked token ids ([]: none, or an empty one): refused typed before
+        anything is computed or stored (a token outside the vocabulary, too many tokens)."""
+        if req.prefix is None:
+            return []
+        if isinstance(req.prefix, str):
+            if model.transform is None:
+                raise InvalidRequest("this model has no input transform; send the prefix as tokens", field="prefix")
+            tokens = model.transform.encode(req.prefix)
+        else:
+            tokens = list(req.prefix)
+        if len(tokens) > req.max_prefix_tokens:
+            raise ChunkTooLarge(f"the prefix's {len(tokens)} tokens exceed max_prefix_tokens {req.max_prefix_tokens}",
+                                limit=req.max_prefix_tokens, actual=len(tokens))
+        model.check_tokens(tokens)
+        return tokens
+
+    def _prefill(self, model: Model) -> Callable[[State, list[int]], tuple[State, torch.Tensor | None, str]]:
+        """A prefix's computation: `PIECE_TOKENS` at a time, a safe point and heartbeat between
+        pieces (the split is invisible: chunking never changes results); only the last piece's
+        last logits are kept."""
+        def compute(state: State, tokens: list[int]) -> tuple[State, torch.Tensor | None, str]:
+            last, path = None, "open"
+            for i in range(0, len(tokens), PIECE_TOKENS):
+                _beat()
+                step = model.advance(state, tokens[i : i + PIECE_TOKENS])
+                state, last, path = step.state, step.logits[-1].clone(), step.path
+            return state, last, path
+        return compute
 
     def _chunk_model(self, kind: str, req: AdvanceChunkRequest | GenerateChunkRequest) -> Model:
         """The prologue of a chunk (advance or generate), before any work: the request is the
@@ -757,13 +807,29 @@ class StreamActivities:
 
     @activity.defn(name=ACTIVITY_CHECKPOINT, no_thread_cancel_exception=True)
     def checkpoint_stream(self, req: CheckpointStreamRequest) -> StateResult:
-        """Prove the stream's current checkpoint is in the store and authentic; return its receipt."""
+        """Prove the stream's current checkpoint (or an earlier one, `state_key`: its recorded
+        receipt) is in the store and authentic; return its receipt."""
         with self._guarded(req.stream_id, req.receipt.model_id):
             self._verify("checkpoint", req.stream_id, req.principal, req.request)
             model = self._model(req.receipt.model_id)
             self._check(model, req.receipt, req.principal, req.stream_id)
-            self.commits.fetch_current(model, req.receipt, req.principal)
-            return StateResult(receipt=req.receipt, worker_queue=self.worker_queue)
+            if req.state_key is None:
+                self.commits.fetch_current(model, req.receipt, req.principal)
+                return StateResult(receipt=req.receipt, worker_queue=self.worker_queue)
+            target = self._recorded(model, req.stream_id, req.principal, req.state_key)
+            self.commits.fetch(model, target, req.principal)  # there, authentic, this stream's
+            return StateResult(receipt=target, worker_queue=self.worker_queue)
+
+    def _recorded(self, model: Model, stream_id: str, principal: str, state_key: str) -> Receipt:
+        """The recorded receipt of one of the stream's own checkpoints, checked against the model."""
+        _own_key(stream_id, state_key)
+        prior = self.commits.prior(state_key, principal)
+        if prior is None or "receipt" not in prior.result:
+            raise RewindUnavailable(f"checkpoint {state_key} has no recorded receipt (gone, or written "
+                                    f"before rewinds recorded one)", state_key=state_key)
+        target = Receipt.model_validate(prior.result["receipt"])
+        self._check(model, target, principal, stream_id)
+        return target
 
     @activity.defn(name=ACTIVITY_RECALL, no_thread_cancel_exception=True)
     def recall_result(self, req: RecallResultRequest) -> RecallResultResult:
@@ -787,13 +853,7 @@ class StreamActivities:
             self._verify("rewind", req.stream_id, req.principal, req.request)
             model = self._model(req.receipt.model_id)
             self._check(model, req.receipt, req.principal, req.stream_id)
-            _own_key(req.stream_id, req.state_key)
-            prior = self.commits.prior(req.state_key, req.principal)
-            if prior is None or "receipt" not in prior.result:
-                raise RewindUnavailable(f"checkpoint {req.state_key} has no recorded receipt (gone, or written "
-                                        f"before rewinds recorded one)", state_key=req.state_key)
-            target = Receipt.model_validate(prior.result["receipt"])
-            self._check(model, target, req.principal, req.stream_id)
+            target = self._recorded(model, req.stream_id, req.principal, req.state_key)
             self.commits.fetch_current(model, target, req.principal)  # there, authentic, this stream's
             self.commits.drop(req.drop_keys, stream_id=req.stream_id, principal=req.principal)
             log.info("stream %s rewound to chunk %d (position %d)", req.stream_id, target.chunk_seq, target.position)

@@ -15,6 +15,11 @@ no one yet. And a stream whose workflow is not found ages through the grace like
 sweep records when it first saw it missing (a `missing` metadata record, first writer wins, so
 every worker's sweep counts from the same moment), deletes it only once that is `grace_s` old,
 and forgets the sighting if the workflow turns up again.
+
+The prefix store's entries (`activities.PrefixStore`) are kept under stream ids of their own
+(`pfx.<scope>`), which no workflow has: the sweep never takes them for orphans. Given a worker's
+activities it sweeps them by their own rule instead (`PrefixStore.sweep`: each scope within its
+bytes bound, least recently used out first; a fill that never finished removed after the grace).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from temporalio.client import Client, WorkflowExecutionStatus
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities._metrics import StreamMetrics
+from activities._prefix import PrefixSweep, is_prefix_stream
 from activities._store import StateStore, StoreCorrupt, StoreError, StoreOwnedElsewhere, StoreOwner
 
 __all__ = ["SweepReport", "claim_store", "store_owner", "sweep_orphans"]
@@ -47,6 +53,7 @@ class SweepReport:
     blobs_deleted: int = 0
     hot_released: int = 0
     missing: dict[str, float] = field(default_factory=dict)  # workflow not found, within grace: first seen
+    prefixes: PrefixSweep | None = None  # the prefix store's sweep (None: not swept, no worker's activities)
     owner: StoreOwner | None = None  # the store's owner, as checked
     refused: str | None = None  # why nothing was swept (the store has no owner record)
 
@@ -150,7 +157,7 @@ async def sweep_orphans(client: Client, store: StateStore, metrics: StreamMetric
         return report
     now = time.time()
     hot = activities.hot_stream_ids() if activities is not None else set()
-    streams = sorted(set(store.stream_ids()) | hot)
+    streams = sorted(sid for sid in set(store.stream_ids()) | hot if not is_prefix_stream(sid))
     marked = set(store.list_meta(kind=MISSING_KIND))
     for sid in streams:
         report.checked += 1
@@ -188,4 +195,7 @@ async def sweep_orphans(client: Client, store: StateStore, metrics: StreamMetric
     if not dry_run:  # sightings of streams deleted since (by their workflow or another sweep)
         for sid in marked - set(streams):
             store.delete_meta(kind=MISSING_KIND, name=sid)
+        prefixes = getattr(activities, "prefixes", None)
+        if prefixes is not None:
+            report.prefixes = prefixes.sweep(grace_s=grace_s)
     return report

@@ -81,20 +81,88 @@ def _tokens(text: str) -> list[int]:
     return [int(t) for t in text.replace(" ", "").split(",") if t]
 
 
+#: the largest token id a request carries (`workflows._models._Token`: 0 <= id < 2**31); which ids a
+#: model reads is the workers' to say (TokenOutOfRange)
+_TOKEN_LIMIT = 2**31
+
+
+def _prefix_file(path: str, tokens: bool) -> str | list[int]:
+    """The prefix `--prefix-file` names: its text (UTF-8, exactly as stored: a final newline is part
+    of it), or with `--prefix-tokens` its JSON array of token ids. A file that cannot be read or
+    parsed, or that holds nothing, is the command's bad input: refused here, before any server is
+    asked (`_CliError` InvalidRequest, exit 2). An empty file (or array) is no prefix: an ordinary open."""
+    def bad(why: str) -> _CliError:
+        return _CliError("InvalidRequest", f"--prefix-file {path}: {why}")
+
+    try:
+        data = Path(path).read_bytes()  # bytes: no newline translation, the text is the prefix
+    except OSError as exc:
+        raise bad(f"cannot read it: {exc.strerror or exc}") from exc
+    if not tokens:
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise bad(f"not UTF-8 text (byte {exc.start}); token ids go in a JSON array, with --prefix-tokens") \
+                from exc
+        return text
+    try:
+        ids = json.loads(data)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise bad(f"not a JSON array of token ids ({exc})") from exc
+    if not isinstance(ids, list):
+        raise bad(f"not a JSON array of token ids (a {type(ids).__name__})")
+    for i, t in enumerate(ids):
+        if type(t) is not int:  # not bool, not 1.0
+            raise bad(f"element {i} is not a token id (an integer): {json.dumps(t)[:40]}")
+        if not 0 <= t < _TOKEN_LIMIT:
+            raise bad(f"element {i} is not a token id (0 <= id < 2**31): {t}")
+    return ids
+
+
+def _prefix_said(origin: Any, position: int) -> tuple[dict, str]:
+    """A prefix open's origin for --json, and its line for people."""
+    stored, total = origin.stored_tokens, origin.tokens
+    if stored == 0:
+        how = "all computed, none from the prefix store"
+    else:
+        how = f"{stored} from the prefix store ({origin.scope} scope)" + \
+            (f", {total - stored} computed" if stored < total else "")
+    data = {"digest": origin.digest, "tokens": total, "stored_tokens": stored, "scope": origin.scope}
+    return data, f"opened at position {position}, after a prefix of {total} tokens ({origin.digest}): {how}"
+
+
 async def _open(args: argparse.Namespace) -> int:
     from workflows import OpenFailed
 
+    # the prefix first: a file that is not one fails here, with nothing started
+    if args.prefix_tokens and args.prefix_file is None:
+        raise _CliError("InvalidRequest", "--prefix-tokens says how --prefix-file is read: give --prefix-file")
+    prefix = _prefix_file(args.prefix_file, args.prefix_tokens) if args.prefix_file is not None else None
+    prefix = prefix or None  # an empty prefix is an ordinary open
     streams = await _streams(args)
     try:
         sid = await streams.open(args.principal, args.model, input_transform=args.input_transform,
-                                 worker_timeout_s=args.worker_timeout)
+                                 prefix=prefix, worker_timeout_s=args.worker_timeout)
     except OpenFailed as exc:
         # the id of the stream that was started (and terminated), to look up in the UI or `list`
         sid = exc.details().get("stream_id")
         if sid:
             _emit(args, {"stream_id": sid, "opened": False}, sid)
         raise
-    _emit(args, {"stream_id": sid}, sid)
+    if prefix is None:
+        _emit(args, {"stream_id": sid}, sid)
+        return 0
+    receipt = await streams.receipt(sid)
+    origin = receipt.origin if receipt is not None else None
+    if origin is None or origin.kind != "prefix":
+        _emit(args, {"stream_id": sid, "position": receipt.position if receipt else None, "prefix": None}, sid)
+        raise _CliError("PrefixNotApplied", f"stream {sid} opened, but its receipt names no prefix (position "
+                        f"{receipt.position if receipt else '?'}): do the workers predate prefixes?")
+    data, line = _prefix_said(origin, receipt.position)
+    # stdout holds the id alone, as ever (`sid=$(mamba-stream open ...)`); the prefix's line is for people
+    _emit(args, {"stream_id": sid, "position": receipt.position, "prefix": data}, sid)
+    if not args.json:
+        print(line, file=sys.stderr)
     return 0
 
 
@@ -539,6 +607,13 @@ def add_stream_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--input-transform", default=None,
                    help="the input transform's id: the tokenizer that turns --text into tokens (default: the "
                    "model's own)")
+    p.add_argument("--prefix-file", default=None, metavar="FILE",
+                   help="open the stream at the end of this prefix (from the workers' prefix store when it holds "
+                   "it, else computed and stored): FILE's text, UTF-8, all of it (a final newline included), which "
+                   "the input transform makes tokens; with --prefix-tokens, token ids. Its tokens and how many came "
+                   "from the store go to stderr (--json: \"prefix\")")
+    p.add_argument("--prefix-tokens", action="store_true",
+                   help="--prefix-file holds token ids, as a JSON array of integers: [1, 2, 3]")
     worker_timeout(p)
     p.set_defaults(func=_run(_open))
 

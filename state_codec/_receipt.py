@@ -5,9 +5,12 @@ Standard library and pydantic only: workflows build, carry and validate receipts
 
 from __future__ import annotations
 
+import hashlib
 import re
+import struct
+from collections.abc import Sequence
 from functools import cached_property
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
@@ -25,8 +28,8 @@ from state_codec._errors import (
 )
 from state_codec._schema import StateSchema, without_unset_weights
 
-__all__ = ["RECEIPT_VERSION", "Arithmetic", "ModelIdentity", "Receipt", "arithmetic_moved", "continue_arithmetic",
-           "schema_diff", "validate_resume"]
+__all__ = ["RECEIPT_VERSION", "Arithmetic", "ModelIdentity", "Origin", "Receipt", "arithmetic_moved",
+           "continue_arithmetic", "prefix_digest", "schema_diff", "validate_resume"]
 
 RECEIPT_VERSION = 1
 
@@ -109,6 +112,47 @@ class Arithmetic(_Frozen):
         return self.scheme.startswith("exact-")
 
 
+def prefix_digest(tokens: Sequence[int]) -> str:
+    """`sha256:<hex>` of a prefix's token ids, each as a little-endian uint32: what a receipt names
+    a prefix by (`Origin.digest`). A client that knows its prefix's tokens computes the same."""
+    return "sha256:" + hashlib.sha256(struct.pack(f"<{len(tokens)}I", *tokens)).hexdigest()
+
+
+class Origin(_Frozen):
+    """Where an epoch's first state came from, when it was not the model's initial state.
+
+    `kind` "prefix": a prefix's state (`StreamClient.open(prefix=...)`): `digest` names the prefix's
+    tokens (`prefix_digest`), `tokens` how many, and `stored_tokens` how many of them came from a
+    stored prefix state (the longest stored one; the rest were computed; 0: all computed), `scope`
+    whose store entry that was ("principal", "shared"; "" when none). The state's bits are the
+    same either way on an exact arithmetic: the receipt's checksum equals that of a stream fed the
+    prefix from position 0.
+
+    `kind` "checkpoint": another stream's checkpoint (a resume, or `StreamClient.fork`): `stream_id`,
+    `chunk_seq`, `epoch` and `checksum` name it.
+    """
+
+    kind: Literal["prefix", "checkpoint"]
+    digest: str | None = Field(default=None, pattern=_SHA.pattern)
+    tokens: int = Field(default=0, ge=0)
+    stored_tokens: int = Field(default=0, ge=0)
+    scope: Literal["", "principal", "shared"] = ""
+    stream_id: str | None = Field(default=None, max_length=200)
+    chunk_seq: int | None = Field(default=None, ge=0)
+    epoch: int | None = Field(default=None, ge=0)
+    checksum: str | None = Field(default=None, pattern=_CHECKSUM.pattern)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Origin:
+        if self.stored_tokens > self.tokens:
+            raise ValueError(f"stored_tokens {self.stored_tokens} exceed the prefix's {self.tokens} tokens")
+        if self.kind == "prefix" and self.digest is None:
+            raise ValueError("a prefix origin names its prefix's digest")
+        if self.kind == "checkpoint" and (self.stream_id is None or self.checksum is None):
+            raise ValueError("a checkpoint origin names its stream and checksum")
+        return self
+
+
 class Receipt(_Frozen):
     """A pointer to one checkpoint of one stream, with everything a resume must check.
 
@@ -143,12 +187,23 @@ class Receipt(_Frozen):
         default=0, ge=0, description="the state's bits from this position on were computed under `arithmetic.id`")
     arithmetic_changes: int = Field(
         default=0, ge=0, description="times this epoch's state moved to another arithmetic")
+    origin: Origin | None = Field(
+        default=None, description="where this epoch's first state came from (a prefix, another stream's "
+        "checkpoint); None: the initial state. Every receipt of the epoch names it. Left out of the JSON when "
+        "None, so receipts of streams opened without one read as before")
 
     @model_validator(mode="after")
     def _since_within(self) -> Receipt:
         if self.arithmetic_since > self.position:
             raise ValueError(f"arithmetic_since {self.arithmetic_since} is past the position {self.position}")
         return self
+
+    @model_serializer(mode="wrap")
+    def _without_unset_origin(self, handler: SerializerFunctionWrapHandler) -> dict:
+        out = handler(self)
+        if out.get("origin") is None:
+            out.pop("origin", None)
+        return out
 
     def bound(self) -> dict[str, Any]:
         """The fields a checkpoint blob is cryptographically bound to."""

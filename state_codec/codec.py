@@ -62,7 +62,7 @@ from state_codec._errors import (
     UnsupportedEnvelopeVersion,
     mismatch,
 )
-from state_codec._receipt import ModelIdentity, Receipt, schema_diff, validate_resume
+from state_codec._receipt import ModelIdentity, Origin, Receipt, schema_diff, validate_resume
 from state_codec._schema import StateSchema
 from state_codec._sealing import format_state_key
 from state_codec.keyring import Keyring, KeyringError
@@ -508,12 +508,13 @@ def seal(
     state_key: str | None = None,
     backend: str | None = None,
     arithmetic: Mapping[str, Any] | None = None,
+    origin: Origin | None = None,
 ) -> tuple[Receipt, bytearray]:
     """Receipt and encrypted blob for `state` of `model` (a `scan.Model` and `scan.State`).
 
     The state is validated against the model's schema first. `backend` records what produced
     the state (defaults to the model's backend); `arithmetic`, the receipt's arithmetic fields
-    (`continue_arithmetic`; none by default).
+    (`continue_arithmetic`; none by default); `origin`, where the epoch's first state came from.
     """
     model.validate_state(state)
     identity: ModelIdentity = model.identity()
@@ -532,7 +533,8 @@ def seal(
         architecture=schema.architecture, dtype=identity.state_dtype, n_layer=schema.n_layer,
         d_state=schema.d_state, state_bytes=schema.state_bytes, position=state.position, chunk_seq=chunk_seq,
         epoch=epoch, state_key=state_key or default_state_key(stream_id, epoch, chunk_seq, checksum),
-        checksum=checksum, backend=backend or getattr(model, "backend", "unknown"), **(arithmetic or {}),
+        checksum=checksum, backend=backend or getattr(model, "backend", "unknown"), origin=origin,
+        **(arithmetic or {}),
     )
     return receipt, blob
 

@@ -66,6 +66,7 @@ from workflows._models import (
     TokenProgress,
     update_id,
 )
+from workflows._model_stream import check_prefix
 from workflows._stream import MambaStreamWorkflow
 
 if TYPE_CHECKING:
@@ -251,9 +252,17 @@ class StreamClient:
 
     async def open(self, principal: str, model_id: str, *, options: StreamOptions | None = None,
                    input_transform: str | None = None, resume: Receipt | None = None,
+                   prefix: str | Sequence[int] | None = None,
                    stream_id: str | None = None, wait: bool = True,
                    worker_timeout_s: float | None = OPEN_WORKER_TIMEOUT_S) -> str:
         """Start a stream; returns its id (server-made unless given) once it is open.
+
+        `prefix`: text (encoded by the model's input transform) or token ids the stream starts
+        after: its first state is the prefix's, from the workers' prefix store when it holds the
+        prefix or a shorter one of it (the stream's principal's own entries, or a shared prefix
+        the operator declared), the rest computed once and stored for the next stream. The
+        receipt's `origin` says how much came from the store; its checksum is that of a stream fed
+        the prefix from position 0. Empty: an ordinary open.
 
         `worker_timeout_s`: with `wait`, how long the stream may wait for a worker to take it
         (to start its first workflow task) while no worker polls the task queue; None waits as
@@ -261,16 +270,21 @@ class StreamClient:
         worker takes a new stream late), its opening is waited for however long it takes.
 
         Raises:
+            ApplicationError: typed `ChunkTooLarge` (a prefix over `max_prefix_tokens` or
+                `max_text_bytes`) or `InvalidRequest` (a prefix beside a resume), before anything starts.
             WorkflowFailureError: opening failed; its cause is typed by reason (a resume from an
-                incompatible checkpoint: PrincipalMismatch, SchemaMismatch, ...).
+                incompatible checkpoint: PrincipalMismatch, SchemaMismatch, ...; a prefix token
+                outside the vocabulary: TokenOutOfRange).
             OpenFailed: no worker took the stream within `worker_timeout_s` and none polls the task
                 queue; the stream was terminated, before any of it ran, so it leaves nothing
                 behind. Its details name the `stream_id`, the `task_queue` and the `waited_s`.
         """
         sid = stream_id or self.new_id(principal)
-        inp = self.sign("open", sid, OpenStreamInput(principal=principal, model_id=model_id,
-                                                     input_transform=input_transform, resume=resume,
-                                                     options=options or StreamOptions()))
+        inp = self.sign("open", sid, OpenStreamInput(
+            principal=principal, model_id=model_id, input_transform=input_transform, resume=resume,
+            prefix=prefix if prefix is None or isinstance(prefix, str) else [int(t) for t in prefix],
+            options=options or StreamOptions()))
+        check_prefix(inp, inp.options)  # typed, before anything starts (the prefix would reach history)
         sent = False
 
         async def start() -> WorkflowHandle:
@@ -623,10 +637,32 @@ class StreamClient:
                                     f"committed, or before a continue-as-new)", chunk_seq=to_seq)
         return run_id, point, key
 
-    async def checkpoint(self, stream_id: str, principal: str) -> CheckpointResult:
-        req = self.sign("checkpoint", stream_id, CheckpointRequest(principal=principal))
+    async def checkpoint(self, stream_id: str, principal: str, *, at_seq: int | None = None) -> CheckpointResult:
+        """A portable receipt of the stream's state now (or after chunk `at_seq`, one of its rewind
+        window's; 0: the opened state), verified in the store and kept there until the stream is
+        cancelled: `open(resume=)` continues from it in a new stream."""
+        req = self.sign("checkpoint", stream_id, CheckpointRequest(principal=principal, at_seq=at_seq))
         return await self._update(self.handle(stream_id), MambaStreamWorkflow.checkpoint, req,
                                   id=f"checkpoint-{uuid.uuid4().hex}")
+
+    async def fork(self, stream_id: str, at_seq: int | None = None, *, principal: str | None = None,
+                   options: StreamOptions | None = None, new_stream_id: str | None = None) -> str:
+        """A new stream of the same principal and model, from the stream's state after chunk
+        `at_seq` (one of its rewind window's; None: its state now): for agents that branch (a tree
+        search, a retry with another plan). The parent goes on unchanged; its checkpoint is kept
+        until the parent is cancelled. The new stream's receipt names its origin (`Receipt.origin`:
+        the parent's stream id, chunk and checksum), and fed the same continuation it gives the
+        parent's outputs and checksum. Returns the new stream's id.
+
+        Raises:
+            WorkflowUpdateFailedError: typed `RewindPastWindow` (the chunk left the parent's window),
+                `RewindUnavailable` (not committed yet).
+        """
+        if principal is None:
+            principal = (await self.stats(stream_id)).principal
+        point = await self.checkpoint(stream_id, principal, at_seq=at_seq)
+        return await self.open(principal, point.receipt.model_id, resume=point.receipt, options=options,
+                               stream_id=new_stream_id)
 
     async def receipt(self, stream_id: str) -> Receipt | None:
         return await self._query(stream_id, MambaStreamWorkflow.receipt)

@@ -51,6 +51,7 @@ with workflow.unsafe.imports_passed_through():
         SealerMismatch,
         UnsealedRequest,
         arithmetic_moved,
+        parse_state_key,
         sealer_of,
         stream_tag,
     )
@@ -60,6 +61,8 @@ with workflow.unsafe.imports_passed_through():
         EmptyContext,
         InvalidRequest,
         LocalTooSlow,
+        RewindPastWindow,
+        RewindUnavailable,
         StreamCancelled,
         StreamMoving,
         TokenOutOfRange,
@@ -95,6 +98,7 @@ with workflow.unsafe.imports_passed_through():
         GenerateRequest,
         GenerateResult,
         ModelInfo,
+        OpenStreamInput,
         OpenStreamRequest,
         OpenStreamResult,
         ReadTokensRequest,
@@ -174,6 +178,26 @@ def check_advance(req: AdvanceRequest, opts: StreamOptions, info: ModelInfo | No
             raise application_error(TokenOutOfRange(f"token {bad[0]} is outside [0, {vocab})", value=bad[0]))
     elif req.text is not None and len(req.text.encode("utf-8")) > opts.max_text_bytes:
         raise application_error(ChunkTooLarge(f"text exceeds {opts.max_text_bytes} bytes", limit=opts.max_text_bytes))
+
+
+def check_prefix(req: OpenStreamRequest | OpenStreamInput, opts: StreamOptions) -> None:
+    """Refuse, typed, a prefix the stream cannot open from: more tokens than `max_prefix_tokens`,
+    more text than `max_text_bytes`, or one beside a resume (a stream starts from one or the other).
+    `StreamClient.open` checks before it starts anything; the stream checks again (a start input
+    may come from any client)."""
+    if req.prefix is None:
+        return
+    if req.resume is not None:
+        raise application_error(InvalidRequest("a stream opens from a prefix or from a checkpoint, not both",
+                                               field="prefix"))
+    if isinstance(req.prefix, str):
+        if len(req.prefix.encode("utf-8")) > opts.max_text_bytes:
+            raise application_error(ChunkTooLarge(f"the prefix's text exceeds {opts.max_text_bytes} bytes",
+                                                  limit=opts.max_text_bytes))
+    elif len(req.prefix) > opts.max_prefix_tokens:
+        raise application_error(ChunkTooLarge(f"the prefix's {len(req.prefix)} tokens exceed max_prefix_tokens "
+                                              f"{opts.max_prefix_tokens}", limit=opts.max_prefix_tokens,
+                                              actual=len(req.prefix)))
 
 
 def check_generate(req: GenerateRequest, opts: StreamOptions, position: int | None) -> None:
@@ -293,19 +317,24 @@ class ModelStream:
     @classmethod
     async def open(cls, principal: str, model_id: str, options: StreamOptions | None = None, *,
                    receipt: Receipt | None = None, input_transform: str | None = None,
+                   prefix: str | Sequence[int] | None = None,
                    carried: CarriedStream | None = None) -> ModelStream:
         """The stream of `model_id` for `principal` in this workflow: a new one (`receipt`:
         continuing from that checkpoint, which the workers verify belongs to this model and
-        principal), or, `carried`, the one the run before this one handed over (`carry_over`),
+        principal; `prefix`: starting at the end of that text or those tokens, from the prefix
+        store when it holds them), or, `carried`, the one the run before this one handed over (`carry_over`),
         once the workers verified their seal on it: a carry that is not theirs, for this workflow
         and the run it continues, fails typed `ForgedCarry` before anything of it is used.
 
         Open it first thing in `run` (the run's first workflow task): that is where the stream's
         code records which of its versions the run takes (`mark_patches`), so that every replay
         finds the record where it asks."""
+        options = options or StreamOptions()
         request = OpenStreamRequest(stream_id=workflow.info().workflow_id, principal=principal, model_id=model_id,
-                                    input_transform=input_transform, resume=receipt)
-        stream = cls(request, options or StreamOptions(), carried.carry if carried else None)
+                                    input_transform=input_transform, resume=receipt,
+                                    prefix=prefix if prefix is None or isinstance(prefix, str) else list(prefix),
+                                    max_prefix_tokens=options.max_prefix_tokens)
+        stream = cls(request, options, carried.carry if carried else None)
         if carried is None:
             await stream.start()
             return stream
@@ -359,11 +388,12 @@ class ModelStream:
             assert self.receipt is not None
             return self.receipt
 
-    async def checkpoint(self) -> Receipt:
-        """A portable receipt of the state now, kept in the store until the stream is disposed."""
+    async def checkpoint(self, at_seq: int | None = None) -> Receipt:
+        """A portable receipt of the state now (or after chunk `at_seq`, one of the rewind window's),
+        kept in the store until the stream is disposed: another stream opens from it (`open(receipt=)`)."""
         async with self._turn():
             self.taking()
-            return await self.pin(CheckpointRequest(principal=self.principal))
+            return await self.pin(CheckpointRequest(principal=self.principal, at_seq=at_seq))
 
     async def dispose(self) -> None:
         """Destroy the stream's state: its blobs deleted, its hot states zeroed. Nothing more is
@@ -403,6 +433,7 @@ class ModelStream:
                 f"the start request's task_timeout (the workflow task timeout) {given.total_seconds():g} s is "
                 f"under its floor {floor:g} s",
                 field="task_timeout", floor=floor, actual=given.total_seconds()))
+        check_prefix(self._opening, self.opts)
         res = await self._call(ACTIVITY_OPEN, self._opening, OpenStreamResult, affine=False)
         self.receipt, self.info = res.receipt, res.info
         self._bind(res.worker_queue)
@@ -722,10 +753,32 @@ class ModelStream:
             "operator_resets": self.stats.operator_resets + int(by_operator),
             "last_backend": out.receipt.backend, **_arithmetic(None, out.receipt, self.stats)})
 
+    def kept_at(self, chunk_seq: int, what: str = "rewind") -> tuple[str, int]:
+        """The checkpoint committed at chunk `chunk_seq` (the first of the window's at that chunk:
+        the chunk's own, before any reset at it) and its index in the line; refused typed when the
+        chunk is not committed (`RewindUnavailable`) or left the window (`RewindPastWindow`)."""
+        if chunk_seq > self.stats.chunk_seq:
+            raise application_error(RewindUnavailable(f"chunk {chunk_seq} is not committed (the stream is at chunk "
+                                                      f"{self.stats.chunk_seq})", chunk_seq=chunk_seq))
+        window = self.kept[-self.opts.checkpoints_kept:]
+        for key in window:
+            parsed = parse_state_key(key)
+            if parsed is not None and parsed.chunk_seq == chunk_seq:
+                return key, self.kept.index(key)
+        raise application_error(RewindPastWindow(
+            f"chunk {chunk_seq} is outside the stream's rewind window (its newest {len(window)} checkpoints); "
+            f"nothing was {'rewound' if what == 'rewind' else 'handed out'}", chunk_seq=chunk_seq,
+            window=len(window)))
+
     async def pin(self, req: CheckpointRequest) -> Receipt:
-        """The state now, verified in the store and kept until the stream is disposed."""
+        """The state now (or at chunk `req.at_seq`, one of the rewind window's), verified in the
+        store and kept until the stream is disposed."""
+        key = None if req.at_seq is None else self.kept_at(req.at_seq, "checkpoint")[0]
+        if key == (self.receipt.state_key if self.receipt is not None else None):
+            key = None
         out = await self._call(ACTIVITY_CHECKPOINT, CheckpointStreamRequest(
-            stream_id=self.stream_id, principal=req.principal, receipt=self.receipt, request=req), StateResult)
+            stream_id=self.stream_id, principal=req.principal, receipt=self.receipt, request=req, state_key=key),
+            StateResult)
         if out.receipt.state_key not in self.pinned:
             self.pinned.append(out.receipt.state_key)
         return out.receipt

@@ -44,6 +44,7 @@ __all__ = [
     "GenerateChunkResult",
     "GenerateRequest",
     "GenerateResult",
+    "MAX_PREFIX_TOKENS",
     "ModelInfo",
     "OpenStreamInput",
     "OpenStreamRequest",
@@ -141,14 +142,27 @@ class _Signed(SealedRequest):
         return self.model_dump(mode="json", exclude={"signature"}, exclude_defaults=True)
 
 
-def open_claims(principal: str, model_id: str, input_transform: str | None, resume: Receipt | None) -> dict:
+def open_claims(principal: str, model_id: str, input_transform: str | None, resume: Receipt | None,
+                prefix: str | list[int] | None = None) -> dict:
     """The signed fields of opening a stream (the start input carries more than the activity sees)."""
     claims: dict = {"principal": principal, "model_id": model_id}
     if input_transform is not None:
         claims["input_transform"] = input_transform
     if resume is not None:
         claims["resume"] = resume.model_dump(mode="json")
+    if prefix is not None:
+        claims["prefix"] = prefix
     return claims
+
+
+#: the most tokens a prefix may name in a start input (`StreamOptions.max_prefix_tokens`' bound): as
+#: JSON about 7 bytes each, well inside the server's 2 MiB payload limit
+MAX_PREFIX_TOKENS = 131072
+
+_PREFIX = Field(default=None, description="a prefix the stream starts from (text, encoded by the model's input "
+                "transform, or token ids): the stream opens at the prefix's end, from the prefix store when it "
+                "holds the prefix or a shorter one of it (an exact arithmetic only), computing the rest once. "
+                "Empty: an ordinary open")
 
 
 #: the largest share of the workflow task timeout a local attempt may take (`StreamOptions.local_timeout_s`)
@@ -180,6 +194,9 @@ class StreamOptions(SealedRequest):
     max_chunk_tokens: int = Field(default=65536, ge=1, le=2**24)
     max_text_bytes: int = Field(default=262144, ge=1, le=2**26)
     max_generate_tokens: int = Field(default=4096, ge=1, le=2**20)
+    max_prefix_tokens: int = Field(default=65536, ge=1, le=MAX_PREFIX_TOKENS,
+                                   description="the most tokens an open's prefix may hold (it is computed in "
+                                   "pieces, whatever max_chunk_tokens is); its text is bounded by max_text_bytes")
     recent_results: int = Field(default=256, ge=1, le=65536,
                                 description="results kept to deduplicate across continue-as-new")
     carry_bytes: int = Field(default=262144, ge=4096, le=1 << 24,
@@ -387,6 +404,9 @@ class ResetRequest(_Signed):
 
 class CheckpointRequest(_Signed):
     principal: str
+    at_seq: int | None = Field(default=None, ge=0, le=MAX_INDEX, description="the chunk whose checkpoint to hand "
+                               "out (one of the rewind window's; 0: the opened state); None: the state now. "
+                               "`StreamClient.fork` opens a new stream from it")
 
 
 class CheckpointResult(_Model):
@@ -556,6 +576,7 @@ class OpenStreamInput(SealedRequest):
     model_id: str
     input_transform: str | None = Field(default=None, description="transform id; None: the model's own")
     resume: Receipt | None = Field(default=None, description="a checkpoint to continue from")
+    prefix: str | list[_Token] | None = _PREFIX
     options: StreamOptions = Field(default_factory=StreamOptions)
     carry: StreamCarry | None = Field(default=None, description="what a continue-as-new carries over; "
                                       "accepted only with the workers' `carry_seal` for this stream's previous run")
@@ -563,7 +584,7 @@ class OpenStreamInput(SealedRequest):
     signature: str | None = _SIGNATURE
 
     def claims(self) -> dict:
-        return open_claims(self.principal, self.model_id, self.input_transform, self.resume)
+        return open_claims(self.principal, self.model_id, self.input_transform, self.resume, self.prefix)
 
 
 # --- activity inputs and outputs ---------------------------------------------------------------
@@ -576,9 +597,12 @@ class OpenStreamRequest(_Model):
     input_transform: str | None = None
     resume: Receipt | None = None
     signature: str | None = None
+    prefix: str | list[_Token] | None = _PREFIX
+    max_prefix_tokens: int = Field(default=65536, description="StreamOptions.max_prefix_tokens, for the prefix's "
+                                   "tokens once encoded")
 
     def claims(self) -> dict:
-        return open_claims(self.principal, self.model_id, self.input_transform, self.resume)
+        return open_claims(self.principal, self.model_id, self.input_transform, self.resume, self.prefix)
 
 
 class OpenStreamResult(_ActivityResult):
@@ -639,6 +663,8 @@ class CheckpointStreamRequest(_Model):
     principal: str
     receipt: Receipt
     request: CheckpointRequest | None = Field(default=None, description="the update's payload, for its signature")
+    state_key: str | None = Field(default=None, description="an earlier checkpoint of the stream to hand out (its "
+                                  "recorded receipt); None: the current one, `receipt`")
 
 
 class RecallResultRequest(_Model):

@@ -33,14 +33,11 @@ with workflow.unsafe.imports_passed_through():
         EpochMismatch,
         Receipt,
         UnsealedRequest,
-        parse_state_key,
     )
     from workflows._failures import (
         ConflictingChunk,
         InvalidRequest,
         OpenFailed,
-        RewindPastWindow,
-        RewindUnavailable,
         StreamCancelled,
         StreamOpening,
         UpdateIdMismatch,
@@ -161,7 +158,8 @@ class MambaStreamWorkflow(StreamOwner):  # its queries (receipt, stats, the toke
         # admitted, and queries show it as it came
         self.stream = ModelStream(OpenStreamRequest(
             stream_id=workflow.info().workflow_id, principal=inp.principal, model_id=inp.model_id,
-            input_transform=inp.input_transform, resume=inp.resume, signature=inp.signature), inp.options, inp.carry)
+            input_transform=inp.input_transform, resume=inp.resume, signature=inp.signature, prefix=inp.prefix,
+            max_prefix_tokens=inp.options.max_prefix_tokens), inp.options, inp.carry)
         self._lock = asyncio.Lock()
         self._in_flight: dict[int, str] = {}  # chunk_seq -> digest, of handlers started, not finished
         self._tasks: dict[asyncio.Task, bool] = {}  # handlers running activities -> whether a forced move stops them
@@ -236,7 +234,7 @@ class MambaStreamWorkflow(StreamOwner):  # its queries (receipt, stats, the toke
             # a signal came while the carry was sealed (a reset): it goes in the carry too
             await workflow.wait_condition(workflow.all_handlers_finished)
         workflow.continue_as_new(
-            self._inp.model_copy(update={"resume": None, "carry": carry, "carry_seal": seal}),
+            self._inp.model_copy(update={"resume": None, "prefix": None, "carry": carry, "carry_seal": seal}),
             initial_versioning_behavior=workflow.ContinueAsNewVersioningBehavior.AUTO_UPGRADE if moving else None)
 
     async def _until_it_moves(self) -> None:
@@ -426,6 +424,10 @@ class MambaStreamWorkflow(StreamOwner):  # its queries (receipt, stats, the toke
     def _validate_checkpoint(self, req: CheckpointRequest) -> None:
         self._sealed_by(req, "checkpoint")
         self.stream.taking()
+        if req.at_seq is not None:
+            if not self.stream.open_now:
+                raise application_error(StreamOpening("the stream is still opening; try again"))
+            self.stream.kept_at(req.at_seq, "checkpoint")
 
     @workflow.signal
     @_signal_takes(ResetRequest, lambda wf, err: wf._refuse("reset", err))
@@ -523,19 +525,8 @@ class MambaStreamWorkflow(StreamOwner):  # its queries (receipt, stats, the toke
         self._rewind_target(req.to_seq)
 
     def _rewind_target(self, to_seq: int) -> tuple[str, int]:
-        """The checkpoint a rewind to `to_seq` goes back to (the first of the window committed at
-        that chunk: the chunk's own, before any reset at it) and its index in the line."""
-        if to_seq > self.stream.stats.chunk_seq:
-            raise application_error(RewindUnavailable(f"chunk {to_seq} is not committed (the stream is at chunk "
-                                                      f"{self.stream.stats.chunk_seq})", chunk_seq=to_seq))
-        window = self.stream.kept[-self.stream.opts.checkpoints_kept:]
-        for key in window:
-            parsed = parse_state_key(key)
-            if parsed is not None and parsed.chunk_seq == to_seq:
-                return key, self.stream.kept.index(key)
-        raise application_error(RewindPastWindow(
-            f"chunk {to_seq} is outside the stream's rewind window (its newest {len(window)} checkpoints); "
-            f"nothing was rewound", chunk_seq=to_seq, window=len(window)))
+        """The checkpoint a rewind to `to_seq` goes back to and its index in the line (`ModelStream.kept_at`)."""
+        return self.stream.kept_at(to_seq)
 
     def _sealed_by(self, req: Any, what: str, *, replayable: bool = False) -> str:
         """Who sent `req` (`check_sender`): "principal" or "operator", or refused typed."""

@@ -133,6 +133,37 @@ async def test_a_stream_whose_workflow_is_not_found_ages_through_the_grace(store
     assert store.list_meta(kind=MISSING_KIND) == []
 
 
+async def test_prefix_entries_are_never_orphans_and_a_workers_sweep_bounds_them(store, server_a):
+    """The prefix store keeps its entries under stream ids no workflow has (`pfx.<scope>`): the
+    sweep must not take them for forgotten streams, whatever the grace; given the worker's
+    activities it sweeps them by their own rule (the scope's bytes bound)."""
+    from activities import ModelRegistry, StreamActivities
+    from tests.activities._env import stream_env
+    from workflows import OpenStreamRequest
+
+    await claim_store(server_a.client, store)
+    acts = StreamActivities(models=ModelRegistry(["tiny-mamba2"], backend="exact"), store=store,
+                            keyring=Keyring.generate(), prefix_ram_bytes=0)
+    try:
+        for i in range(3):
+            stream_env(f"ms-p{i}").run(acts.open_stream, OpenStreamRequest(
+                stream_id=f"ms-p{i}", principal="alice", model_id="tiny-mamba2", prefix=[i + 1] * 20))
+        entries = {s: store.list_stream(stream_id=s) for s in store.stream_ids() if s.startswith("pfx.")}
+        assert len(entries) == 1 and len(next(iter(entries.values()))) == 6  # 3 states and their logits
+        rep = await sweep_orphans(server_a.client, store, grace_s=0)  # no worker's activities
+        assert set(rep.orphans) == {"ms-p0", "ms-p1", "ms-p2"} and rep.prefixes is None
+        assert {s: store.list_stream(stream_id=s) for s in entries} == entries
+        one = acts.prefixes.usage().bytes // 3
+        acts.prefixes.max_bytes = 2 * one  # an operator lowers the bound: the worker's sweep applies it
+        rep = await sweep_orphans(server_a.client, store, grace_s=0, activities=acts)
+        # (the opened streams' hot states go now: the first sweep had no worker to zero them in)
+        assert set(rep.orphans) == {"ms-p0", "ms-p1", "ms-p2"}
+        assert rep.prefixes.evicted == 1 and rep.prefixes.entries == 2
+        assert rep.prefixes.bytes == 2 * one and len(store.list_stream(stream_id=next(iter(entries)))) == 4
+    finally:
+        acts.close()
+
+
 async def test_a_missing_workflow_that_turns_up_again_starts_afresh(store, server_a):
     await claim_store(server_a.client, store)
     sid = _sid()

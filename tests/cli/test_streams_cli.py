@@ -442,3 +442,156 @@ async def test_resume_prints_the_id_receipt_prints_json_and_a_duplicate_says_so(
     assert out.stderr.strip() == f"resumed from {sid} at position 8"
     assert (await stack.streams.stats(new)).position == 8
 
+
+
+# --- open at the end of a prefix (--prefix-file) -------------------------------------------------------------
+
+#: a prefix whose tokens are not its characters: multi-byte UTF-8, and a final newline that is part of it
+PREFIX_TEXT = "Système: réponds brièvement ✓\r\nUser: "
+
+
+def _encoded(text: str, model_id: str = "tiny-mamba2") -> list[int]:
+    """`text`'s tokens as the workers make them: the model's own input transform."""
+    from scan import load_model
+
+    return list(load_model(model_id, backend="exact").transform.encode(text))
+
+
+def _prefix_line(out: subprocess.CompletedProcess) -> str:
+    assert out.returncode == 0, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    return lines[0]
+
+
+async def test_open_with_a_prefix_file_starts_at_its_end_and_a_second_open_takes_it_from_the_store(
+        temporal_env, tmp_path):
+    # an exact arithmetic: the only one whose prefix states are stored (the tests' default is reference)
+    stack = await make_stack(temporal_env, tmp_path, backend="exact")
+    async with stack.exits:
+        from state_codec import prefix_digest
+
+        env = _env(stack, _keyfile(stack, tmp_path))
+        path = tmp_path / "prefix.txt"
+        path.write_bytes(PREFIX_TEXT.encode())
+        ids = _encoded(PREFIX_TEXT)
+        n, digest = len(ids), prefix_digest(ids)
+        assert n == len(PREFIX_TEXT.encode()) > len(PREFIX_TEXT)
+        # the first open computes it: the id alone on stdout, the prefix's line on stderr
+        out, _ = await _run(env, "open", "--principal", "alice", "--model", "tiny-mamba2", "--prefix-file", str(path))
+        sid = out.stdout.strip()
+        assert STREAM_ID.fullmatch(sid) and out.stdout == sid + "\n", out.stdout
+        assert _prefix_line(out) == (f"opened at position {n}, after a prefix of {n} tokens ({digest}): "
+                                     f"all computed, none from the prefix store")
+        first = await stack.streams.receipt(sid)
+        assert first.position == n and (await stack.streams.stats(sid)).position == n
+        assert first.origin.kind == "prefix" and first.origin.digest == digest
+        assert (first.origin.tokens, first.origin.stored_tokens, first.origin.scope) == (n, 0, "")
+        # the state of a stream fed the same text from position 0, bit for bit
+        fed = await stack.streams.open("alice", "tiny-mamba2")
+        res = await stack.streams.advance(fed, "alice", text=PREFIX_TEXT)
+        assert res.position == n and res.receipt.checksum == first.checksum
+        # the second open of the file takes all of it from the store: the same state
+        again = await _json(env, "open", "--principal", "alice", "--model", "tiny-mamba2", "--prefix-file", str(path))
+        assert again["position"] == n and again["stream_id"] != sid
+        assert again["prefix"] == {"digest": digest, "tokens": n, "stored_tokens": n, "scope": "principal"}
+        hit = await stack.streams.receipt(again["stream_id"])
+        assert hit.checksum == first.checksum and hit.origin.stored_tokens == n
+        # the same tokens as ids: the same prefix, stored
+        ids_path = tmp_path / "prefix.json"
+        ids_path.write_text(json.dumps(ids))
+        out, _ = await _run(env, "open", "--principal", "alice", "--model", "tiny-mamba2", "--prefix-file",
+                            str(ids_path), "--prefix-tokens")
+        assert _prefix_line(out) == (f"opened at position {n}, after a prefix of {n} tokens ({digest}): "
+                                     f"{n} from the prefix store (principal scope)")
+        by_ids = out.stdout.strip()
+        assert (await stack.streams.receipt(by_ids)).checksum == first.checksum
+        # a longer prefix: the stored part from the store, the rest computed; the state of the whole fed
+        tail = _encoded("bonjour")
+        longer = tmp_path / "longer.json"
+        longer.write_text(" ".join(f"{t}," for t in ids + tail).rstrip(",").join("[]"))
+        got = await _json(env, "open", "--principal", "alice", "--model", "tiny-mamba2", "--prefix-file", str(longer),
+                          "--prefix-tokens")
+        assert got["prefix"] == {"digest": prefix_digest(ids + tail), "tokens": n + len(tail), "stored_tokens": n,
+                                 "scope": "principal"} and got["position"] == n + len(tail)
+        after = await stack.streams.advance(fed, "alice", tokens=tail)
+        assert (await stack.streams.receipt(got["stream_id"])).checksum == after.receipt.checksum
+        # the streams go on alike: the first greedy token comes from the prefix's last logits
+        runs = [await stack.streams.generate(s, "alice", 4, temperature=0.0) for s in (sid, again["stream_id"], by_ids)]
+        assert runs[0].tokens == runs[1].tokens == runs[2].tokens
+        assert runs[0].receipt.checksum == runs[1].receipt.checksum == runs[2].receipt.checksum
+        # another principal's open computes it again: a principal's prefixes are its own
+        bob = await _json(env, "open", "--principal", "bob", "--model", "tiny-mamba2", "--prefix-file", str(path))
+        assert bob["prefix"]["stored_tokens"] == 0 and bob["position"] == n
+        # an open without --prefix-file prints what it always did; so does one with an empty prefix
+        empty_text, empty_ids = tmp_path / "empty.txt", tmp_path / "empty.json"
+        empty_text.write_bytes(b"")
+        empty_ids.write_bytes(b"[]")
+        for extra in ([], ["--prefix-file", str(empty_text)], ["--prefix-file", str(empty_ids), "--prefix-tokens"]):
+            plain, _ = await _run(env, "open", "--principal", "alice", "--model", "tiny-mamba2", *extra)
+            assert plain.returncode == 0 and plain.stderr == "" and STREAM_ID.fullmatch(plain.stdout.strip())
+            r = await stack.streams.receipt(plain.stdout.strip())
+            assert r.position == 0 and r.origin is None
+        assert set(await _json(env, "open", "--principal", "alice", "--model", "tiny-mamba2")) == {"stream_id"}
+
+
+async def test_a_prefix_file_that_is_not_one_is_refused_before_anything_starts(stack: Stack, tmp_path):
+    env = _env(stack, _keyfile(stack, tmp_path))
+    files = {"words.json": b"[104, \"i\"]", "float.json": b"[104, 1.5]", "bool.json": b"[true]",
+             "object.json": b"{\"tokens\": [1]}", "spaced.txt": b"104 105", "negative.json": b"[-1]",
+             "huge.json": b"[2147483648]", "latin1.txt": "café".encode("latin-1")}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    opens = {
+        "words.json": ("--prefix-tokens", "element 1 is not a token id (an integer): \"i\""),
+        "float.json": ("--prefix-tokens", "element 1 is not a token id (an integer): 1.5"),
+        "bool.json": ("--prefix-tokens", "element 0 is not a token id (an integer): true"),
+        "object.json": ("--prefix-tokens", "not a JSON array of token ids (a dict)"),
+        "spaced.txt": ("--prefix-tokens", "not a JSON array of token ids (Extra data"),
+        "negative.json": ("--prefix-tokens", "element 0 is not a token id (0 <= id < 2**31): -1"),
+        "huge.json": ("--prefix-tokens", "element 0 is not a token id (0 <= id < 2**31): 2147483648"),
+        "latin1.txt": (None, "not UTF-8 text (byte 3)"),
+        "missing.txt": (None, "cannot read it: No such file or directory"),
+    }
+    outs = await asyncio.gather(*(
+        _run(env, "open", "--principal", "alice", "--model", "tiny-mamba2", "--prefix-file", str(tmp_path / name),
+             *([flag] if flag else [])) for name, (flag, _) in opens.items()))
+    for (name, (_, why)), (out, _) in zip(opens.items(), outs, strict=True):
+        line = _one_error_line(out)
+        assert line.startswith(f"error: InvalidRequest: --prefix-file {tmp_path / name}: {why}"), (name, line)
+        assert out.stdout == "", (name, out.stdout)
+    # --prefix-tokens says how the file is read: alone it is a mistake too
+    out, _ = await _run(env, "open", "--principal", "alice", "--model", "tiny-mamba2", "--prefix-tokens")
+    assert _one_error_line(out) == "error: InvalidRequest: --prefix-tokens says how --prefix-file is read: " \
+                                   "give --prefix-file"
+    # refused before the server was asked: no stream was started on the queue, not even one closed since
+    assert await _on_queue(stack) == []
+    # and not before a server is there to ask: with none, the file is still what is wrong
+    nowhere = dict(env, TEMPORAL_ADDRESS=f"127.0.0.1:{_free_port()}")
+    out, _ = await _run(nowhere, "open", "--principal", "alice", "--model", "tiny-mamba2", "--prefix-file",
+                        str(tmp_path / "words.json"), "--prefix-tokens")
+    assert _one_error_line(out).startswith("error: InvalidRequest: --prefix-file ")
+
+
+async def test_a_prefix_the_workers_refuse_is_reported_typed(stack: Stack, tmp_path):
+    env = _env(stack, _keyfile(stack, tmp_path))
+    outside = tmp_path / "outside.json"
+    outside.write_text("[104, 105, 100000]")  # tiny-mamba2 reads bytes: 256 token ids
+    too_many = tmp_path / "many.json"
+    too_many.write_text(json.dumps([104] * (65536 + 1)))  # StreamOptions.max_prefix_tokens, the default
+    too_long = tmp_path / "long.txt"
+    too_long.write_text("a" * (262144 + 1))  # StreamOptions.max_text_bytes, the default
+    outs = await asyncio.gather(
+        _run(env, "open", "--principal", "alice", "--model", "tiny-mamba2", "--prefix-file", str(outside),
+             "--prefix-tokens"),
+        _run(env, "open", "--principal", "alice", "--model", "tiny-mamba2", "--prefix-file", str(too_many),
+             "--prefix-tokens"),
+        _run(env, "open", "--principal", "alice", "--model", "tiny-mamba2", "--prefix-file", str(too_long)))
+    lines = [_one_error_line(out) for out, _ in outs]
+    assert lines[0].startswith("error: TokenOutOfRange: "), lines
+    assert lines[1].startswith("error: ChunkTooLarge: ") and "65536" in lines[1], lines
+    assert lines[2].startswith("error: ChunkTooLarge: ") and "262144" in lines[2], lines
+    # no stream of them is left running
+    running = [w async for w in stack.client.list_workflows(
+        f"TaskQueue = '{stack.queue}' AND ExecutionStatus = 'Running'")]
+    assert running == []

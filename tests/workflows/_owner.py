@@ -21,6 +21,7 @@ class OwnerInput(SealedRequest):
     generate: int = 0
     done: int = 0
     carried: CarriedStream | None = None
+    prefix: list[int] | None = None
 
 
 @workflow.defn(name="TestStreamOwner")
@@ -33,14 +34,15 @@ class TestOwner(StreamOwner):
     @workflow.run
     async def run(self, inp: OwnerInput) -> None:
         check_sender(inp, inp.principal, "start")
-        self.stream = await ModelStream.open(inp.principal, inp.model_id, inp.options, carried=inp.carried)
+        self.stream = await ModelStream.open(inp.principal, inp.model_id, inp.options, carried=inp.carried,
+                                             prefix=inp.prefix)
         try:
             for i in range(inp.done, len(inp.chunks)):
                 if i == inp.reset_before:
                     await self.stream.reset()
                 await self.stream.advance(tokens=inp.chunks[i])
                 if workflow.info().is_continue_as_new_suggested() and i + 1 < len(inp.chunks):
-                    workflow.continue_as_new(inp.model_copy(update={"done": i + 1,
+                    workflow.continue_as_new(inp.model_copy(update={"done": i + 1, "prefix": None,
                                                                     "carried": await self.stream.carry_over()}))
             self.fed = True
             if inp.generate:  # once told to, outside any update (a reader learns of it from history alone)

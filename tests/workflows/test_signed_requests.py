@@ -13,7 +13,7 @@ from scan import load_model
 from state_codec.codec import plaintext_checksum
 from state_codec.signing import PrincipalKeys, RequestSigner
 from tests.workflows.conftest import FAST, eventually, make_stack
-from workflows import StreamClient
+from workflows import OpenStreamInput, StreamClient
 from workflows._models import AdvanceRequest, GenerateRequest, ResetRequest
 from workflows._stream import MambaStreamWorkflow
 
@@ -170,3 +170,26 @@ async def test_an_unsigned_open_fails_with_its_reason_and_leaves_no_state(tempor
             cause = getattr(cause, "cause", None)
         assert getattr(cause, "type", None) == "UnsignedRequest"
         assert stack.acts.store.list_stream(stream_id="ms-unsigned-open") == []
+
+
+async def test_a_prefix_is_signed_with_its_open_and_a_fork_with_its_checkpoint(temporal_env, tmp_path):
+    stack, signing = await signed_stack(temporal_env, tmp_path)
+    async with stack.exits:
+        sid = await signing.open("alice", "tiny-mamba2", prefix=[5, 6, 7], options=FAST)
+        assert (await signing.receipt(sid)).position == 3
+        # alice's signature over one prefix, sent with another: refused, nothing stored
+        other = signing.new_id("alice")
+        good = signing.sign("open", other, OpenStreamInput(principal="alice", model_id="tiny-mamba2",
+                                                           prefix=[5, 6, 7], options=FAST))
+        handle = await stack.client.start_workflow(MambaStreamWorkflow.run, good.model_copy(update={"prefix": [5, 6, 8]}),
+                                                   id=other, task_queue=stack.queue)
+        with pytest.raises(WorkflowFailureError) as err:
+            await handle.result()
+        assert reason(err.value) == "BadSignature" and stack.acts.store.list_stream(stream_id=other) == []
+        # a fork is alice's checkpoint and open, each signed: unsigned, the checkpoint is refused
+        await signing.advance(sid, "alice", tokens=[1, 2])
+        with pytest.raises(WorkflowUpdateFailedError) as err:
+            await stack.streams.fork(sid, at_seq=1, principal="alice")
+        assert reason(err.value) == "UnsignedRequest"
+        child = await signing.fork(sid, at_seq=1)
+        assert (await signing.receipt(child)).checksum == (await signing.receipt(sid)).checksum

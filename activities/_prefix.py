@@ -1,0 +1,530 @@
+"""The prefix store: the states of token prefixes, computed once, opened from by later streams.
+
+On an exact arithmetic a state is a pure function of (model revision, arithmetic id, input
+transform, tokens): every chunking gives the same bits. So the state of a prefix (a system prompt,
+a tool list) computed once is *the* state of that prefix for every later stream, at any length,
+not only at a block boundary. `PrefixStore.state_for` gives a new stream the state of its prefix:
+from the longest stored prefix of it, computing only the rest, and stores the whole prefix's state
+for the next stream. Only an exact arithmetic serves or fills the store: elsewhere the bits follow
+the machine, so a prefix is computed for each stream, as if fed by its first chunk.
+
+Entries are scoped. A principal's prefixes are its own ("principal" scope): a scope's entries are
+named by an HMAC, under a workers' key, of the scope and of everything the state's bits depend on
+(`entry_id`), so a lookup for principal B can only ever name B's entries; a lookup makes the same
+store calls whether or not another principal holds the same prefix, and a hit on B's side never
+touches A's entries, their recency included. The operator may declare shared prefixes (a published
+system prompt) per model (`shared`): those are served to every principal whose prefix starts with
+one, from the "shared" scope, sealed under the workers' key like the rest.
+
+In the store an entry is a sealed blob like a checkpoint (`state_codec.codec.seal`, bound to the
+entry's own receipt, `stream_id` `pfx.<scope tag>`), its next-token logits beside it
+(`<key>.out`), and an index record in the store's metadata (kind `prefix.<scope tag>`, name the
+entry id: tokens, bytes, last use, the entry's receipt). `prefix-scopes` lists the scopes, for the
+sweep. Retention is bounded by bytes per scope, least recently used out first: a bound shared
+by every scope would let one principal's fills evict, and so detect, another's entries.
+
+Concurrent opens of one prefix on one worker compute it once (the others wait for it); workers
+do not coordinate, so N workers compute a new prefix at most N times, and put-if-absent keeps the
+first write (the bits are the same). Decoded states of recent entries stay in memory (bounded by
+bytes): a hit on one skips the store's read and the unsealing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import torch
+
+from activities._metrics import StreamMetrics
+from activities._store import StateStore, StoreError
+from scan import Model, State
+from state_codec import Origin, Receipt, StateRejected, continue_arithmetic, prefix_digest
+from state_codec.codec import Keyring, open_bytes, seal, seal_bytes, unseal
+
+__all__ = ["PREFIX_STREAM_PREFIX", "SHARED_PRINCIPAL", "PrefixStore", "PrefixSweep", "Scope", "is_prefix_stream"]
+
+log = logging.getLogger(__name__)
+
+#: the stream ids of prefix entries start with this; no stream may take one (`is_prefix_stream`)
+PREFIX_STREAM_PREFIX = "pfx."
+#: the principal column (and sealing binding) of shared entries; no principal's scope is named by it
+SHARED_PRINCIPAL = "*shared*"
+#: metadata kind listing the scopes that hold entries (name: scope tag; data: its principal)
+SCOPES_KIND = "prefix-scopes"
+#: the workers' key that names scopes and entries (`Keyring.subkey`)
+_KEY_LABEL = "mamba-stream/prefix/v1"
+#: an entry's last use is written back at most this often (seconds): a hit reads nothing else
+TOUCH_S = 1.0
+#: the index record's layout
+_RECORD_VERSION = 1
+
+ScopeKind = Literal["principal", "shared"]
+
+
+def is_prefix_stream(stream_id: str) -> bool:
+    """Whether `stream_id` is in the prefix store's namespace (no stream may take such an id:
+    disposing it would delete the scope's entries)."""
+    return stream_id.startswith(PREFIX_STREAM_PREFIX)
+
+
+@dataclass(frozen=True)
+class Scope:
+    """Whose entries: one principal's, or the shared ones."""
+
+    kind: ScopeKind
+    principal: str  # the store's principal column (SHARED_PRINCIPAL for the shared scope)
+    tag: str  # HMAC of the scope: the stream id and metadata kind of its entries
+
+    @property
+    def stream_id(self) -> str:
+        return f"{PREFIX_STREAM_PREFIX}{self.tag}"
+
+    @property
+    def index_kind(self) -> str:
+        return f"prefix.{self.tag}"
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """An index record: one stored prefix state."""
+
+    id: str
+    scope: Scope
+    tokens: int
+    bytes: int
+    used: float
+    made: float
+    receipt: Receipt
+
+    @property
+    def key(self) -> str:
+        return self.receipt.state_key
+
+    def to_json(self) -> bytes:
+        return json.dumps({"v": _RECORD_VERSION, "tokens": self.tokens, "bytes": self.bytes, "used": self.used,
+                           "made": self.made, "receipt": self.receipt.model_dump(mode="json")},
+                          separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, eid: str, scope: Scope, data: bytes) -> _Entry:
+        obj = json.loads(data)
+        return cls(eid, scope, int(obj["tokens"]), int(obj["bytes"]), float(obj["used"]), float(obj["made"]),
+                   Receipt.model_validate(obj["receipt"]))
+
+
+@dataclass(frozen=True)
+class Opened:
+    """A prefix's state for a new stream: the state, its next-token logits, where it came from."""
+
+    state: State
+    logits: torch.Tensor | None
+    origin: Origin
+    path: str  # the path that computed what was computed here ("stored": nothing was)
+
+
+@dataclass
+class PrefixSweep:
+    """What a sweep of the prefix store did."""
+
+    scopes: int = 0
+    entries: int = 0
+    bytes: int = 0
+    evicted: int = 0
+    incomplete: int = 0
+
+
+#: `compute(state, tokens)`: the state after `tokens`, its next-token logits and the path that ran
+Compute = Callable[[State, list[int]], tuple[State, torch.Tensor | None, str]]
+
+
+class PrefixStore:
+    """Prefix states of the models one worker serves, in the deployment's state store.
+
+    Args:
+        store, keyring, metrics: the worker's.
+        max_bytes: the bound on each scope's entries (sealed bytes); 0 turns the store off (every
+            prefix is computed, nothing is stored).
+        ram_bytes: decoded states kept in memory for hits (0: none).
+        shared: the operator's shared prefixes by model id: texts (encoded by the model's input
+            transform at first use) or token ids.
+    """
+
+    def __init__(self, store: StateStore, keyring: Keyring, metrics: StreamMetrics | None = None, *,
+                 max_bytes: int = 1 << 30, ram_bytes: int = 256 << 20,
+                 shared: Mapping[str, Sequence[str | Sequence[int]]] | None = None) -> None:
+        self.store = store
+        self.keyring = keyring
+        self.metrics = metrics or StreamMetrics()
+        self.max_bytes = max_bytes
+        self.ram_bytes = ram_bytes
+        self.shared = {m: list(ps) for m, ps in (shared or {}).items()}
+        self._shared_tokens: dict[tuple[str, str], list[list[int]]] = {}
+        self._secret = keyring.subkey(_KEY_LABEL)
+        self._guard = threading.Lock()
+        self._flights: dict[str, list[Any]] = {}  # entry id -> [lock, waiters]
+        self._ram: OrderedDict[str, tuple[State, torch.Tensor | None, int]] = OrderedDict()
+        self._ram_used = 0
+        self._touched: dict[str, float] = {}  # entry id -> last use written back
+        #: the wall clock of last uses and fills (tests set another)
+        self.clock: Callable[[], float] = time.time
+
+    # --- names ---------------------------------------------------------------------------------
+
+    def scope(self, principal: str | None) -> Scope:
+        """A principal's scope, or (None) the shared one."""
+        name = "shared" if principal is None else f"principal|{principal}"
+        tag = hmac.new(self._secret, f"scope|{name}".encode(), hashlib.sha256).hexdigest()[:32]
+        return Scope("shared" if principal is None else "principal",
+                     SHARED_PRINCIPAL if principal is None else principal, tag)
+
+    def entry_id(self, model: Model, scope: Scope, tokens: Sequence[int]) -> str:
+        """The entry of `tokens`' state in `scope`: keyed by everything its bits depend on."""
+        ident, a = model.identity(), model.arithmetic()
+        body = json.dumps([scope.tag, ident.model_id, ident.model_revision, ident.fingerprint, a.id,
+                           ident.input_transform, ident.input_transform_revision, prefix_digest(tokens)],
+                          separators=(",", ":"))
+        return hmac.new(self._secret, body.encode(), hashlib.sha256).hexdigest()[:40]
+
+    def serves(self, model: Model) -> bool:
+        """Whether prefixes of `model` are stored and served here: an exact arithmetic only."""
+        return self.max_bytes > 0 and model.arithmetic().exact
+
+    # --- the open path -------------------------------------------------------------------------
+
+    def state_for(self, model: Model, principal: str, tokens: list[int], compute: Compute,
+                  on_wait: Callable[[], Any] = lambda: None) -> Opened:
+        """The state of `tokens` (a checked, non-empty prefix) for a new stream of `principal`:
+        from the longest stored prefix of it (the principal's own, or a declared shared one),
+        computing only the rest, then stored whole in the principal's scope."""
+        digest = prefix_digest(tokens)
+        if not self.serves(model):
+            state, logits, path = compute(model.initial_state(), tokens)
+            self.metrics.prefix_tokens.add(len(tokens), {"model": model.model_id, "how": "computed"})
+            return Opened(state, logits, Origin(kind="prefix", digest=digest, tokens=len(tokens)), path)
+        own = self.scope(principal)
+        eid = self.entry_id(model, own, tokens)
+        with self._once(eid, on_wait):
+            hit = self._longest(model, own, tokens)
+            declared = self._declared(model, tokens)
+            fresh = None  # the path that computed the declared shared prefix just now, if one did
+            if declared and (hit is None or hit[0].tokens < len(declared)):
+                got, fresh = self._shared_entry(model, declared, compute, on_wait)
+                hit = got or hit
+            start, logits, at, stored, scope = model.initial_state(), None, 0, 0, ""
+            if hit is not None:
+                entry, start, logits = hit
+                at = entry.tokens
+                if fresh is None:
+                    stored, scope = entry.tokens, entry.scope.kind
+                    self._count_hit(model, entry, full=at == len(tokens), total=stored)
+            if not stored:
+                self.metrics.prefix_misses.add(1, {"model": model.model_id})
+            origin = Origin(kind="prefix", digest=digest, tokens=len(tokens), stored_tokens=stored, scope=scope)
+            if at == len(tokens):
+                return Opened(start, logits, origin, fresh or "stored")
+            state, logits, path = compute(start, tokens[at:])
+            self.metrics.prefix_tokens.add(len(tokens) - at, {"model": model.model_id, "how": "computed"})
+            self._fill(model, own, eid, tokens, state, logits, path)
+            return Opened(state, logits, origin, path)
+
+    def _count_hit(self, model: Model, entry: _Entry, *, full: bool, total: int) -> None:
+        self.metrics.prefix_hits.add(1, {"model": model.model_id, "scope": entry.scope.kind,
+                                         "match": "full" if full else "partial"})
+        self.metrics.prefix_tokens.add(total, {"model": model.model_id, "how": "stored"})
+
+    def _declared(self, model: Model, tokens: list[int]) -> list[int] | None:
+        """The longest shared prefix the operator declared for `model` that `tokens` starts with."""
+        if model.model_id not in self.shared:
+            return None
+        key = (model.model_id, model.revision)
+        declared = self._shared_tokens.get(key)
+        if declared is None:
+            declared = []
+            for p in self.shared[model.model_id]:
+                toks = model.transform.encode(p) if isinstance(p, str) and model.transform is not None else p
+                if isinstance(toks, str):
+                    log.warning("shared prefix of %s is text, but the model has no input transform: not served",
+                                model.model_id)
+                    continue
+                model.check_tokens(list(toks))
+                if toks:
+                    declared.append(list(toks))
+            self._shared_tokens[key] = declared
+        best = None
+        for p in declared:
+            if len(p) <= len(tokens) and tokens[: len(p)] == p and (best is None or len(p) > len(best)):
+                best = p
+        return best
+
+    def _shared_entry(self, model: Model, tokens: list[int], compute: Compute, on_wait: Callable[[], Any]
+                      ) -> tuple[tuple[_Entry, State, torch.Tensor | None] | None, str | None]:
+        """A declared shared prefix's entry, computed and stored first if it is not yet (then
+        also the path that computed it)."""
+        scope = self.scope(None)
+        eid = self.entry_id(model, scope, tokens)
+        with self._once(eid, on_wait):
+            with self._guard:
+                ram = eid in self._ram
+            got = self._from_ram(eid) if ram else self._load(model, self._index(scope).get(eid))
+            if got is not None:
+                return got, None
+            state, logits, path = compute(model.initial_state(), tokens)
+            self.metrics.prefix_tokens.add(len(tokens), {"model": model.model_id, "how": "computed"})
+            entry = self._fill(model, scope, eid, tokens, state, logits, path)
+            return (None if entry is None else (entry, state, logits)), path
+
+    @contextmanager
+    def _once(self, eid: str, on_wait: Callable[[], Any]) -> Iterator[None]:
+        """One caller at a time per entry on this worker: the others wait (calling `on_wait`, an
+        activity's safe point and heartbeat), then find what the first one stored."""
+        with self._guard:
+            flight = self._flights.setdefault(eid, [threading.Lock(), 0])
+            flight[1] += 1
+        try:
+            while not flight[0].acquire(timeout=0.2):
+                on_wait()
+            try:
+                yield
+            finally:
+                flight[0].release()
+        finally:
+            with self._guard:
+                flight[1] -= 1
+                if flight[1] == 0:
+                    del self._flights[eid]
+
+    # --- entries -------------------------------------------------------------------------------
+
+    def _index(self, scope: Scope) -> dict[str, _Entry]:
+        out = {}
+        for eid, data in self.store.read_meta(kind=scope.index_kind).items():
+            try:
+                out[eid] = _Entry.from_json(eid, scope, data)
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("prefix store: unreadable index record %s/%s (%s): skipped", scope.index_kind, eid, exc)
+        return out
+
+    def _longest(self, model: Model, scope: Scope, tokens: list[int]
+                 ) -> tuple[_Entry, State, torch.Tensor | None] | None:
+        """The longest stored prefix of `tokens` in `scope`, loaded (None: none is stored)."""
+        full = self.entry_id(model, scope, tokens)
+        got = self._from_ram(full)  # the whole prefix, held in memory: nothing to read
+        if got is not None:
+            return got
+        index = self._index(scope)
+        lengths = sorted({e.tokens for e in index.values() if 0 < e.tokens <= len(tokens)}, reverse=True)
+        for n in lengths:
+            eid = full if n == len(tokens) else self.entry_id(model, scope, tokens[:n])
+            entry = index.get(eid)
+            if entry is not None and entry.tokens == n:
+                got = self._load(model, entry)
+                if got is not None:
+                    return got
+        return None
+
+    def _from_ram(self, eid: str) -> tuple[_Entry, State, torch.Tensor | None] | None:
+        with self._guard:
+            hit = self._ram.get(eid)
+            if hit is None:
+                return None
+            self._ram.move_to_end(eid)
+        entry, state, logits = hit[2], hit[0], hit[1]
+        self._touch(entry)
+        return entry, state, logits
+
+    def _load(self, model: Model, entry: _Entry | None) -> tuple[_Entry, State, torch.Tensor | None] | None:
+        """An entry's state and logits, checked as a checkpoint is; None if it is gone (evicted
+        meanwhile) or unreadable (then it is removed)."""
+        if entry is None:
+            return None
+        got = self._from_ram(entry.id)
+        if got is not None:
+            return got
+        r, key = entry.receipt, f"{entry.scope.stream_id}.{entry.id}"
+        if (r.arithmetic is None or r.arithmetic.id != model.arithmetic().id or r.stream_id != key
+                or r.state_key != key or r.position != entry.tokens or r.principal != entry.scope.principal):
+            # the entry id names the arithmetic, the scope and the tokens; a record that says
+            # otherwise is not this entry's
+            log.warning("prefix store: index record %s does not describe its entry: not served", entry.id)
+            return None
+        principal = entry.scope.principal
+        try:
+            blob = self.store.get(key=entry.key, principal=principal)
+            if blob is None:
+                return None
+            state = unseal(blob, entry.receipt, self.keyring, model=model, principal=principal)
+            out = self.store.get(key=entry.key + ".out", principal=principal)
+            logits = None if out is None else torch.frombuffer(bytearray(open_bytes(
+                out, binding=f"{principal}|{entry.key}.out", keyring=self.keyring)), dtype=torch.float32)
+        except (StateRejected, ValueError) as exc:
+            log.warning("prefix store: entry %s unreadable (%s): removed", entry.id, exc)
+            self._remove(entry, "unreadable")
+            return None
+        self._remember(entry, state, logits)
+        self._touch(entry)
+        return entry, state, logits
+
+    def _remember(self, entry: _Entry, state: State, logits: torch.Tensor | None) -> None:
+        size = entry.receipt.state_bytes
+        if size > self.ram_bytes:
+            return
+        with self._guard:
+            if entry.id in self._ram:
+                return
+            self._ram[entry.id] = (state, logits, entry)  # type: ignore[assignment]
+            self._ram_used += size
+            while self._ram_used > self.ram_bytes:
+                _, (_, _, old) = self._ram.popitem(last=False)  # type: ignore[misc]
+                self._ram_used -= old.receipt.state_bytes
+
+    def _forget(self, eid: str) -> None:
+        with self._guard:
+            hit = self._ram.pop(eid, None)
+            if hit is not None:
+                self._ram_used -= hit[2].receipt.state_bytes  # type: ignore[union-attr]
+
+    def _touch(self, entry: _Entry) -> None:
+        """Write the entry's last use back (at most every TOUCH_S), for the LRU bound."""
+        now = self.clock()
+        with self._guard:
+            if now - self._touched.get(entry.id, entry.used) < TOUCH_S:
+                return
+            self._touched[entry.id] = now
+        try:
+            self.store.put_meta(kind=entry.scope.index_kind, name=entry.id,
+                                data=replace(entry, used=now).to_json())
+        except StoreError as exc:  # recency is advisory: a failed write costs the LRU order only
+            log.warning("prefix store: could not record a use of %s: %s", entry.id, exc)
+
+    def _fill(self, model: Model, scope: Scope, eid: str, tokens: list[int], state: State,
+              logits: torch.Tensor | None, path: str) -> _Entry | None:
+        """Seal and store `tokens`' state in `scope`, then keep the scope within its bound."""
+        if model.schema.state_bytes > self.max_bytes:
+            return None
+        key = f"{scope.stream_id}.{eid}"
+        # sealed for the entry itself (its receipt's stream id is the key, bound into the blob): an
+        # index record that names another entry's blob, even of the same scope and length, is refused
+        receipt, blob = seal(model, state, stream_id=key, principal=scope.principal, chunk_seq=0,
+                             epoch=0, keyring=self.keyring, state_key=key, backend=model.ran(path),
+                             arithmetic=continue_arithmetic(None, model.arithmetic(path)))
+        now = self.clock()
+        entry = _Entry(eid, scope, len(tokens), len(blob), now, now, receipt)
+        self.store.put_meta_if_absent(kind=SCOPES_KIND, name=scope.tag, data=json.dumps(
+            {"principal": scope.principal, "scope": scope.kind}).encode())
+        if self.store.put_if_absent(key=key, data=blob, stream_id=scope.stream_id, principal=scope.principal):
+            self.metrics.prefix_bytes.add(len(blob), {"model": model.model_id, "scope": scope.kind})
+        if logits is not None:
+            raw = logits.to(torch.float32).contiguous().numpy().tobytes()
+            self.store.put_if_absent(key=key + ".out", data=seal_bytes(raw, binding=f"{scope.principal}|{key}.out",
+                                                                       keyring=self.keyring),
+                                     stream_id=scope.stream_id, principal=scope.principal)
+        # the index record last: an entry is served only once its blobs are there
+        self.store.put_meta(kind=scope.index_kind, name=eid, data=entry.to_json())
+        self._remember(entry, state, logits)
+        self._bound(scope, keep=eid)
+        return entry
+
+    def _remove(self, entry: _Entry, why: str) -> None:
+        """An entry out of the store: its index record first (no reader finds it after), then its blobs."""
+        self.store.delete_meta(kind=entry.scope.index_kind, name=entry.id)
+        for key in (entry.key, entry.key + ".out"):
+            self.store.delete(key=key, stream_id=entry.scope.stream_id, principal=entry.scope.principal)
+        self._forget(entry.id)
+        self.metrics.prefix_evictions.add(1, {"why": why, "scope": entry.scope.kind})
+
+    def _bound(self, scope: Scope, keep: str | None = None) -> tuple[int, int, int]:
+        """Remove the scope's least recently used entries until its bytes are within `max_bytes`;
+        (entries, bytes) left and how many were removed."""
+        index = self._index(scope)
+        total = sum(e.bytes for e in index.values())
+        removed = 0
+        for entry in sorted(index.values(), key=lambda e: (e.used, e.made, e.id)):
+            if total <= self.max_bytes:
+                break
+            if entry.id == keep:
+                continue
+            self._remove(entry, "lru")
+            total -= entry.bytes
+            removed += 1
+        return len(index) - removed, total, removed
+
+    # --- the sweep -----------------------------------------------------------------------------
+
+    def sweep(self, *, grace_s: float = 3600.0) -> PrefixSweep:
+        """Every scope within its bound; blobs no index record names (a fill that died between its
+        blob and its record) older than `grace_s` deleted, and records whose blob is gone. The
+        store's prefix bytes go to the `prefix_store_bytes` gauge."""
+        rep = PrefixSweep()
+        now = self.clock()
+        for tag, data in self.store.read_meta(kind=SCOPES_KIND).items():
+            try:
+                obj = json.loads(data)
+                scope = Scope(obj["scope"], obj["principal"], tag)
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("prefix store: unreadable scope record %s (%s): skipped", tag, exc)
+                continue
+            rep.scopes += 1
+            index = self._index(scope)
+            named = {k for e in index.values() for k in (e.key, e.key + ".out")}
+            stored = set(self.store.list_stream(stream_id=scope.stream_id))
+            for entry in index.values():
+                if entry.key not in stored:
+                    self.store.delete_meta(kind=scope.index_kind, name=entry.id)
+                    self._forget(entry.id)
+            seen_kind = f"prefix-seen.{scope.tag}"
+            seen = self.store.read_meta(kind=seen_kind)
+            loose = {key.removesuffix(".out") for key in stored - named}
+            for base in sorted(loose):
+                name = base.rsplit(".", 1)[-1]
+                since = _since(seen.get(name))
+                if since is None:  # first seen unindexed now: a fill may still be on its way
+                    self.store.put_meta_if_absent(kind=seen_kind, name=name,
+                                                  data=json.dumps({"since": now}).encode())
+                    continue
+                if now - since < grace_s:
+                    continue
+                for key in (base, base + ".out"):
+                    self.store.delete(key=key, stream_id=scope.stream_id, principal=scope.principal)
+                self.store.delete_meta(kind=seen_kind, name=name)
+                rep.incomplete += 1
+                self.metrics.prefix_evictions.add(1, {"why": "incomplete", "scope": scope.kind})
+            for name in set(seen) - {b.rsplit(".", 1)[-1] for b in loose}:  # indexed or gone since
+                self.store.delete_meta(kind=seen_kind, name=name)
+            entries, size, removed = self._bound(scope)
+            rep.entries += entries
+            rep.bytes += size
+            rep.evicted += removed
+        self.metrics.prefix_store_bytes.set(rep.bytes)
+        return rep
+
+    def usage(self) -> PrefixSweep:
+        """Scopes, entries and bytes held (read from the index; nothing changed)."""
+        rep = PrefixSweep()
+        for tag, data in self.store.read_meta(kind=SCOPES_KIND).items():
+            obj = json.loads(data)
+            index = self._index(Scope(obj["scope"], obj["principal"], tag))
+            rep.scopes += 1
+            rep.entries += len(index)
+            rep.bytes += sum(e.bytes for e in index.values())
+        return rep
+
+
+
+
+def _since(data: bytes | None) -> float | None:
+    if data is None:
+        return None
+    try:
+        return float(json.loads(data)["since"])
+    except (ValueError, KeyError, TypeError):
+        return None
