@@ -196,8 +196,11 @@ class PrefixStore:
         return hmac.new(self._secret, body.encode(), hashlib.sha256).hexdigest()[:40]
 
     def serves(self, model: Model) -> bool:
-        """Whether prefixes of `model` are stored and served here: an exact arithmetic only."""
-        return self.max_bytes > 0 and model.arithmetic().exact
+        """Whether prefixes of `model` are stored and served here: an exact arithmetic only, on a
+        store that keeps metadata (the entries' index)."""
+        keeps_meta = all(getattr(type(self.store), m) is not getattr(StateStore, m)
+                         for m in ("read_meta", "put_meta", "put_meta_if_absent", "delete_meta"))
+        return self.max_bytes > 0 and keeps_meta and model.arithmetic().exact
 
     # --- the open path -------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ class ChatInput(SealedRequest):
     model_id: str
     options: StreamOptions = StreamOptions()
     reply_tokens: int = 32
+    system: str | None = None  # the prompt it starts after: from the prefix store when an earlier agent stored it
     carried: CarriedStream | None = None  # set by the agent itself when it continues as new
 
 
@@ -46,7 +47,8 @@ class ChatAgent(StreamOwner):  # read_tokens, token_offset, receipt, stats: for 
     @workflow.run
     async def run(self, inp: ChatInput) -> None:
         check_sender(inp, inp.principal, "start")  # the start input is the principal's
-        self.stream = await ModelStream.open(inp.principal, inp.model_id, inp.options, carried=inp.carried)
+        self.stream = await ModelStream.open(inp.principal, inp.model_id, inp.options, carried=inp.carried,
+                                             prefix=inp.system)
         while True:
             try:
                 await workflow.wait_condition(lambda: self.ended or workflow.info().is_continue_as_new_suggested())
@@ -56,7 +58,7 @@ class ChatAgent(StreamOwner):  # read_tokens, token_offset, receipt, stats: for 
                 pass  # a Temporal cancel request carries no key: only the principal's empty message ends it
         if self.ended:
             return await self.stream.dispose()
-        workflow.continue_as_new(inp.model_copy(update={"carried": await self.stream.carry_over()}))
+        workflow.continue_as_new(inp.model_copy(update={"carried": await self.stream.carry_over(), "system": None}))
 
     @workflow.update
     async def say(self, msg: ChatMessage) -> GenerateResult | None:

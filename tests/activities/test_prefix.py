@@ -79,6 +79,7 @@ class Recording(StateStore):
 
     # the abstract methods, so the class can be instantiated (calls go through __getattribute__)
     put_if_absent = get = delete = delete_stream = list_stream = usage = None  # type: ignore[assignment]
+    read_meta = put_meta = put_meta_if_absent = delete_meta = None  # type: ignore[assignment]
 
 
 @pytest.fixture(params=["memory", "file", "postgres"])

@@ -246,3 +246,29 @@ async def test_a_workflow_that_owns_its_stream_opens_it_from_a_stored_prefix(tem
         fed = system + [t for c in chunks for t in c]
         assert receipt.checksum == plaintext_checksum(m.advance(m.initial_state(), fed).state.tensors)
         await stack.streams.cancel(sid)
+
+
+async def test_agents_that_share_a_system_prompt_open_from_its_state(temporal_env, tmp_path):
+    from workflows import ChatAgent, ChatInput, ChatMessage
+
+    stack = await make_stack(temporal_env, tmp_path, backend="auto")
+    async with stack.exits:
+        system = "System: answer briefly. Tools: search(query), calc(expr).\n"
+        replies, receipts = [], []
+        for _ in range(2):
+            sid = stack.streams.new_id("alice")
+            handle = await stack.client.start_workflow(ChatAgent.run, ChatInput(
+                principal="alice", model_id="tiny-mamba2", options=OPTS, reply_tokens=4, system=system),
+                id=sid, task_queue=stack.queue)
+            replies.append(await handle.execute_update(ChatAgent.say, ChatMessage(principal="alice", text="hi")))
+            receipts.append(await stack.streams.receipt(sid))
+            await handle.execute_update(ChatAgent.say, ChatMessage(principal="alice"))
+        n = len(system.encode())  # tiny-mamba2 reads bytes
+        assert [r.origin.stored_tokens for r in receipts] == [0, n] and receipts[1].origin.tokens == n
+        # each state is that of one local scan of the prompt, the turn and the reply (sampled: seeded by
+        # the stream, so the two replies differ), whichever way the prompt's state came
+        m = load_model("tiny-mamba2")
+        for reply, receipt in zip(replies, receipts):
+            fed = list(m.transform.encode(system + "User: hi\nAssistant:")) + reply.tokens
+            assert receipt.position == len(fed)
+            assert receipt.checksum == plaintext_checksum(m.advance(m.initial_state(), fed).state.tensors)
