@@ -37,6 +37,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_agent.py
 	$(PY) bench/bench_readers.py
 	$(PY) bench/bench_serving.py
+	$(PY) bench/prefix_states.py
 
 eval: $(STAMP)
 	$(VENV)/bin/mamba-stream eval --append docs/results/quality.md

@@ -236,6 +236,11 @@ def _multinomial_form_holds() -> bool:
     return _FORM[0]
 
 
+#: the most queued items (calls and chunks) an engine takes between two rounds once a round is due:
+#: a burst is served at once, a flood cannot hold the rounds off
+DRAIN_ITEMS = 256
+
+
 class _Rows:
     """A stream's logits rows, float32 (n, V), in one buffer that doubles when full: a row costs
     one copy, and the chunk's logits need no concatenation at the end."""
@@ -264,6 +269,21 @@ class _Rows:
         return self._buf[: self.n].clone()
 
 
+class _LastRow(_Rows):
+    """The newest row only: a chunk whose caller needs the next-token logits and nothing else (a
+    prefix's state: 2,048 rows of a 50,280-token vocabulary would be 412 MB)."""
+
+    def __init__(self, vocab: int, device: torch.device) -> None:
+        super().__init__(vocab, 1, device)
+
+    def extend(self, rows: torch.Tensor) -> None:
+        self._buf[0].copy_(rows[-1])
+        self.n = 1
+
+    def tensor(self) -> torch.Tensor:
+        return self._buf[:0].clone()  # no rows kept
+
+
 @dataclass
 class _Work:
     stream_id: str
@@ -280,6 +300,7 @@ class _Work:
     sampler: Callable[[torch.Tensor], int | None] | None = None
     max_tokens: int = 0
     abandoned: bool = False  # its caller stopped waiting (a cancelled attempt): dropped at the next round
+    keep_rows: bool = True  # False: only the last row is kept (ChunkOutput.logits is empty)
 
 
 #: the most memory one model's slot table takes by default: its capacity is cut to fit (a 7B
@@ -334,15 +355,17 @@ class StreamEngine:
 
     def advance(self, stream_id: str, tokens: list[int], *, expected_key: str, epoch: int,
                 load: Callable[[], tuple[State, torch.Tensor | None]],
-                on_wait: Callable[[], float | None] | None = None) -> ChunkOutput:
+                on_wait: Callable[[], float | None] | None = None, keep_rows: bool = True) -> ChunkOutput:
         """Advance a stream from its committed state `expected_key` by `tokens`; waits.
 
         `load` brings the committed state from the store when no slot holds it; `on_wait` runs
         in the caller's thread while it waits (activities check for cancellation and heartbeat
         there): every `WAIT_SLICE_S`, or when `wake` is set, or after the pause it returned (see
-        `_wait`).
+        `_wait`). `keep_rows` False: the output's `logits` is empty, `last_logits` set (the
+        chunk's other rows are never kept).
         """
-        return self._submit(lambda pre: _Work(stream_id, list(tokens), expected_key, epoch, pre),
+        return self._submit(lambda pre: _Work(stream_id, list(tokens), expected_key, epoch, pre,
+                                              keep_rows=keep_rows),
                             stream_id, expected_key, load, on_wait, None)
 
     def generate(self, stream_id: str, sampler: Callable[[torch.Tensor], int | None], max_tokens: int, *,
@@ -498,7 +521,8 @@ class StreamEngine:
             assert h is not None
             w.handle = h
             hint = len(w.tokens) if w.sampler is None else min(w.max_tokens, 256)
-            w.rows = _Rows(self.model.vocab_size, hint, self.slots.logits.device)
+            w.rows = (_Rows(self.model.vocab_size, hint, self.slots.logits.device) if w.keep_rows
+                      else _LastRow(self.model.vocab_size, self.slots.logits.device))
             if w.sampler is not None:
                 first = self.slots.next_logits(h)
                 if first is None:
@@ -514,7 +538,7 @@ class StreamEngine:
             return False
 
     def _finish(self, w: _Work, state: State, last: torch.Tensor | None) -> None:
-        if w.rows is not None and w.rows.n:
+        if w.rows is not None and w.rows.n and w.keep_rows:
             logits = w.rows.tensor()
         else:
             logits = torch.zeros((0, self.model.vocab_size))
@@ -548,6 +572,7 @@ class StreamEngine:
             except queue.Empty:
                 item = None
             deadline = time.perf_counter() + self.max_wait_s
+            drained = 0
             while item is not None:
                 if isinstance(item, tuple):  # a control call
                     fn, fut = item
@@ -565,10 +590,16 @@ class StreamEngine:
                 wait = deadline - time.perf_counter()
                 # a lone stream does not wait for company that is not coming: it would wait out
                 # max_wait_s on every token; with other streams active lately, it waits
-                if singles >= self.max_batch or (pending and (wait <= 0 or not self._company(pending))):
+                ready = singles >= self.max_batch or (pending and (wait <= 0 or not self._company(pending)))
+                drained += 1
+                if ready and drained > DRAIN_ITEMS:
                     break
                 try:
-                    item = self._inbox.get(timeout=max(wait, 0)) if pending else self._inbox.get()
+                    # ready: what is already queued is still taken (waiting for nothing), so that a
+                    # burst of calls (30 streams opening at once, each putting its state) is not
+                    # served one per round behind the other streams' decode steps
+                    item = (self._inbox.get_nowait() if ready else
+                            self._inbox.get(timeout=max(wait, 0)) if pending else self._inbox.get())
                 except queue.Empty:
                     item = None
             if pending:

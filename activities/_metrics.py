@@ -103,12 +103,13 @@ class StreamMetrics:
             "mamba_stream_prefix_hits", "opens with a prefix that started from a stored prefix state, by scope "
             "(principal, shared) and whether it was the whole prefix (full) or a shorter one (partial)")
         self.prefix_misses = m.create_counter(
-            "mamba_stream_prefix_misses", "opens with a prefix no stored prefix state began (computed from position 0)")
+            "mamba_stream_prefix_misses", "opens with a prefix no stored prefix state began (computed from position "
+            "0); a worker whose arithmetic is not exact looks nothing up and counts neither")
         self.prefix_tokens = m.create_counter(
             "mamba_stream_prefix_tokens", "prefix tokens opened, by how (stored: loaded with a stored state; "
-            "computed: prefilled, once for concurrent opens of the same prefix)")
+            "computed: prefilled, once for concurrent opens of the same prefix, counted when the computation ends)")
         self.prefix_bytes = m.create_counter(
-            "mamba_stream_prefix_bytes_written", "bytes of sealed prefix states stored", "By")
+            "mamba_stream_prefix_bytes_written", "bytes of sealed prefix states (and their logits) stored", "By")
         self.prefix_evictions = m.create_counter(
             "mamba_stream_prefix_evictions", "prefix states removed, by why (lru: the scope's bytes bound; "
             "incomplete: a fill that never finished; unreadable)")

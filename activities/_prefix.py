@@ -216,8 +216,14 @@ class PrefixStore:
             return Opened(state, logits, Origin(kind="prefix", digest=digest, tokens=len(tokens)), path)
         own = self.scope(principal)
         eid = self.entry_id(model, own, tokens)
+        hit = self._longest(model, own, tokens)
+        if hit is not None and hit[0].tokens == len(tokens):  # the whole prefix: no need to wait for anyone
+            entry, state, logits = hit
+            self._count_hit(model, entry, full=True, total=entry.tokens)
+            return Opened(state, logits, Origin(kind="prefix", digest=digest, tokens=len(tokens),
+                                                stored_tokens=entry.tokens, scope=entry.scope.kind), "stored")
         with self._once(eid, on_wait):
-            hit = self._longest(model, own, tokens)
+            hit = self._longest(model, own, tokens)  # again: another open may have stored it meanwhile
             declared = self._declared(model, tokens)
             fresh = None  # the path that computed the declared shared prefix just now, if one did
             if declared and (hit is None or hit[0].tokens < len(declared)):
@@ -412,25 +418,25 @@ class PrefixStore:
     def _fill(self, model: Model, scope: Scope, eid: str, tokens: list[int], state: State,
               logits: torch.Tensor | None, path: str) -> _Entry | None:
         """Seal and store `tokens`' state in `scope`, then keep the scope within its bound."""
-        if model.schema.state_bytes > self.max_bytes:
-            return None
+        if model.schema.state_bytes + 4 * model.vocab_size > self.max_bytes:
+            return None  # one entry would not fit its scope's bound
         key = f"{scope.stream_id}.{eid}"
         # sealed for the entry itself (its receipt's stream id is the key, bound into the blob): an
         # index record that names another entry's blob, even of the same scope and length, is refused
         receipt, blob = seal(model, state, stream_id=key, principal=scope.principal, chunk_seq=0,
                              epoch=0, keyring=self.keyring, state_key=key, backend=model.ran(path),
                              arithmetic=continue_arithmetic(None, model.arithmetic(path)))
+        out = None if logits is None else seal_bytes(logits.to(torch.float32).contiguous().numpy().tobytes(),
+                                                     binding=f"{scope.principal}|{key}.out", keyring=self.keyring)
+        size = len(blob) + (len(out) if out is not None else 0)
         now = self.clock()
-        entry = _Entry(eid, scope, len(tokens), len(blob), now, now, receipt)
+        entry = _Entry(eid, scope, len(tokens), size, now, now, receipt)
         self.store.put_meta_if_absent(kind=SCOPES_KIND, name=scope.tag, data=json.dumps(
             {"principal": scope.principal, "scope": scope.kind}).encode())
         if self.store.put_if_absent(key=key, data=blob, stream_id=scope.stream_id, principal=scope.principal):
-            self.metrics.prefix_bytes.add(len(blob), {"model": model.model_id, "scope": scope.kind})
-        if logits is not None:
-            raw = logits.to(torch.float32).contiguous().numpy().tobytes()
-            self.store.put_if_absent(key=key + ".out", data=seal_bytes(raw, binding=f"{scope.principal}|{key}.out",
-                                                                       keyring=self.keyring),
-                                     stream_id=scope.stream_id, principal=scope.principal)
+            self.metrics.prefix_bytes.add(size, {"model": model.model_id, "scope": scope.kind})
+        if out is not None:
+            self.store.put_if_absent(key=key + ".out", data=out, stream_id=scope.stream_id, principal=scope.principal)
         # the index record last: an entry is served only once its blobs are there
         self.store.put_meta(kind=scope.index_kind, name=eid, data=entry.to_json())
         self._remember(entry, state, logits)

@@ -38,6 +38,7 @@ import json
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -52,7 +53,7 @@ from activities._engine import SeededSampler, StreamBusy, StreamEngine, _multino
 from activities._health import WorkerHealth
 from activities._metrics import StreamMetrics
 from activities._live import LiveTokens
-from activities._prefix import PrefixStore, is_prefix_stream
+from activities._prefix import PREFIX_STREAM_PREFIX, PrefixStore, is_prefix_stream
 from activities._registry import ModelRegistry, UnknownModel
 from activities._store import StateStore, StoreError, check_name
 from scan import CheckpointError, Model, ScanError, State
@@ -597,16 +598,20 @@ class StreamActivities:
         return tokens
 
     def _prefill(self, model: Model) -> Callable[[State, list[int]], tuple[State, torch.Tensor | None, str]]:
-        """A prefix's computation: `PIECE_TOKENS` at a time, a safe point and heartbeat between
-        pieces (the split is invisible: chunking never changes results); only the last piece's
-        last logits are kept."""
+        """A prefix's computation, by the model's engine like any chunk (in `prefill_piece` pieces
+        between the other streams' decode rounds, this thread heartbeating while it waits: a long
+        prefix on a loaded worker never outlasts the heartbeat timeout), in a slot of its own that
+        is freed after; only the last row of logits is kept."""
         def compute(state: State, tokens: list[int]) -> tuple[State, torch.Tensor | None, str]:
-            last, path = None, "open"
-            for i in range(0, len(tokens), PIECE_TOKENS):
-                _beat()
-                step = model.advance(state, tokens[i : i + PIECE_TOKENS])
-                state, last, path = step.state, step.logits[-1].clone(), step.path
-            return state, last, path
+            engine = self.engine(model)
+            slot = f"{PREFIX_STREAM_PREFIX}compute.{uuid.uuid4().hex}"
+            _cancel_point()
+            try:
+                out = engine.advance(slot, tokens, expected_key=f"{slot}/start", epoch=0,
+                                     load=lambda: (state, None), on_wait=_beat, keep_rows=False)
+            finally:
+                engine.release(slot)
+            return out.state, out.last_logits, out.path
         return compute
 
     def _chunk_model(self, kind: str, req: AdvanceChunkRequest | GenerateChunkRequest) -> Model:

@@ -200,6 +200,28 @@ def test_a_long_prefill_does_not_starve_decode_and_is_split_invisibly():
         engine.close()
 
 
+def test_a_chunk_that_keeps_only_its_last_row_gives_the_same_state_and_next_logits():
+    """`keep_rows=False` (a prefix's computation): the other rows are never kept, and what is kept
+    is bit for bit what a chunk keeping every row gives, single-token chunks included."""
+    model = model_for(MODEL)
+    engine = _engine(prefill_piece=64, max_wait_s=0.0)
+    try:
+        for n in (1, 2, 300):
+            big = tokens(n, 3 + n)
+            outs = []
+            for keep in (True, False):
+                sid = f"s{n}{keep}"
+                outs.append(engine.advance(sid, big, expected_key=f"{sid}/0", epoch=0, keep_rows=keep,
+                                           load=lambda: (model.initial_state(), None)))
+                engine.release(sid)
+            full, last = outs
+            assert full.logits.shape == (n, model.vocab_size) and last.logits.shape == (0, model.vocab_size)
+            assert torch.equal(last.last_logits, full.last_logits) and torch.equal(last.last_logits, full.logits[-1])
+            assert last.state.equal(full.state) and last.path == full.path
+    finally:
+        engine.close()
+
+
 def test_eviction_writes_nothing_and_the_next_chunk_reloads():
     model = model_for(MODEL)
     engine = _engine(capacity=2)

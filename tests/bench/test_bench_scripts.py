@@ -115,3 +115,31 @@ def test_agent_turn_table_on_a_small_run():
     assert [r[0] for r in rows] == list(mod.ROWS)
     assert all(float(c.rstrip("x")) > 0 for r in rows for c in r[1:])
     assert "in-workflow / child path:" in text and "in-workflow / stream workflow's own" in text
+
+
+def test_prefix_states_table_on_a_small_run():
+    mod = _load("prefix_states")
+    for bad in (["--agents", "1"], ["--prefix-tokens", "0"], ["--modes", "both"]):
+        with pytest.raises(SystemExit):
+            mod.parse_args(bad)
+    agents, prefix = 3, 40
+    text = mod.run(mod.parse_args(["--model", "tiny-mamba2", "--agents", str(agents), "--prefix-tokens", str(prefix),
+                                   "--gen-tokens", "3", "--solo", "1", "--noop-n", "3", "--steps", "2"]))
+    rows = {r[0]: r for r in ([c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()
+                              if line.startswith("| prefix states"))
+            if len(r) > 10}  # the first table (the second has 6 columns)
+    on, off = rows[mod.MODE_NAMES["on"]], rows[mod.MODE_NAMES["off"]]
+
+    def tokens(r: list[str]) -> int:  # prefill tokens through the model
+        return int(r[8].replace(",", ""))
+
+    assert tokens(on) == prefix  # computed once, for agent 1; the others loaded it
+    assert tokens(off) == agents * prefix  # computed for every agent
+    assert on[10] == f"{prefix} / {(agents - 1) * prefix}" and on[11] == f"{agents - 1} / 1"  # the library's counts
+    assert on[12] == off[12] == str(agents)  # one attempt per open
+    assert on[13].startswith(f"{2 * agents} (") and off[13].startswith(f"{2 * agents} (")  # open + generate each
+    assert on[14].startswith(tuple("123456789")) and on[14].endswith("(1 entry)")  # one entry, its bytes
+    assert off[14] == "0 (0 entries)"
+    assert all(float(c) > 0 for r in (on, off) for c in r[1:4])  # TTFTs
+    assert f"(0, -) 1 agents, ({prefix}, principal) {agents} agents" in text  # agent 1 computed; 2..3 and the solo one loaded
+    assert "generated the same 3 tokens: yes" in text
