@@ -36,7 +36,7 @@ __all__ = ["DOMAIN", "PrincipalKeys", "RequestSigner", "signing_bytes"]
 DOMAIN = b"mamba-stream/request/v1"
 
 #: request kinds; part of the signed bytes, so a signature for one kind never passes as another
-KINDS = frozenset({"open", "advance", "generate", "reset", "checkpoint", "cancel", "rewind"})
+KINDS = frozenset({"open", "advance", "generate", "reset", "checkpoint", "cancel", "rewind", "release"})
 
 
 def signing_bytes(kind: str, stream_id: str, claims: Mapping[str, Any]) -> bytes:

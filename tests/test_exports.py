@@ -56,7 +56,7 @@ EXPECTED = {
         "CancelRequest", "CarriedStream", "ChatAgent", "ChatInput", "ChatMessage", "CheckpointRequest", "CheckpointResult",
         "ChunkTooLarge", "ClientConfig", "ConflictingChunk", "EmptyContext", "GenerateRequest",
         "GenerateResult", "GenerateStream", "InternalError", "InvalidRequest", "LocalTooSlow", "MambaStreamWorkflow", "ModelStream", "ModelInfo",
-        "OpenFailed", "OpenStreamInput", "ResetRequest", "ResultExpired", "RewindPastWindow", "RewindRequest",
+        "OpenFailed", "OpenStreamInput", "ReleaseRequest", "ReleaseResult", "ResetRequest", "ResultExpired", "RewindPastWindow", "RewindRequest",
         "RewindResult", "RewindUnavailable", "SealedRequest", "StreamCancelled",
         "StreamClient", "StreamFailure", "StreamMoving", "StreamOpening", "StreamOptions", "StreamOwner", "StreamStats",
         "TokenBatch", "TokenEvent", "TokenLogprob", "TokenOutOfRange", "TokenProgress", "UnknownRequest", "UpdateIdMismatch", "WorkerUnhealthy", "application_error", "catalogue", "check_sender", "chunk_digest",

@@ -59,6 +59,8 @@ from workflows._models import (
     ReadTokensRequest,
     ResetRequest,
     RewindRequest,
+    ReleaseRequest,
+    ReleaseResult,
     StreamOptions,
     StreamStats,
     TokenBatch,
@@ -649,20 +651,38 @@ class StreamClient:
                    options: StreamOptions | None = None, new_stream_id: str | None = None) -> str:
         """A new stream of the same principal and model, from the stream's state after chunk
         `at_seq` (one of its rewind window's; None: its state now): for agents that branch (a tree
-        search, a retry with another plan). The parent goes on unchanged; its checkpoint is kept
-        until the parent is cancelled. The new stream's receipt names its origin (`Receipt.origin`:
-        the parent's stream id, chunk and checksum), and fed the same continuation it gives the
-        parent's outputs and checksum. Returns the new stream's id.
+        search, a retry with another plan). The parent goes on unchanged: it keeps the checkpoint
+        while the new stream opens from it, then releases it (`release`), so a thousand forks of one
+        parent leave no thousand checkpoints behind. The new stream's receipt names its origin
+        (`Receipt.origin`: the parent's stream id, chunk and checksum), and fed the same
+        continuation it gives the parent's outputs and checksum. Returns the new stream's id.
 
         Raises:
             WorkflowUpdateFailedError: typed `RewindPastWindow` (the chunk left the parent's window),
-                `RewindUnavailable` (not committed yet).
+                `RewindUnavailable` (not committed yet); nothing is opened.
         """
         if principal is None:
             principal = (await self.stats(stream_id)).principal
         point = await self.checkpoint(stream_id, principal, at_seq=at_seq)
-        return await self.open(principal, point.receipt.model_id, resume=point.receipt, options=options,
-                               stream_id=new_stream_id)
+        try:
+            return await self.open(principal, point.receipt.model_id, resume=point.receipt, options=options,
+                                   stream_id=new_stream_id)
+        finally:  # opened or not, the parent need not keep it for this fork (each `checkpoint` call
+            # holds it once; another caller's hold stays)
+            await self.release(stream_id, point.receipt, principal=principal)
+
+    async def release(self, stream_id: str, receipt: Receipt, *, principal: str | None = None) -> ReleaseResult:
+        """The stream stops keeping a checkpoint it handed out (`checkpoint`): it leaves the store
+        with the stream's next chunk, or as the rewind window moves on if it is still in it.
+
+        Raises:
+            WorkflowUpdateFailedError: typed `InvalidRequest` when the stream does not keep it.
+        """
+        if principal is None:
+            principal = (await self.stats(stream_id)).principal
+        req = self.sign("release", stream_id, ReleaseRequest(principal=principal, state_key=receipt.state_key))
+        return await self._update(self.handle(stream_id), MambaStreamWorkflow.release, req,
+                                  id=f"release-{uuid.uuid4().hex}")
 
     async def receipt(self, stream_id: str) -> Receipt | None:
         return await self._query(stream_id, MambaStreamWorkflow.receipt)

@@ -770,6 +770,15 @@ class ModelStream:
             f"nothing was {'rewound' if what == 'rewind' else 'handed out'}", chunk_seq=chunk_seq,
             window=len(window)))
 
+    def release(self, state_key: str) -> None:
+        """One hold of a handed-out checkpoint taken back (each `checkpoint` call holds it once).
+        Held no more, it leaves the store with the next chunk (`_to_drop`), or as the window moves
+        on if it is still in it; one no longer in the line (a rewind went back before it) joins the
+        line's oldest end, which the next chunk drops."""
+        self.pinned.remove(state_key)
+        if state_key not in self.pinned and state_key not in self.kept:
+            self.kept.insert(0, state_key)
+
     async def pin(self, req: CheckpointRequest) -> Receipt:
         """The state now (or at chunk `req.at_seq`, one of the rewind window's), verified in the
         store and kept until the stream is disposed."""
@@ -779,8 +788,7 @@ class ModelStream:
         out = await self._call(ACTIVITY_CHECKPOINT, CheckpointStreamRequest(
             stream_id=self.stream_id, principal=req.principal, receipt=self.receipt, request=req, state_key=key),
             StateResult)
-        if out.receipt.state_key not in self.pinned:
-            self.pinned.append(out.receipt.state_key)
+        self.pinned.append(out.receipt.state_key)  # one hold per call: `release` takes one back
         return out.receipt
 
     async def rewind_state(self, req: RewindRequest, state_key: str, undone: list[str]) -> Receipt:

@@ -52,6 +52,8 @@ __all__ = [
     "RecallResultRequest",
     "RecallResultResult",
     "RecentResult",
+    "ReleaseRequest",
+    "ReleaseResult",
     "ResetRequest",
     "ResetStreamRequest",
     "RewindRequest",
@@ -422,6 +424,21 @@ class CancelRequest(_Signed):
     principal: str
 
 
+class ReleaseRequest(_Signed):
+    """The `release` update: a checkpoint the stream handed out (`checkpoint`, `fork`) is no longer
+    needed; it leaves the store with the stream's next chunk, unless it is still in the rewind
+    window (then it leaves as the window moves on, like any checkpoint)."""
+
+    principal: str
+    state_key: str = Field(min_length=1, max_length=300, description="the handed-out receipt's state_key")
+
+
+class ReleaseResult(_Model):
+    stream_id: str
+    state_key: str
+    pinned: int = Field(description="holds of handed-out checkpoints the stream still keeps for others")
+
+
 class RewindRequest(_Signed):
     """The `rewind` update: go back to just after chunk `to_seq` (0: the opened state)."""
 
@@ -534,7 +551,8 @@ class StreamCarry(_Model):
     recent: list[RecentResult] = Field(default_factory=list)
     kept: list[str] = Field(default_factory=list, description="state keys of the line's stored checkpoints "
                             "(the rewind window and the window before it), oldest first")
-    pinned: list[str] = Field(default_factory=list, description="state keys handed out by `checkpoint`")
+    pinned: list[str] = Field(default_factory=list, description="state keys handed out by `checkpoint`, once per "
+                              "hold (`release` takes one back)")
     worker_queue: str | None = None
     token_log: list[TokenEvent] = Field(default_factory=list, description="the newest entries of the token log")
     token_base: int = Field(default=0, description="the offset of the log's first entry carried (or the next one)")
@@ -687,12 +705,12 @@ class DisposeStreamRequest(_Model):
 
 class VerifyRequest(_Model):
     """A request's signature checked by the workers (`verify_request`), for what the workflow
-    decides without an activity of its own (a cancel)."""
+    decides without an activity of its own (a cancel, a release)."""
 
     stream_id: str
     principal: str
     kind: str
-    request: CancelRequest
+    request: CancelRequest | ReleaseRequest
 
 
 class RewindStreamRequest(_Model):

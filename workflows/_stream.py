@@ -68,6 +68,8 @@ with workflow.unsafe.imports_passed_through():
         OpenStreamRequest,
         RecentResult,
         ResetRequest,
+        ReleaseRequest,
+        ReleaseResult,
         RewindRequest,
         RewindResult,
         StreamStats,
@@ -489,6 +491,35 @@ class MambaStreamWorkflow(StreamOwner):  # its queries (receipt, stats, the toke
         if self._cancel_by is None:
             self._cancel_by = who
             self.stream.cancelled = True  # validators refuse from now on; `_end` stops what was admitted
+
+    @workflow.update
+    async def release(self, req: ReleaseRequest) -> ReleaseResult:
+        """A checkpoint handed out by `checkpoint` (a fork's) is no longer needed: the stream stops
+        keeping it, and it leaves the store with the stream's next chunk (or as the rewind window
+        moves on, if it is still in it). By the stream's principal or the operator; the workers
+        check its signature where they verify signatures."""
+        async with self._lock:
+            await workflow.wait_condition(lambda: self.stream.open_now)
+            if self.stream.cancelled or self.stream.moving:
+                raise self.stream.interrupted("the release waited")
+            self._releasable(req.state_key)
+            await self.stream.quick(ACTIVITY_VERIFY, VerifyRequest(
+                stream_id=self.stream.stream_id, principal=req.principal, kind="release", request=req), VerifyRequest)
+            self.stream.release(req.state_key)
+            return ReleaseResult(stream_id=self.stream.stream_id, state_key=req.state_key,
+                                 pinned=len(self.stream.pinned))
+
+    @release.validator
+    @takes(ReleaseRequest)
+    def _validate_release(self, req: ReleaseRequest) -> None:
+        self._sealed_by(req, "release")
+        self.stream.taking()
+        self._releasable(req.state_key)
+
+    def _releasable(self, state_key: str) -> None:
+        if state_key not in self.stream.pinned:
+            raise application_error(InvalidRequest("not a checkpoint this stream keeps for others (handed out by "
+                                                   "`checkpoint` and not released)", field="state_key"))
 
     @workflow.update
     async def rewind(self, req: RewindRequest) -> RewindResult:

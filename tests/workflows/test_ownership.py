@@ -10,6 +10,7 @@ import asyncio
 import hashlib
 import json
 import uuid
+from typing import Any
 
 import pytest
 from temporalio import workflow
@@ -43,6 +44,7 @@ from workflows._models import (
     CarrySeal,
     ModelInfo,
     RecentResult,
+    ReleaseRequest,
     RewindRequest,
     StreamCarry,
     StreamStats,
@@ -82,11 +84,14 @@ async def _goes_on(stack: Stack, bob: StreamClient, sid: str, fed: list[int] | N
     assert after.receipt.checksum == plaintext_checksum(truth.state.tensors) and after.position == len(fed) + 2
 
 
-def _requests(principal: str, seq: int) -> dict:
-    return {"advance": AdvanceRequest(principal=principal, chunk_seq=seq, text="hijack"),
-            "generate": GenerateRequest(principal=principal, chunk_seq=seq, max_tokens=4, seed=1),
-            "checkpoint": CheckpointRequest(principal=principal),
-            "rewind": RewindRequest(principal=principal, to_seq=0)}
+def _requests(principal: str, seq: int) -> list[tuple[str, Any]]:
+    """(update name, request) of every update a client may send a stream."""
+    return [("advance", AdvanceRequest(principal=principal, chunk_seq=seq, text="hijack")),
+            ("generate", GenerateRequest(principal=principal, chunk_seq=seq, max_tokens=4, seed=1)),
+            ("checkpoint", CheckpointRequest(principal=principal)),
+            ("checkpoint", CheckpointRequest(principal=principal, at_seq=1)),  # a fork's
+            ("release", ReleaseRequest(principal=principal, state_key="any")),
+            ("rewind", RewindRequest(principal=principal, to_seq=0))]
 
 
 async def _refusals(bob: StreamClient, sid: str, **want) -> object:
@@ -102,7 +107,7 @@ async def test_another_principals_client_changes_nothing_and_is_told_why(stack: 
     before = await _state(stack, bob, sid)
     handle = alice.client.get_workflow_handle(sid)
     for principal in ("bob", "alice"):  # whatever the body says, the key says alice
-        for name, req in _requests(principal, 3).items():
+        for name, req in _requests(principal, 3):
             with pytest.raises(WorkflowUpdateFailedError) as err:
                 await handle.execute_update(name, req, id=f"{name}-{uuid.uuid4().hex}")
             cause = err.value.cause
@@ -136,7 +141,7 @@ async def test_a_keyless_client_changes_nothing(stack: Stack):
     keyless = await Client.connect(stack.address)  # no plugin: no keys, no codec
     before = await _state(stack, bob, sid)
     bob_tag = sid.split(".")[1]
-    for name, req in _requests("bob", 3).items():
+    for name, req in _requests("bob", 3):
         body = req.model_dump(mode="json")
         # and one that claims in its metadata to be sealed by bob: the codec's word overrides it
         for metadata in (None, {SEALER_KEY: bob_tag.encode()}):

@@ -19,7 +19,7 @@ from temporalio.exceptions import ApplicationError
 
 from activities import StreamMetrics, open_store
 from scan import load_model
-from state_codec import prefix_digest
+from state_codec import parse_state_key, prefix_digest
 from state_codec.codec import plaintext_checksum
 from tests.activities.test_prefix import CountingMeter
 from tests.activities.test_stores import PG_URL
@@ -127,6 +127,25 @@ async def test_a_fork_fed_its_parents_continuation_ends_as_the_parent_and_names_
             assert isinstance(err.value.cause, ApplicationError) and err.value.cause.type == reason
         now = await s.fork(parent)  # the state now
         assert (await s.receipt(now)).checksum == results[-1].receipt.checksum
+
+        # a fork's checkpoint is released once the child opened: the parent keeps no more than its
+        # line (2 x checkpoints_kept - 1) however many forks it had; a `checkpoint` holds until released
+        def checkpoints() -> set[str]:
+            return {k for k in stack.acts.store.list_stream(stream_id=parent) if parse_state_key(k) is not None}
+        held = await s.checkpoint(parent, "alice")
+        for i in range(6):
+            await s.advance(parent, "alice", tokens=[i])
+        stored = checkpoints()
+        assert len(stored) == 2 * 3 - 1 + 1 and held.receipt.state_key in stored  # the line, and the held one
+        assert results[1].receipt.state_key not in stored  # chunk 2's: forked from, released, dropped
+        await s.release(parent, held.receipt)
+        with pytest.raises(WorkflowUpdateFailedError) as err:  # released already: not kept for anyone
+            await s.release(parent, held.receipt)
+        assert err.value.cause.type == "InvalidRequest"
+        await s.advance(parent, "alice", tokens=[9])
+        assert held.receipt.state_key not in checkpoints() and len(checkpoints()) == 2 * 3 - 1
+        assert (await s.receipt(child)).origin.chunk_seq == 2  # the children live on from their own copies
+        await s.advance(child, "alice", tokens=[5])
 
 
 async def test_another_principal_neither_reads_nor_detects_a_private_prefix(temporal_env, tmp_path):
