@@ -23,9 +23,10 @@ entry id: tokens, bytes, last use, the entry's receipt). `prefix-scopes` lists t
 sweep. Retention is bounded by bytes per scope, least recently used out first: a bound shared
 by every scope would let one principal's fills evict, and so detect, another's entries.
 
-Concurrent opens of one prefix on one worker compute it once (the others wait for it); workers
-do not coordinate, so N workers compute a new prefix at most N times, and put-if-absent keeps the
-first write (the bits are the same). Decoded states of recent entries stay in memory (bounded by
+Concurrent opens of one new prefix compute it once in the deployment: on a worker they take the
+entry's lock in turn, and across workers its fill lease in the store's metadata (`_lease`: first
+writer wins, renewed while held, taken over once stale); the others wait, then load what the first
+one stored. An open whose whole prefix is stored waits for no one. Decoded states of recent entries stay in memory (bounded by
 bytes): a hit on one skips the store's read and the unsealing.
 """
 
@@ -37,6 +38,7 @@ import json
 import logging
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -67,6 +69,12 @@ _KEY_LABEL = "mamba-stream/prefix/v1"
 TOUCH_S = 1.0
 #: the index record's layout
 _RECORD_VERSION = 1
+#: a fill's lease in the store's metadata (kind `prefix-fill.<scope tag>`, name the entry id): one
+#: worker of the deployment computes a new prefix at a time; the others wait for its entry. Renewed
+#: every LEASE_S / 3 while held; one not renewed for LEASE_S (its worker died) is taken over.
+LEASE_S = 30.0
+#: how often a worker waiting for another's fill looks whether its lease is gone
+LEASE_POLL_S = 0.1
 
 ScopeKind = Literal["principal", "shared"]
 
@@ -175,8 +183,11 @@ class PrefixStore:
         self._ram: OrderedDict[str, tuple[State, torch.Tensor | None, int]] = OrderedDict()
         self._ram_used = 0
         self._touched: dict[str, float] = {}  # entry id -> last use written back
-        #: the wall clock of last uses and fills (tests set another)
+        #: the wall clock of last uses, fills and leases, and the wait between looks at another
+        #: worker's lease (tests set others)
         self.clock: Callable[[], float] = time.time
+        self.sleep: Callable[[float], None] = time.sleep
+        self._me = uuid.uuid4().hex[:12]  # this worker, in the leases it holds
 
     # --- names ---------------------------------------------------------------------------------
 
@@ -222,7 +233,7 @@ class PrefixStore:
             self._count_hit(model, entry, full=True, total=entry.tokens)
             return Opened(state, logits, Origin(kind="prefix", digest=digest, tokens=len(tokens),
                                                 stored_tokens=entry.tokens, scope=entry.scope.kind), "stored")
-        with self._once(eid, on_wait):
+        with self._once(own, eid, on_wait):
             hit = self._longest(model, own, tokens)  # again: another open may have stored it meanwhile
             declared = self._declared(model, tokens)
             fresh = None  # the path that computed the declared shared prefix just now, if one did
@@ -281,7 +292,7 @@ class PrefixStore:
         also the path that computed it)."""
         scope = self.scope(None)
         eid = self.entry_id(model, scope, tokens)
-        with self._once(eid, on_wait):
+        with self._once(scope, eid, on_wait):
             with self._guard:
                 ram = eid in self._ram
             got = self._from_ram(eid) if ram else self._load(model, self._index(scope).get(eid))
@@ -293,9 +304,10 @@ class PrefixStore:
             return (None if entry is None else (entry, state, logits)), path
 
     @contextmanager
-    def _once(self, eid: str, on_wait: Callable[[], Any]) -> Iterator[None]:
-        """One caller at a time per entry on this worker: the others wait (calling `on_wait`, an
-        activity's safe point and heartbeat), then find what the first one stored."""
+    def _once(self, scope: Scope, eid: str, on_wait: Callable[[], Any]) -> Iterator[None]:
+        """One caller at a time per entry in the deployment: on this worker (a lock), then across
+        workers (`_lease`). The others wait (calling `on_wait`, an activity's safe point and
+        heartbeat), then find what the first one stored."""
         with self._guard:
             flight = self._flights.setdefault(eid, [threading.Lock(), 0])
             flight[1] += 1
@@ -303,7 +315,8 @@ class PrefixStore:
             while not flight[0].acquire(timeout=0.2):
                 on_wait()
             try:
-                yield
+                with self._lease(scope, eid, on_wait):
+                    yield
             finally:
                 flight[0].release()
         finally:
@@ -311,6 +324,46 @@ class PrefixStore:
                 flight[1] -= 1
                 if flight[1] == 0:
                     del self._flights[eid]
+
+    @contextmanager
+    def _lease(self, scope: Scope, eid: str, on_wait: Callable[[], Any]) -> Iterator[None]:
+        """The entry's fill lease in the store (first writer wins): held, renewed by a thread of its
+        own, until the block ends. Held by another worker, it is waited for until it is gone (that
+        worker stored the entry, or gave up) or stale (that worker died: taken over)."""
+        kind = f"prefix-fill.{scope.tag}"
+        while True:
+            mine = json.dumps({"since": self.clock(), "by": self._me}).encode()
+            if self.store.put_meta_if_absent(kind=kind, name=eid, data=mine):
+                break
+            since = _since(self.store.get_meta(kind=kind, name=eid))
+            if since is not None and self.clock() - since < LEASE_S:
+                on_wait()
+                self.sleep(LEASE_POLL_S)
+                continue
+            if since is not None:
+                log.warning("prefix store: a fill lease of %s was not renewed for %.0f s: taken over", eid, LEASE_S)
+            self.store.delete_meta(kind=kind, name=eid)
+        stop = threading.Event()
+
+        def renew() -> None:
+            while not stop.wait(LEASE_S / 3):
+                try:
+                    self.store.put_meta(kind=kind, name=eid,
+                                        data=json.dumps({"since": self.clock(), "by": self._me}).encode())
+                except StoreError as exc:  # the lease may go stale: another worker computes it too
+                    log.warning("prefix store: could not renew the fill lease of %s: %s", eid, exc)
+
+        renewer = threading.Thread(target=renew, name=f"prefix-lease-{eid[:8]}", daemon=True)
+        renewer.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            renewer.join()
+            try:
+                self.store.delete_meta(kind=kind, name=eid)
+            except StoreError as exc:  # it goes stale, and the next worker takes it over
+                log.warning("prefix store: could not drop the fill lease of %s: %s", eid, exc)
 
     # --- entries -------------------------------------------------------------------------------
 
@@ -471,8 +524,9 @@ class PrefixStore:
 
     def sweep(self, *, grace_s: float = 3600.0) -> PrefixSweep:
         """Every scope within its bound; blobs no index record names (a fill that died between its
-        blob and its record) older than `grace_s` deleted, and records whose blob is gone. The
-        store's prefix bytes go to the `prefix_store_bytes` gauge."""
+        blob and its record) older than `grace_s` deleted, records whose blob is gone, and fill
+        leases left stale by a worker that died. The store's prefix bytes go to the
+        `prefix_store_bytes` gauge."""
         rep = PrefixSweep()
         now = self.clock()
         for tag, data in self.store.read_meta(kind=SCOPES_KIND).items():
@@ -509,6 +563,10 @@ class PrefixStore:
                 self.metrics.prefix_evictions.add(1, {"why": "incomplete", "scope": scope.kind})
             for name in set(seen) - {b.rsplit(".", 1)[-1] for b in loose}:  # indexed or gone since
                 self.store.delete_meta(kind=seen_kind, name=name)
+            for eid, data in self.store.read_meta(kind=f"prefix-fill.{scope.tag}").items():
+                since = _since(data)
+                if since is None or now - since >= LEASE_S:  # its worker died mid-fill
+                    self.store.delete_meta(kind=f"prefix-fill.{scope.tag}", name=eid)
             entries, size, removed = self._bound(scope)
             rep.entries += entries
             rep.bytes += size

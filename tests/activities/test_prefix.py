@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import random
 import threading
+import time
 import uuid
 from collections import defaultdict
 from typing import Any
@@ -255,7 +256,12 @@ def test_retention_is_bounded_per_scope_least_recently_used_first_and_the_sweep_
     # a fill that died between its blob and its index record: the sweep removes the blob after the grace
     scope = acts.prefixes.scope("alice")
     store.put_if_absent(key=f"{scope.stream_id}.deadbeef", data=b"x", stream_id=scope.stream_id, principal="alice")
+    # and a fill lease of a worker that died, and one being renewed: the stale one goes
+    leases = f"prefix-fill.{scope.tag}"
+    store.put_meta(kind=leases, name="dead", data=json.dumps({"since": clock[0] - 31}).encode())
+    store.put_meta(kind=leases, name="live", data=json.dumps({"since": clock[0] - 1}).encode())
     rep = acts.prefixes.sweep(grace_s=60)
+    assert set(store.read_meta(kind=leases)) == {"live"}
     assert rep.incomplete == 0 and f"{scope.stream_id}.deadbeef" in store.list_stream(stream_id=scope.stream_id)
     clock[0] += 61
     rep = acts.prefixes.sweep(grace_s=60)
@@ -303,3 +309,55 @@ def test_an_index_record_that_names_another_entrys_state_is_not_served(store):
     store.put_meta(kind=scope.index_kind, name=e1, data=index[e2])
     got = open_(acts, "c", p1).receipt
     assert got.origin.stored_tokens == 0 and got.checksum == truth(p1)
+
+
+def test_concurrent_opens_on_two_workers_compute_a_new_prefix_once(store):
+    """Two workers of one deployment (one store, one keyring): the first to take the entry's fill
+    lease computes it, the other waits for its entry; a lease whose worker died is taken over."""
+    ring = Keyring.generate()
+    workers = [acts_for(store, ring, prefix_ram_bytes=0) for _ in range(2)]
+    calls: list[int] = []
+    for acts in workers:
+        model, real = acts.models.get(MODEL), acts.models.get(MODEL).advance
+        model.advance = lambda state, toks, real=real: calls.append(len(toks)) or real(state, toks)  # type: ignore
+    p = tokens(700, seed=9)
+    out: dict[str, Any] = {}
+
+    def run(i: int) -> None:
+        out[i] = open_(workers[i % 2], f"w{i}", p).receipt
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    piece = workers[0].engine(workers[0].models.get(MODEL)).prefill_piece
+    assert sorted(calls) == sorted([piece] * (700 // piece) + [700 % piece])  # one computation in all
+    assert {r.checksum for r in out.values()} == {truth(p)}
+    assert sorted(r.origin.stored_tokens for r in out.values()) == [0] + [700] * 5
+    scope = workers[0].prefixes.scope("alice")
+    assert store.read_meta(kind=f"prefix-fill.{scope.tag}") == {}  # every lease dropped
+    # a lease left by a worker that died mid-fill: waited for while fresh, taken over once stale
+    q = tokens(60, seed=10)
+    eid = workers[0].prefixes.entry_id(workers[0].models.get(MODEL), scope, q)
+    clock = [5000.0]
+    workers[0].prefixes.clock = lambda: clock[0]
+    store.put_meta(kind=f"prefix-fill.{scope.tag}", name=eid, data=json.dumps({"since": 5000.0, "by": "dead"}).encode())
+    calls.clear()
+    waited = threading.Event()
+
+    def age() -> None:  # the clock moves past the lease's life only once the open is seen waiting
+        waited.wait(10)
+        clock[0] += 31
+
+    ager = threading.Thread(target=age)
+    ager.start()
+
+    def sleeping(s: float) -> None:
+        waited.set()
+        time.sleep(s)
+    workers[0].prefixes.sleep = sleeping
+    got = open_(workers[0], "late", q).receipt
+    ager.join()
+    assert waited.is_set() and sum(calls) == 60 and got.checksum == truth(q) and got.origin.stored_tokens == 0
+    assert store.read_meta(kind=f"prefix-fill.{scope.tag}") == {}

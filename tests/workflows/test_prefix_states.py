@@ -178,16 +178,21 @@ async def test_another_principal_neither_reads_nor_detects_a_private_prefix(temp
 async def test_concurrent_opens_of_one_new_prefix_compute_it_once_and_every_stream_gets_it(temporal_env, tmp_path):
     stack = await pg_stack(temporal_env, tmp_path)
     async with stack.exits:
-        model = stack.acts.models.get("tiny-mamba2")
-        pieces, real = [], model.advance
-        model.advance = lambda state, t: pieces.append(len(t)) or real(state, t)  # type: ignore[method-assign]
+        # two workers of the deployment on the shared queue: the prefix is computed once in all
+        workers = [stack.acts, await stack.worker(stack.new_activities(backend="auto"))]
+        pieces: list[int] = []
+        models = [acts.models.get("tiny-mamba2") for acts in workers]
+        reals = [m.advance for m in models]
+        for m, real in zip(models, reals):
+            m.advance = lambda state, t, real=real: pieces.append(len(t)) or real(state, t)  # type: ignore[method-assign]
         try:
             p = toks(1100, 30)
             sids = await asyncio.gather(*(stack.streams.open("alice", "tiny-mamba2", prefix=p, options=OPTS)
                                           for _ in range(8)))
         finally:
-            model.advance = real  # type: ignore[method-assign]
-        piece = stack.acts.engine(model).prefill_piece
+            for m, real in zip(models, reals):
+                m.advance = real  # type: ignore[method-assign]
+        piece = stack.acts.engine(models[0]).prefill_piece
         assert sorted(pieces) == sorted([piece] * (1100 // piece) + [1100 % piece])  # one computation
         receipts = [await stack.streams.receipt(sid) for sid in sids]
         m = load_model("tiny-mamba2")
