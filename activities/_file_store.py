@@ -108,12 +108,9 @@ class FileStateStore(StateStore):
             n = os.write(fd, chunk)
             chunk = chunk[n:]
 
-    def _write_then_rename(self, tmp: Path, final: Path, chunks: list[memoryview]) -> bool:
-        """Write `chunks` to `tmp`, fsync it, link it to `final`; False if `final` exists.
-
-        The caller removes `tmp` afterwards, whatever happened. A descriptor is closed quietly
-        only when the write already failed; after a good write, a failed close is the error.
-        """
+    def _write_synced(self, tmp: Path, chunks: list[memoryview]) -> None:
+        """Write `chunks` to a new file `tmp` (0600) and fsync it. A descriptor is closed quietly
+        only when the write already failed; after a good write, a failed close is the error."""
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             for chunk in chunks:
@@ -124,6 +121,13 @@ class FileStateStore(StateStore):
             _quiet_close(fd)
             raise
         os.close(fd)
+
+    def _write_then_rename(self, tmp: Path, final: Path, chunks: list[memoryview]) -> bool:
+        """Write `chunks` to `tmp`, fsync it, link it to `final`; False if `final` exists.
+
+        The caller removes `tmp` afterwards, whatever happened.
+        """
+        self._write_synced(tmp, chunks)
         final.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         try:
             os.link(tmp, final)  # the commit point
@@ -298,14 +302,7 @@ class FileStateStore(StateStore):
         final = self._meta(kind, name)
         tmp = self.root / "tmp" / f"meta.{kind}.{uuid.uuid4().hex}.part"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            try:
-                self._write_chunk(fd, memoryview(bytes(data)))
-                os.fsync(fd)
-            except BaseException:
-                _quiet_close(fd)
-                raise
-            os.close(fd)
+            self._write_synced(tmp, [memoryview(bytes(data))])
             final.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             os.replace(tmp, final)
             _fsync_dir(final.parent)

@@ -26,8 +26,8 @@ by every scope would let one principal's fills evict, and so detect, another's e
 Concurrent opens of one new prefix compute it once in the deployment: on a worker they take the
 entry's lock in turn, and across workers its fill lease in the store's metadata (`_lease`: first
 writer wins, renewed while held, taken over once stale); the others wait, then load what the first
-one stored. An open whose whole prefix is stored waits for no one. Decoded states of recent entries stay in memory (bounded by
-bytes): a hit on one skips the store's read and the unsealing.
+one stored. An open whose whole prefix is stored waits for no one. Decoded states of recent
+entries stay in memory (bounded by bytes): a hit on one skips the store's read and the unsealing.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from typing import Any, Literal
 import torch
 
 from activities._metrics import StreamMetrics
-from activities._store import StateStore, StoreError
+from activities._store import StateStore, StoreCorrupt, StoreError, since_of, since_record
 from scan import Model, State
 from state_codec import Origin, Receipt, StateRejected, continue_arithmetic, prefix_digest
 from state_codec.codec import Keyring, open_bytes, seal, seal_bytes, unseal
@@ -101,6 +101,14 @@ class Scope:
     def index_kind(self) -> str:
         return f"prefix.{self.tag}"
 
+    @property
+    def lease_kind(self) -> str:
+        return f"prefix-fill.{self.tag}"
+
+    def key(self, eid: str) -> str:
+        """The store key of entry `eid`'s state (its logits: `<key>.out`)."""
+        return f"{self.stream_id}.{eid}"
+
 
 @dataclass(frozen=True)
 class _Entry:
@@ -137,7 +145,6 @@ class Opened:
     state: State
     logits: torch.Tensor | None
     origin: Origin
-    path: str  # the path that computed what was computed here ("stored": nothing was)
 
 
 @dataclass
@@ -180,7 +187,7 @@ class PrefixStore:
         self._secret = keyring.subkey(_KEY_LABEL)
         self._guard = threading.Lock()
         self._flights: dict[str, list[Any]] = {}  # entry id -> [lock, waiters]
-        self._ram: OrderedDict[str, tuple[State, torch.Tensor | None, int]] = OrderedDict()
+        self._ram: OrderedDict[str, tuple[State, torch.Tensor | None, _Entry]] = OrderedDict()
         self._ram_used = 0
         self._touched: dict[str, float] = {}  # entry id -> last use written back
         #: the wall clock of last uses, fills and leases, and the wait between looks at another
@@ -188,6 +195,9 @@ class PrefixStore:
         self.clock: Callable[[], float] = time.time
         self.sleep: Callable[[float], None] = time.sleep
         self._me = uuid.uuid4().hex[:12]  # this worker, in the leases it holds
+        #: the store keeps metadata (the entries' index, their leases): a store written before it does not
+        self._keeps_meta = all(getattr(type(store), m) is not getattr(StateStore, m)
+                               for m in ("read_meta", "put_meta", "put_meta_if_absent", "delete_meta"))
 
     # --- names ---------------------------------------------------------------------------------
 
@@ -209,9 +219,7 @@ class PrefixStore:
     def serves(self, model: Model) -> bool:
         """Whether prefixes of `model` are stored and served here: an exact arithmetic only, on a
         store that keeps metadata (the entries' index)."""
-        keeps_meta = all(getattr(type(self.store), m) is not getattr(StateStore, m)
-                         for m in ("read_meta", "put_meta", "put_meta_if_absent", "delete_meta"))
-        return self.max_bytes > 0 and keeps_meta and model.arithmetic().exact
+        return self.max_bytes > 0 and self._keeps_meta and model.arithmetic().exact
 
     # --- the open path -------------------------------------------------------------------------
 
@@ -222,21 +230,21 @@ class PrefixStore:
         computing only the rest, then stored whole in the principal's scope."""
         digest = prefix_digest(tokens)
         if not self.serves(model):
-            state, logits, path = compute(model.initial_state(), tokens)
+            state, logits, _ = compute(model.initial_state(), tokens)
             self.metrics.prefix_tokens.add(len(tokens), {"model": model.model_id, "how": "computed"})
-            return Opened(state, logits, Origin(kind="prefix", digest=digest, tokens=len(tokens)), path)
+            return Opened(state, logits, Origin(kind="prefix", digest=digest, tokens=len(tokens)))
         own = self.scope(principal)
         eid = self.entry_id(model, own, tokens)
-        hit = self._longest(model, own, tokens)
+        hit = self._longest(model, own, tokens, eid)
         if hit is not None and hit[0].tokens == len(tokens):  # the whole prefix: no need to wait for anyone
             entry, state, logits = hit
             self._count_hit(model, entry, full=True, total=entry.tokens)
             return Opened(state, logits, Origin(kind="prefix", digest=digest, tokens=len(tokens),
-                                                stored_tokens=entry.tokens, scope=entry.scope.kind), "stored")
+                                                stored_tokens=entry.tokens, scope=entry.scope.kind))
         with self._once(own, eid, on_wait):
-            hit = self._longest(model, own, tokens)  # again: another open may have stored it meanwhile
+            hit = self._longest(model, own, tokens, eid)  # again: another open may have stored it meanwhile
             declared = self._declared(model, tokens)
-            fresh = None  # the path that computed the declared shared prefix just now, if one did
+            fresh = False  # the declared shared prefix was computed just now
             if declared and (hit is None or hit[0].tokens < len(declared)):
                 got, fresh = self._shared_entry(model, declared, compute, on_wait)
                 hit = got or hit
@@ -244,18 +252,18 @@ class PrefixStore:
             if hit is not None:
                 entry, start, logits = hit
                 at = entry.tokens
-                if fresh is None:
+                if not fresh:
                     stored, scope = entry.tokens, entry.scope.kind
                     self._count_hit(model, entry, full=at == len(tokens), total=stored)
             if not stored:
                 self.metrics.prefix_misses.add(1, {"model": model.model_id})
             origin = Origin(kind="prefix", digest=digest, tokens=len(tokens), stored_tokens=stored, scope=scope)
             if at == len(tokens):
-                return Opened(start, logits, origin, fresh or "stored")
+                return Opened(start, logits, origin)
             state, logits, path = compute(start, tokens[at:])
             self.metrics.prefix_tokens.add(len(tokens) - at, {"model": model.model_id, "how": "computed"})
             self._fill(model, own, eid, tokens, state, logits, path)
-            return Opened(state, logits, origin, path)
+            return Opened(state, logits, origin)
 
     def _count_hit(self, model: Model, entry: _Entry, *, full: bool, total: int) -> None:
         self.metrics.prefix_hits.add(1, {"model": model.model_id, "scope": entry.scope.kind,
@@ -287,21 +295,19 @@ class PrefixStore:
         return best
 
     def _shared_entry(self, model: Model, tokens: list[int], compute: Compute, on_wait: Callable[[], Any]
-                      ) -> tuple[tuple[_Entry, State, torch.Tensor | None] | None, str | None]:
+                      ) -> tuple[tuple[_Entry, State, torch.Tensor | None] | None, bool]:
         """A declared shared prefix's entry, computed and stored first if it is not yet (then
-        also the path that computed it)."""
+        also True: it was computed here)."""
         scope = self.scope(None)
         eid = self.entry_id(model, scope, tokens)
         with self._once(scope, eid, on_wait):
-            with self._guard:
-                ram = eid in self._ram
-            got = self._from_ram(eid) if ram else self._load(model, self._index(scope).get(eid))
+            got = self._from_ram(eid) or self._load(model, self._index(scope).get(eid))
             if got is not None:
-                return got, None
+                return got, False
             state, logits, path = compute(model.initial_state(), tokens)
             self.metrics.prefix_tokens.add(len(tokens), {"model": model.model_id, "how": "computed"})
             entry = self._fill(model, scope, eid, tokens, state, logits, path)
-            return (None if entry is None else (entry, state, logits)), path
+            return (None if entry is None else (entry, state, logits)), True
 
     @contextmanager
     def _once(self, scope: Scope, eid: str, on_wait: Callable[[], Any]) -> Iterator[None]:
@@ -330,9 +336,9 @@ class PrefixStore:
         """The entry's fill lease in the store (first writer wins): held, renewed by a thread of its
         own, until the block ends. Held by another worker, it is waited for until it is gone (that
         worker stored the entry, or gave up) or stale (that worker died: taken over)."""
-        kind = f"prefix-fill.{scope.tag}"
+        kind = scope.lease_kind
         while True:
-            mine = json.dumps({"since": self.clock(), "by": self._me}).encode()
+            mine = since_record(self.clock(), by=self._me)
             if self.store.put_meta_if_absent(kind=kind, name=eid, data=mine):
                 break
             since = _since(self.store.get_meta(kind=kind, name=eid))
@@ -348,8 +354,7 @@ class PrefixStore:
         def renew() -> None:
             while not stop.wait(LEASE_S / 3):
                 try:
-                    self.store.put_meta(kind=kind, name=eid,
-                                        data=json.dumps({"since": self.clock(), "by": self._me}).encode())
+                    self.store.put_meta(kind=kind, name=eid, data=since_record(self.clock(), by=self._me))
                 except StoreError as exc:  # the lease may go stale: another worker computes it too
                     log.warning("prefix store: could not renew the fill lease of %s: %s", eid, exc)
 
@@ -376,10 +381,10 @@ class PrefixStore:
                 log.warning("prefix store: unreadable index record %s/%s (%s): skipped", scope.index_kind, eid, exc)
         return out
 
-    def _longest(self, model: Model, scope: Scope, tokens: list[int]
+    def _longest(self, model: Model, scope: Scope, tokens: list[int], full: str
                  ) -> tuple[_Entry, State, torch.Tensor | None] | None:
-        """The longest stored prefix of `tokens` in `scope`, loaded (None: none is stored)."""
-        full = self.entry_id(model, scope, tokens)
+        """The longest stored prefix of `tokens` (whose own entry is `full`) in `scope`, loaded
+        (None: none is stored)."""
         got = self._from_ram(full)  # the whole prefix, held in memory: nothing to read
         if got is not None:
             return got
@@ -412,7 +417,7 @@ class PrefixStore:
         got = self._from_ram(entry.id)
         if got is not None:
             return got
-        r, key = entry.receipt, f"{entry.scope.stream_id}.{entry.id}"
+        r, key = entry.receipt, entry.scope.key(entry.id)
         if (r.arithmetic is None or r.arithmetic.id != model.arithmetic().id or r.stream_id != key
                 or r.state_key != key or r.position != entry.tokens or r.principal != entry.scope.principal):
             # the entry id names the arithmetic, the scope and the tokens; a record that says
@@ -443,17 +448,17 @@ class PrefixStore:
         with self._guard:
             if entry.id in self._ram:
                 return
-            self._ram[entry.id] = (state, logits, entry)  # type: ignore[assignment]
+            self._ram[entry.id] = (state, logits, entry)
             self._ram_used += size
             while self._ram_used > self.ram_bytes:
-                _, (_, _, old) = self._ram.popitem(last=False)  # type: ignore[misc]
+                _, (_, _, old) = self._ram.popitem(last=False)
                 self._ram_used -= old.receipt.state_bytes
 
     def _forget(self, eid: str) -> None:
         with self._guard:
             hit = self._ram.pop(eid, None)
             if hit is not None:
-                self._ram_used -= hit[2].receipt.state_bytes  # type: ignore[union-attr]
+                self._ram_used -= hit[2].receipt.state_bytes
 
     def _touch(self, entry: _Entry) -> None:
         """Write the entry's last use back (at most every TOUCH_S), for the LRU bound."""
@@ -473,7 +478,7 @@ class PrefixStore:
         """Seal and store `tokens`' state in `scope`, then keep the scope within its bound."""
         if model.schema.state_bytes + 4 * model.vocab_size > self.max_bytes:
             return None  # one entry would not fit its scope's bound
-        key = f"{scope.stream_id}.{eid}"
+        key = scope.key(eid)
         # sealed for the entry itself (its receipt's stream id is the key, bound into the blob): an
         # index record that names another entry's blob, even of the same scope and length, is refused
         receipt, blob = seal(model, state, stream_id=key, principal=scope.principal, chunk_seq=0,
@@ -504,10 +509,12 @@ class PrefixStore:
         self._forget(entry.id)
         self.metrics.prefix_evictions.add(1, {"why": why, "scope": entry.scope.kind})
 
-    def _bound(self, scope: Scope, keep: str | None = None) -> tuple[int, int, int]:
-        """Remove the scope's least recently used entries until its bytes are within `max_bytes`;
-        (entries, bytes) left and how many were removed."""
-        index = self._index(scope)
+    def _bound(self, scope: Scope, keep: str | None = None, index: dict[str, _Entry] | None = None
+               ) -> tuple[int, int, int]:
+        """Remove the scope's least recently used entries until its bytes are within `max_bytes`
+        (`index`: the scope's index, when the caller has just read it); (entries, bytes) left and
+        how many were removed."""
+        index = self._index(scope) if index is None else index
         total = sum(e.bytes for e in index.values())
         removed = 0
         for entry in sorted(index.values(), key=lambda e: (e.used, e.made, e.id)):
@@ -522,6 +529,15 @@ class PrefixStore:
 
     # --- the sweep -----------------------------------------------------------------------------
 
+    def _scopes(self) -> Iterator[Scope]:
+        """The scopes that hold entries (`SCOPES_KIND`), an unreadable record skipped."""
+        for tag, data in self.store.read_meta(kind=SCOPES_KIND).items():
+            try:
+                obj = json.loads(data)
+                yield Scope(obj["scope"], obj["principal"], tag)
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("prefix store: unreadable scope record %s (%s): skipped", tag, exc)
+
     def sweep(self, *, grace_s: float = 3600.0) -> PrefixSweep:
         """Every scope within its bound; blobs no index record names (a fill that died between its
         blob and its record) older than `grace_s` deleted, records whose blob is gone, and fill
@@ -529,21 +545,15 @@ class PrefixStore:
         `prefix_store_bytes` gauge."""
         rep = PrefixSweep()
         now = self.clock()
-        for tag, data in self.store.read_meta(kind=SCOPES_KIND).items():
-            try:
-                obj = json.loads(data)
-                scope = Scope(obj["scope"], obj["principal"], tag)
-            except (ValueError, KeyError, TypeError) as exc:
-                log.warning("prefix store: unreadable scope record %s (%s): skipped", tag, exc)
-                continue
+        for scope in self._scopes():
             rep.scopes += 1
             index = self._index(scope)
             named = {k for e in index.values() for k in (e.key, e.key + ".out")}
             stored = set(self.store.list_stream(stream_id=scope.stream_id))
-            for entry in index.values():
-                if entry.key not in stored:
-                    self.store.delete_meta(kind=scope.index_kind, name=entry.id)
-                    self._forget(entry.id)
+            for entry in [e for e in index.values() if e.key not in stored]:
+                self.store.delete_meta(kind=scope.index_kind, name=entry.id)
+                self._forget(entry.id)
+                del index[entry.id]
             seen_kind = f"prefix-seen.{scope.tag}"
             seen = self.store.read_meta(kind=seen_kind)
             loose = {key.removesuffix(".out") for key in stored - named}
@@ -551,8 +561,7 @@ class PrefixStore:
                 name = base.rsplit(".", 1)[-1]
                 since = _since(seen.get(name))
                 if since is None:  # first seen unindexed now: a fill may still be on its way
-                    self.store.put_meta_if_absent(kind=seen_kind, name=name,
-                                                  data=json.dumps({"since": now}).encode())
+                    self.store.put_meta_if_absent(kind=seen_kind, name=name, data=since_record(now))
                     continue
                 if now - since < grace_s:
                     continue
@@ -563,11 +572,11 @@ class PrefixStore:
                 self.metrics.prefix_evictions.add(1, {"why": "incomplete", "scope": scope.kind})
             for name in set(seen) - {b.rsplit(".", 1)[-1] for b in loose}:  # indexed or gone since
                 self.store.delete_meta(kind=seen_kind, name=name)
-            for eid, data in self.store.read_meta(kind=f"prefix-fill.{scope.tag}").items():
+            for eid, data in self.store.read_meta(kind=scope.lease_kind).items():
                 since = _since(data)
                 if since is None or now - since >= LEASE_S:  # its worker died mid-fill
-                    self.store.delete_meta(kind=f"prefix-fill.{scope.tag}", name=eid)
-            entries, size, removed = self._bound(scope)
+                    self.store.delete_meta(kind=scope.lease_kind, name=eid)
+            entries, size, removed = self._bound(scope, index=index)
             rep.entries += entries
             rep.bytes += size
             rep.evicted += removed
@@ -577,9 +586,8 @@ class PrefixStore:
     def usage(self) -> PrefixSweep:
         """Scopes, entries and bytes held (read from the index; nothing changed)."""
         rep = PrefixSweep()
-        for tag, data in self.store.read_meta(kind=SCOPES_KIND).items():
-            obj = json.loads(data)
-            index = self._index(Scope(obj["scope"], obj["principal"], tag))
+        for scope in self._scopes():
+            index = self._index(scope)
             rep.scopes += 1
             rep.entries += len(index)
             rep.bytes += sum(e.bytes for e in index.values())
@@ -587,11 +595,9 @@ class PrefixStore:
 
 
 
-
 def _since(data: bytes | None) -> float | None:
-    if data is None:
-        return None
+    """A lease's or sighting's time; None for none, or an unreadable one (taken over, recorded anew)."""
     try:
-        return float(json.loads(data)["since"])
-    except (ValueError, KeyError, TypeError):
+        return since_of(data)
+    except StoreCorrupt:
         return None

@@ -72,6 +72,22 @@ class InvalidStoreKey(StoreError, ValueError):
     reason = "InvalidStoreKey"
 
 
+def since_record(when: float, **more: str) -> bytes:
+    """A metadata record of when something was first seen or taken (`{"since": when, ...}`): the
+    sweep's sightings, the prefix store's leases."""
+    return json.dumps({"since": when, **more}).encode()
+
+
+def since_of(data: bytes | None) -> float | None:
+    """The time in a `since_record` (None: no record). StoreCorrupt if it is not one."""
+    if data is None:
+        return None
+    try:
+        return float(json.loads(data)["since"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise StoreCorrupt(f"unreadable metadata record ({exc})") from None
+
+
 def check_name(kind: str, value: str) -> str:
     if not isinstance(value, str) or not _NAME.match(value) or value in (".", ".."):
         raise InvalidStoreKey(f"{kind} {value!r} must match {_NAME.pattern}")

@@ -53,7 +53,7 @@ from activities._engine import SeededSampler, StreamBusy, StreamEngine, _multino
 from activities._health import WorkerHealth
 from activities._metrics import StreamMetrics
 from activities._live import LiveTokens
-from activities._prefix import PREFIX_STREAM_PREFIX, PrefixStore, is_prefix_stream
+from activities._prefix import PREFIX_STREAM_PREFIX, Compute, PrefixStore, is_prefix_stream
 from activities._registry import ModelRegistry, UnknownModel
 from activities._store import StateStore, StoreError, check_name
 from scan import CheckpointError, Model, ScanError, State
@@ -540,7 +540,8 @@ class StreamActivities:
         with self._guarded(req.stream_id, req.model_id):
             check_name("stream id", req.stream_id)
             if is_prefix_stream(req.stream_id):
-                raise InvalidRequest(f"stream id {req.stream_id!r} is in the prefix store's namespace", field="stream_id")
+                raise InvalidRequest(f"stream id {req.stream_id!r} is in the prefix store's namespace",
+                                     field="stream_id")
             self._verify("open", req.stream_id, req.principal, req)
             tag = stream_tag(req.stream_id)
             if tag is not None and tag != self.keyring.principal_tag(req.principal):
@@ -597,7 +598,7 @@ class StreamActivities:
         model.check_tokens(tokens)
         return tokens
 
-    def _prefill(self, model: Model) -> Callable[[State, list[int]], tuple[State, torch.Tensor | None, str]]:
+    def _prefill(self, model: Model) -> Compute:
         """A prefix's computation, by the model's engine like any chunk (in `prefill_piece` pieces
         between the other streams' decode rounds, this thread heartbeating while it waits: a long
         prefix on a loaded worker never outlasts the heartbeat timeout), in a slot of its own that

@@ -24,7 +24,6 @@ bytes bound, least recently used out first; a fill that never finished removed a
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -36,7 +35,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from activities._metrics import StreamMetrics
 from activities._prefix import PrefixSweep, is_prefix_stream
-from activities._store import StateStore, StoreCorrupt, StoreError, StoreOwnedElsewhere, StoreOwner
+from activities._store import StateStore, StoreError, StoreOwnedElsewhere, StoreOwner, since_of, since_record
 
 __all__ = ["SweepReport", "claim_store", "store_owner", "sweep_orphans"]
 
@@ -114,21 +113,12 @@ async def claim_store(client: Client, store: StateStore, *, write: bool = True) 
     return recorded
 
 
-def _since(data: bytes | None) -> float | None:
-    if data is None:
-        return None
-    try:
-        return float(json.loads(data)["since"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise StoreCorrupt(f"unreadable missing-workflow record ({exc})") from None
-
-
 def _first_missing(store: StateStore, sid: str, now: float, *, record: bool) -> float:
     """When the sweep first saw `sid`'s workflow missing (recording `now` if this is the first time)."""
-    seen = _since(store.get_meta(kind=MISSING_KIND, name=sid))
+    seen = since_of(store.get_meta(kind=MISSING_KIND, name=sid))
     if seen is None and record:
-        store.put_meta_if_absent(kind=MISSING_KIND, name=sid, data=json.dumps({"since": now}).encode())
-        seen = _since(store.get_meta(kind=MISSING_KIND, name=sid))  # another sweep's, if it was first
+        store.put_meta_if_absent(kind=MISSING_KIND, name=sid, data=since_record(now))
+        seen = since_of(store.get_meta(kind=MISSING_KIND, name=sid))  # another sweep's, if it was first
     return now if seen is None else seen
 
 

@@ -29,9 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # what the readers' process needs: a client (the worker's pieces are imported where it is built)
 from temporalio.client import Client  # noqa: E402
 
+from bench._proc import process_cpu, server_pid  # noqa: E402
 from plugin import MambaStreamPlugin  # noqa: E402
 from state_codec.keyring import Keyring  # noqa: E402
 from workflows import StreamClient, StreamOptions  # noqa: E402
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -65,27 +67,6 @@ class Counting(StreamClient):
             self.queries += 1  # once answered: a reader that has read the log has subscribed
 
 
-def _cpu(pid: int | str = "self") -> float:
-    """User + system CPU seconds of a process (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _server_pid() -> int | None:
-    """The dev server this process started (a child named temporal)."""
-    me = str(os.getpid())
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                stat = (d / "stat").read_text()
-            except OSError:
-                continue
-            name, rest = stat.split("(", 1)[1].rsplit(")", 1)
-            if rest.split()[1] == me and name.startswith("temporal"):
-                return int(d.name)
-    return None
-
-
 async def _readers(args: argparse.Namespace) -> None:
     """The child process: `--child address queue keyring stream offset n idle`. Runs n readers from
     the offset until each has a done event, then n readers of the idle stream for `idle` seconds; says
@@ -111,25 +92,25 @@ async def _readers(args: argparse.Namespace) -> None:
     while readers.queries < int(n):  # every reader has read the log, and follows the stream
         await asyncio.sleep(0.01)
     print(json.dumps({"ready": True}), flush=True)
-    d0, q0, c0, t0 = readers.describes, readers.queries, _cpu(), time.perf_counter()
+    d0, q0, c0, t0 = readers.describes, readers.queries, process_cpu(), time.perf_counter()
     await asyncio.gather(*tasks)
     wall = time.perf_counter() - t0
     print(json.dumps({"describes": (readers.describes - d0) / wall, "queries": (readers.queries - q0) / wall,
-                      "cpu": (_cpu() - c0) / wall, "last": max(ends), "tokens": tokens}), flush=True)
+                      "cpu": (process_cpu() - c0) / wall, "last": max(ends), "tokens": tokens}), flush=True)
     end = await readers.token_offset(sid)
     q = readers.queries
     idle = [asyncio.ensure_future(read(end, False)) for _ in range(int(n))]
     while readers.queries < q + int(n):  # subscribed: each has read the log once
         await asyncio.sleep(0.01)
     print(json.dumps({"ready": True}), flush=True)
-    d0, q0, c0, t0 = readers.describes, readers.queries, _cpu(), time.perf_counter()
+    d0, q0, c0, t0 = readers.describes, readers.queries, process_cpu(), time.perf_counter()
     await asyncio.sleep(float(idle_s))
     wall = time.perf_counter() - t0
     for t in idle:
         t.cancel()
     await asyncio.gather(*idle, return_exceptions=True)
     print(json.dumps({"describes": (readers.describes - d0) / wall, "queries": (readers.queries - q0) / wall,
-                      "cpu": (_cpu() - c0) / wall}), flush=True)
+                      "cpu": (process_cpu() - c0) / wall}), flush=True)
     os._exit(0)  # the client's native threads can abort the interpreter at shutdown
 
 
@@ -147,23 +128,23 @@ async def _row(streams: StreamClient, n: int, args: argparse.Namespace, server: 
         assert child.stdout is not None
         assert json.loads(await child.stdout.readline()) == {"ready": True}
     h0 = (await streams.handle(sid).describe()).history_length
-    s0, c0, t0 = _cpu(server) if server else 0.0, _cpu(), time.perf_counter()
+    s0, c0, t0 = process_cpu(server) if server else 0.0, process_cpu(), time.perf_counter()
     gen = streams.generate_stream(sid, "bench", args.tokens, seed=1)
     async for _ in gen:
         pass
     t_gen = time.perf_counter() - t0
     t_end = time.time()
     wall = t_gen
-    server_cpu, worker_cpu = ((_cpu(server) - s0) / wall) if server else float("nan"), (_cpu() - c0) / wall
+    server_cpu, worker_cpu = ((process_cpu(server) - s0) / wall) if server else float("nan"), (process_cpu() - c0) / wall
     row = [n, f"{t_gen:.2f}"]
     if child is not None:
         assert child.stdout is not None
         busy = json.loads(await child.stdout.readline())
         assert json.loads(await child.stdout.readline()) == {"ready": True}
-        s0, c0, t0 = _cpu(server) if server else 0.0, _cpu(), time.perf_counter()
+        s0, c0, t0 = process_cpu(server) if server else 0.0, process_cpu(), time.perf_counter()
         idle = json.loads(await child.stdout.readline())
         wall = time.perf_counter() - t0
-        idle_server, idle_worker = ((_cpu(server) - s0) / wall) if server else float("nan"), (_cpu() - c0) / wall
+        idle_server, idle_worker = ((process_cpu(server) - s0) / wall) if server else float("nan"), (process_cpu() - c0) / wall
         await child.wait()
         assert busy["tokens"] == [len(gen.result.tokens)] * n  # each reader got every token
         row += [f"{busy['last'] - t_end:+.2f}", f"{busy['describes']:.0f}", f"{busy['queries']:.1f}",
@@ -171,11 +152,11 @@ async def _row(streams: StreamClient, n: int, args: argparse.Namespace, server: 
                 f"{idle['describes']:.0f}", f"{idle['queries']:.1f}", f"{idle_server:.2f}", f"{idle_worker:.2f}",
                 f"{idle['cpu']:.2f}"]
     else:  # the idle stream with no reader: what the server and the worker spend anyway
-        s0, c0, t0 = _cpu(server) if server else 0.0, _cpu(), time.perf_counter()
+        s0, c0, t0 = process_cpu(server) if server else 0.0, process_cpu(), time.perf_counter()
         await asyncio.sleep(args.idle)
         wall = time.perf_counter() - t0
         row += ["", "0", "0", f"{server_cpu:.2f}", f"{worker_cpu:.2f}", "", "0", "0",
-                f"{((_cpu(server) - s0) / wall) if server else float('nan'):.2f}", f"{(_cpu() - c0) / wall:.2f}", ""]
+                f"{((process_cpu(server) - s0) / wall) if server else float('nan'):.2f}", f"{(process_cpu() - c0) / wall:.2f}", ""]
     h1 = (await streams.handle(sid).describe()).history_length
     await streams.cancel(sid)
     return [*row, h1 - h0]
@@ -190,7 +171,7 @@ async def _measure(args: argparse.Namespace, tmp: Path) -> list[list]:
     from worker import start_dev_server
 
     env = await start_dev_server()
-    server = _server_pid()
+    server = server_pid()
     ring = Keyring.generate()
     queue = f"bench-{uuid.uuid4().hex[:8]}"
     acts = StreamActivities(models=ModelRegistry([args.model], backend=args.backend),

@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _noop_workflow import NoopWorkflow
+from _proc import machine_cpu, process_cpu, server_pid
 from temporalio.client import Client
 from temporalio.worker import Worker
 
@@ -90,33 +91,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.modes or any(m not in MODES for m in args.modes):
         ap.error(f"--modes: a comma-separated list of {', '.join(MODES)}")
     return args
-
-
-def _cpu(pid: int | str = "self") -> float:
-    """User + system CPU seconds of a process, every thread (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _busy() -> float:
-    """CPU seconds every process of the machine has spent (Linux /proc/stat: all but idle and iowait)."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
-
-
-def _server_pid() -> int | None:
-    """The dev server this process started (a child named temporal)."""
-    me = str(os.getpid())
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                stat = (d / "stat").read_text()
-            except OSError:
-                continue
-            name, rest = stat.split("(", 1)[1].rsplit(")", 1)
-            if rest.split()[1] == me and name.startswith("temporal"):
-                return int(d.name)
-    return None
 
 
 class Tally:
@@ -245,9 +219,9 @@ async def _agent(streams: StreamClient, model_id: str, prefix: list[int] | None,
 async def _alone(streams: StreamClient, model_id: str, prefix: list[int] | None, gen: int,
                  opts: StreamOptions) -> Agent:
     """An agent on its own, with the CPU seconds this process spent while it ran."""
-    c0 = _cpu()
+    c0 = process_cpu()
     a = await _agent(streams, model_id, prefix, gen, opts)
-    a.cpu = _cpu() - c0
+    a.cpu = process_cpu() - c0
     return a
 
 
@@ -313,14 +287,14 @@ async def _mode(mode: str, args: argparse.Namespace, env: Any, server: int | Non
                 steps.append(time.perf_counter() - t)
                 st, path = r.state, r.path
             count = AdvanceCount(model)
-            c0, s0, b0, t0 = _cpu(), _cpu(server) if server else 0.0, _busy(), time.perf_counter()
+            c0, s0, b0, t0 = process_cpu(), process_cpu(server) if server else 0.0, machine_cpu(), time.perf_counter()
             ck0, cb0 = m.checkpoints_written.total(), m.checkpoint_bytes.total()
             agent1 = await _agent(streams, model_id, prefix, args.gen_tokens, opts)
             wave = list(await asyncio.gather(*(_agent(streams, model_id, prefix, args.gen_tokens, opts)
                                                for _ in range(args.agents - 1))))
             wall = time.perf_counter() - t0
-            cpu_self, cpu_server = _cpu() - c0, (_cpu(server) - s0) if server else float("nan")
-            cpu_others = _busy() - b0 - cpu_self - (cpu_server if server else 0.0)
+            cpu_self, cpu_server = process_cpu() - c0, (process_cpu(server) - s0) if server else float("nan")
+            cpu_others = machine_cpu() - b0 - cpu_self - (cpu_server if server else 0.0)
             adv_tokens, adv_calls = count.tokens, count.calls
             computed, stored = m.prefix_tokens.total(how="computed"), m.prefix_tokens.total(how="stored")
             hits, misses = m.prefix_hits.total(), m.prefix_misses.total()
@@ -352,7 +326,7 @@ async def _measure(args: argparse.Namespace, tmp: Path) -> tuple[list[float], di
     g = torch.Generator().manual_seed(args.seed)
     prefix = torch.randint(0, vocab, (args.prefix_tokens,), generator=g).tolist()
     env = await start_dev_server()
-    server = _server_pid()
+    server = server_pid()
     try:
         noop = await _noop_rt(env.client, args.noop_n)
         modes = {mode: await _mode(mode, args, env, server, sources, model_id, prefix, tmp) for mode in args.modes}

@@ -89,8 +89,8 @@ _TOKEN_LIMIT = 2**31
 def _prefix_file(path: str, tokens: bool) -> str | list[int]:
     """The prefix `--prefix-file` names: its text (UTF-8, exactly as stored: a final newline is part
     of it), or with `--prefix-tokens` its JSON array of token ids. A file that cannot be read or
-    parsed, or that holds nothing, is the command's bad input: refused here, before any server is
-    asked (`_CliError` InvalidRequest, exit 2). An empty file (or array) is no prefix: an ordinary open."""
+    parsed is the command's bad input: refused here, before any server is asked (`_CliError`
+    InvalidRequest, exit 2). An empty file (or array) is no prefix: an ordinary open."""
     def bad(why: str) -> _CliError:
         return _CliError("InvalidRequest", f"--prefix-file {path}: {why}")
 

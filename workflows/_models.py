@@ -160,6 +160,8 @@ def open_claims(principal: str, model_id: str, input_transform: str | None, resu
 #: the most tokens a prefix may name in a start input (`StreamOptions.max_prefix_tokens`' bound): as
 #: JSON about 7 bytes each, well inside the server's 2 MiB payload limit
 MAX_PREFIX_TOKENS = 131072
+#: StreamOptions.max_prefix_tokens' default
+DEFAULT_PREFIX_TOKENS = 65536
 
 _PREFIX = Field(default=None, description="a prefix the stream starts from (text, encoded by the model's input "
                 "transform, or token ids): the stream opens at the prefix's end, from the prefix store when it "
@@ -196,7 +198,7 @@ class StreamOptions(SealedRequest):
     max_chunk_tokens: int = Field(default=65536, ge=1, le=2**24)
     max_text_bytes: int = Field(default=262144, ge=1, le=2**26)
     max_generate_tokens: int = Field(default=4096, ge=1, le=2**20)
-    max_prefix_tokens: int = Field(default=65536, ge=1, le=MAX_PREFIX_TOKENS,
+    max_prefix_tokens: int = Field(default=DEFAULT_PREFIX_TOKENS, ge=1, le=MAX_PREFIX_TOKENS,
                                    description="the most tokens an open's prefix may hold (it is computed in "
                                    "pieces, whatever max_chunk_tokens is); its text is bounded by max_text_bytes")
     recent_results: int = Field(default=256, ge=1, le=65536,
@@ -616,8 +618,8 @@ class OpenStreamRequest(_Model):
     resume: Receipt | None = None
     signature: str | None = None
     prefix: str | list[_Token] | None = _PREFIX
-    max_prefix_tokens: int = Field(default=65536, description="StreamOptions.max_prefix_tokens, for the prefix's "
-                                   "tokens once encoded")
+    max_prefix_tokens: int = Field(default=DEFAULT_PREFIX_TOKENS,
+                                   description="StreamOptions.max_prefix_tokens, for the prefix's tokens once encoded")
 
     def claims(self) -> dict:
         return open_claims(self.principal, self.model_id, self.input_transform, self.resume, self.prefix)

@@ -533,7 +533,7 @@ class MambaStreamWorkflow(StreamOwner):  # its queries (receipt, stats, the toke
             if self.stream.cancelled or self.stream.moving:
                 raise self.stream.interrupted("the rewind waited")
             assert self.stream.receipt is not None
-            key, index = self._rewind_target(req.to_seq)
+            key, index = self.stream.kept_at(req.to_seq)
             undone = [k for k in self.stream.kept[index + 1:] if k not in self.stream.pinned]
             try:
                 receipt = await self._cancellable(self.stream.rewind_state(req, key, undone))
@@ -553,11 +553,7 @@ class MambaStreamWorkflow(StreamOwner):  # its queries (receipt, stats, the toke
         self.stream.taking()
         if not self.stream.open_now:
             raise application_error(StreamOpening("the stream is still opening; try again"))
-        self._rewind_target(req.to_seq)
-
-    def _rewind_target(self, to_seq: int) -> tuple[str, int]:
-        """The checkpoint a rewind to `to_seq` goes back to and its index in the line (`ModelStream.kept_at`)."""
-        return self.stream.kept_at(to_seq)
+        self.stream.kept_at(req.to_seq)
 
     def _sealed_by(self, req: Any, what: str, *, replayable: bool = False) -> str:
         """Who sent `req` (`check_sender`): "principal" or "operator", or refused typed."""
