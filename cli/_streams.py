@@ -139,6 +139,11 @@ async def _open(args: argparse.Namespace) -> int:
         raise _CliError("InvalidRequest", "--prefix-tokens says how --prefix-file is read: give --prefix-file")
     prefix = _prefix_file(args.prefix_file, args.prefix_tokens) if args.prefix_file is not None else None
     prefix = prefix or None  # an empty prefix is an ordinary open
+    if prefix is not None:  # what the stream's options refuse is refused here too, before any server is asked
+        from workflows import OpenStreamInput, StreamOptions, check_prefix
+
+        opts = StreamOptions()
+        check_prefix(OpenStreamInput(principal=args.principal, model_id=args.model, prefix=prefix, options=opts), opts)
     streams = await _streams(args)
     try:
         sid = await streams.open(args.principal, args.model, input_transform=args.input_transform,

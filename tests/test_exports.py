@@ -59,7 +59,7 @@ EXPECTED = {
         "OpenFailed", "OpenStreamInput", "ReleaseRequest", "ReleaseResult", "ResetRequest", "ResultExpired", "RewindPastWindow", "RewindRequest",
         "RewindResult", "RewindUnavailable", "SealedRequest", "StreamCancelled",
         "StreamClient", "StreamFailure", "StreamMoving", "StreamOpening", "StreamOptions", "StreamOwner", "StreamStats",
-        "TokenBatch", "TokenEvent", "TokenLogprob", "TokenOutOfRange", "TokenProgress", "UnknownRequest", "UpdateIdMismatch", "WorkerUnhealthy", "application_error", "catalogue", "check_sender", "chunk_digest",
+        "TokenBatch", "TokenEvent", "TokenLogprob", "TokenOutOfRange", "TokenProgress", "UnknownRequest", "UpdateIdMismatch", "WorkerUnhealthy", "application_error", "catalogue", "check_prefix", "check_sender", "chunk_digest",
         "id_key", "invalid_request", "new_stream_id", "parse_update_id", "update_id",
         # the workflow<->activity contract
         "ACTIVITY_ADVANCE", "ACTIVITY_CHECKPOINT", "ACTIVITY_DISPOSE", "ACTIVITY_GENERATE", "ACTIVITY_OPEN", "ACTIVITY_OPEN_CARRY", "ACTIVITY_RECALL", "ACTIVITY_RESET", "ACTIVITY_REWIND", "ACTIVITY_SEAL_CARRY", "ACTIVITY_VERIFY", "PRESENTATION", "PROGRESS_BYTES", "AdvanceChunkRequest", "AdvanceChunkResult", "CarrySeal", "CarrySealRequest", "CheckpointStreamRequest", "DisposeStreamRequest", "DisposeStreamResult", "GenerateChunkRequest", "GenerateChunkResult", "OpenStreamRequest", "OpenStreamResult", "RecallResultRequest", "RecallResultResult", "ResetStreamRequest", "RewindStreamRequest", "STREAM_WORKFLOW_TYPE", "StateResult", "VerifyRequest", "id_digest",

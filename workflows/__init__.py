@@ -35,7 +35,7 @@ from workflows._failures import (
     catalogue,
     invalid_request,
 )
-from workflows._model_stream import ModelStream, StreamOwner, check_sender
+from workflows._model_stream import ModelStream, StreamOwner, check_prefix, check_sender
 from workflows._models import (
     ACTIVITY_ADVANCE,
     ACTIVITY_CHECKPOINT,
@@ -154,6 +154,7 @@ __all__ = [
     "WorkerUnhealthy",
     "application_error",
     "catalogue",
+    "check_prefix",
     "check_sender",
     "chunk_digest",
     "id_key",
