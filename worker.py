@@ -204,6 +204,19 @@ os.execv(sys.argv[2], sys.argv[2:])
 """
 
 
+def _dying_with_this_thread(args: list[str]) -> list[str]:
+    """`args` run through `_DIE_WITH_PARENT` on Linux (elsewhere unchanged).
+
+    The kernel sends the death signal when the *thread* that spawned the process exits, not the
+    process: spawn it from a thread that lives as long as the worker (the main thread), or it is
+    stopped when that thread ends. A worker killed before the child asked for the signal is seen
+    by the child (its parent is no longer the worker), which then exits instead of running `args`.
+    """
+    if not sys.platform.startswith("linux"):
+        return args
+    return [sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), *args]
+
+
 class EmbeddedServerError(RuntimeError):
     """The embedded Temporal server cannot start: its port is someone else's, or another live
     worker runs this home's server."""
@@ -292,8 +305,7 @@ class EmbeddedTemporal:
                 "--log-level", "warn", *dev_server_args(), *self.extra_args]
         if self.codec_endpoint:
             args += ["--ui-codec-endpoint", self.codec_endpoint]
-        if sys.platform.startswith("linux"):
-            args = [sys.executable, "-I", "-S", "-c", _DIE_WITH_PARENT, str(os.getpid()), *args]
+        args = _dying_with_this_thread(args)
         logf = open(self.home / "temporal.log", "ab")  # noqa: SIM115 - lives as long as the server
         os.chmod(self.home / "temporal.log", 0o600)
         self.proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True, umask=0o077)
@@ -352,9 +364,12 @@ class EmbeddedTemporal:
 
     def _serving(self) -> bool:
         """The frontend's health check answers SERVING."""
+        # through the death signal too: a worker SIGKILLed while it waits here has no one left to
+        # enforce the timeout, and the check would outlive it for as long as it waits on the server
+        check = [temporal_binary(), "operator", "cluster", "health", "--address", self.address]
         try:
-            out = subprocess.run([temporal_binary(), "operator", "cluster", "health", "--address", self.address],
-                                 capture_output=True, text=True, timeout=10)
+            out = subprocess.run(_dying_with_this_thread(check), check=False, capture_output=True, text=True,
+                                 timeout=10)
         except (OSError, subprocess.SubprocessError):
             return False
         return out.returncode == 0 and "SERVING" in out.stdout.split()  # not NOT_SERVING

@@ -3,7 +3,7 @@ batching), state stores.
 
     from activities import open_store
     store = open_store("file:///var/lib/mamba-stream")     # or postgresql://user@host/db
-    store.put_if_absent(key=receipt.state_key, data=blob, stream_id=..., principal=...)
+    store.put_if_absent(key=receipt.state_key, data=blob, stream_id=..., owner=keyring.principal_tag(...))
 """
 
 from activities._alloc import tune_allocator
@@ -11,7 +11,10 @@ from activities._file_store import FileStateStore
 from activities._health import WorkerHealth
 from activities._memory_store import MemoryStateStore
 from activities._store import (
+    Fence,
     InvalidStoreKey,
+    LeaseLost,
+    LegacyObject,
     StateStore,
     StoreCorrupt,
     StoreError,
@@ -24,13 +27,17 @@ from activities._store import (
 
 __all__ = [
     "HISTOGRAM_BUCKETS",
+    "Fence",
     "FileStateStore",
     "InvalidStoreKey",
+    "LeaseLost",
+    "LegacyObject",
     "MemoryStateStore",
     "ModelRegistry",
     "PostgresStateStore",
     "PrefixStore",
     "PrefixSweep",
+    "RekeyReport",
     "SlotTable",
     "StateStore",
     "StoreCorrupt",
@@ -46,6 +53,7 @@ __all__ = [
     "WorkerHealth",
     "claim_store",
     "open_store",
+    "rekey_store",
     "sweep_orphans",
     "tune_allocator",
 ]
@@ -60,7 +68,8 @@ def __getattr__(name: str):
     homes = {"StreamActivities": "_stream", "ModelRegistry": "_registry", "StreamEngine": "_engine",
              "SlotTable": "_slots", "StreamMetrics": "_metrics", "HISTOGRAM_BUCKETS": "_metrics",
              "SweepReport": "_sweep", "sweep_orphans": "_sweep",
-             "claim_store": "_sweep", "PrefixStore": "_prefix", "PrefixSweep": "_prefix"}
+             "claim_store": "_sweep", "PrefixStore": "_prefix", "PrefixSweep": "_prefix",
+             "RekeyReport": "_rekey", "rekey_store": "_rekey"}
     if name in homes:
         import importlib
 

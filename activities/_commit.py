@@ -104,6 +104,10 @@ class ChunkCommit:
 
     # --- keys ----------------------------------------------------------------------------------
 
+    def owner(self, principal: str) -> str:
+        """Who owns `principal`'s objects in the store: its keyed tag, never its name."""
+        return self.keyring.principal_tag(principal)
+
     def state_key(self, stream_id: str, epoch: int, chunk_seq: int, what: str) -> str:
         """The key of the state `what` describes (its input and chunk, or "open|..."/"reset|..."):
         deterministic, so every attempt derives the same key and put-if-absent makes it exactly
@@ -128,12 +132,12 @@ class ChunkCommit:
             "committed_at": self.metrics.committed_at(receipt.state_key) or time.time(),
         })
         blob = seal_bytes(payload, binding=f"{receipt.principal}|{key}", keyring=self.keyring)
-        self.store.put_if_absent(key=key, data=blob, stream_id=receipt.stream_id, principal=receipt.principal)
+        self.store.put_if_absent(key=key, data=blob, stream_id=receipt.stream_id, owner=self.owner(receipt.principal))
 
     def prior(self, state_key: str, principal: str) -> Prior | None:
         """The result recorded for the chunk that committed `state_key`, if one was."""
         key = record_key(state_key)
-        blob = self.store.get(key=key, principal=principal)
+        blob = self.store.get(key=key, owner=self.owner(principal), legacy=principal)
         if blob is None:
             return None
         data = msgpack.unpackb(open_bytes(blob, binding=f"{principal}|{key}", keyring=self.keyring), raw=False)
@@ -146,7 +150,7 @@ class ChunkCommit:
 
     def fetch(self, model: Model, receipt: Receipt, principal: str) -> tuple[State, torch.Tensor | None, int]:
         """A committed state, its next-token logits (if recorded) and its blob's size, fully checked."""
-        blob = self.store.get(key=receipt.state_key, principal=principal)
+        blob = self.store.get(key=receipt.state_key, owner=self.owner(principal), legacy=principal)
         if blob is None:
             raise CheckpointNotFound(f"no checkpoint {receipt.state_key} for this principal in {self.store.url}",
                                      field="state_key", expected=receipt.state_key, actual=None)
@@ -192,7 +196,7 @@ class ChunkCommit:
         for key in self.store.list_stream(stream_id=stream_id):
             parsed = parse_state_key(key, records=True)
             if parsed is not None and parsed.stream_id == stream_id and parsed.epoch < epoch:
-                self.store.delete(key=key, stream_id=stream_id, principal=principal)
+                self.store.delete(key=key, stream_id=stream_id, owner=self.owner(principal), legacy=principal)
         return len(old)
 
     def commit(self, model: Model, state: State, *, stream_id: str, principal: str, chunk_seq: int, epoch: int,
@@ -210,10 +214,10 @@ class ChunkCommit:
                              epoch=epoch, keyring=self.keyring, state_key=key, backend=backend, arithmetic=arithmetic,
                              origin=origin)
         adopted = False
-        if self.store.put_if_absent(key=key, data=blob, stream_id=stream_id, principal=principal):
+        if self.store.put_if_absent(key=key, data=blob, stream_id=stream_id, owner=self.owner(principal)):
             self.metrics.committed(key, len(blob), model.model_id)
         else:
-            existing = self.store.get(key=key, principal=principal)
+            existing = self.store.get(key=key, owner=self.owner(principal), legacy=principal)
             if existing is not None:
                 tensors, checksum = open_checkpoint(existing, receipt, self.keyring)
                 if checksum != receipt.checksum and state.position > 0:
@@ -225,7 +229,7 @@ class ChunkCommit:
                 receipt = receipt.model_copy(update={"checksum": checksum, **arithmetic})
                 state = State(state.position, tensors, model.schema.fingerprint())
                 adopted = True
-            elif self.store.put_if_absent(key=key, data=blob, stream_id=stream_id, principal=principal):
+            elif self.store.put_if_absent(key=key, data=blob, stream_id=stream_id, owner=self.owner(principal)):
                 # deleted between the two calls: ours is as good
                 self.metrics.committed(key, len(blob), model.model_id)
         if arithmetic_moved(before, receipt):
@@ -262,5 +266,5 @@ class ChunkCommit:
             if parsed is None or parsed.stream_id != stream_id:
                 log.warning("stream %s: not dropping %r, which is not one of its checkpoints", stream_id, k)
                 continue
-            self.store.delete(key=k, stream_id=stream_id, principal=principal)
-            self.store.delete(key=record_key(k), stream_id=stream_id, principal=principal)
+            self.store.delete(key=k, stream_id=stream_id, owner=self.owner(principal), legacy=principal)
+            self.store.delete(key=record_key(k), stream_id=stream_id, owner=self.owner(principal), legacy=principal)

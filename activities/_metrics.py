@@ -115,6 +115,9 @@ class StreamMetrics:
             "incomplete: a fill that never finished; unreadable)")
         self.prefix_store_bytes = m.create_gauge(
             "mamba_stream_prefix_store_bytes", "bytes of prefix states in the store, as of the last sweep", "By")
+        self.prefix_leases_lost = m.create_counter(
+            "mamba_stream_prefix_leases_lost", "prefix fills whose lease was taken over while they computed (the "
+            "worker stalled past the stale time): their writes refused by the lease's fence, nothing stored by them")
         self._committed_at: OrderedDict[str, float] = OrderedDict()
 
     # --- helpers the activities call ------------------------------------------------------------

@@ -1,8 +1,17 @@
-"""The PostgreSQL state store: blobs as bytea, stream and principal in their own columns.
+"""The PostgreSQL state store: blobs as bytea, stream and owner (a keyed tag) in their own columns.
 
 Every worker of a deployment shares it. Put-if-absent is `INSERT ... ON CONFLICT DO NOTHING`;
-reads filter on the principal in SQL, so another tenant's row is never even fetched. Metadata
-(the owner record, the sweep's first sightings) lives in a second table, `<table>_meta`.
+reads filter on the owner in SQL, so another tenant's row is never even fetched. Metadata
+(the owner record, the sweep's first sightings, the prefix store's index and leases) lives in a
+second table, `<table>_meta`. A fenced write is one statement, `INSERT ... SELECT ... WHERE EXISTS
+(the lease row whose data starts with the writer's generation ... FOR SHARE)`: the lease row is
+locked while the write commits, so a takeover (`swap_meta`, an `UPDATE ... WHERE data = ...`)
+either comes after it or makes it write nothing.
+
+Tables made before owners were tagged ("legacy layout": columns `principal` and `sha256`) are
+used as they are: new rows hold the owner's tag in `principal` and an empty `sha256`; a row with a
+32-byte `sha256` is a legacy row, whose `principal` is a name, read only by that name and
+rewritten by `rewrite` (tag in, digest out). A table made now has `owner` and no digest column.
 
 Errors are mapped by SQLSTATE, not by psycopg's exception class: PostgreSQL briefly read-only
 (25006, a failover in progress), a serialization failure or deadlock, a cancelled statement or
@@ -26,6 +35,9 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from activities._store import (
     Blob,
+    Fence,
+    LeaseLost,
+    LegacyObject,
     StateStore,
     StoreCorrupt,
     StoreError,
@@ -126,7 +138,7 @@ class PostgresStateStore(StateStore):
         self._create_tables()
 
     def _create_tables(self) -> None:
-        """Create the tables unless they exist.
+        """Create the tables unless they exist, and learn the blob table's layout.
 
         Existing tables are only looked up, never re-created: a `CREATE ... IF NOT EXISTS` is
         refused outright by a read-only server (and needs CREATE on the schema), so a store on
@@ -137,22 +149,43 @@ class PostgresStateStore(StateStore):
         with self._conn() as conn:
             have = conn.execute("SELECT to_regclass(%s) IS NOT NULL, to_regclass(%s) IS NOT NULL",
                                 (self.table, self.meta_table)).fetchone()
-            if all(have):
-                return
-            for ddl in (
-                f"CREATE TABLE IF NOT EXISTS {self.table} ("
-                " key text PRIMARY KEY, stream_id text NOT NULL, principal text NOT NULL,"
-                " data bytea NOT NULL, sha256 bytea NOT NULL, size bigint NOT NULL,"
-                " created_at timestamptz NOT NULL DEFAULT now())",
-                f"CREATE INDEX IF NOT EXISTS {self.table}_stream ON {self.table} (stream_id)",
-                f"CREATE TABLE IF NOT EXISTS {self.meta_table} ("
-                " kind text NOT NULL, name text NOT NULL, data bytea NOT NULL,"
-                " created_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (kind, name))",
-            ):
-                try:
-                    conn.execute(ddl)
-                except (psycopg.errors.UniqueViolation, psycopg.errors.DuplicateTable):
-                    log.debug("created concurrently by another process: %s", ddl.split("(")[0])
+            if not all(have):
+                for ddl in (
+                    f"CREATE TABLE IF NOT EXISTS {self.table} ("
+                    " key text PRIMARY KEY, stream_id text NOT NULL, owner text NOT NULL,"
+                    " data bytea NOT NULL, size bigint NOT NULL, created_at timestamptz NOT NULL DEFAULT now())",
+                    f"CREATE INDEX IF NOT EXISTS {self.table}_stream ON {self.table} (stream_id)",
+                    f"CREATE TABLE IF NOT EXISTS {self.meta_table} ("
+                    " kind text NOT NULL, name text NOT NULL, data bytea NOT NULL,"
+                    " created_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (kind, name))",
+                ):
+                    try:
+                        conn.execute(ddl)
+                    except (psycopg.errors.UniqueViolation, psycopg.errors.DuplicateTable):
+                        log.debug("created concurrently by another process: %s", ddl.split("(")[0])
+            columns = {r[0] for r in conn.execute(
+                "SELECT attname FROM pg_attribute WHERE attrelid = to_regclass(%s) AND attnum > 0"
+                " AND NOT attisdropped", (self.table,)).fetchall()}
+        self.legacy_layout = "principal" in columns
+        own = "principal" if self.legacy_layout else "owner"
+        self._own = own
+        # a row of this store's owner (a tag), and (legacy layout) a legacy row of a principal's name
+        self._tagged = f"{own} = %s" + (" AND octet_length(sha256) = 0" if self.legacy_layout else "")
+        self._named = f"{own} = %s AND octet_length(sha256) = 32" if self.legacy_layout else "false AND %s::text IS NULL"
+        self._mine = f"(({self._tagged}) OR ({self._named}))"
+        self._insert_cols = (f"key, stream_id, {own}, data, size" + (", sha256" if self.legacy_layout else ""))
+        self._insert_vals = "%s, %s, %s, %b, %s" + (", ''::bytea" if self.legacy_layout else "")
+
+    _FENCE = "EXISTS (SELECT 1 FROM {meta} WHERE kind = %s AND name = %s AND substring(data from 1 for %s) = %b FOR SHARE)"
+
+    def _fence_sql(self, fence: Fence | None) -> tuple[str, tuple]:
+        if fence is None:
+            return "true", ()
+        return self._FENCE.format(meta=self.meta_table), (fence.kind, fence.name, len(fence.token), fence.token)
+
+    def _fence_holds(self, conn: Any, fence: Fence) -> bool:
+        sql, params = self._fence_sql(fence)
+        return bool(conn.execute(f"SELECT {sql.replace(' FOR SHARE', '')}", params).fetchone()[0])
 
     @contextmanager
     def _conn(self) -> Iterator[Any]:
@@ -187,38 +220,43 @@ class PostgresStateStore(StateStore):
                     self._idle.put(conn)
             self._slots.release()
 
-    def put_if_absent(self, *, key: str, data: Blob, stream_id: str, principal: str) -> bool:
+    def put_if_absent(self, *, key: str, data: Blob, stream_id: str, owner: str, fence: Fence | None = None) -> bool:
         check_name("key", key)
         check_name("stream id", stream_id)
         view = memoryview(data).cast("B")
-        digest = hashlib.sha256(view).digest()
+        cond, params = self._fence_sql(fence)
         with self._conn() as conn:
             cur = conn.execute(
-                f"INSERT INTO {self.table} (key, stream_id, principal, data, sha256, size)"
-                " VALUES (%s, %s, %s, %b, %b, %s) ON CONFLICT (key) DO NOTHING",
-                (key, stream_id, principal, view, digest, len(view)),
+                f"INSERT INTO {self.table} ({self._insert_cols}) SELECT {self._insert_vals} WHERE {cond}"
+                " ON CONFLICT (key) DO NOTHING",
+                (key, stream_id, owner, view, len(view), *params),
             )
-            return cur.rowcount == 1
+            if cur.rowcount == 1:
+                return True
+            if fence is not None and not self._fence_holds(conn, fence):
+                raise LeaseLost(f"the lease {fence.kind}/{fence.name} is no longer the writer's")
+            return False
 
-    def get(self, *, key: str, principal: str) -> bytes | None:
+    def get(self, *, key: str, owner: str, legacy: str | None = None) -> bytes | None:
         check_name("key", key)
+        digest = ", sha256" if self.legacy_layout else ", NULL"
         with self._conn() as conn:
             row = conn.execute(
-                f"SELECT data, sha256 FROM {self.table} WHERE key = %s AND principal = %s",
-                (key, principal), binary=True,
+                f"SELECT data{digest} FROM {self.table} WHERE key = %s AND {self._mine}",
+                (key, owner, legacy), binary=True,
             ).fetchone()
         if row is None:
             return None
         data = bytes(row[0])
-        if hashlib.sha256(data).digest() != bytes(row[1]):
+        if row[1] and hashlib.sha256(data).digest() != bytes(row[1]):  # a legacy row's digest
             raise StoreCorrupt(f"{key}: content does not match its digest")
         return data
 
-    def delete(self, *, key: str, stream_id: str, principal: str) -> bool:
+    def delete(self, *, key: str, stream_id: str, owner: str, legacy: str | None = None) -> bool:
         check_name("key", key)
         with self._conn() as conn:
-            return conn.execute(f"DELETE FROM {self.table} WHERE key = %s AND stream_id = %s AND principal = %s",
-                                (key, stream_id, principal)).rowcount == 1
+            return conn.execute(f"DELETE FROM {self.table} WHERE key = %s AND stream_id = %s AND {self._mine}",
+                                (key, stream_id, owner, legacy)).rowcount == 1
 
     def delete_stream(self, *, stream_id: str) -> int:
         check_name("stream id", stream_id)
@@ -244,6 +282,26 @@ class PostgresStateStore(StateStore):
             ).fetchone()
         return StoreUsage(objects=int(objects), bytes=int(size), streams=int(streams))
 
+    def legacy_objects(self) -> list[LegacyObject]:
+        """See base class."""
+        if not self.legacy_layout:
+            return []
+        with self._conn() as conn:
+            rows = conn.execute(f"SELECT key, stream_id, principal FROM {self.table}"
+                                " WHERE octet_length(sha256) = 32 ORDER BY key").fetchall()
+        return [LegacyObject(*r) for r in rows]
+
+    def rewrite(self, *, key: str, data: Blob, owner: str, legacy: str) -> bool:
+        """See base class. One UPDATE, conditional on the row still being `legacy`'s legacy row."""
+        check_name("key", key)
+        if not self.legacy_layout:
+            return False
+        view = memoryview(data).cast("B")
+        with self._conn() as conn:
+            return conn.execute(
+                f"UPDATE {self.table} SET principal = %s, data = %b, size = %s, sha256 = ''::bytea"
+                f" WHERE key = %s AND {self._named}", (owner, view, len(view), key, legacy)).rowcount == 1
+
     # --- metadata ---------------------------------------------------------------------------
 
     def get_meta(self, *, kind: str, name: str) -> bytes | None:
@@ -264,13 +322,36 @@ class PostgresStateStore(StateStore):
                 f"INSERT INTO {self.meta_table} (kind, name, data) VALUES (%s, %s, %b)"
                 " ON CONFLICT (kind, name) DO NOTHING", (kind, name, bytes(data))).rowcount == 1
 
-    def put_meta(self, *, kind: str, name: str, data: bytes) -> None:
+    def put_meta(self, *, kind: str, name: str, data: bytes, fence: Fence | None = None) -> None:
         """See base class."""
         check_name("metadata kind", kind)
         check_name("metadata name", name)
+        cond, params = self._fence_sql(fence)
         with self._conn() as conn:
-            conn.execute(f"INSERT INTO {self.meta_table} (kind, name, data) VALUES (%s, %s, %b)"
-                         " ON CONFLICT (kind, name) DO UPDATE SET data = EXCLUDED.data", (kind, name, bytes(data)))
+            cur = conn.execute(f"INSERT INTO {self.meta_table} (kind, name, data) SELECT %s, %s, %b WHERE {cond}"
+                               " ON CONFLICT (kind, name) DO UPDATE SET data = EXCLUDED.data",
+                               (kind, name, bytes(data), *params))
+            if cur.rowcount != 1:
+                raise LeaseLost(f"the lease {fence.kind}/{fence.name} is no longer the writer's")  # type: ignore[union-attr]
+
+    def swap_meta(self, *, kind: str, name: str, expect: bytes | None, data: bytes | None) -> bool:
+        """See base class. One statement: an INSERT, UPDATE or DELETE conditional on the record."""
+        check_name("metadata kind", kind)
+        check_name("metadata name", name)
+        t = self.meta_table
+        with self._conn() as conn:
+            if expect is None and data is None:
+                return conn.execute(f"SELECT 1 FROM {t} WHERE kind = %s AND name = %s", (kind, name)).fetchone() is None
+            if expect is None:
+                cur = conn.execute(f"INSERT INTO {t} (kind, name, data) VALUES (%s, %s, %b)"
+                                   " ON CONFLICT (kind, name) DO NOTHING", (kind, name, bytes(data or b"")))
+            elif data is None:
+                cur = conn.execute(f"DELETE FROM {t} WHERE kind = %s AND name = %s AND data = %b",
+                                   (kind, name, bytes(expect)))
+            else:
+                cur = conn.execute(f"UPDATE {t} SET data = %b WHERE kind = %s AND name = %s AND data = %b",
+                                   (bytes(data), kind, name, bytes(expect)))
+            return cur.rowcount == 1
 
     def read_meta(self, *, kind: str) -> dict[str, bytes]:
         """See base class."""

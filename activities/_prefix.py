@@ -19,15 +19,23 @@ one, from the "shared" scope, sealed under the workers' key like the rest.
 In the store an entry is a sealed blob like a checkpoint (`state_codec.codec.seal`, bound to the
 entry's own receipt, `stream_id` `pfx.<scope tag>`), its next-token logits beside it
 (`<key>.out`), and an index record in the store's metadata (kind `prefix.<scope tag>`, name the
-entry id: tokens, bytes, last use, the entry's receipt). `prefix-scopes` lists the scopes, for the
-sweep. Retention is bounded by bytes per scope, least recently used out first: a bound shared
-by every scope would let one principal's fills evict, and so detect, another's entries.
+entry id), sealed (`seal_bytes`, bound to its kind and name): tokens, bytes, last use, the lease
+generation that wrote it, the entry's receipt. `prefix-scopes` lists the scopes, for the sweep,
+sealed too. Nothing a reader of the store without the keys can test a guessed prompt against: no
+checksum, token count or principal is in clear, and a receipt names its prefix by a digest keyed
+per scope (`PrefixStore.digest`), so the same prefix of two principals has two digests.
+Retention is bounded by bytes per scope, least recently used out first: a bound shared by every
+scope would let one principal's fills evict, and so detect, another's entries.
 
 Concurrent opens of one new prefix compute it once in the deployment: on a worker they take the
 entry's lock in turn, and across workers its fill lease in the store's metadata (`_lease`: first
 writer wins, renewed while held, taken over once stale); the others wait, then load what the first
-one stored. An open whose whole prefix is stored waits for no one. Decoded states of recent
-entries stay in memory (bounded by bytes): a hit on one skips the store's read and the unsealing.
+one stored. An open whose whole prefix is stored waits for no one. A lease carries a generation
+(a token unique to one holding, first in its record), and every write its holder makes (the
+entry's blobs, its index record) is fenced by it: a holder that stalled past the stale time while
+another worker took the lease over has its writes refused (`LeaseLost`), keeps what it computed
+for its own stream, and stores nothing. Decoded states of recent entries stay in memory (bounded
+by bytes): a hit on one skips the store's read and the unsealing.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ import hashlib
 import hmac
 import json
 import logging
+import struct
 import threading
 import time
 import uuid
@@ -48,7 +57,7 @@ from typing import Any, Literal
 import torch
 
 from activities._metrics import StreamMetrics
-from activities._store import StateStore, StoreCorrupt, StoreError, since_of, since_record
+from activities._store import Fence, LeaseLost, StateStore, StoreCorrupt, StoreError, since_of, since_record
 from scan import Model, State
 from state_codec import Origin, Receipt, StateRejected, continue_arithmetic, prefix_digest
 from state_codec.codec import Keyring, open_bytes, seal, seal_bytes, unseal
@@ -67,11 +76,12 @@ SCOPES_KIND = "prefix-scopes"
 _KEY_LABEL = "mamba-stream/prefix/v1"
 #: an entry's last use is written back at most this often (seconds): a hit reads nothing else
 TOUCH_S = 1.0
-#: the index record's layout
-_RECORD_VERSION = 1
+#: the index record's layout (1: in clear, from before records were sealed; still read)
+_RECORD_VERSION = 2
 #: a fill's lease in the store's metadata (kind `prefix-fill.<scope tag>`, name the entry id): one
 #: worker of the deployment computes a new prefix at a time; the others wait for its entry. Renewed
 #: every LEASE_S / 3 while held; one not renewed for LEASE_S (its worker died) is taken over.
+#: Its record is `<generation> <{"since": ..., "by": ...}>`: the generation first, for fences.
 LEASE_S = 30.0
 #: how often a worker waiting for another's fill looks whether its lease is gone
 LEASE_POLL_S = 0.1
@@ -90,8 +100,9 @@ class Scope:
     """Whose entries: one principal's, or the shared ones."""
 
     kind: ScopeKind
-    principal: str  # the store's principal column (SHARED_PRINCIPAL for the shared scope)
+    principal: str  # whose: the entries' receipts and seals name it (SHARED_PRINCIPAL for the shared scope)
     tag: str  # HMAC of the scope: the stream id and metadata kind of its entries
+    owner: str  # the store's owner of its objects: the principal's keyed tag
 
     @property
     def stream_id(self) -> str:
@@ -121,21 +132,64 @@ class _Entry:
     used: float
     made: float
     receipt: Receipt
+    generation: str = ""  # the fill lease's generation that stored it ("" from before leases had one)
 
     @property
     def key(self) -> str:
         return self.receipt.state_key
 
-    def to_json(self) -> bytes:
-        return json.dumps({"v": _RECORD_VERSION, "tokens": self.tokens, "bytes": self.bytes, "used": self.used,
-                           "made": self.made, "receipt": self.receipt.model_dump(mode="json")},
-                          separators=(",", ":")).encode()
+    def seal(self, keyring: Keyring) -> bytes:
+        """The index record as stored: sealed, bound to its kind and name."""
+        body = json.dumps({"v": _RECORD_VERSION, "tokens": self.tokens, "bytes": self.bytes, "used": self.used,
+                           "made": self.made, "generation": self.generation,
+                           "receipt": self.receipt.model_dump(mode="json")}, separators=(",", ":")).encode()
+        return seal_bytes(body, binding=_index_binding(self.scope, self.id), keyring=keyring)
 
     @classmethod
-    def from_json(cls, eid: str, scope: Scope, data: bytes) -> _Entry:
+    def open(cls, eid: str, scope: Scope, data: bytes, keyring: Keyring) -> _Entry:
+        """An index record as stored (a version-1 record, in clear, is read too)."""
+        if not _in_clear(data):
+            data = open_bytes(data, binding=_index_binding(scope, eid), keyring=keyring)
         obj = json.loads(data)
         return cls(eid, scope, int(obj["tokens"]), int(obj["bytes"]), float(obj["used"]), float(obj["made"]),
-                   Receipt.model_validate(obj["receipt"]))
+                   Receipt.model_validate(obj["receipt"]), str(obj.get("generation", "")))
+
+
+def _index_binding(scope: Scope, eid: str) -> str:
+    return f"prefix-index|{scope.index_kind}|{eid}"
+
+
+def _scope_binding(tag: str) -> str:
+    return f"prefix-scope|{tag}"
+
+
+def _in_clear(data: bytes) -> bool:
+    """A metadata record written in clear JSON, before records were sealed (a sealed one is msgpack)."""
+    return data[:1] == b"{"
+
+
+def _lease_record(generation: str, when: float, by: str) -> bytes:
+    """A fill lease's record: its generation first (what fences compare), then when and by whom."""
+    return generation.encode() + b" " + since_record(when, by=by)
+
+
+def _lease_since(data: bytes | None) -> float | None:
+    """When a lease was taken or last renewed; None for none, or an unreadable one (taken over)."""
+    if data is None:
+        return None
+    try:
+        return since_of(data if _in_clear(data) else data.partition(b" ")[2])
+    except StoreCorrupt:
+        return None
+
+
+class _Held:
+    """A fill lease this worker holds: its fence, its record as last written, whether it was lost."""
+
+    def __init__(self, kind: str, eid: str, generation: str, record: bytes) -> None:
+        self.kind, self.eid, self.generation, self.record = kind, eid, generation, record
+        self.fence = Fence(kind, eid, generation.encode() + b" ")
+        self.lost = False
 
 
 @dataclass(frozen=True)
@@ -195,6 +249,8 @@ class PrefixStore:
         self.clock: Callable[[], float] = time.time
         self.sleep: Callable[[float], None] = time.sleep
         self._me = uuid.uuid4().hex[:12]  # this worker, in the leases it holds
+        #: a fill lease not renewed for this long is taken over (tests shorten it)
+        self.lease_s = LEASE_S
         #: the store keeps metadata (the entries' index, their leases): a store written before it does not
         self._keeps_meta = all(getattr(type(store), m) is not getattr(StateStore, m)
                                for m in ("read_meta", "put_meta", "put_meta_if_absent", "delete_meta"))
@@ -205,16 +261,26 @@ class PrefixStore:
         """A principal's scope, or (None) the shared one."""
         name = "shared" if principal is None else f"principal|{principal}"
         tag = hmac.new(self._secret, f"scope|{name}".encode(), hashlib.sha256).hexdigest()[:32]
-        return Scope("shared" if principal is None else "principal",
-                     SHARED_PRINCIPAL if principal is None else principal, tag)
+        return self._scope("shared" if principal is None else "principal",
+                           SHARED_PRINCIPAL if principal is None else principal, tag)
+
+    def _scope(self, kind: ScopeKind, principal: str, tag: str) -> Scope:
+        return Scope(kind, principal, tag, self.keyring.principal_tag(principal))
 
     def entry_id(self, model: Model, scope: Scope, tokens: Sequence[int]) -> str:
         """The entry of `tokens`' state in `scope`: keyed by everything its bits depend on."""
         ident, a = model.identity(), model.arithmetic()
         body = json.dumps([scope.tag, ident.model_id, ident.model_revision, ident.fingerprint, a.id,
-                           ident.input_transform, ident.input_transform_revision, prefix_digest(tokens)],
+                           ident.input_transform, ident.input_transform_revision, _tokens_hash(tokens)],
                           separators=(",", ":"))
         return hmac.new(self._secret, body.encode(), hashlib.sha256).hexdigest()[:40]
+
+    def digest(self, scope: Scope, tokens: Sequence[int]) -> str:
+        """What a receipt names a prefix by (`Origin.digest`): its tokens' digest keyed by `scope`,
+        so that the same prefix of two principals has two digests, which neither a store reader
+        nor the other principal can test a guess against; a declared shared prefix's is the
+        shared scope's, the same for everyone."""
+        return prefix_digest(tokens, hmac.new(self._secret, f"digest|{scope.tag}".encode(), hashlib.sha256).digest())
 
     def serves(self, model: Model) -> bool:
         """Whether prefixes of `model` are stored and served here: an exact arithmetic only, on a
@@ -228,12 +294,13 @@ class PrefixStore:
         """The state of `tokens` (a checked, non-empty prefix) for a new stream of `principal`:
         from the longest stored prefix of it (the principal's own, or a declared shared one),
         computing only the rest, then stored whole in the principal's scope."""
-        digest = prefix_digest(tokens)
+        own = self.scope(principal)
+        declared = self._declared(model, tokens)
+        digest = self.digest(self.scope(None) if declared == tokens else own, tokens)
         if not self.serves(model):
             state, logits, _ = compute(model.initial_state(), tokens)
             self.metrics.prefix_tokens.add(len(tokens), {"model": model.model_id, "how": "computed"})
             return Opened(state, logits, Origin(kind="prefix", digest=digest, tokens=len(tokens)))
-        own = self.scope(principal)
         eid = self.entry_id(model, own, tokens)
         hit = self._longest(model, own, tokens, eid)
         if hit is not None and hit[0].tokens == len(tokens):  # the whole prefix: no need to wait for anyone
@@ -241,9 +308,8 @@ class PrefixStore:
             self._count_hit(model, entry, full=True, total=entry.tokens)
             return Opened(state, logits, Origin(kind="prefix", digest=digest, tokens=len(tokens),
                                                 stored_tokens=entry.tokens, scope=entry.scope.kind))
-        with self._once(own, eid, on_wait):
+        with self._once(own, eid, on_wait) as held:
             hit = self._longest(model, own, tokens, eid)  # again: another open may have stored it meanwhile
-            declared = self._declared(model, tokens)
             fresh = False  # the declared shared prefix was computed just now
             if declared and (hit is None or hit[0].tokens < len(declared)):
                 got, fresh = self._shared_entry(model, declared, compute, on_wait)
@@ -262,7 +328,7 @@ class PrefixStore:
                 return Opened(start, logits, origin)
             state, logits, path = compute(start, tokens[at:])
             self.metrics.prefix_tokens.add(len(tokens) - at, {"model": model.model_id, "how": "computed"})
-            self._fill(model, own, eid, tokens, state, logits, path)
+            self._fill(model, own, eid, tokens, state, logits, path, held)
             return Opened(state, logits, origin)
 
     def _count_hit(self, model: Model, entry: _Entry, *, full: bool, total: int) -> None:
@@ -300,20 +366,21 @@ class PrefixStore:
         also True: it was computed here)."""
         scope = self.scope(None)
         eid = self.entry_id(model, scope, tokens)
-        with self._once(scope, eid, on_wait):
+        with self._once(scope, eid, on_wait) as held:
             got = self._from_ram(eid) or self._load(model, self._index(scope).get(eid))
             if got is not None:
                 return got, False
             state, logits, path = compute(model.initial_state(), tokens)
             self.metrics.prefix_tokens.add(len(tokens), {"model": model.model_id, "how": "computed"})
-            entry = self._fill(model, scope, eid, tokens, state, logits, path)
+            entry = self._fill(model, scope, eid, tokens, state, logits, path, held)
             return (None if entry is None else (entry, state, logits)), True
 
     @contextmanager
-    def _once(self, scope: Scope, eid: str, on_wait: Callable[[], Any]) -> Iterator[None]:
+    def _once(self, scope: Scope, eid: str, on_wait: Callable[[], Any]) -> Iterator[_Held]:
         """One caller at a time per entry in the deployment: on this worker (a lock), then across
-        workers (`_lease`). The others wait (calling `on_wait`, an activity's safe point and
-        heartbeat), then find what the first one stored."""
+        workers (`_lease`, yielded: its fence guards the caller's writes). The others wait
+        (calling `on_wait`, an activity's safe point and heartbeat), then find what the first one
+        stored."""
         with self._guard:
             flight = self._flights.setdefault(eid, [threading.Lock(), 0])
             flight[1] += 1
@@ -321,8 +388,8 @@ class PrefixStore:
             while not flight[0].acquire(timeout=0.2):
                 on_wait()
             try:
-                with self._lease(scope, eid, on_wait):
-                    yield
+                with self._lease(scope, eid, on_wait) as held:
+                    yield held
             finally:
                 flight[0].release()
         finally:
@@ -332,41 +399,54 @@ class PrefixStore:
                     del self._flights[eid]
 
     @contextmanager
-    def _lease(self, scope: Scope, eid: str, on_wait: Callable[[], Any]) -> Iterator[None]:
-        """The entry's fill lease in the store (first writer wins): held, renewed by a thread of its
-        own, until the block ends. Held by another worker, it is waited for until it is gone (that
-        worker stored the entry, or gave up) or stale (that worker died: taken over)."""
-        kind = scope.lease_kind
+    def _lease(self, scope: Scope, eid: str, on_wait: Callable[[], Any]) -> Iterator[_Held]:
+        """The entry's fill lease in the store (first writer wins, a generation of its own): held,
+        renewed by a thread of its own, until the block ends. Held by another worker, it is
+        waited for until it is gone (that worker stored the entry, or gave up) or stale (that
+        worker died, or stalled: taken over by a compare-and-set, so of two takers one wins).
+        Every change of a lease record is a compare-and-set: a renewal or release that finds the
+        record changed (taken over) changes nothing, and the lease is `lost`."""
+        kind, generation = scope.lease_kind, uuid.uuid4().hex
         while True:
-            mine = since_record(self.clock(), by=self._me)
-            if self.store.put_meta_if_absent(kind=kind, name=eid, data=mine):
+            mine = _lease_record(generation, self.clock(), self._me)
+            if self.store.swap_meta(kind=kind, name=eid, expect=None, data=mine):
                 break
-            since = _since(self.store.get_meta(kind=kind, name=eid))
-            if since is not None and self.clock() - since < LEASE_S:
+            current = self.store.get_meta(kind=kind, name=eid)
+            if current is None:  # released meanwhile
+                continue
+            since = _lease_since(current)
+            if since is not None and self.clock() - since < self.lease_s:
                 on_wait()
                 self.sleep(LEASE_POLL_S)
                 continue
-            if since is not None:
-                log.warning("prefix store: a fill lease of %s was not renewed for %.0f s: taken over", eid, LEASE_S)
-            self.store.delete_meta(kind=kind, name=eid)
+            if self.store.swap_meta(kind=kind, name=eid, expect=current, data=mine):
+                log.warning("prefix store: a fill lease of %s was not renewed for %.0f s: taken over", eid,
+                            self.lease_s)
+                break
+        held = _Held(kind, eid, generation, mine)
         stop = threading.Event()
 
         def renew() -> None:
-            while not stop.wait(LEASE_S / 3):
+            while not stop.wait(self.lease_s / 3):
+                record = _lease_record(generation, self.clock(), self._me)
                 try:
-                    self.store.put_meta(kind=kind, name=eid, data=since_record(self.clock(), by=self._me))
+                    if not self.store.swap_meta(kind=kind, name=eid, expect=held.record, data=record):
+                        held.lost = True  # taken over: this worker's writes will be refused
+                        log.warning("prefix store: the fill lease of %s was taken over by another worker", eid)
+                        return
+                    held.record = record
                 except StoreError as exc:  # the lease may go stale: another worker computes it too
                     log.warning("prefix store: could not renew the fill lease of %s: %s", eid, exc)
 
         renewer = threading.Thread(target=renew, name=f"prefix-lease-{eid[:8]}", daemon=True)
         renewer.start()
         try:
-            yield
+            yield held
         finally:
             stop.set()
             renewer.join()
             try:
-                self.store.delete_meta(kind=kind, name=eid)
+                self.store.swap_meta(kind=kind, name=eid, expect=held.record, data=None)
             except StoreError as exc:  # it goes stale, and the next worker takes it over
                 log.warning("prefix store: could not drop the fill lease of %s: %s", eid, exc)
 
@@ -376,8 +456,8 @@ class PrefixStore:
         out = {}
         for eid, data in self.store.read_meta(kind=scope.index_kind).items():
             try:
-                out[eid] = _Entry.from_json(eid, scope, data)
-            except (ValueError, KeyError, TypeError) as exc:
+                out[eid] = _Entry.open(eid, scope, data, self.keyring)
+            except (ValueError, KeyError, TypeError, StateRejected) as exc:
                 log.warning("prefix store: unreadable index record %s/%s (%s): skipped", scope.index_kind, eid, exc)
         return out
 
@@ -424,13 +504,13 @@ class PrefixStore:
             # otherwise is not this entry's
             log.warning("prefix store: index record %s does not describe its entry: not served", entry.id)
             return None
-        principal = entry.scope.principal
+        principal, owner = entry.scope.principal, entry.scope.owner
         try:
-            blob = self.store.get(key=entry.key, principal=principal)
+            blob = self.store.get(key=entry.key, owner=owner, legacy=principal)
             if blob is None:
                 return None
             state = unseal(blob, entry.receipt, self.keyring, model=model, principal=principal)
-            out = self.store.get(key=entry.key + ".out", principal=principal)
+            out = self.store.get(key=entry.key + ".out", owner=owner, legacy=principal)
             logits = None if out is None else torch.frombuffer(bytearray(open_bytes(
                 out, binding=f"{principal}|{entry.key}.out", keyring=self.keyring)), dtype=torch.float32)
         except (StateRejected, ValueError) as exc:
@@ -469,13 +549,15 @@ class PrefixStore:
             self._touched[entry.id] = now
         try:
             self.store.put_meta(kind=entry.scope.index_kind, name=entry.id,
-                                data=replace(entry, used=now).to_json())
+                                data=replace(entry, used=now).seal(self.keyring))
         except StoreError as exc:  # recency is advisory: a failed write costs the LRU order only
             log.warning("prefix store: could not record a use of %s: %s", entry.id, exc)
 
     def _fill(self, model: Model, scope: Scope, eid: str, tokens: list[int], state: State,
-              logits: torch.Tensor | None, path: str) -> _Entry | None:
-        """Seal and store `tokens`' state in `scope`, then keep the scope within its bound."""
+              logits: torch.Tensor | None, path: str, held: _Held) -> _Entry | None:
+        """Seal and store `tokens`' state in `scope` (every write fenced by the fill lease `held`),
+        then keep the scope within its bound. None if nothing was stored: the entry would not fit
+        its scope, or the lease was lost (taken over by another worker, which stores it)."""
         if model.schema.state_bytes + 4 * model.vocab_size > self.max_bytes:
             return None  # one entry would not fit its scope's bound
         key = scope.key(eid)
@@ -488,15 +570,26 @@ class PrefixStore:
                                                      binding=f"{scope.principal}|{key}.out", keyring=self.keyring)
         size = len(blob) + (len(out) if out is not None else 0)
         now = self.clock()
-        entry = _Entry(eid, scope, len(tokens), size, now, now, receipt)
-        self.store.put_meta_if_absent(kind=SCOPES_KIND, name=scope.tag, data=json.dumps(
-            {"principal": scope.principal, "scope": scope.kind}).encode())
-        if self.store.put_if_absent(key=key, data=blob, stream_id=scope.stream_id, principal=scope.principal):
-            self.metrics.prefix_bytes.add(size, {"model": model.model_id, "scope": scope.kind})
-        if out is not None:
-            self.store.put_if_absent(key=key + ".out", data=out, stream_id=scope.stream_id, principal=scope.principal)
-        # the index record last: an entry is served only once its blobs are there
-        self.store.put_meta(kind=scope.index_kind, name=eid, data=entry.to_json())
+        entry = _Entry(eid, scope, len(tokens), size, now, now, receipt, held.generation)
+        self.store.put_meta_if_absent(kind=SCOPES_KIND, name=scope.tag, data=seal_bytes(
+            json.dumps({"principal": scope.principal, "scope": scope.kind}).encode(),
+            binding=_scope_binding(scope.tag), keyring=self.keyring))
+        fence = held.fence
+        try:
+            if self.store.put_if_absent(key=key, data=blob, stream_id=scope.stream_id, owner=scope.owner,
+                                        fence=fence):
+                self.metrics.prefix_bytes.add(size, {"model": model.model_id, "scope": scope.kind})
+            if out is not None:
+                self.store.put_if_absent(key=key + ".out", data=out, stream_id=scope.stream_id, owner=scope.owner,
+                                         fence=fence)
+            # the index record last: an entry is served only once its blobs are there
+            self.store.put_meta(kind=scope.index_kind, name=eid, data=entry.seal(self.keyring), fence=fence)
+        except LeaseLost as exc:
+            # another worker took the lease over (this one stalled past it) and stores the entry
+            # itself; what this one wrote before is swept as an incomplete fill if no record names it
+            self.metrics.prefix_leases_lost.add(1, {"model": model.model_id, "scope": scope.kind})
+            log.warning("prefix store: %s: not stored by this worker (%s)", eid, exc)
+            return None
         self._remember(entry, state, logits)
         self._bound(scope, keep=eid)
         return entry
@@ -505,9 +598,12 @@ class PrefixStore:
         """An entry out of the store: its index record first (no reader finds it after), then its blobs."""
         self.store.delete_meta(kind=entry.scope.index_kind, name=entry.id)
         for key in (entry.key, entry.key + ".out"):
-            self.store.delete(key=key, stream_id=entry.scope.stream_id, principal=entry.scope.principal)
+            self._delete(entry.scope, key)
         self._forget(entry.id)
         self.metrics.prefix_evictions.add(1, {"why": why, "scope": entry.scope.kind})
+
+    def _delete(self, scope: Scope, key: str) -> None:
+        self.store.delete(key=key, stream_id=scope.stream_id, owner=scope.owner, legacy=scope.principal)
 
     def _bound(self, scope: Scope, keep: str | None = None, index: dict[str, _Entry] | None = None
                ) -> tuple[int, int, int]:
@@ -530,12 +626,14 @@ class PrefixStore:
     # --- the sweep -----------------------------------------------------------------------------
 
     def _scopes(self) -> Iterator[Scope]:
-        """The scopes that hold entries (`SCOPES_KIND`), an unreadable record skipped."""
+        """The scopes that hold entries (`SCOPES_KIND`; a record written in clear before records
+        were sealed is read too), an unreadable record skipped."""
         for tag, data in self.store.read_meta(kind=SCOPES_KIND).items():
             try:
-                obj = json.loads(data)
-                yield Scope(obj["scope"], obj["principal"], tag)
-            except (ValueError, KeyError, TypeError) as exc:
+                obj = json.loads(data if _in_clear(data) else open_bytes(data, binding=_scope_binding(tag),
+                                                                          keyring=self.keyring))
+                yield self._scope(obj["scope"], obj["principal"], tag)
+            except (ValueError, KeyError, TypeError, StateRejected) as exc:
                 log.warning("prefix store: unreadable scope record %s (%s): skipped", tag, exc)
 
     def sweep(self, *, grace_s: float = 3600.0) -> PrefixSweep:
@@ -566,22 +664,44 @@ class PrefixStore:
                 if now - since < grace_s:
                     continue
                 for key in (base, base + ".out"):
-                    self.store.delete(key=key, stream_id=scope.stream_id, principal=scope.principal)
+                    self._delete(scope, key)
                 self.store.delete_meta(kind=seen_kind, name=name)
                 rep.incomplete += 1
                 self.metrics.prefix_evictions.add(1, {"why": "incomplete", "scope": scope.kind})
             for name in set(seen) - {b.rsplit(".", 1)[-1] for b in loose}:  # indexed or gone since
                 self.store.delete_meta(kind=seen_kind, name=name)
             for eid, data in self.store.read_meta(kind=scope.lease_kind).items():
-                since = _since(data)
-                if since is None or now - since >= LEASE_S:  # its worker died mid-fill
-                    self.store.delete_meta(kind=scope.lease_kind, name=eid)
+                since = _lease_since(data)
+                if since is None or now - since >= self.lease_s:  # its worker died mid-fill
+                    # only the record read: a worker that took the lease over since keeps it
+                    self.store.swap_meta(kind=scope.lease_kind, name=eid, expect=data, data=None)
             entries, size, removed = self._bound(scope, index=index)
             rep.entries += entries
             rep.bytes += size
             rep.evicted += removed
         self.metrics.prefix_store_bytes.set(rep.bytes)
         return rep
+
+    def rekey(self) -> int:
+        """Seal the scope and index records written in clear before records were sealed; how many.
+        Each is rewritten only if it is still what was read (a compare-and-set), so a fill or a
+        use recorded meanwhile is not undone."""
+        n = 0
+        for tag, data in self.store.read_meta(kind=SCOPES_KIND).items():
+            if _in_clear(data):
+                sealed = seal_bytes(bytes(data), binding=_scope_binding(tag), keyring=self.keyring)
+                n += self.store.swap_meta(kind=SCOPES_KIND, name=tag, expect=data, data=sealed)
+        for scope in self._scopes():
+            for eid, data in self.store.read_meta(kind=scope.index_kind).items():
+                if not _in_clear(data):
+                    continue
+                try:
+                    entry = _Entry.open(eid, scope, data, self.keyring)
+                except (ValueError, KeyError, TypeError) as exc:
+                    log.warning("prefix store: unreadable index record %s/%s (%s): left", scope.index_kind, eid, exc)
+                    continue
+                n += self.store.swap_meta(kind=scope.index_kind, name=eid, expect=data, data=entry.seal(self.keyring))
+        return n
 
     def usage(self) -> PrefixSweep:
         """Scopes, entries and bytes held (read from the index; nothing changed)."""
@@ -595,8 +715,14 @@ class PrefixStore:
 
 
 
+def _tokens_hash(tokens: Sequence[int]) -> str:
+    """An unkeyed digest of token ids, only ever hashed again under a key (`PrefixStore.entry_id`):
+    the digest receipts once carried, so entries stored before digests were keyed keep their ids."""
+    return "sha256:" + hashlib.sha256(struct.pack(f"<{len(tokens)}I", *tokens)).hexdigest()
+
+
 def _since(data: bytes | None) -> float | None:
-    """A lease's or sighting's time; None for none, or an unreadable one (taken over, recorded anew)."""
+    """A sighting's time; None for none, or an unreadable one (recorded anew)."""
     try:
         return since_of(data)
     except StoreCorrupt:

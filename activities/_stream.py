@@ -494,7 +494,7 @@ class StreamActivities:
 
     def _reference_input(self, model: Model, receipt: Receipt, principal: str) -> State | None:
         """The chunk's input state, read from the store for the reference check (None if gone)."""
-        blob = self.store.get(key=receipt.state_key, principal=principal)
+        blob = self.store.get(key=receipt.state_key, owner=self.commits.owner(principal), legacy=principal)
         return None if blob is None else unseal(blob, receipt, self.keyring, model=model, principal=principal)
 
     def _drift_sample(self, model: Model, state: State, tokens: list[int], logits: torch.Tensor,

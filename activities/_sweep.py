@@ -16,6 +16,9 @@ sweep records when it first saw it missing (a `missing` metadata record, first w
 every worker's sweep counts from the same moment), deletes it only once that is `grace_s` old,
 and forgets the sighting if the workflow turns up again.
 
+Given a worker's activities (and so the keyring), the sweep also rewrites keyed whatever an earlier
+version left in clear (`activities.rekey_store`).
+
 The prefix store's entries (`activities.PrefixStore`) are kept under stream ids of their own
 (`pfx.<scope>`), which no workflow has: the sweep never takes them for orphans. Given a worker's
 activities it sweeps them by their own rule instead (`PrefixStore.sweep`: each scope within its
@@ -35,6 +38,7 @@ from temporalio.service import RPCError, RPCStatusCode
 
 from activities._metrics import StreamMetrics
 from activities._prefix import PrefixSweep, is_prefix_stream
+from activities._rekey import RekeyReport, rekey_store
 from activities._store import StateStore, StoreError, StoreOwnedElsewhere, StoreOwner, since_of, since_record
 
 __all__ = ["SweepReport", "claim_store", "store_owner", "sweep_orphans"]
@@ -53,6 +57,7 @@ class SweepReport:
     hot_released: int = 0
     missing: dict[str, float] = field(default_factory=dict)  # workflow not found, within grace: first seen
     prefixes: PrefixSweep | None = None  # the prefix store's sweep (None: not swept, no worker's activities)
+    rekeyed: RekeyReport | None = None  # what was left in clear, rewritten keyed (None: no worker's activities)
     owner: StoreOwner | None = None  # the store's owner, as checked
     refused: str | None = None  # why nothing was swept (the store has no owner record)
 
@@ -188,4 +193,6 @@ async def sweep_orphans(client: Client, store: StateStore, metrics: StreamMetric
         prefixes = getattr(activities, "prefixes", None)
         if prefixes is not None:
             report.prefixes = prefixes.sweep(grace_s=grace_s)
+        if activities is not None:  # a store written before owners were tagged says nothing once swept
+            report.rekeyed = rekey_store(store, activities.keyring, prefixes)
     return report

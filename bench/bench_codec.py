@@ -135,6 +135,50 @@ def main() -> None:
     st = rates["safetensors save / load"]
     print(f"ours vs safetensors: encode {ours[0] / st[0]:.2f}x (target >= 0.5x), decode {ours[1] / st[1]:.2f}x "
           f"(target >= 0.9x); vs fastest other: encode {ours[0] / best_enc:.2f}x, decode {ours[1] / best_dec:.2f}x; blob {len(blob) / 1e6:.2f} MB vs safetensors {len(st_bytes) / 1e6:.2f} MB")
+    print()
+    _keyed_header(args.rounds, ring, tensors, receipt)
+
+
+def _keyed_header(rounds: int, ring: Keyring, big: dict[str, torch.Tensor], big_receipt: Receipt) -> None:
+    """What sealing a checkpoint's header (envelope v2: bound fields and schema under AES-GCM,
+    padded to 256 bytes) costs per checkpoint, beside the clear header of v1: bytes, and the time
+    of sealing and opening it against that of encoding and decoding the whole checkpoint."""
+    import msgpack
+
+    from scan import load_model
+    from state_codec.codec import _open_head, _seal_head  # the header alone: nothing public does only that
+
+    m = load_model("tiny-mamba2")
+    st = m.advance(m.initial_state(), list(range(64))).state
+    small = dict(st.tensors)
+    small_receipt = big_receipt.model_copy(update={
+        "schema_fingerprint": m.schema.fingerprint(), "state_bytes": m.schema.state_bytes,
+        "checksum": plaintext_checksum(small), "n_layer": m.schema.n_layer, "d_state": 32})
+    kid, key = ring.active_id, ring.key(ring.active_id)
+    print("the keyed header (envelope v2) per checkpoint, beside the clear one of v1; median of "
+          f"{rounds} rounds")
+    print(f"{'state':<26} {'v1 header B':>12} {'v2 header B':>12} {'+B':>6} {'blob B':>12} "
+          f"{'seal+open us':>13} {'encode+decode us':>17} {'share':>7}")
+    for name, tensors, receipt, schema in (("tiny-mamba2", small, small_receipt, m.schema),
+                                           ("Mamba-2 130M shape", big, big_receipt, None)):
+        schema_json = schema.canonical_json() if schema is not None else ""
+        bound = receipt.bound()
+        clear = len(msgpack.packb("bound") + msgpack.packb(bound) + msgpack.packb("schema") + msgpack.packb(schema_json))
+        head = _seal_head(key, kid, bound, schema_json)
+        keyed = len(msgpack.packb("head") + msgpack.packb(head))
+        blob = encode_checkpoint(tensors, receipt, ring, schema=schema)
+        heads, whole = [], []
+        for _ in range(rounds):
+            t = time.perf_counter()
+            for _ in range(100):
+                _open_head(key, kid, _seal_head(key, kid, bound, schema_json))
+            heads.append((time.perf_counter() - t) / 100)
+            t = time.perf_counter()
+            decode_checkpoint(encode_checkpoint(tensors, receipt, ring, schema=schema), receipt, ring)
+            whole.append(time.perf_counter() - t)
+        h, w = statistics.median(heads), statistics.median(whole)
+        print(f"{name:<26} {clear:>12,} {keyed:>12,} {keyed - clear:>+6,} {len(blob):>12,} {h * 1e6:>13,.1f} "
+              f"{w * 1e6:>17,.0f} {h / w:>7.2%}")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """Stream commands of `mamba-stream`: open, feed, generate, tokens, receipt, reset, rewind, cancel, list,
-checkpoint, resume, sweep, codec-server."""
+checkpoint, resume, sweep, rekey-store, codec-server."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -381,6 +382,41 @@ async def _sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rekey_store(args: argparse.Namespace) -> int:
+    from activities import StoreError, open_store, rekey_store
+    from state_codec.keyring import KeyringError, find_keyring
+    from worker import WorkerConfig
+
+    cfg = WorkerConfig()
+    url = args.store or cfg.store
+    if url.startswith("file:"):  # a mistyped path names no store: make none there
+        root = Path(url[len("file://"):] if url.startswith("file://") else url[len("file:"):])
+        if not (root / "objects").is_dir():
+            print(f"error: no state store at {root} (--store, or $MAMBA_STREAM_STORE)", file=sys.stderr)
+            return 2
+    try:
+        keyring = find_keyring(cfg.keyring, cfg.home)  # the workers' (never made here: a new one opens nothing)
+        if keyring.principal is not None:
+            raise KeyringError(f"rekeying needs the workers' master keyring, not principal {keyring.principal!r}'s "
+                               f"(MAMBA_STREAM_KEYRING)")
+        with open_store(url) as store:
+            rep = rekey_store(store, keyring)
+    except (KeyringError, StoreError, ValueError) as exc:
+        # one line: a driver's message spans several
+        print(f"error: {type(exc).__name__}: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"store": url, **dataclasses.asdict(rep)}))
+    else:
+        print(f"{url}: {rep.objects} objects rewritten owned by their principal's tag ({rep.resealed} checkpoints "
+              f"resealed), {rep.records} prefix records sealed")
+    if rep.unreadable:
+        print(f"{rep.unreadable} checkpoints do not authenticate under this keyring (MAMBA_STREAM_KEYRING) and were "
+              f"left as they are", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _codec_server(args: argparse.Namespace) -> int:
     from state_codec.codec_server import CodecServer, principal_tokens_from_env
     from state_codec.keyring import KeyringError, default_home
@@ -710,6 +746,18 @@ def add_stream_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--claim", action="store_true",
                    help="record this server's cluster and namespace as the owner of a store that has none")
     p.set_defaults(func=_run(_sweep))
+
+    p = sub.add_parser("rekey-store", help="rewrite what an earlier version left in clear in the state store keyed",
+                       description="Rewrite a state store written before owners were tagged (principal names, "
+                                   "checksums and prefix records in clear) so that it holds ciphertext and keyed tags "
+                                   "only, nothing lost; every worker's sweep does the same. Safe beside running "
+                                   "workers, and again: a second run finds nothing. Run it once every worker is "
+                                   "upgraded (an older worker cannot read what this writes). Exits 1 when a "
+                                   "checkpoint does not authenticate under the keyring (left as it is).")
+    p.add_argument("--store", default=None, help="the store's URL (default the workers': $MAMBA_STREAM_STORE, else "
+                   "file://$MAMBA_STREAM_HOME/states)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_rekey_store)
 
     p = sub.add_parser("codec-server", help="serve /encode and /decode for the Temporal UI and CLI")
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1)")

@@ -6,6 +6,7 @@ Standard library and pydantic only: workflows build, carry and validate receipts
 from __future__ import annotations
 
 import hashlib
+import hmac
 import re
 import struct
 from collections.abc import Sequence
@@ -34,6 +35,8 @@ __all__ = ["RECEIPT_VERSION", "Arithmetic", "ModelIdentity", "Origin", "Receipt"
 RECEIPT_VERSION = 1
 
 _SHA = re.compile(r"^sha256:[0-9a-f]{64}$")
+#: a prefix's digest: keyed, or (receipts from before it was keyed) a plain sha256
+_PREFIX_DIGEST = re.compile(r"^(hmac-sha256|sha256):[0-9a-f]{64}$")
 _CHECKSUM = re.compile(r"^(blake3|sha256):[0-9a-f]{64}$")
 
 
@@ -112,17 +115,19 @@ class Arithmetic(_Frozen):
         return self.scheme.startswith("exact-")
 
 
-def prefix_digest(tokens: Sequence[int]) -> str:
-    """`sha256:<hex>` of a prefix's token ids, each as a little-endian uint32: what a receipt names
-    a prefix by (`Origin.digest`). A client that knows its prefix's tokens computes the same."""
-    return "sha256:" + hashlib.sha256(struct.pack(f"<{len(tokens)}I", *tokens)).hexdigest()
+def prefix_digest(tokens: Sequence[int], key: bytes) -> str:
+    """`hmac-sha256:<hex>` of a prefix's token ids, each as a little-endian uint32, under `key`: what
+    a receipt names a prefix by (`Origin.digest`). The workers key it per scope
+    (`activities.PrefixStore.digest`): an unkeyed digest of a prompt would let anyone who sees a
+    receipt, or a store, confirm a guess of it offline."""
+    return "hmac-sha256:" + hmac.new(key, struct.pack(f"<{len(tokens)}I", *tokens), hashlib.sha256).hexdigest()
 
 
 class Origin(_Frozen):
     """Where an epoch's first state came from, when it was not the model's initial state.
 
     `kind` "prefix": a prefix's state (`StreamClient.open(prefix=...)`): `digest` names the prefix's
-    tokens (`prefix_digest`), `tokens` how many, and `stored_tokens` how many of them came from a
+    tokens (`prefix_digest`, keyed per scope; `sha256:` in receipts from before it was keyed), `tokens` how many, and `stored_tokens` how many of them came from a
     stored prefix state (the longest stored one; the rest were computed; 0: all computed), `scope`
     whose store entry that was ("principal", "shared"; "" when none). The state's bits are the
     same either way on an exact arithmetic: the receipt's checksum equals that of a stream fed the
@@ -133,7 +138,7 @@ class Origin(_Frozen):
     """
 
     kind: Literal["prefix", "checkpoint"]
-    digest: str | None = Field(default=None, pattern=_SHA.pattern)
+    digest: str | None = Field(default=None, pattern=_PREFIX_DIGEST.pattern)
     tokens: int = Field(default=0, ge=0)
     stored_tokens: int = Field(default=0, ge=0)
     scope: Literal["", "principal", "shared"] = ""

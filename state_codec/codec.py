@@ -1,18 +1,27 @@
 """The checkpoint codec (worker side): tensors <-> encrypted, authenticated, checksummed bytes.
 
-Blob layout: one msgpack map, keys in this order
+Blob layout (envelope version 2): one msgpack map, keys in this order
 
-    v       envelope version (1)
+    v       envelope version (2)
     alg     "AES-256-GCM"
     kid     key id in the keyring
     nonce   12 random bytes, fresh for every write
-    bound   {stream_id, principal, model_revision, schema_fingerprint, position, chunk_seq, epoch}
-    schema  the writer's StateSchema as canonical JSON
+    head    the sealed header: 12 random bytes of its own nonce, then AES-256-GCM (same key) of
+            {bound: {stream_id, principal, model_revision, schema_fingerprint, position, chunk_seq,
+            epoch}, schema: the writer's StateSchema as canonical JSON}, padded to a multiple of
+            256 bytes so that its length says nothing of a principal's name
     ct      ciphertext of the plaintext, then the 16-byte GCM tag
 
-The associated data is every byte of the blob before the ciphertext, so the header, the bound
-fields and the schema are authenticated with the state: a blob moved to another stream, tenant,
-model, schema, position, chunk or epoch fails, and the bound fields let us say which.
+Nothing in it is in clear but the version, the algorithm, the key id and the nonces: whoever
+reads the store without the keys learns no principal, stream, position or checksum from a blob,
+only its size. The associated data of the body is every byte of the blob before the ciphertext,
+sealed header included, so the header, the bound fields and the schema are authenticated with
+the state: a blob moved to another stream, tenant, model, schema, position, chunk or epoch
+fails, and the bound fields (read from the header with the key) let us say which.
+
+Envelope version 1 (written before the header was sealed: `bound` and `schema` in clear in the
+map, six entries before `ct`) is still read, and `reseal` rewrites such a blob as version 2 with
+the same plaintext (so the same checksum, the same receipt).
 
 Plaintext: u32 little-endian header length, a msgpack header
 {byteorder, digest, tensors: [[name, dtype, shape, offset, nbytes], ...]}, each tensor's raw bytes
@@ -77,20 +86,28 @@ __all__ = [
     "default_state_key",
     "encode_checkpoint",
     "envelope_schema",
+    "is_clear_header",
     "open_bytes",
     "open_checkpoint",
     "plaintext_checksum",
+    "reseal",
     "seal",
     "seal_bytes",
     "unseal",
 ]
 
-ENVELOPE_VERSION = 1
+ENVELOPE_VERSION = 2
+#: the envelope written before the header was sealed: still read, rewritten by `reseal`
+_CLEAR_HEADER_VERSION = 1
 ALG = "AES-256-GCM"
 _NONCE = 12
 _TAG = 16
 _ALIGN = 64
 _DIGEST = 32
+#: the sealed header's plaintext is padded to a multiple of this (its length hides a principal's)
+_HEAD_PAD = 256
+#: what the sealed header's own associated data starts with (then the key id)
+_HEAD_AAD = b"mamba-stream/checkpoint-head/v2|"
 # below this many bytes a helper thread costs more than it saves
 _PARALLEL_HASH_BYTES = 1 << 20
 
@@ -231,22 +248,56 @@ def _bin_header(n: int) -> bytes:
     return b"\xc6" + struct.pack(">I", n)
 
 
-def _encrypt(tensors: Mapping[str, torch.Tensor], bound: dict[str, Any], schema_json: str,
-             keyring: Keyring) -> tuple[str, bytearray]:
-    """One read of each tensor: hashed by a helper thread while AES-GCM encrypts it in place."""
-    digest = DIGEST
-    pieces, total = _pieces(tensors, digest)
-    kid, nonce = keyring.active_id, os.urandom(_NONCE)
-    ct_len = total + _DIGEST + _TAG
-    prefix = b"\x87" + b"".join(  # fixmap of 7 entries
+def _seal_head(key: bytes, kid: str, bound: dict[str, Any], schema_json: str) -> bytes:
+    """The sealed header: its nonce, then AES-256-GCM of {bound, schema}, padded (`_HEAD_PAD`)."""
+    body = msgpack.packb({"bound": bound, "schema": schema_json})
+    plain = struct.pack("<I", len(body)) + body
+    plain += bytes(-len(plain) % _HEAD_PAD)
+    nonce = os.urandom(_NONCE)
+    return nonce + AESGCM(key).encrypt(nonce, plain, _HEAD_AAD + kid.encode())
+
+
+def _open_head(key: bytes, kid: str, head: bytes) -> tuple[dict[str, Any], str]:
+    """(bound, schema JSON) of a sealed header; CorruptBlob if it does not authenticate or parse."""
+    if len(head) < _NONCE + _TAG + 4:
+        raise CorruptBlob("sealed header shorter than its nonce and tag", field="head")
+    try:
+        plain = AESGCM(key).decrypt(head[:_NONCE], head[_NONCE:], _HEAD_AAD + kid.encode())
+    except InvalidTag:
+        raise CorruptBlob("authentication failed: the blob's header was altered or the key is wrong",
+                          field="head") from None
+    try:
+        (n,) = struct.unpack_from("<I", plain, 0)
+        fields = msgpack.unpackb(plain[4 : 4 + n], raw=False, strict_map_key=True)
+        bound, schema_json = fields["bound"], fields["schema"]
+        if not isinstance(bound, dict) or not isinstance(schema_json, str):
+            raise ValueError("malformed bound fields or schema")  # noqa: TRY004 - caught: a corrupt blob
+    except Exception as exc:  # noqa: BLE001 - anything malformed is a corrupt blob
+        raise CorruptBlob(f"unreadable sealed header: {exc}", field="head") from None
+    return bound, schema_json
+
+
+def _envelope_prefix(kid: str, nonce: bytes, head: bytes, ct_len: int) -> bytes:
+    """Every byte of a version-2 blob before its ciphertext: the body's associated data."""
+    return b"\x86" + b"".join(  # fixmap of 6 entries
         msgpack.packb(k) + msgpack.packb(v)
-        for k, v in (("v", ENVELOPE_VERSION), ("alg", ALG), ("kid", kid), ("nonce", nonce),
-                     ("bound", bound), ("schema", schema_json))
+        for k, v in (("v", ENVELOPE_VERSION), ("alg", ALG), ("kid", kid), ("nonce", nonce), ("head", head))
     ) + msgpack.packb("ct") + _bin_header(ct_len)
+
+
+def _seal_pieces(pieces: list[memoryview | bytes], total: int, bound: dict[str, Any], schema_json: str,
+                 keyring: Keyring, digest: str, value: bytes | None = None) -> tuple[str, bytearray]:
+    """A version-2 blob of the plaintext `pieces` (`total` bytes, before its digest), and the
+    checksum it carries. The digest is `value` when the caller knows it (a reseal), else computed
+    by a helper thread while AES-GCM encrypts each piece in place: one read of each."""
+    kid, nonce = keyring.active_id, os.urandom(_NONCE)
+    key = keyring.key(kid)
+    ct_len = total + _DIGEST + _TAG
+    prefix = _envelope_prefix(kid, nonce, _seal_head(key, kid, bound, schema_json), ct_len)
     out = bytearray(len(prefix) + ct_len)
     out[: len(prefix)] = prefix
     mv = memoryview(out)
-    enc = Cipher(algorithms.AES(keyring.key(kid)), modes.GCM(nonce)).encryptor()
+    enc = Cipher(algorithms.AES(key), modes.GCM(nonce)).encryptor()
     enc.authenticate_additional_data(prefix)
 
     hasher = _HASHES[digest]()
@@ -256,11 +307,12 @@ def _encrypt(tensors: Mapping[str, torch.Tensor], bound: dict[str, Any], schema_
             hasher.update(piece)  # releases the GIL on large buffers
 
     helper = None
-    if total >= _PARALLEL_HASH_BYTES:
-        helper = threading.Thread(target=hash_all, name="checkpoint-digest")
-        helper.start()
-    else:
-        hash_all()
+    if value is None:
+        if total >= _PARALLEL_HASH_BYTES:
+            helper = threading.Thread(target=hash_all, name="checkpoint-digest")
+            helper.start()
+        else:
+            hash_all()
     pos = len(prefix)
     try:
         for piece in pieces:
@@ -271,12 +323,20 @@ def _encrypt(tensors: Mapping[str, torch.Tensor], bound: dict[str, Any], schema_
     finally:
         if helper is not None:
             helper.join()
-    value = hasher.digest()
+    if value is None:
+        value = hasher.digest()
     enc.update_into(value, mv[pos : pos + _DIGEST + 15])
     pos += _DIGEST
     enc.finalize()
     mv[pos : pos + _TAG] = enc.tag
     return f"{digest}:{value.hex()}", out
+
+
+def _encrypt(tensors: Mapping[str, torch.Tensor], bound: dict[str, Any], schema_json: str,
+             keyring: Keyring) -> tuple[str, bytearray]:
+    """One read of each tensor: hashed by a helper thread while AES-GCM encrypts it in place."""
+    pieces, total = _pieces(tensors, DIGEST)
+    return _seal_pieces(pieces, total, bound, schema_json, keyring, DIGEST)
 
 
 def encode_checkpoint(
@@ -292,8 +352,8 @@ def encode_checkpoint(
         state_tensors: name -> tensor (float32, float64, bfloat16 or float16; any device).
         receipt: the receipt the blob will be stored under; its checksum must be the plaintext's.
         keyring: the active key encrypts.
-        schema: the writer's StateSchema, embedded (authenticated) so that a reader with another
-            schema is told which field differs. Must have `receipt.schema_fingerprint`.
+        schema: the writer's StateSchema, embedded (sealed, authenticated) so that a reader with
+            another schema is told which field differs. Must have `receipt.schema_fingerprint`.
 
     Returns:
         The blob, as a bytearray (bytes-like; returned as is to spare a 19 MB copy).
@@ -343,8 +403,8 @@ def _open_envelope(blob: bytes | bytearray | memoryview) -> _Envelope:
         unpacker = msgpack.Unpacker(_Reader(view), raw=False, strict_map_key=True,
                                     max_buffer_size=len(view), read_size=min(4096, len(view)))
         n = unpacker.read_map_header()
-        if n != 7:
-            raise ValueError(f"{n} envelope entries, expected 7")
+        if n not in (6, 7):  # version 2, version 1
+            raise ValueError(f"{n} envelope entries, expected 6")
         for i in range(n):
             key = unpacker.unpack()
             if key == "ct":
@@ -375,26 +435,44 @@ def _open_envelope(blob: bytes | bytearray | memoryview) -> _Envelope:
     return _Envelope(fields, view[start:end], view[:start])
 
 
-def _check_header(env: _Envelope) -> None:
+def _check_header(env: _Envelope) -> int:
+    """The envelope's version, once its clear fields are well formed."""
     f = env.fields
-    if f.get("v") != ENVELOPE_VERSION:
-        raise mismatch(UnsupportedEnvelopeVersion, "v", ENVELOPE_VERSION, f.get("v"))
+    version = f.get("v")
+    if version not in (ENVELOPE_VERSION, _CLEAR_HEADER_VERSION):
+        raise mismatch(UnsupportedEnvelopeVersion, "v", ENVELOPE_VERSION, version)
+    if len(f) != (5 if version == ENVELOPE_VERSION else 6):
+        raise CorruptBlob(f"{len(f) + 1} envelope entries for version {version}", field="blob")
     if f.get("alg") != ALG:
         raise mismatch(CorruptBlob, "alg", ALG, f.get("alg"))
     if not isinstance(f.get("kid"), str) or not isinstance(f.get("nonce"), bytes) or len(f["nonce"]) != _NONCE:
         raise CorruptBlob("malformed key id or nonce", field="nonce")
-    if not isinstance(f.get("bound"), dict) or not isinstance(f.get("schema"), str):
+    if version == ENVELOPE_VERSION:
+        if not isinstance(f.get("head"), bytes):
+            raise CorruptBlob("malformed sealed header", field="head")
+    elif not isinstance(f.get("bound"), dict) or not isinstance(f.get("schema"), str):
         raise CorruptBlob("malformed bound fields or schema", field="bound")
+    return version
 
 
-def envelope_schema(blob: bytes | bytearray | memoryview) -> StateSchema | None:
-    """The writer's schema embedded in a blob (unauthenticated until the blob is decoded)."""
-    env = _open_envelope(blob)
-    _check_header(env)
-    if not env.fields["schema"]:
+def _header(env: _Envelope, keyring: Keyring) -> tuple[int, dict[str, Any], str]:
+    """The envelope's version, bound fields and schema JSON (a version-2 header opened with its key)."""
+    version = _check_header(env)
+    f = env.fields
+    if version == _CLEAR_HEADER_VERSION:
+        return version, f["bound"], f["schema"]
+    bound, schema_json = _open_head(keyring.key(f["kid"]), f["kid"], f["head"])
+    return version, bound, schema_json
+
+
+def envelope_schema(blob: bytes | bytearray | memoryview, keyring: Keyring) -> StateSchema | None:
+    """The writer's schema embedded in a blob (its sealed header opened with `keyring`; the body
+    is not authenticated by this)."""
+    _, _, schema_json = _header(_open_envelope(blob), keyring)
+    if not schema_json:
         return None
     try:
-        return StateSchema.model_validate_json(env.fields["schema"])
+        return StateSchema.model_validate_json(schema_json)
     except Exception as exc:  # noqa: BLE001
         raise CorruptBlob(f"unreadable schema: {exc}", field="schema") from None
 
@@ -419,24 +497,8 @@ def decode_checkpoint(
     return tensors
 
 
-def open_checkpoint(
-    blob: bytes | bytearray | memoryview, receipt: Receipt, keyring: Keyring, *, rehash: bool = False
-) -> tuple[dict[str, torch.Tensor], str]:
-    """Like `decode_checkpoint`, but returns the blob's checksum instead of requiring the receipt's.
-
-    For adopting a blob that an earlier attempt committed under a key this attempt derived too:
-    every bound field is still checked, only the checksum is learned rather than compared.
-    """
-    env = _open_envelope(blob)
-    _check_header(env)
-    bound = env.fields["bound"]
-    for field, expected in receipt.bound().items():
-        if bound.get(field) != expected:
-            raise mismatch(_BOUND_ERRORS[field], field, expected, bound.get(field))
-    if set(bound) != set(_BOUND_ERRORS):
-        raise CorruptBlob("unexpected bound fields", field="bound", expected=sorted(_BOUND_ERRORS),
-                          actual=sorted(bound))
-    key = keyring.key(env.fields["kid"])
+def _decrypt_body(env: _Envelope, key: bytes) -> tuple[torch.Tensor, int]:
+    """The plaintext of an envelope's body (a buffer holding it, digest last) and its length."""
     length = len(env.ct) - _TAG
     if length < 4 + _DIGEST:
         raise TruncatedBlob("ciphertext shorter than a plaintext", field="ct")
@@ -450,6 +512,27 @@ def open_checkpoint(
     except InvalidTag:
         raise CorruptBlob("authentication failed: the blob was altered or the key is wrong",
                           field="ct") from None
+    return buf, length
+
+
+def open_checkpoint(
+    blob: bytes | bytearray | memoryview, receipt: Receipt, keyring: Keyring, *, rehash: bool = False
+) -> tuple[dict[str, torch.Tensor], str]:
+    """Like `decode_checkpoint`, but returns the blob's checksum instead of requiring the receipt's.
+
+    For adopting a blob that an earlier attempt committed under a key this attempt derived too:
+    every bound field is still checked, only the checksum is learned rather than compared.
+    """
+    env = _open_envelope(blob)
+    _, bound, _ = _header(env, keyring)
+    for field, expected in receipt.bound().items():
+        if bound.get(field) != expected:
+            raise mismatch(_BOUND_ERRORS[field], field, expected, bound.get(field))
+    if set(bound) != set(_BOUND_ERRORS):
+        raise CorruptBlob("unexpected bound fields", field="bound", expected=sorted(_BOUND_ERRORS),
+                          actual=sorted(bound))
+    buf, length = _decrypt_body(env, keyring.key(env.fields["kid"]))
+    plain = memoryview(buf.numpy())
     body = length - _DIGEST
     tensors, digest = _parse_plaintext(buf, body)  # the header, and so the digest's name, is authenticated too
     checksum = f"{digest}:{bytes(plain[body:length]).hex()}"  # authenticated by the tag
@@ -458,6 +541,32 @@ def open_checkpoint(
         if recomputed != checksum:
             raise mismatch(ChecksumMismatch, "checksum", checksum, recomputed)
     return tensors, checksum
+
+
+def is_clear_header(blob: bytes | bytearray | memoryview) -> bool:
+    """Whether `blob` is a checkpoint written with its header in clear (envelope version 1): one
+    `reseal` rewrites. False for a version-2 checkpoint and for anything that is no checkpoint."""
+    try:
+        return _check_header(_open_envelope(blob)) == _CLEAR_HEADER_VERSION
+    except StateRejected:
+        return False
+
+
+def reseal(blob: bytes | bytearray | memoryview, keyring: Keyring) -> bytearray:
+    """A version-1 checkpoint (header in clear) rewritten as version 2 (header sealed): the same
+    plaintext re-encrypted under the active key, so the same tensors and the same checksum, and
+    the same bound fields and schema, sealed. The blob is authenticated first (CorruptBlob if it
+    does not); a version-2 blob is returned as it is."""
+    env = _open_envelope(blob)
+    version, bound, schema_json = _header(env, keyring)
+    if version == ENVELOPE_VERSION:
+        return bytearray(blob)
+    buf, length = _decrypt_body(env, keyring.key(env.fields["kid"]))
+    plain = memoryview(buf.numpy())
+    body = length - _DIGEST
+    _, digest = _parse_plaintext(buf, body)
+    _, out = _seal_pieces([plain[:body]], body, bound, schema_json, keyring, digest, bytes(plain[body:length]))
+    return out
 
 
 # --- small sealed records -----------------------------------------------------------------------
@@ -476,7 +585,7 @@ def open_bytes(blob: bytes | bytearray | memoryview, *, binding: str, keyring: K
         env = msgpack.unpackb(bytes(blob), raw=False, strict_map_key=True)
         version, kid, nonce, ct = env["v"], env["kid"], env["nonce"], env["ct"]
         if not (isinstance(kid, str) and isinstance(nonce, bytes) and isinstance(ct, bytes)):
-            raise ValueError("malformed record")
+            raise ValueError("malformed record")  # noqa: TRY004 - caught: a corrupt blob
     except Exception as exc:  # noqa: BLE001 - anything malformed is a corrupt blob
         raise CorruptBlob(f"unreadable record: {exc}", field="record") from None
     if version != 1:
@@ -558,7 +667,7 @@ def unseal(
     try:
         validate_resume(receipt, identity, principal)
     except SchemaMismatch:
-        theirs = _schema_or_none(blob)
+        theirs = _schema_or_none(blob, keyring)
         diff = schema_diff(identity.state_schema, theirs) if theirs is not None else None
         if diff is not None:
             raise mismatch(SchemaMismatch, *diff) from None
@@ -571,8 +680,8 @@ def unseal(
     return model.restore_state(receipt.position, tensors)
 
 
-def _schema_or_none(blob: bytes | bytearray | memoryview) -> StateSchema | None:
+def _schema_or_none(blob: bytes | bytearray | memoryview, keyring: Keyring) -> StateSchema | None:
     try:
-        return envelope_schema(blob)
+        return envelope_schema(blob, keyring)
     except StateRejected:
         return None

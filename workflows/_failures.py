@@ -35,6 +35,7 @@ __all__ = [
     "LocalTooSlow",
     "NOT_THE_CHUNKS_FAULT",
     "OpenFailed",
+    "ReservedStreamId",
     "ResultExpired",
     "RewindPastWindow",
     "RewindUnavailable",
@@ -111,6 +112,12 @@ class EmptyContext(StreamFailure):
 class InvalidRequest(StreamFailure):
     """A request the stream or the model cannot take: a payload that does not validate, a missing,
     extra or null argument to an update or query, text for a model without an input transform."""
+
+
+class ReservedStreamId(StreamFailure):
+    """A stream started under an id of the workers' own namespace: `pfx.` names the prefix store's
+    entries (`activities.PREFIX_STREAM_PREFIX`), and no workflow's stream runs there, whoever
+    sealed its start. The run fails at its first workflow task, before any activity."""
 
 
 class UnknownRequest(StreamFailure):

@@ -61,6 +61,7 @@ with workflow.unsafe.imports_passed_through():
         EmptyContext,
         InvalidRequest,
         LocalTooSlow,
+        ReservedStreamId,
         RewindPastWindow,
         RewindUnavailable,
         StreamCancelled,
@@ -119,8 +120,8 @@ with workflow.unsafe.imports_passed_through():
     )
     from workflows._records import RecentResults, TokenLog
 
-__all__ = ["FORGED_RESULTS", "LOCAL_PAUSE_CHUNKS", "ModelStream", "StreamOwner", "check_advance",
-           "check_generate", "check_sender", "refused_arguments", "takes"]
+__all__ = ["FORGED_RESULTS", "LOCAL_PAUSE_CHUNKS", "RESERVED_ID_PREFIX", "ModelStream", "StreamOwner",
+           "check_advance", "check_generate", "check_sender", "check_stream_id", "refused_arguments", "takes"]
 
 T = TypeVar("T")
 
@@ -139,6 +140,13 @@ PATCH_AT_START = "patches-at-start"
 #: added later gets a marker of its own here, never a place in an existing marker's list: a run
 #: recorded with that marker before the patch existed would replay as if it had taken it.
 START_MARKERS: dict[str, tuple[str, ...]] = {PATCH_AT_START: (PATCH_SEALED, PATCH_LOCAL_PAUSE)}
+#: histories recorded before a start of a reserved id was refused at once (`check_stream_id`) replay
+#: as they ran. Asked of a reserved id's run only, first thing in it (so in its first workflow task):
+#: not one of `START_MARKERS`, whose markers every run records.
+PATCH_RESERVED_IDS = "reserved-ids-refused"
+#: the workers' own stream ids: the prefix store's entries (`activities.PREFIX_STREAM_PREFIX`, which
+#: the sandbox may not import). No workflow's stream runs under one.
+RESERVED_ID_PREFIX = "pfx."
 
 
 def mark_patches() -> None:
@@ -162,6 +170,18 @@ def patched(patch_id: str) -> bool:
     `workflow.patched(patch_id)` where it asked when it was recorded."""
     marker = next(m for m, patches in START_MARKERS.items() if patch_id in patches)
     return workflow.patched(marker) or workflow.patched(patch_id)
+
+
+def check_stream_id() -> None:
+    """Refuse, typed `ReservedStreamId`, a stream under an id of the workers' own namespace
+    (`RESERVED_ID_PREFIX`): the workflow's id is its stream's, and a stream there would write, and
+    dispose of, the prefix store's entries. Whoever sealed the start: the id alone decides. Call it
+    first thing in the run, before any activity (the stream workflow's start, `ModelStream.open`)."""
+    wid = workflow.info().workflow_id
+    if wid.startswith(RESERVED_ID_PREFIX) and workflow.patched(PATCH_RESERVED_IDS):
+        raise application_error(ReservedStreamId(
+            f"stream id {wid!r} is in the workers' own namespace ({RESERVED_ID_PREFIX!r}: the prefix store's "
+            f"entries): no stream runs there", field="stream_id", actual=wid))
 
 
 def check_advance(req: AdvanceRequest, opts: StreamOptions, info: ModelInfo | None) -> None:
@@ -329,6 +349,7 @@ class ModelStream:
         Open it first thing in `run` (the run's first workflow task): that is where the stream's
         code records which of its versions the run takes (`mark_patches`), so that every replay
         finds the record where it asks."""
+        check_stream_id()
         options = options or StreamOptions()
         request = OpenStreamRequest(stream_id=workflow.info().workflow_id, principal=principal, model_id=model_id,
                                     input_transform=input_transform, resume=receipt,

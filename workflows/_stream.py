@@ -50,6 +50,7 @@ with workflow.unsafe.imports_passed_through():
         check_advance,
         check_generate,
         check_sender,
+        check_stream_id,
         patched,
         refused_arguments,
         takes,
@@ -125,26 +126,49 @@ def _signal_takes(model: type, refuse: Callable[[Any, ApplicationError], None]
 
 
 def _init_takes(fn: Callable[..., None]) -> Callable[..., None]:
-    """`__init__` of a start input that is not one OpenStreamInput (none, JSON null, one too
-    many): it initializes from a placeholder and keeps the refusal, which `run` raises at once
-    (`_run_takes`): the run fails typed `InvalidRequest`. An exception here would fail the first
-    workflow task instead, and every retry of it: a stream that neither ran nor ended."""
+    """`__init__`, which takes the start input raw (the SDK converts nothing) and converts it here.
+    An input the workers' keys do not open (in clear it converts, and `check_sender` refuses it;
+    under a key they do not hold, or altered: `UnknownKeyId`, `CorruptBlob`), one that does not
+    validate, or not exactly one OpenStreamInput (none, JSON null, one too many) initializes the
+    stream from a placeholder and keeps the refusal, which `run` raises at once (`_run_takes`):
+    the run fails typed, and the refusal is counted. An exception here would fail the first
+    workflow task instead, and every retry of it: a stream that neither ran nor ended; and a
+    conversion the SDK made would fail the run before the stream's code ran, uncounted."""
     @functools.wraps(fn)
     def checked(self: Any, *args: Any) -> None:
-        self._start_refused = refused_arguments(OpenStreamInput, args)
-        fn(self, *(args if self._start_refused is None else (OpenStreamInput(principal="", model_id=""),)))
+        try:
+            values = tuple(workflow.payload_converter().from_payload(a.payload, OpenStreamInput)
+                           if isinstance(a, RawValue) else a for a in args)
+        except ApplicationError as err:
+            self._start_refused = err
+        else:
+            self._start_refused = refused_arguments(OpenStreamInput, values)
+        self._start = values[0] if self._start_refused is None else OpenStreamInput(principal="", model_id="")
+        fn(self, self._start)
+    # the SDK reads the run's hints (these must equal them): raw payloads, converted above
+    checked.__annotations__ = {**fn.__annotations__, **{k: RawValue for k in fn.__annotations__ if k != "return"}}
     return checked
 
 
 def _run_takes(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`run`, which fails typed with the start input's refusal, if `__init__` kept one."""
+    """`run`, on the start input `__init__` converted, once the start is admitted: not under a
+    reserved id (`check_stream_id`, whoever sealed it), converted (`_init_takes`), and sealed by the
+    stream's principal or the operator (`check_sender`: a stream tagged for bob that alice's client
+    started fails here). A refused start fails the run typed at its first workflow task, before any
+    activity, and is counted as refused requests are (`_refuse`, kind "open")."""
     @functools.wraps(fn)
     async def checked(self: Any, *args: Any) -> Any:
-        if self._start_refused is not None:
-            raise self._start_refused
-        return await fn(self, *args)
+        try:
+            check_stream_id()
+            if self._start_refused is not None:
+                raise self._start_refused
+            self._sealed_by(self._start, "open", replayable=True)
+        except ApplicationError as err:
+            self._refuse("open", err)
+            raise
+        return await fn(self, self._start)
+    checked.__annotations__ = {**fn.__annotations__, **{k: RawValue for k in fn.__annotations__ if k != "return"}}
     return checked
-
 
 
 # Pinned by the versioned worker's default behavior (worker.deployment_config), not here: a
@@ -177,9 +201,8 @@ class MambaStreamWorkflow(StreamOwner):  # its queries (receipt, stats, the toke
     @workflow.run
     @_run_takes
     async def run(self, inp: OpenStreamInput) -> StreamStats:
-        # the start input is the principal's (or the operator's), as its key says: a stream tagged
-        # for bob that alice's client started fails here, before any activity
-        self._sealed_by(inp, "open", replayable=True)
+        # the start was admitted (`_run_takes`): its id is not reserved, and its input is the
+        # principal's (or the operator's), as its key says
         while True:
             try:
                 await self._live(inp)
@@ -560,8 +583,9 @@ class MambaStreamWorkflow(StreamOwner):  # its queries (receipt, stats, the toke
         return check_sender(req, self._inp.principal, what, replayable=replayable)
 
     def _refuse(self, kind: str, err: ApplicationError) -> None:
-        """A signal refused (it has no caller to tell): counted, its reason in the stats, logged,
-        and counted by the workers' metric."""
+        """A signal refused (it has no caller to tell), or the start (`_run_takes`, kind "open":
+        the run fails with it, but a starter without the workers' keys cannot read why): counted,
+        its reason in the stats, logged, and counted by the workers' metric."""
         reason = err.type or InvalidRequest.reason
         update: dict[str, Any] = {"last_refusal": f"{kind}: {reason}: {err.message}"[:512]}
         if kind == "reset":

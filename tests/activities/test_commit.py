@@ -102,10 +102,10 @@ def test_a_revoke_deletes_the_earlier_epochs_checkpoints_and_records_and_only_th
                             key=commits.state_key("s1", 1, 1, "reset|initial"), backend="reference:reset",
                             before=None).receipt
     legacy = "s1.e0.c0."  # an open key as an earlier version wrote it, and its record
-    store.put_if_absent(key=legacy, data=b"x", stream_id="s1", principal="alice")
-    store.put_if_absent(key=record_key(legacy), data=b"x", stream_id="s1", principal="alice")
+    store.put_if_absent(key=legacy, data=b"x", stream_id="s1", owner=commits.owner("alice"))
+    store.put_if_absent(key=record_key(legacy), data=b"x", stream_id="s1", owner=commits.owner("alice"))
     orphan = record_key(commits.chunk_key("s1", r0, 9, "gone"))  # its checkpoint deleted, the record not yet
-    store.put_if_absent(key=orphan, data=b"x", stream_id="s1", principal="alice")
+    store.put_if_absent(key=orphan, data=b"x", stream_id="s1", owner=commits.owner("alice"))
     other = _first(commits, model, sid="s2")  # another stream's epoch 0: untouched
     assert commits.revoke_before("s1", "alice", 1) == 3  # open, chunk 1 and the legacy open
     assert store.list_stream(stream_id="s1") == [reset1.state_key]
@@ -146,7 +146,7 @@ def test_a_crash_at_any_edge_leaves_what_the_next_attempt_finishes(model, edge):
     r0 = _first(ChunkCommit(store, ring), model)
     commits = ChunkCommit(store, ring)
     old = commits.chunk_key("s1", r0, 0, "old")
-    store.put_if_absent(key=old, data=b"old checkpoint", stream_id="s1", principal="alice")
+    store.put_if_absent(key=old, data=b"old checkpoint", stream_id="s1", owner=commits.owner("alice"))
     out = model.advance(model.initial_state(), [9, 8])
     key = commits.chunk_key("s1", r0, 1, "d")
     kw = dict(stream_id="s1", principal="alice", before=r0, chunk_seq=1, key=key, path="reference",
@@ -154,9 +154,9 @@ def test_a_crash_at_any_edge_leaves_what_the_next_attempt_finishes(model, edge):
     with pytest.raises(Crash):
         ChunkCommit(store, ring, edge=crash).complete(model, out.state, **kw)
     # what the crash left: nothing before `written`, the checkpoint from then on, the record at `recorded`
-    assert (store.get(key=key, principal="alice") is not None) == (edge != "computed")
-    assert (store.get(key=record_key(key), principal="alice") is not None) == (edge == "recorded")
-    assert store.get(key=old, principal="alice") is not None  # drops come last
+    assert (store.get(key=key, owner=commits.owner("alice")) is not None) == (edge != "computed")
+    assert (store.get(key=record_key(key), owner=commits.owner("alice")) is not None) == (edge == "recorded")
+    assert store.get(key=old, owner=commits.owner("alice")) is not None  # drops come last
     retry = ChunkCommit(store, ring)
     prior = retry.prior(key, "alice")
     if prior is None:
@@ -165,7 +165,7 @@ def test_a_crash_at_any_edge_leaves_what_the_next_attempt_finishes(model, edge):
         res = AdvanceResult.model_validate(prior.result)
         retry.drop([old], stream_id="s1", principal="alice")
     assert res.receipt.checksum == plaintext_checksum(out.state.tensors)
-    assert store.get(key=old, principal="alice") is None
+    assert store.get(key=old, owner=commits.owner("alice")) is None
     assert store.list_stream(stream_id="s1") == sorted([r0.state_key, key, record_key(key)])
 
 
@@ -224,7 +224,7 @@ def test_a_missing_checkpoint_is_a_typed_permanent_failure_through_the_activity(
     try:
         env = stream_env()
         opened = env.run(acts.open_stream, OpenStreamRequest(stream_id="s1", principal="alice", model_id=MODEL))
-        acts.store.delete(key=opened.receipt.state_key, stream_id="s1", principal="alice")
+        acts.store.delete(key=opened.receipt.state_key, stream_id="s1", owner=acts.commits.owner("alice"))
         acts.release_stream("s1")  # not hot either: the state must come from the store
         req = AdvanceRequest(principal="alice", chunk_seq=1, tokens=[1])
         with pytest.raises(ApplicationError) as err:
@@ -367,10 +367,10 @@ def test_recall_and_drops_touch_only_the_streams_own_keys():
         assert acts.store.list_stream(stream_id="s-bob") == before
         # and a key that names alice's stream but is bob's object in the store: left alone too
         planted = f"s-alice.e0.c9.{'0' * 32}"
-        assert acts.store.put_if_absent(key=planted, data=b"bob's", stream_id="s-bob", principal="bob")
+        assert acts.store.put_if_absent(key=planted, data=b"bob's", stream_id="s-bob", owner=acts.commits.owner("bob"))
         acts.commits.drop([planted], stream_id="s-alice", principal="alice")
-        assert acts.store.get(key=planted, principal="bob") == b"bob's"
-        acts.store.delete(key=planted, stream_id="s-bob", principal="bob")
+        assert acts.store.get(key=planted, owner=acts.commits.owner("bob")) == b"bob's"
+        acts.store.delete(key=planted, stream_id="s-bob", owner=acts.commits.owner("bob"))
         assert acts.store.list_stream(stream_id="s-bob") == before
         # an activity of one stream scheduled by another stream's workflow: refused before anything
         with pytest.raises(ApplicationError) as err:

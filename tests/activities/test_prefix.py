@@ -22,8 +22,7 @@ from activities import MemoryStateStore, ModelRegistry, StreamActivities, Stream
 from activities._prefix import SCOPES_KIND, SHARED_PRINCIPAL, is_prefix_stream
 from activities._store import StateStore
 from scan import load_model
-from state_codec import prefix_digest
-from state_codec.codec import Keyring, plaintext_checksum
+from state_codec.codec import Keyring, open_bytes, plaintext_checksum
 from tests.activities._env import stream_env
 from tests.activities.test_stores import PG_URL
 from tests.workflows.test_stream_workflow import digest
@@ -126,7 +125,7 @@ def test_a_stored_prefix_opens_with_the_bits_of_the_prefix_fed_from_position_0_a
     p = tokens(700)
     first = open_(acts, "s1", p[:600]).receipt  # computed in the engine's prefill pieces
     assert first.position == 600 and first.checksum == truth(p[:600])
-    assert first.origin.kind == "prefix" and first.origin.digest == prefix_digest(p[:600])
+    assert first.origin.kind == "prefix" and first.origin.digest == acts.prefixes.digest(acts.prefixes.scope("alice"), p[:600])
     assert (first.origin.tokens, first.origin.stored_tokens, first.origin.scope) == (600, 0, "")
     again = open_(acts, "s2", p[:600]).receipt
     assert (again.origin.stored_tokens, again.origin.scope) == (600, "principal")
@@ -255,7 +254,7 @@ def test_retention_is_bounded_per_scope_least_recently_used_first_and_the_sweep_
     assert meter.total("mamba_stream_prefix_evictions", why="lru") == 2
     # a fill that died between its blob and its index record: the sweep removes the blob after the grace
     scope = acts.prefixes.scope("alice")
-    store.put_if_absent(key=f"{scope.stream_id}.deadbeef", data=b"x", stream_id=scope.stream_id, principal="alice")
+    store.put_if_absent(key=f"{scope.stream_id}.deadbeef", data=b"x", stream_id=scope.stream_id, owner=scope.owner)
     # and a fill lease of a worker that died, and one being renewed: the stale one goes
     leases = f"prefix-fill.{scope.tag}"
     store.put_meta(kind=leases, name="dead", data=json.dumps({"since": clock[0] - 31}).encode())
@@ -266,10 +265,13 @@ def test_retention_is_bounded_per_scope_least_recently_used_first_and_the_sweep_
     clock[0] += 61
     rep = acts.prefixes.sweep(grace_s=60)
     assert rep.incomplete == 1 and f"{scope.stream_id}.deadbeef" not in store.list_stream(stream_id=scope.stream_id)
-    # bob's blobs are bound to a name two bytes shorter than alice's
-    assert rep.entries == 4 and rep.scopes == 2 and rep.bytes == 2 * size + 2 * (size - 2)
+    # bob's blobs are bound to a name two bytes shorter than alice's: the sealed header's padding
+    # makes them the same size (a blob's length says nothing of its principal's name)
+    assert rep.entries == 4 and rep.scopes == 2 and rep.bytes == 4 * size
     assert len(store.read_meta(kind=SCOPES_KIND)) == 2
-    assert json.loads(store.read_meta(kind=SCOPES_KIND)[scope.tag])["principal"] == "alice"
+    record = store.read_meta(kind=SCOPES_KIND)[scope.tag]  # sealed: whose scope it is, for the keys only
+    assert b"alice" not in record
+    assert json.loads(open_bytes(record, binding=f"prefix-scope|{scope.tag}", keyring=acts.keyring))["principal"] == "alice"
 
 
 def test_concurrent_opens_of_one_new_prefix_compute_it_once(store):
@@ -361,3 +363,111 @@ def test_concurrent_opens_on_two_workers_compute_a_new_prefix_once(store):
     ager.join()
     assert waited.is_set() and sum(calls) == 60 and got.checksum == truth(q) and got.origin.stored_tokens == 0
     assert store.read_meta(kind=f"prefix-fill.{scope.tag}") == {}
+
+
+class Pausable(StateStore):
+    """A store whose every call waits while it is paused: what a worker stalled as a whole (a
+    stopped process, a long GC pause) looks like to the store, its lease renewals included."""
+
+    def __init__(self, inner: StateStore) -> None:
+        self.inner, self.url, self.running = inner, inner.url, threading.Event()
+        self.running.set()
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in ("inner", "url", "running") or name.startswith("_"):
+            return object.__getattribute__(self, name)
+        attr = getattr(object.__getattribute__(self, "inner"), name)
+        if not callable(attr):
+            return attr
+        running = object.__getattribute__(self, "running")
+
+        def call(*args: Any, **kw: Any) -> Any:
+            running.wait()
+            return attr(*args, **kw)
+        return call
+
+    # the abstract methods and the metadata ones, overridden so the store counts as one that keeps
+    # metadata (calls go through __getattribute__)
+    put_if_absent = get = delete = delete_stream = list_stream = usage = None  # type: ignore[assignment]
+    read_meta = put_meta = put_meta_if_absent = delete_meta = swap_meta = None  # type: ignore[assignment]
+
+
+def test_a_holder_stalled_past_its_lease_has_its_writes_refused_and_the_entry_is_the_taker_s(store):
+    """Worker A takes a new prefix's fill lease and stalls while it computes (its renewals stall
+    with it); the lease goes stale, worker B takes it over, computes and stores the entry; A wakes:
+    its renewal finds the lease B's, its writes are refused by the fence, and it opens its own
+    stream from what it computed. One entry stored, B's; nothing lost; every stream exact."""
+    ring = Keyring.generate()
+    meters = [CountingMeter(), CountingMeter()]
+    paused = Pausable(store)
+    a = acts_for(paused, ring, metrics=StreamMetrics(meters[0]), prefix_ram_bytes=0)
+    b = acts_for(store, ring, metrics=StreamMetrics(meters[1]), prefix_ram_bytes=0)
+    for acts in (a, b):
+        acts.prefixes.lease_s = 0.6  # stale after 0.6 s: the test does not wait 30 s
+    calls: list[list[int]] = [[], []]
+    stalled, wake = threading.Event(), threading.Event()
+    model_a, real_a = a.models.get(MODEL), a.models.get(MODEL).advance
+    model_b, real_b = b.models.get(MODEL), b.models.get(MODEL).advance
+
+    def advance_a(state, toks):
+        if not stalled.is_set():  # A's first piece: the whole worker stops here, store calls and all
+            paused.running.clear()
+            stalled.set()
+            assert wake.wait(60)
+            paused.running.set()
+        calls[0].append(len(toks))
+        return real_a(state, toks)
+
+    model_a.advance = advance_a  # type: ignore[method-assign]
+    model_b.advance = lambda state, toks: calls[1].append(len(toks)) or real_b(state, toks)  # type: ignore
+    p = tokens(300, seed=11)
+    out: dict[str, Any] = {}
+    holder = threading.Thread(target=lambda: out.setdefault("a", open_(a, "a1", p).receipt))
+    holder.start()
+    assert stalled.wait(60)
+    scope = b.prefixes.scope("alice")
+    lease = store.get_meta(kind=scope.lease_kind, name=b.prefixes.entry_id(model_b, scope, p))
+    assert lease is not None  # A's
+    taker = open_(b, "b1", p).receipt  # waits for A's lease to go stale, takes it over, computes, stores
+    wake.set()
+    holder.join(60)
+    assert not holder.is_alive()
+    assert sum(calls[1]) == 300 and sum(calls[0]) == 300  # both computed (A was mid-computation) ...
+    assert taker.checksum == out["a"].checksum == truth(p)  # ... the same bits, exact
+    assert meters[0].total("mamba_stream_prefix_leases_lost") == 1  # A's writes were refused
+    assert meters[1].total("mamba_stream_prefix_leases_lost") == 0
+    assert meters[0].total("mamba_stream_prefix_bytes_written") == 0 < meters[1].total("mamba_stream_prefix_bytes_written")
+    index = b.prefixes._index(scope)
+    assert len(index) == 1
+    (entry,) = index.values()
+    assert entry.generation and lease is not None and not lease.startswith(entry.generation.encode())  # B's, not A's
+    assert sorted(store.list_stream(stream_id=scope.stream_id)) == [entry.key, entry.key + ".out"]
+    assert store.read_meta(kind=scope.lease_kind) == {}  # B released its lease; A's release changed nothing
+    # nothing lost: the entry serves the next open, on either worker
+    for acts, sid in ((a, "a2"), (b, "b2")):
+        again = open_(acts, sid, p).receipt
+        assert again.origin.stored_tokens == 300 and again.checksum == truth(p)
+
+
+def test_a_prefix_digest_is_keyed_per_scope(store):
+    """Receipts name a prefix by a digest keyed per scope: bob's and alice's of the same prefix
+    differ (neither can test a guess against the other's, nor can anyone without the keys), a
+    principal's own opens agree, and a declared shared prefix has one digest for everyone."""
+    import hashlib
+    import struct
+
+    ring = Keyring.generate()
+    p, q = tokens(120, seed=12), tokens(100, seed=13)
+    acts = acts_for(store, ring, shared_prefixes={MODEL: [q]})
+    a1, a2 = open_(acts, "a1", p, "alice").receipt, open_(acts, "a2", p, "alice").receipt
+    b1 = open_(acts, "b1", p, "bob").receipt
+    assert a1.origin.digest == a2.origin.digest != b1.origin.digest
+    plain = hashlib.sha256(struct.pack(f"<{len(p)}I", *p)).hexdigest()
+    assert plain not in a1.origin.digest and a1.origin.digest.startswith("hmac-sha256:")
+    assert acts_for(MemoryStateStore(), Keyring.generate()).prefixes.digest(acts.prefixes.scope("alice"), p) \
+        != a1.origin.digest  # another deployment's keys, another digest
+    sa, sb = open_(acts, "s1", q, "alice").receipt, open_(acts, "s2", q, "bob").receipt
+    assert sa.origin.digest == sb.origin.digest == acts.prefixes.digest(acts.prefixes.scope(None), q)
+    assert sb.origin.scope == "shared"
+    longer = open_(acts, "s3", q + [5], "bob").receipt  # past the shared prefix: bob's own
+    assert longer.origin.digest == acts.prefixes.digest(acts.prefixes.scope("bob"), q + [5])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import shutil
 import signal
@@ -18,8 +19,11 @@ import psycopg
 import pytest
 
 from activities import (
+    Fence,
     FileStateStore,
     InvalidStoreKey,
+    LeaseLost,
+    LegacyObject,
     StateStore,
     StoreCorrupt,
     StoreError,
@@ -60,42 +64,42 @@ def _url(store: StateStore) -> str:
 
 
 def test_put_get_list_delete_usage(store):
-    assert store.put_if_absent(key="s1.k1", data=b"one", stream_id="s1", principal="alice")
-    assert not store.put_if_absent(key="s1.k1", data=b"other", stream_id="s1", principal="alice")
-    assert store.put_if_absent(key="s1.k2", data=bytearray(b"two!"), stream_id="s1", principal="alice")
-    assert store.put_if_absent(key="s2.k1", data=memoryview(b"three"), stream_id="s2", principal="bob")
-    assert store.get(key="s1.k1", principal="alice") == b"one"
-    assert store.get(key="nope", principal="alice") is None
+    assert store.put_if_absent(key="s1.k1", data=b"one", stream_id="s1", owner="alice")
+    assert not store.put_if_absent(key="s1.k1", data=b"other", stream_id="s1", owner="alice")
+    assert store.put_if_absent(key="s1.k2", data=bytearray(b"two!"), stream_id="s1", owner="alice")
+    assert store.put_if_absent(key="s2.k1", data=memoryview(b"three"), stream_id="s2", owner="bob")
+    assert store.get(key="s1.k1", owner="alice") == b"one"
+    assert store.get(key="nope", owner="alice") is None
     assert store.list_stream(stream_id="s1") == ["s1.k1", "s1.k2"]
     assert store.list_stream(stream_id="s3") == []
     assert store.stream_ids() == ["s1", "s2"]
     u = store.usage()
     assert (u.objects, u.bytes, u.streams) == (3, 3 + 4 + 5, 2)
     # a delete names the object's stream and principal: another's is left alone, whatever the key
-    assert not store.delete(key="s2.k1", stream_id="s1", principal="alice")
-    assert not store.delete(key="s2.k1", stream_id="s2", principal="alice")
-    assert not store.delete(key="s1.k2", stream_id="s1", principal="bob")
-    assert store.get(key="s2.k1", principal="bob") == b"three" and store.get(key="s1.k2", principal="alice")
-    assert store.delete(key="s1.k2", stream_id="s1", principal="alice")
-    assert not store.delete(key="s1.k2", stream_id="s1", principal="alice")
+    assert not store.delete(key="s2.k1", stream_id="s1", owner="alice")
+    assert not store.delete(key="s2.k1", stream_id="s2", owner="alice")
+    assert not store.delete(key="s1.k2", stream_id="s1", owner="bob")
+    assert store.get(key="s2.k1", owner="bob") == b"three" and store.get(key="s1.k2", owner="alice")
+    assert store.delete(key="s1.k2", stream_id="s1", owner="alice")
+    assert not store.delete(key="s1.k2", stream_id="s1", owner="alice")
     assert store.delete_stream(stream_id="s2") == 1
-    assert store.get(key="s2.k1", principal="bob") is None
+    assert store.get(key="s2.k1", owner="bob") is None
     assert store.list_stream(stream_id="s1") == ["s1.k1"]
     assert store.stream_ids() == ["s1"]
-    store.delete(key="s1.k1", stream_id="s1", principal="alice")
+    store.delete(key="s1.k1", stream_id="s1", owner="alice")
     assert store.stream_ids() == []
 
 
 def test_a_read_with_the_wrong_principal_returns_nothing(store):
-    store.put_if_absent(key="k", data=b"secret", stream_id="s", principal="alice")
-    assert store.get(key="k", principal="mallory") is None
-    assert store.get(key="k", principal="alice") == b"secret"
+    store.put_if_absent(key="k", data=b"secret", stream_id="s", owner="alice")
+    assert store.get(key="k", owner="mallory") is None
+    assert store.get(key="k", owner="alice") == b"secret"
 
 
 def test_invalid_keys_are_typed_errors(store):
     for bad in ("", "../etc/passwd", "a/b", ".", "x" * 300, "spaces are bad"):
         with pytest.raises(InvalidStoreKey):
-            store.put_if_absent(key=bad, data=b"x", stream_id="s", principal="p")
+            store.put_if_absent(key=bad, data=b"x", stream_id="s", owner="p")
     with pytest.raises(InvalidStoreKey):
         store.list_stream(stream_id="../up")
     assert not InvalidStoreKey.retryable
@@ -108,7 +112,7 @@ def test_concurrent_threads_leave_one_complete_object(store):
 
     def write(p: bytes) -> None:
         barrier.wait()
-        results.append(store.put_if_absent(key="race", data=p, stream_id="s", principal="alice"))
+        results.append(store.put_if_absent(key="race", data=p, stream_id="s", owner="alice"))
 
     threads = [threading.Thread(target=write, args=(p,)) for p in payloads]
     for t in threads:
@@ -116,7 +120,7 @@ def test_concurrent_threads_leave_one_complete_object(store):
     for t in threads:
         t.join()
     assert sorted(results) == [False] * 7 + [True]
-    got = store.get(key="race", principal="alice")
+    got = store.get(key="race", owner="alice")
     assert got in payloads
     assert store.list_stream(stream_id="s") == ["race"] and store.usage().objects == 1
 
@@ -129,7 +133,7 @@ _WRITER = textwrap.dedent("""
     payload = bytes([int(sys.argv[2])]) * (2 << 20)
     while time.time() < float(sys.argv[3]):
         pass
-    print(store.put_if_absent(key="race", data=payload, stream_id="s", principal="alice"))
+    print(store.put_if_absent(key="race", data=payload, stream_id="s", owner="alice"))
 """)
 
 
@@ -141,7 +145,7 @@ def test_concurrent_processes_leave_one_complete_object(store):
     outs = [p.communicate(timeout=60)[0].strip() for p in procs]
     assert all(p.returncode == 0 for p in procs)
     assert sorted(outs) == ["False", "False", "False", "True"]
-    got = store.get(key="race", principal="alice")
+    got = store.get(key="race", owner="alice")
     assert got is not None and len(got) == 2 << 20 and got == bytes([got[0]]) * len(got)
     assert store.usage().objects == 1
 
@@ -156,7 +160,7 @@ _SLOW_WRITER = textwrap.dedent("""
             super()._write_chunk(fd, chunk)
             time.sleep(0.2)
 
-    Slow(sys.argv[1]).put_if_absent(key="big", data=bytes(64 << 20), stream_id="s", principal="alice")
+    Slow(sys.argv[1]).put_if_absent(key="big", data=bytes(64 << 20), stream_id="s", owner="alice")
 """)
 
 
@@ -175,26 +179,31 @@ def test_a_writer_killed_midway_leaves_nothing_readable(tmp_path):
         pytest.fail("the writer never started writing")
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert store.get(key="big", principal="alice") is None
+    assert store.get(key="big", owner="alice") is None
     assert store.list_stream(stream_id="s") == []
     assert store.usage().objects == 0
     # the next writer of that key succeeds and the leftover can be swept
-    assert store.put_if_absent(key="big", data=b"whole", stream_id="s", principal="alice")
-    assert store.get(key="big", principal="alice") == b"whole"
+    assert store.put_if_absent(key="big", data=b"whole", stream_id="s", owner="alice")
+    assert store.get(key="big", owner="alice") == b"whole"
     assert store.sweep_tmp(older_than_s=0) == 1
 
 
 def test_file_store_permissions_and_corruption(tmp_path):
     store = FileStateStore(tmp_path / "store")
-    store.put_if_absent(key="k", data=b"payload", stream_id="s", principal="p")
+    store.put_if_absent(key="k", data=b"payload", stream_id="s", owner="p")
     obj = next((tmp_path / "store" / "objects").rglob("k"))
     assert (obj.stat().st_mode & 0o777) == 0o600
     assert ((tmp_path / "store").stat().st_mode & 0o777) == 0o700
-    raw = bytearray(obj.read_bytes())
-    raw[-1] ^= 1
-    obj.write_bytes(bytes(raw))
-    with pytest.raises(StoreCorrupt):
-        store.get(key="k", principal="p")
+    raw = obj.read_bytes()
+    # the store keeps no digest of its own (it would be a checksum in clear): a flipped bit is the
+    # blob's authentication tag's to find, where it is decoded (tests/workflows/test_store_faults.py);
+    # what the store itself sees is an object that does not frame: cut short, or not its magic
+    obj.write_bytes(raw[:-1])
+    with pytest.raises(StoreCorrupt, match="its header says"):
+        store.get(key="k", owner="p")
+    obj.write_bytes(b"XXXX" + raw[4:])
+    with pytest.raises(StoreCorrupt, match="bad magic"):
+        store.get(key="k", owner="p")
 
 
 def test_unreachable_postgres_is_a_retryable_error():
@@ -209,7 +218,7 @@ def test_unreachable_postgres_is_a_retryable_error():
 
 
 def test_metadata_is_put_if_absent_and_apart_from_the_blobs(store):
-    store.put_if_absent(key="s1.k1", data=b"one", stream_id="s1", principal="alice")
+    store.put_if_absent(key="s1.k1", data=b"one", stream_id="s1", owner="alice")
     assert store.get_meta(kind="owner", name="temporal") is None
     assert store.put_meta_if_absent(kind="owner", name="temporal", data=b'{"a": 1}')
     assert not store.put_meta_if_absent(kind="owner", name="temporal", data=b"other")
@@ -278,16 +287,16 @@ def test_read_only_postgres_is_retryable_and_the_put_passes_once_lifted(pg_admin
     pg_admin.execute(f"ALTER ROLE {pg_role} SET default_transaction_read_only = on")
     store = open_store(url)  # new connections, read-only: a store on them still opens, to read
     try:
-        assert store.get(key="k", principal="alice") is None  # reads work
+        assert store.get(key="k", owner="alice") is None  # reads work
         with pytest.raises(StoreUnavailable) as exc:
-            store.put_if_absent(key="k", data=b"state", stream_id="s", principal="alice")
+            store.put_if_absent(key="k", data=b"state", stream_id="s", owner="alice")
         assert exc.value.retryable and exc.value.reason == "StoreUnavailable"
         assert isinstance(exc.value.__cause__, psycopg.errors.ReadOnlySqlTransaction)
         assert exc.value.__cause__.sqlstate == "25006" and "25006" in str(exc.value)
         pg_admin.execute(f"ALTER ROLE {pg_role} RESET default_transaction_read_only")
         # the same put passes: the connection that saw the error was not pooled again
-        assert store.put_if_absent(key="k", data=b"state", stream_id="s", principal="alice")
-        assert store.get(key="k", principal="alice") == b"state"
+        assert store.put_if_absent(key="k", data=b"state", stream_id="s", owner="alice")
+        assert store.get(key="k", owner="alice") == b"state"
     finally:
         store.close()
 
@@ -296,16 +305,16 @@ def test_a_missing_privilege_is_a_permanent_error_naming_its_sqlstate(pg_admin, 
     table = f"t_{uuid.uuid4().hex[:12]}"
     owner = _pg_store(table)  # made by the superuser; the role may only read it
     try:
-        owner.put_if_absent(key="k0", data=b"zero", stream_id="s", principal="alice")
+        owner.put_if_absent(key="k0", data=b"zero", stream_id="s", owner="alice")
         pg_admin.execute(f"GRANT SELECT ON {owner.table}, {owner.meta_table} TO {pg_role}")
         reader = open_store(f"postgresql://{pg_role}@{PG_HOSTPART}?table={table}")
         try:
             with pytest.raises(StoreError) as exc:
-                reader.put_if_absent(key="k", data=b"x", stream_id="s", principal="alice")
+                reader.put_if_absent(key="k", data=b"x", stream_id="s", owner="alice")
             assert not isinstance(exc.value, StoreUnavailable) and not exc.value.retryable
             assert "42501" in str(exc.value)
             assert isinstance(exc.value.__cause__, psycopg.errors.InsufficientPrivilege)
-            assert reader.get(key="k0", principal="alice") == b"zero"  # its connection is fine, and reused
+            assert reader.get(key="k0", owner="alice") == b"zero"  # its connection is fine, and reused
         finally:
             reader.close()
     finally:
@@ -319,14 +328,14 @@ def test_a_killed_connection_is_retryable_and_not_pooled_again(pg_admin):
     store.close()
     store = open_store(f"{PG_URL}?table={store.table}&application_name={app}")
     try:
-        store.put_if_absent(key="k", data=b"state", stream_id="s", principal="alice")
+        store.put_if_absent(key="k", data=b"state", stream_id="s", owner="alice")
         killed = pg_admin.execute("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
                                   " WHERE application_name = %s", (app,)).fetchone()[0]
         assert killed == 1
         with pytest.raises(StoreUnavailable) as exc:
-            store.get(key="k", principal="alice")
+            store.get(key="k", owner="alice")
         assert exc.value.retryable and isinstance(exc.value.__cause__, psycopg.Error)
-        assert store.get(key="k", principal="alice") == b"state"  # on a new connection
+        assert store.get(key="k", owner="alice") == b"state"  # on a new connection
     finally:
         store.drop()
         store.close()
@@ -344,13 +353,13 @@ def test_a_failed_write_is_raised_not_its_cleanup_error(tmp_path):
     store = FileStateStore(tmp_path / "store")
     shutil.rmtree(tmp_path / "store" / "tmp")
     (tmp_path / "store" / "tmp").write_bytes(b"not a directory")
-    for put in (lambda: store.put_if_absent(key="k", data=b"state", stream_id="s", principal="alice"),
+    for put in (lambda: store.put_if_absent(key="k", data=b"state", stream_id="s", owner="alice"),
                 lambda: store.put_meta_if_absent(kind="owner", name="temporal", data=b"{}")):
         with pytest.raises(StoreError) as exc:
             put()
         assert isinstance(exc.value, StoreUnavailable)  # ENOTDIR: as `_os_error` decides, may pass
         assert isinstance(exc.value.__cause__, OSError) and exc.value.__cause__.errno == errno.ENOTDIR
-    assert store.get(key="k", principal="alice") is None
+    assert store.get(key="k", owner="alice") is None
 
 
 @pytest.fixture
@@ -364,7 +373,7 @@ def read_only_store(tmp_path):
     root = tmp_path / "store"
     if os.geteuid() != 0:
         store = FileStateStore(root)
-        store.put_if_absent(key="k0", data=b"zero", stream_id="s", principal="alice")
+        store.put_if_absent(key="k0", data=b"zero", stream_id="s", owner="alice")
         for sub in ("objects", "tmp"):
             os.chmod(root / sub, 0o500)
         yield store, (errno.EACCES,)
@@ -378,7 +387,7 @@ def read_only_store(tmp_path):
                     "and mount is not permitted")
     try:
         store = FileStateStore(root)
-        store.put_if_absent(key="k0", data=b"zero", stream_id="s", principal="alice")
+        store.put_if_absent(key="k0", data=b"zero", stream_id="s", owner="alice")
         subprocess.run(["mount", "-o", "remount,ro", str(root)], check=True, capture_output=True)
         yield store, (errno.EROFS,)
     finally:
@@ -388,8 +397,167 @@ def read_only_store(tmp_path):
 def test_a_read_only_file_store_raises_the_write_error_typed(read_only_store):
     store, errnos = read_only_store
     with pytest.raises(StoreError) as exc:
-        store.put_if_absent(key="k", data=b"state", stream_id="s2", principal="alice")
+        store.put_if_absent(key="k", data=b"state", stream_id="s2", owner="alice")
     assert type(exc.value) is StoreError and not exc.value.retryable  # EROFS/EACCES: as `_os_error` decides
     assert isinstance(exc.value.__cause__, OSError) and exc.value.__cause__.errno in errnos
     assert "cannot write k" in str(exc.value)
-    assert store.get(key="k0", principal="alice") == b"zero"  # reads still work
+    assert store.get(key="k0", owner="alice") == b"zero"  # reads still work
+
+
+# --- compare-and-set, fences, legacy objects (issue 43) -----------------------------------------
+
+
+@pytest.fixture(params=["memory", "file", "postgresql"])
+def any_store(request, tmp_path):
+    if request.param == "memory":
+        from activities import MemoryStateStore
+
+        yield MemoryStateStore()
+    elif request.param == "file":
+        yield open_store(f"file://{tmp_path / 'store'}")
+    else:
+        s = _pg_store(f"t_{uuid.uuid4().hex[:12]}")
+        yield s
+        s.drop()
+        s.close()
+
+
+def test_swap_meta_is_a_compare_and_set(any_store):
+    s = any_store
+    assert s.swap_meta(kind="lease", name="e", expect=None, data=b"g1 a")  # absent -> written
+    assert not s.swap_meta(kind="lease", name="e", expect=None, data=b"g2 a")  # present: refused
+    assert not s.swap_meta(kind="lease", name="e", expect=b"g1 b", data=b"g2 a")  # another value: refused
+    assert s.get_meta(kind="lease", name="e") == b"g1 a"
+    assert s.swap_meta(kind="lease", name="e", expect=b"g1 a", data=b"g1 b")  # renewed
+    assert not s.swap_meta(kind="lease", name="e", expect=b"g1 a", data=None)  # a stale delete: refused
+    assert s.swap_meta(kind="lease", name="e", expect=b"g1 b", data=None)
+    assert s.get_meta(kind="lease", name="e") is None
+    assert s.swap_meta(kind="lease", name="e", expect=None, data=None)  # absent, as expected
+
+
+def test_a_fenced_write_happens_only_while_its_lease_starts_with_the_token(any_store):
+    s = any_store
+    fence = Fence("lease", "e", b"g1 ")
+    for fenced in (lambda: s.put_if_absent(key="k1", data=b"x", stream_id="s", owner="o", fence=fence),
+                   lambda: s.put_meta(kind="index", name="e", data=b"rec", fence=fence)):
+        with pytest.raises(LeaseLost):  # no lease at all
+            fenced()
+    assert s.get(key="k1", owner="o") is None and s.get_meta(kind="index", name="e") is None
+    assert s.swap_meta(kind="lease", name="e", expect=None, data=b"g1 {since 1}")
+    assert s.put_if_absent(key="k1", data=b"x", stream_id="s", owner="o", fence=fence)
+    assert not s.put_if_absent(key="k1", data=b"y", stream_id="s", owner="o", fence=fence)  # exists: False
+    s.put_meta(kind="index", name="e", data=b"rec", fence=fence)
+    assert s.swap_meta(kind="lease", name="e", expect=b"g1 {since 1}", data=b"g1 {since 2}")  # a renewal keeps it
+    s.put_meta(kind="index", name="e", data=b"rec2", fence=fence)
+    # taken over: the old holder's writes are refused and change nothing
+    assert s.swap_meta(kind="lease", name="e", expect=b"g1 {since 2}", data=b"g2 {since 3}")
+    with pytest.raises(LeaseLost) as err:
+        s.put_meta(kind="index", name="e", data=b"stale", fence=fence)
+    assert not err.value.retryable
+    with pytest.raises(LeaseLost):
+        s.put_if_absent(key="k2", data=b"stale", stream_id="s", owner="o", fence=fence)
+    with pytest.raises(LeaseLost):  # an existing key under a lost lease: still refused, not False
+        s.put_if_absent(key="k1", data=b"stale", stream_id="s", owner="o", fence=fence)
+    assert s.get_meta(kind="index", name="e") == b"rec2" and s.get(key="k2", owner="o") is None
+    s.put_meta(kind="index", name="e", data=b"new", fence=Fence("lease", "e", b"g2 "))
+
+
+def test_fenced_writes_and_a_takeover_race_on_threads_one_way_only(any_store):
+    """Writers fenced by one generation race a takeover: each writes until refused; every write
+    that succeeded is in the store, none came after its writer's first refusal, and every writer
+    was refused once the lease was another's."""
+    s = any_store
+    assert s.swap_meta(kind="lease", name="e", expect=None, data=b"g1 x")
+    fence, lock = Fence("lease", "e", b"g1 "), threading.Lock()
+    written: list[tuple[int, int]] = []
+    refused: list[tuple[int, int]] = []
+    some = threading.Event()
+
+    def write(i: int) -> None:
+        deadline = time.monotonic() + 60  # a writer that is never refused fails the test, not hangs it
+        for j in itertools.count():
+            if time.monotonic() > deadline:
+                return
+            try:
+                s.put_if_absent(key=f"k{i}-{j}", data=b"x", stream_id="s", owner="o", fence=fence)
+            except LeaseLost:
+                with lock:
+                    refused.append((i, j))
+                return
+            with lock:
+                written.append((i, j))
+                if len(written) >= 8:
+                    some.set()
+
+    # three writers: the PostgreSQL store's pool has four connections, one left for the takeover
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    assert some.wait(30)
+    assert s.swap_meta(kind="lease", name="e", expect=b"g1 x", data=b"g2 x")  # the takeover, mid-flight
+    for t in threads:
+        t.join()
+    assert sorted(i for i, _ in refused) == [0, 1, 2]  # every writer refused once, then it stopped
+    for i, j in refused:
+        assert all(jj < j for ii, jj in written if ii == i)
+    assert sorted(s.list_stream(stream_id="s")) == sorted(f"k{i}-{j}" for i, j in written)
+
+
+def test_a_legacy_object_is_read_by_its_principals_name_only_and_rewritten_owned_by_a_tag(tmp_path):
+    from tests._legacy import legacy_file_object, legacy_pg_row, legacy_pg_table
+
+    file_store = open_store(f"file://{tmp_path / 'store'}")
+    legacy_file_object(file_store.root, key="s1.k1", data=b"old blob", stream_id="s1", principal="alice")
+    table = f"t_{uuid.uuid4().hex[:12]}"
+    try:
+        with psycopg.connect(PG_URL, autocommit=True) as conn:
+            legacy_pg_table(conn, table)
+            legacy_pg_row(conn, table, key="s1.k1", data=b"old blob", stream_id="s1", principal="alice")
+    except psycopg.OperationalError as exc:
+        if REQUIRED:
+            raise
+        pytest.skip(f"PostgreSQL is not reachable at {PG_URL}: {exc}")
+    pg = _pg_store(table)
+    try:
+        assert pg.legacy_layout
+        for s in (file_store, pg):
+            assert s.get(key="s1.k1", owner="tag-a") is None  # not by a tag
+            assert s.get(key="s1.k1", owner="alice") is None  # a name is no owner: only a legacy one
+            assert s.get(key="s1.k1", owner="tag-a", legacy="bob") is None
+            assert s.get(key="s1.k1", owner="tag-a", legacy="alice") == b"old blob"
+            assert s.legacy_objects() == [LegacyObject("s1.k1", "s1", "alice")]
+            # new objects beside it, in the same (legacy-layout) table: owned by their tag
+            assert s.put_if_absent(key="s1.k2", data=b"new", stream_id="s1", owner="tag-a")
+            assert s.get(key="s1.k2", owner="tag-a") == b"new" and s.get(key="s1.k2", owner="x", legacy="tag-a") is None
+            assert not s.rewrite(key="s1.k1", data=b"resealed", owner="tag-a", legacy="bob")
+            assert s.rewrite(key="s1.k1", data=b"resealed", owner="tag-a", legacy="alice")
+            assert not s.rewrite(key="s1.k1", data=b"again", owner="tag-a", legacy="alice")  # no longer legacy
+            assert s.legacy_objects() == []
+            assert s.get(key="s1.k1", owner="tag-a") == b"resealed"
+            assert s.get(key="s1.k1", owner="tag-b", legacy="alice") is None
+            assert s.list_stream(stream_id="s1") == ["s1.k1", "s1.k2"] and s.usage().bytes == len(b"resealed") + 3
+        raw = b"".join(p.read_bytes() for p in (tmp_path / "store").rglob("*") if p.is_file())
+        assert b"alice" not in raw and b"sha256" not in raw
+        with psycopg.connect(PG_URL, autocommit=True) as conn:
+            rows = conn.execute(f"SELECT principal, octet_length(sha256) FROM {table} ORDER BY key").fetchall()
+        assert rows == [("tag-a", 0), ("tag-a", 0)]
+        # a legacy object deleted by its name, while legacy
+        legacy_file_object(file_store.root, key="s2.k1", data=b"old", stream_id="s2", principal="bob")
+        assert not file_store.delete(key="s2.k1", stream_id="s2", owner="tag-b")
+        assert file_store.delete(key="s2.k1", stream_id="s2", owner="tag-b", legacy="bob")
+    finally:
+        pg.drop()
+        pg.close()
+
+
+def test_a_new_postgres_table_has_an_owner_column_and_no_digest():
+    store = _pg_store(f"t_{uuid.uuid4().hex[:12]}")
+    try:
+        with psycopg.connect(PG_URL, autocommit=True) as conn:
+            cols = [r[0] for r in conn.execute("SELECT column_name FROM information_schema.columns"
+                                               " WHERE table_name = %s ORDER BY ordinal_position",
+                                               (store.table,)).fetchall()]
+        assert cols == ["key", "stream_id", "owner", "data", "size", "created_at"] and not store.legacy_layout
+    finally:
+        store.drop()
+        store.close()

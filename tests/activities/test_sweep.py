@@ -64,7 +64,7 @@ def _address(env: WorkflowEnvironment) -> str:
 def _fill(store: StateStore, sid: str, n: int = 3) -> list[str]:
     keys = [f"{sid}.k{i}" for i in range(n)]
     for k in keys:
-        store.put_if_absent(key=k, data=b"sealed state " + k.encode(), stream_id=sid, principal="alice")
+        store.put_if_absent(key=k, data=b"sealed state " + k.encode(), stream_id=sid, owner="tag-of-alice")
     return keys
 
 

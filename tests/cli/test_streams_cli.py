@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 STREAM_ID = re.compile(r"ms[.-][0-9a-f.]+")
 #: every subcommand add_stream_commands adds
 COMMANDS = ("open", "feed", "generate", "tokens", "receipt", "reset", "rewind", "cancel", "list", "checkpoint",
-            "resume", "sweep", "codec-server")
+            "resume", "sweep", "rekey-store", "codec-server")
 
 
 def _free_port() -> int:
@@ -469,7 +469,10 @@ async def test_open_with_a_prefix_file_starts_at_its_end_and_a_second_open_takes
     # an exact arithmetic: the only one whose prefix states are stored (the tests' default is reference)
     stack = await make_stack(temporal_env, tmp_path, backend="exact")
     async with stack.exits:
-        from state_codec import prefix_digest
+        pfx = stack.acts.prefixes
+
+        def prefix_digest(tokens: list[int]) -> str:
+            return pfx.digest(pfx.scope("alice"), tokens)
 
         env = _env(stack, _keyfile(stack, tmp_path))
         path = tmp_path / "prefix.txt"
@@ -595,3 +598,58 @@ async def test_a_prefix_the_workers_refuse_is_reported_typed(stack: Stack, tmp_p
     running = [w async for w in stack.client.list_workflows(
         f"TaskQueue = '{stack.queue}' AND ExecutionStatus = 'Running'")]
     assert running == []
+
+
+# --- rekey-store (issue 43, item 7) ------------------------------------------------------------------------
+
+
+async def test_rekey_store_rewrites_an_old_format_store_keyed_and_the_streams_go_on(temporal_env, tmp_path):
+    """A store as the version before wrote it (principal names in the objects' headers, bound fields
+    in the checkpoints' envelopes, prefix records in clear JSON) beside a live worker: `rekey-store`
+    rewrites it so that no name is left in any file; the streams go on from where they were; run
+    again it finds nothing. Bad input is one line, exit 2, and makes nothing."""
+    from state_codec.codec import is_clear_header
+    from tests._legacy import downgrade_file_store, downgrade_meta
+
+    stack = await make_stack(temporal_env, tmp_path, backend="auto")  # exact: the prefix store serves
+    async with stack.exits:
+        who = "carol-rekey-8q2w"
+        root = Path(stack.store_url.removeprefix("file://"))
+        s = stack.streams
+        sid = await s.open(who, "tiny-mamba2", prefix=[104, 105] * 20)
+        await s.advance(sid, who, tokens=[1, 2, 3])
+        before = (await s.receipt(sid)).checksum
+
+        def names() -> int:  # files that name the principal
+            return sum(who.encode() in p.read_bytes() for p in root.rglob("*") if p.is_file())
+
+        downgrade_meta(stack.acts.store, stack.keyring)
+        n = downgrade_file_store(root, stack.keyring, [who])
+        assert n >= 3 and names() >= n  # the objects, and the clear prefix records
+        clear = sum(is_clear_header(p.read_bytes()[9 + int.from_bytes(p.read_bytes()[5:9], "little"):])
+                    for p in (root / "objects").rglob("*") if p.is_file())
+        assert 3 <= clear < n  # the checkpoints (of the prefix, the open, the chunk); not the logits beside them
+        env = _env(stack, _keyfile(stack, tmp_path), MAMBA_STREAM_STORE=stack.store_url)
+        out = await _json(env, "rekey-store")
+        assert (out["objects"], out["resealed"], out["unreadable"]) == (n, clear, 0), out
+        assert out["records"] == 2 and out["store"] == stack.store_url  # the scope's record and the entry's
+        assert names() == 0
+        again = await _json(env, "rekey-store")
+        assert (again["objects"], again["records"]) == (0, 0)
+        # the stream goes on from the rekeyed state; a new open is served the rekeyed prefix entry
+        assert (await s.receipt(sid)).checksum == before
+        after = await s.advance(sid, who, tokens=[4])
+        assert after.receipt.position == 44
+        other = await s.open(who, "tiny-mamba2", prefix=[104, 105] * 20)
+        assert (await s.receipt(other)).origin.stored_tokens == 40
+        # bad input: one line naming what is wrong, nothing made
+        nowhere = tmp_path / "no-such-store"
+        bad = await _run(env, "rekey-store", "--store", f"file://{nowhere}")
+        assert _one_error_line(bad[0]) == f"error: no state store at {nowhere} (--store, or $MAMBA_STREAM_STORE)"
+        assert not nowhere.exists()
+        alices = tmp_path / "alice.json"
+        stack.keyring.for_principal("alice").save(alices)
+        bad = await _run(dict(env, MAMBA_STREAM_KEYRING=str(alices)), "rekey-store")
+        assert _one_error_line(bad[0]).startswith("error: KeyringError: rekeying needs the workers' master keyring")
+        bad = await _run(env, "rekey-store", "--store", "postgresql://nobody@127.0.0.1:1/none")
+        assert _one_error_line(bad[0]).startswith("error: StoreUnavailable: ")

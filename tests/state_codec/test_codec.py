@@ -36,6 +36,7 @@ from state_codec.codec import (
     decode_checkpoint,
     encode_checkpoint,
     envelope_schema,
+    open_checkpoint,
     seal,
     unseal,
 )
@@ -251,7 +252,7 @@ def test_same_bytes_other_schema_is_rejected_naming_the_field():
     with pytest.raises(SchemaMismatch) as exc:
         unseal(ba, ra, RING, model=b, principal="p")
     assert exc.value.field == "schema.discretization.a_floor"
-    assert envelope_schema(ba) == a.schema
+    assert envelope_schema(ba, RING) == a.schema
 
 
 def test_a_state_made_under_one_weight_format_does_not_open_under_another():
@@ -291,9 +292,9 @@ def test_key_rotation_and_unknown_keys():
 def test_unsupported_envelope_version():
     _, _, receipt, blob = _sealed()
     bad = bytearray(blob)
-    i = bytes(bad).index(b"\xa1v") + 2  # fixstr "v", then its value (positive fixint 1)
-    assert bad[i] == ENVELOPE_VERSION
-    bad[i] = 2
+    i = bytes(bad).index(b"\xa1v") + 2  # fixstr "v", then its value (positive fixint 2)
+    assert bad[i] == ENVELOPE_VERSION == 2
+    bad[i] = 3
     with pytest.raises(UnsupportedEnvelopeVersion):
         decode_checkpoint(bad, receipt, RING)
 
@@ -384,24 +385,115 @@ def test_every_bound_field_of_the_codec_is_one_of_the_receipt():
     assert set(_BOUND_ERRORS) == set(receipt.bound())
 
 
-@pytest.mark.parametrize("field", ["stream_id", "principal", "model_revision", "schema_fingerprint", "position",
-                                   "chunk_seq", "epoch"])
-def test_a_bound_field_rewritten_in_header_and_receipt_together_fails_authentication(field):
-    """The header's copy of a bound field is compared with the receipt, so rewriting only the
-    header is caught without cryptography. A forger rewrites both: only the associated data then
-    stands between a blob and another stream, tenant, position or epoch."""
-    _, state, receipt, blob = _sealed()
+BOUND_FIELDS = ["stream_id", "principal", "model_revision", "schema_fingerprint", "position", "chunk_seq", "epoch"]
+
+
+@pytest.mark.parametrize("field", BOUND_FIELDS)
+def test_a_sealed_header_moved_from_a_blob_of_other_bound_fields_fails_authentication(field):
+    """The bound fields are sealed in the header: without the key nobody writes one. What a forger
+    can do is move the sealed header of another blob, one bound to the fields they want (another
+    stream, tenant, position or epoch), onto this blob's ciphertext, and present that blob's
+    receipt: the header then opens and agrees with the receipt, and only the associated data, which
+    holds the header, stands between the ciphertext and the other binding."""
+    model, state, receipt, blob = _sealed()
+    args = {"stream_id": "stream-1", "principal": "alice", "chunk_seq": 4, "epoch": 1, "keyring": RING}
+    if field in args:
+        args[field] = _other(receipt.bound()[field])
+    if field == "position":  # another position: the state after one more token
+        other_receipt, other_blob = seal(model, model.advance(state, [7]).state, **args)
+    else:
+        other_receipt, other_blob = seal(model, state, **args)
+        if field not in args:  # a field seal() takes from the model: encoded under a forged receipt
+            other_receipt = other_receipt.model_copy(update={field: _other(receipt.bound()[field])})
+            other_blob = encode_checkpoint(state.tensors, other_receipt, RING)
+    differs = {k for k, v in other_receipt.bound().items() if receipt.bound()[k] != v}
+    assert differs == {field}
     entries, ct = _envelope(bytes(blob))
-    # the re-pack is byte-exact, so the one change below is the only one
-    assert _repack(entries, ct) == bytes(blob)
-    assert all(torch.equal(decode_checkpoint(_repack(entries, ct), receipt, RING)[k], v)
-               for k, v in state.tensors.items())
-    bound = dict(entries)["bound"]
-    assert set(bound) == set(receipt.bound())
-    new = _other(bound[field])
-    moved = [(k, {**v, field: new} if k == "bound" else v) for k, v in entries]
-    forged = receipt.model_copy(update={field: new})
-    assert forged.bound() == {**receipt.bound(), field: new}  # header and receipt agree again
+    theirs, _ = _envelope(bytes(other_blob))
+    assert [k for k, _ in entries] == ["v", "alg", "kid", "nonce", "head"]
+    assert _repack(entries, ct) == bytes(blob)  # the re-pack is byte-exact: the one change below is the only one
+    moved = [(k, dict(theirs)["head"] if k == "head" else v) for k, v in entries]
+    forged = receipt.model_copy(update={"stream_id": other_receipt.stream_id, "principal": other_receipt.principal,
+                                        "model_revision": other_receipt.model_revision,
+                                        "schema_fingerprint": other_receipt.schema_fingerprint,
+                                        "position": other_receipt.position, "chunk_seq": other_receipt.chunk_seq,
+                                        "epoch": other_receipt.epoch})
+    assert forged.bound() == other_receipt.bound()
     with pytest.raises(CorruptBlob, match="authentication failed") as err:
         decode_checkpoint(_repack(moved, ct), forged, RING)
     assert err.value.field == "ct"
+    # and the moved header under this blob's own receipt names the field that differs
+    with pytest.raises(StateRejected) as err2:
+        decode_checkpoint(_repack(moved, ct), receipt, RING)
+    assert err2.value.field == field
+
+
+def test_a_blob_says_nothing_in_clear_and_its_length_hides_the_names():
+    """Whoever reads a blob without the key learns its version, algorithm, key id and size only:
+    not the principal, the stream, the position, the model, the schema or the checksum."""
+    principal, sid = "principal-alice-7q2x", "stream-zz9-k3"
+    model, _, receipt, blob = _sealed(principal=principal, stream_id=sid)
+    raw = bytes(blob)
+    digest = bytes.fromhex(receipt.checksum.partition(":")[2])
+    for needle in (principal.encode(), sid.encode(), receipt.checksum.encode(), digest,
+                   receipt.checksum.partition(":")[2].encode(), receipt.schema_fingerprint.encode(),
+                   receipt.model_revision.encode(), model.schema.canonical_json().encode()[:40], b"bound", b"schema"):
+        assert needle not in raw, needle[:40]
+    # a one-letter principal and a 60-letter one: the same length of blob
+    _, _, _, short = _sealed(principal="p", stream_id="s")
+    _, _, _, long_ = _sealed(principal="p" * 60, stream_id="s" * 60)
+    assert len(short) == len(long_) == len(blob)
+    # the sealed header authenticates on its own: one bit of it flipped, nothing opens
+    entries, ct = _envelope(raw)
+    head = bytearray(dict(entries)["head"])
+    head[20] ^= 1
+    bad = _repack([(k, bytes(head) if k == "head" else v) for k, v in entries], ct)
+    with pytest.raises(CorruptBlob) as err:
+        decode_checkpoint(bad, receipt, RING)
+    assert err.value.field == "head"
+
+
+@pytest.mark.parametrize("field", BOUND_FIELDS)
+def test_a_version_1_blob_rewritten_in_header_and_receipt_together_fails_authentication(field):
+    """A checkpoint written before the header was sealed (its bound fields in clear) is still read;
+    rewriting its clear header and the receipt together is caught by the associated data."""
+    from tests._legacy import legacy_blob
+
+    model, state, receipt, _ = _sealed()
+    blob = legacy_blob(state.tensors, receipt, RING, model.schema.canonical_json())
+    assert all(torch.equal(decode_checkpoint(blob, receipt, RING)[k], v) for k, v in state.tensors.items())
+    entries, ct = _envelope(blob)
+    assert _repack(entries, ct) == blob
+    bound = dict(entries)["bound"]
+    new = _other(bound[field])
+    moved = [(k, {**v, field: new} if k == "bound" else v) for k, v in entries]
+    forged = receipt.model_copy(update={field: new})
+    with pytest.raises(CorruptBlob, match="authentication failed") as err:
+        decode_checkpoint(_repack(moved, ct), forged, RING)
+    assert err.value.field == "ct"
+
+
+def test_a_version_1_blob_is_read_and_resealed_with_the_same_plaintext():
+    from state_codec.codec import is_clear_header, reseal
+    from tests._legacy import legacy_blob
+
+    model, state, receipt, v2 = _sealed(principal="principal-old-4k")
+    old = legacy_blob(state.tensors, receipt, RING, model.schema.canonical_json())
+    assert b"principal-old-4k" in old and is_clear_header(old) and not is_clear_header(v2)
+    assert not is_clear_header(b"not a blob")
+    assert unseal(old, receipt, RING, model=model, principal="principal-old-4k").equal(state)
+    assert envelope_schema(old, RING) == model.schema
+    new = reseal(old, RING.rotate())  # sealed under the active key; the old one still reads it
+    assert not is_clear_header(new) and b"principal-old-4k" not in bytes(new)
+    rotated = RING.rotate()
+    with pytest.raises(UnknownKeyId):  # resealed under a key this ring does not hold
+        decode_checkpoint(new, receipt, RING)
+    new = reseal(old, RING)
+    back = decode_checkpoint(new, receipt, RING, rehash=True)
+    assert all(torch.equal(back[k], v) for k, v in state.tensors.items())
+    assert open_checkpoint(new, receipt, RING)[1] == receipt.checksum  # the same checksum: receipts stay valid
+    assert bytes(reseal(new, rotated)) == bytes(new)  # a version-2 blob is left as it is
+    tampered = bytearray(old)
+    tampered[-1] ^= 1
+    with pytest.raises(CorruptBlob):
+        reseal(bytes(tampered), RING)

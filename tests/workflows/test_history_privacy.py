@@ -16,7 +16,7 @@ async def test_failure_messages_reach_history_encrypted_and_the_owner_reads_them
     sid = await stack.streams.open("alice", "tiny-mamba2")
     first = await stack.streams.advance(sid, "alice", tokens=[1, 2])
     key = first.receipt.state_key
-    stack.acts.store.delete(key=key, stream_id=sid, principal="alice")  # lost: the next chunk's activity fails, naming the key and the store
+    stack.acts.store.delete(key=key, stream_id=sid, owner=stack.acts.commits.owner("alice"))  # lost: the next chunk's activity fails, naming the key and the store
     stack.acts.release_stream(sid)
     with pytest.raises(WorkflowUpdateFailedError) as err:
         await stack.streams.advance(sid, "alice", tokens=[3])

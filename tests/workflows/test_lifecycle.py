@@ -173,7 +173,7 @@ async def test_tenant_isolation(stack: Stack):
     s = await stack.streams.stats(sid)
     assert (s.position, s.epoch, s.chunk_seq, s.resets) == (first.position, 0, 1, 0)
     # and the store never hands bob alice's blob
-    assert stack.acts.store.get(key=before.state_key, principal="bob") is None
+    assert stack.acts.store.get(key=before.state_key, owner=stack.acts.commits.owner("bob")) is None
 
 
 def _payloads(msg, out: list[Payload]) -> list[Payload]:

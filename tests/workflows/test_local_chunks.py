@@ -175,10 +175,10 @@ async def test_a_chunks_own_permanent_failure_on_the_local_path_is_final(stack: 
     sid = await stack.streams.open("alice", "tiny-mamba2", options=FAST)
     first = await stack.streams.advance(sid, "alice", tokens=[1, 2, 3])
     key = first.receipt.state_key
-    blob = stack.acts.store.get(key=key, principal="alice")
+    blob = stack.acts.store.get(key=key, owner=stack.acts.commits.owner("alice"))
     before = await stack.streams.stats(sid)
     assert before.local_chunks == 1 and before.migrations == 0
-    stack.acts.store.delete(key=key, stream_id=sid, principal="alice")
+    stack.acts.store.delete(key=key, stream_id=sid, owner=stack.acts.commits.owner("alice"))
     stack.acts.release_stream(sid)  # the next chunk must fetch the lost checkpoint
     with pytest.raises(WorkflowUpdateFailedError) as err:
         await stack.streams.advance(sid, "alice", tokens=[4, 5])
@@ -188,7 +188,7 @@ async def test_a_chunks_own_permanent_failure_on_the_local_path_is_final(stack: 
     events = await _events(stack, sid)
     assert _activities_scheduled(events) == ["open_stream"]  # the chunks ran locally, and only there
     assert _local_markers(events) == 2
-    stack.acts.store.put_if_absent(key=key, data=blob, stream_id=sid, principal="alice")
+    stack.acts.store.put_if_absent(key=key, data=blob, stream_id=sid, owner=stack.acts.commits.owner("alice"))
     # (other tokens: the same request again is the same update, whose outcome is the failure)
     again = await stack.streams.advance(sid, "alice", tokens=[4, 6])
     truth = model.advance(model.initial_state(), [1, 2, 3, 4, 6])

@@ -86,7 +86,7 @@ async def test_a_lifecycle_scenario_moves_each_meter_by_exactly_its_amount(tempo
         assert m.delta("mamba_stream_checkpoints_written") == 1
         assert total(scrape(port), "mamba_stream_active_states") == 1
         first = await streams.advance(sid, "alice", tokens=[1, 2, 3, 4, 5])
-        blob_bytes = len(acts.store.get(key=first.receipt.state_key, principal="alice"))
+        blob_bytes = len(acts.store.get(key=first.receipt.state_key, owner=acts.commits.owner("alice")))
         # chunk 2: committed, then the response is lost; the retry answers from the record
         await streams.advance(sid, "alice", tokens=[6, 7, 8])
         assert acts.failed == {2} and acts.runs[2] == 1

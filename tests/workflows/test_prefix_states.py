@@ -19,7 +19,7 @@ from temporalio.exceptions import ApplicationError
 
 from activities import StreamMetrics, open_store
 from scan import load_model
-from state_codec import parse_state_key, prefix_digest
+from state_codec import parse_state_key
 from state_codec.codec import plaintext_checksum
 from tests.activities.test_prefix import CountingMeter
 from tests.activities.test_stores import PG_URL
@@ -74,7 +74,8 @@ async def test_streams_opened_from_stored_prefixes_end_as_one_fed_everything_fro
         origins = [(await s.receipt(sid)).origin for sid in (computed, hit, longer)]
         assert [(o.tokens, o.stored_tokens, o.scope) for o in origins] == [
             (150, 0, ""), (150, 150, "principal"), (220, 150, "principal")]
-        assert origins[2].digest == prefix_digest(system + tools)
+        pfx = stack.acts.prefixes
+        assert origins[2].digest == pfx.digest(pfx.scope("alice"), system + tools)
         assert (await s.receipt(plain)).origin is None
 
         await feed(s, plain, system + tools)

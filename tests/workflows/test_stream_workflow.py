@@ -86,7 +86,7 @@ async def test_chunked_backend_through_temporal_within_declared_tolerance(tempor
         results = await feed(stack, sid, "alice", tokens, [1, 40, 0, 17, 32])
         receipt = results[-1].receipt
         assert receipt.backend.startswith("chunked:")
-        blob = stack.acts.store.get(key=receipt.state_key, principal="alice")
+        blob = stack.acts.store.get(key=receipt.state_key, owner=stack.acts.commits.owner("alice"))
         state = unseal(blob, receipt, stack.keyring, model=local("tiny-mamba2", "chunked"), principal="alice")
         tol = tolerance("mamba2", "chunked", "float32")
         for name, t in state.tensors.items():
