@@ -16,7 +16,7 @@ from temporalio import activity, workflow
 from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
-    from workflows import (
+    from mamba_stream.workflows import (
         CancelRequest,
         MambaStreamWorkflow,
         ModelStream,
@@ -122,7 +122,7 @@ class ChildPathAgent:
 @activity.defn(name=ACTIVITY_CHILD_TURN)
 async def child_turn(req: ChildTurn) -> list[int]:
     """The turn's two updates to the child stream, under ids of their chunk: idempotent."""
-    from workflows import StreamClient
+    from mamba_stream.workflows import StreamClient
 
     streams = StreamClient(activity.client(), activity.info().task_queue)
     await streams.advance(req.stream_id, req.principal, tokens=req.tokens, chunk_seq=req.chunk_seq)

@@ -29,12 +29,12 @@ from temporalio.client import Client  # noqa: E402
 from temporalio.worker import Worker  # noqa: E402
 
 from _agent_paths import AgentInput, ChildPathAgent, InWorkflowAgent, Turn, child_turn  # noqa: E402
-from activities import ModelRegistry, StreamActivities, open_store  # noqa: E402
-from plugin import MambaStreamPlugin  # noqa: E402
-from scan import ModelConfig, init_model, save_checkpoint  # noqa: E402
-from state_codec.codec import Keyring  # noqa: E402
-from worker import DEV_SERVER_DYNAMIC_CONFIG, start_dev_server  # noqa: E402
-from workflows import StreamClient, StreamOptions  # noqa: E402
+from mamba_stream.activities import ModelRegistry, StreamActivities, open_store  # noqa: E402
+from mamba_stream.plugin import MambaStreamPlugin  # noqa: E402
+from mamba_stream.scan import ModelConfig, init_model, save_checkpoint  # noqa: E402
+from mamba_stream.state_codec.codec import Keyring  # noqa: E402
+from mamba_stream.worker import DEV_SERVER_DYNAMIC_CONFIG, start_dev_server  # noqa: E402
+from mamba_stream.workflows import StreamClient, StreamOptions  # noqa: E402
 
 ROWS = ("in-workflow (ModelStream)", "child workflow + activity + updates", "stream workflow: advance + generate",
         "raw: model.advance of the feed, then one per generated token")

@@ -25,11 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from safetensors.torch import load as st_load  # noqa: E402
 from safetensors.torch import save as st_save  # noqa: E402
 
-from scan import ModelConfig  # noqa: E402
-from scan import MambaLM  # noqa: E402
-from scan._model import build_schema  # noqa: E402
-from state_codec import Receipt  # noqa: E402
-from state_codec.codec import (  # noqa: E402
+from mamba_stream.scan import ModelConfig  # noqa: E402
+from mamba_stream.scan import MambaLM  # noqa: E402
+from mamba_stream.scan._model import build_schema  # noqa: E402
+from mamba_stream.state_codec import Receipt  # noqa: E402
+from mamba_stream.state_codec.codec import (  # noqa: E402
     CODE_REVISION,
     Keyring,
     decode_checkpoint,
@@ -145,8 +145,8 @@ def _keyed_header(rounds: int, ring: Keyring, big: dict[str, torch.Tensor], big_
     of sealing and opening it against that of encoding and decoding the whole checkpoint."""
     import msgpack
 
-    from scan import load_model
-    from state_codec.codec import _open_head, _seal_head  # the header alone: nothing public does only that
+    from mamba_stream.scan import load_model
+    from mamba_stream.state_codec.codec import _open_head, _seal_head  # the header alone: nothing public does only that
 
     m = load_model("tiny-mamba2")
     st = m.advance(m.initial_state(), list(range(64))).state

@@ -30,9 +30,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from activities._engine import SeededSampler, StreamEngine  # noqa: E402
-from activities._engine import _sample_one as _sample  # noqa: E402  (the per-row path)
-from scan import ModelConfig, init_model, load_model, save_checkpoint  # noqa: E402
+from mamba_stream.activities._engine import SeededSampler, StreamEngine  # noqa: E402
+from mamba_stream.activities._engine import _sample_one as _sample  # noqa: E402  (the per-row path)
+from mamba_stream.scan import ModelConfig, init_model, load_model, save_checkpoint  # noqa: E402
 
 
 def _load_base(rev: str) -> type:

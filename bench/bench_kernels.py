@@ -28,8 +28,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scan import ModelConfig, init_model  # noqa: E402
-from scan._forward import backend_named  # noqa: E402
+from mamba_stream.scan import ModelConfig, init_model  # noqa: E402
+from mamba_stream.scan._forward import backend_named  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> str:
     device = torch.device(args.device)
     use_kernels = device.type == "cuda"
     if use_kernels:
-        from scan import _triton
+        from mamba_stream.scan import _triton
 
         reason = _triton.unavailable_reason(device)
         if reason:
@@ -195,7 +195,7 @@ def mamba_ssm_step_comparison(device: torch.device, repeats: int) -> list[str]:
     """Our Mamba-2 step against mamba-ssm's own `Mamba2.step()` with the same weights."""
     from mamba_ssm.modules.mamba2 import Mamba2
 
-    from scan import _triton
+    from mamba_stream.scan import _triton
 
     rows = ["## Decode step: ours vs mamba-ssm's `Mamba2.step()` (one layer, same weights)", "",
             "| batch | ours us | mamba-ssm us | ours / theirs speed |", "|---|---|---|---|"]

@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from temporalio.client import Client  # noqa: E402
 
 from bench._proc import process_cpu, server_pid  # noqa: E402
-from plugin import MambaStreamPlugin  # noqa: E402
-from state_codec.keyring import Keyring  # noqa: E402
-from workflows import StreamClient, StreamOptions  # noqa: E402
+from mamba_stream.plugin import MambaStreamPlugin  # noqa: E402
+from mamba_stream.state_codec.keyring import Keyring  # noqa: E402
+from mamba_stream.workflows import StreamClient, StreamOptions  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -165,10 +165,10 @@ async def _row(streams: StreamClient, n: int, args: argparse.Namespace, server: 
 async def _measure(args: argparse.Namespace, tmp: Path) -> list[list]:
     from temporalio.worker import Worker
 
-    from activities import open_store
-    from activities._registry import ModelRegistry
-    from activities._stream import StreamActivities
-    from worker import start_dev_server
+    from mamba_stream.activities import open_store
+    from mamba_stream.activities._registry import ModelRegistry
+    from mamba_stream.activities._stream import StreamActivities
+    from mamba_stream.worker import start_dev_server
 
     env = await start_dev_server()
     server = server_pid()

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scan import ModelConfig, init_model, load_model  # noqa: E402
+from mamba_stream.scan import ModelConfig, init_model, load_model  # noqa: E402
 
 D_MODEL, N_LAYER, VOCAB = 256, 4, 1024
 

@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scan import load_model  # noqa: E402
+from mamba_stream.scan import load_model  # noqa: E402
 
 
 def rss_bytes(field: str = "VmRSS") -> int:
@@ -130,7 +130,7 @@ def _slope(xs: list[int], ys: list[float]) -> float:
 
 def _bench_model(tmp: Path) -> Path:
     """The served model of table (b): Mamba-2, d_model 256, 4 layers, d_state 64, headdim 64."""
-    from scan import ModelConfig, init_model, save_checkpoint
+    from mamba_stream.scan import ModelConfig, init_model, save_checkpoint
 
     path = tmp / "bench-mamba2"
     if not path.exists():
@@ -143,13 +143,13 @@ async def _throughput(levels: list[int], steps: int, gen_tokens: int, tmp: Path,
     from temporalio.client import Client
     from temporalio.worker import Worker
 
-    from activities import open_store
-    from activities._registry import ModelRegistry
-    from activities._stream import StreamActivities
-    from plugin import MambaStreamPlugin
-    from state_codec.codec import Keyring
-    from worker import start_dev_server
-    from workflows import StreamClient, StreamOptions
+    from mamba_stream.activities import open_store
+    from mamba_stream.activities._registry import ModelRegistry
+    from mamba_stream.activities._stream import StreamActivities
+    from mamba_stream.plugin import MambaStreamPlugin
+    from mamba_stream.state_codec.codec import Keyring
+    from mamba_stream.worker import start_dev_server
+    from mamba_stream.workflows import StreamClient, StreamOptions
 
     env = await start_dev_server()
     ring = Keyring.generate()
@@ -233,9 +233,9 @@ def table_b_engine(levels: list[int], gen_tokens: int, tmp: Path,
 
 
 def _engine_rows(levels: list[int], gen_tokens: int, tmp: Path, backend: str, batched: bool) -> list[str]:
-    from activities import StreamEngine
-    from activities._engine import SeededSampler
-    from activities._engine import _sample_one as _sample
+    from mamba_stream.activities import StreamEngine
+    from mamba_stream.activities._engine import SeededSampler
+    from mamba_stream.activities._engine import _sample_one as _sample
 
     model = load_model(tmp / "bench-mamba2", backend=backend)
     engine = StreamEngine(model)
@@ -314,9 +314,9 @@ def main() -> None:
     ap.add_argument("--temporal-backend", default="exact", help="backend of (b)'s through-Temporal table")
     args = ap.parse_args()
     skip = set(args.skip.split(","))
-    from activities import tune_allocator
+    from mamba_stream.activities import tune_allocator
 
-    # The worker's allocator settings (activities/_alloc.py), for every table and both sides of (a).
+    # The worker's allocator settings (mamba_stream/activities/_alloc.py), for every table and both sides of (a).
     tuned = tune_allocator()
     out: list[str] = [f"allocator: {tuned or 'glibc defaults'}", ""]
     with tempfile.TemporaryDirectory() as tmp:

@@ -48,7 +48,7 @@ def child(ckpt: Path, weights: str, prefill: int, steps: int, runs: int, backend
     t0 = time.perf_counter()
     import torch
 
-    from scan import load_model
+    from mamba_stream.scan import load_model
 
     t_import = time.perf_counter() - t0
     t1 = time.perf_counter()

@@ -33,14 +33,14 @@ from temporalio.client import Client  # noqa: E402
 from temporalio.worker import Worker  # noqa: E402
 
 from _noop_workflow import NoopWorkflow  # noqa: E402
-from activities import open_store  # noqa: E402
-from activities._registry import ModelRegistry  # noqa: E402
-from activities._stream import StreamActivities  # noqa: E402
-from plugin import MambaStreamPlugin  # noqa: E402
-from scan import ModelConfig, init_model, save_checkpoint  # noqa: E402
-from state_codec.codec import Keyring  # noqa: E402
-from worker import DEV_SERVER_DYNAMIC_CONFIG, start_dev_server  # noqa: E402
-from workflows import StreamClient, StreamOptions  # noqa: E402
+from mamba_stream.activities import open_store  # noqa: E402
+from mamba_stream.activities._registry import ModelRegistry  # noqa: E402
+from mamba_stream.activities._stream import StreamActivities  # noqa: E402
+from mamba_stream.plugin import MambaStreamPlugin  # noqa: E402
+from mamba_stream.scan import ModelConfig, init_model, save_checkpoint  # noqa: E402
+from mamba_stream.state_codec.codec import Keyring  # noqa: E402
+from mamba_stream.worker import DEV_SERVER_DYNAMIC_CONFIG, start_dev_server  # noqa: E402
+from mamba_stream.workflows import StreamClient, StreamOptions  # noqa: E402
 
 RPS = "history.transferProcessorMaxPollRPS"
 #: the paths a chunk can take, as the stream's options choose them

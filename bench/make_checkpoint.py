@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scan import Q8Weight, config_from_json, parameter_shapes, quantize_q8  # noqa: E402
+from mamba_stream.scan import Q8Weight, config_from_json, parameter_shapes, quantize_q8  # noqa: E402
 
 QB = Q8Weight.block
 

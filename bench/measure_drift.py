@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scan import PRESETS, TRAINED_PRESETS, load_model  # noqa: E402
-from scan._drift import measure_drift, misalignment, random_partition  # noqa: E402
+from mamba_stream.scan import PRESETS, TRAINED_PRESETS, load_model  # noqa: E402
+from mamba_stream.scan._drift import measure_drift, misalignment, random_partition  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 #: a dtype may name a weight format after a slash: "float32/q8" computes in float32 on q8 weights

@@ -56,11 +56,11 @@ from _proc import machine_cpu, process_cpu, server_pid
 from temporalio.client import Client
 from temporalio.worker import Worker
 
-from activities import ModelRegistry, StreamActivities, open_store
-from plugin import MambaStreamPlugin
-from state_codec.codec import Keyring
-from worker import start_dev_server, worker_slots
-from workflows import ACTIVITY_OPEN, StreamClient, StreamOptions
+from mamba_stream.activities import ModelRegistry, StreamActivities, open_store
+from mamba_stream.plugin import MambaStreamPlugin
+from mamba_stream.state_codec.codec import Keyring
+from mamba_stream.worker import start_dev_server, worker_slots
+from mamba_stream.workflows import ACTIVITY_OPEN, StreamClient, StreamOptions
 
 MODES = ("on", "off")
 MODE_NAMES = {"on": "prefix states on", "off": "prefix states off (prefix_bytes=0)"}
@@ -176,7 +176,7 @@ def served_model(args: argparse.Namespace) -> tuple[dict[str, str] | list[str], 
         return ({args.model: str(path)}, (f"130M-shaped Mamba-2 (d_model {s['hidden_size']}, {s['num_hidden_layers']} "
                 f"layers, d_state {s['state_size']}, headdim {s['head_dim']}, vocab {s['vocab_size']}; "
                 f"random weights, float32, bench/make_checkpoint.py)"), s["vocab_size"])
-    from scan import PRESETS
+    from mamba_stream.scan import PRESETS
 
     if args.model not in PRESETS:
         raise SystemExit(f"--model: 130m-mamba2 or a preset ({', '.join(sorted(PRESETS))})")

@@ -17,8 +17,8 @@ import msgpack
 import torch
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from state_codec import Receipt
-from state_codec.codec import DIGEST, Keyring, _pieces
+from mamba_stream.state_codec import Receipt
+from mamba_stream.state_codec.codec import DIGEST, Keyring, _pieces
 
 __all__ = ["downgrade_file_store", "downgrade_meta", "downgrade_pg_rows", "legacy_blob", "legacy_file_object",
            "legacy_pg_row", "legacy_pg_table", "to_version_1"]
@@ -74,7 +74,7 @@ def legacy_pg_row(conn: Any, table: str, *, key: str, data: bytes, stream_id: st
 def to_version_1(blob: bytes, keyring: Keyring) -> bytes:
     """A version-2 checkpoint rewritten as the version before it wrote it (the same plaintext, its
     bound fields and schema in clear); anything else returned as it is."""
-    from state_codec.codec import _decrypt_body, _header, _open_envelope
+    from mamba_stream.state_codec.codec import _decrypt_body, _header, _open_envelope
 
     try:
         env = _open_envelope(blob)
@@ -96,7 +96,7 @@ def to_version_1(blob: bytes, keyring: Keyring) -> bytes:
 
 def downgrade_meta(store: Any, keyring: Keyring) -> None:
     """The prefix store's scope and index records as the version before wrote them: clear JSON."""
-    from state_codec.codec import open_bytes
+    from mamba_stream.state_codec.codec import open_bytes
 
     for tag, data in store.read_meta(kind="prefix-scopes").items():
         store.put_meta(kind="prefix-scopes", name=tag, data=open_bytes(data, binding=f"prefix-scope|{tag}",

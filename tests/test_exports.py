@@ -7,7 +7,9 @@ import importlib
 import pytest
 
 EXPECTED = {
-    "scan": [
+    "mamba_stream": ["ChatAgent", "ClientConfig", "MambaStreamPlugin", "MambaStreamWorkflow", "ModelStream",
+                     "OpenStreamInput", "StreamClient", "StreamFailure", "StreamOptions", "StreamOwner"],
+    "mamba_stream.scan": [
         "BACKENDS", "EXACT_BACKENDS", "PRESETS", "TOLERANCES", "TRAINED_PRESETS", "WEIGHT_FORMATS", "ByteTransform",
         "CheckpointError",
         "ConfigError", "HFTokenizerTransform", "InputTransform", "InvalidInput", "InvalidState", "MambaLM", "Model",
@@ -17,7 +19,7 @@ EXPECTED = {
         "quantize_q8", "save_checkpoint", "standard_partitions", "tolerance", "verify_chunking", "weights_revision",
         "zero_states",
     ],
-    "state_codec": [
+    "mamba_stream.state_codec": [
         "CLEAR", "MASTER", "RECEIPT_VERSION", "SCHEMA_VERSION", "SEALED_ATTR", "SEALER_KEY", "Arithmetic",
         "BadSignature", "CheckpointNotFound", "ChecksumMismatch",
         "ChunkSequenceMismatch", "CorruptBlob", "DTypeMismatch", "Discretization", "EpochMismatch", "ForgedCarry",
@@ -32,26 +34,26 @@ EXPECTED = {
         "sealer_of", "stream_tag",
         "validate_resume",
     ],
-    "state_codec.keyring": ["KEYRING_FILE", "Keyring", "KeyringError", "KeyringNotFound", "default_home",
+    "mamba_stream.state_codec.keyring": ["KEYRING_FILE", "Keyring", "KeyringError", "KeyringNotFound", "default_home",
                             "find_keyring"],
-    "state_codec.payload": ["ENCODED_FAILURE", "ENCRYPTED_ENCODING", "UNDECRYPTABLE_ENCODING", "EncryptionCodec",
+    "mamba_stream.state_codec.payload": ["ENCODED_FAILURE", "ENCRYPTED_ENCODING", "UNDECRYPTABLE_ENCODING", "EncryptionCodec",
                             "SealedPayloadConverter", "StreamPayloadConverter", "TypedFailureConverter",
                             "sealed_for_stream",
                             "stream_principal", "with_sealer"],
-    "state_codec.signing": ["DOMAIN", "PrincipalKeys", "RequestSigner", "signing_bytes"],
-    "state_codec.codec": [
+    "mamba_stream.state_codec.signing": ["DOMAIN", "PrincipalKeys", "RequestSigner", "signing_bytes"],
+    "mamba_stream.state_codec.codec": [
         "ALG", "CODE_REVISION", "ENVELOPE_VERSION", "Keyring", "KeyringError", "decode_checkpoint",
         "default_state_key", "encode_checkpoint", "envelope_schema", "is_clear_header", "open_bytes", "open_checkpoint",
         "plaintext_checksum", "reseal", "seal", "seal_bytes", "unseal",
     ],
-    "activities": [
+    "mamba_stream.activities": [
         "HISTOGRAM_BUCKETS", "Fence", "FileStateStore", "InvalidStoreKey", "LeaseLost", "LegacyObject", "MemoryStateStore", "ModelRegistry", "PostgresStateStore", "PrefixStore",
         "PrefixSweep", "RekeyReport", "SlotTable", "StateStore",
         "StoreCorrupt", "StoreError", "StoreOwnedElsewhere", "StoreOwner", "StoreUnavailable", "StoreUsage",
         "StreamActivities", "StreamEngine", "StreamMetrics", "SweepReport", "WorkerHealth",
         "claim_store", "open_store", "rekey_store", "sweep_orphans", "tune_allocator",
     ],
-    "workflows": [
+    "mamba_stream.workflows": [
         "DEFAULT_TASK_QUEUE", "NOT_THE_CHUNKS_FAULT", "PROGRESS_INTERVAL_S", "ActivityFailed", "AdvanceRequest", "AdvanceResult",
         "CancelRequest", "CarriedStream", "ChatAgent", "ChatInput", "ChatMessage", "CheckpointRequest", "CheckpointResult",
         "ChunkTooLarge", "ClientConfig", "ConflictingChunk", "EmptyContext", "GenerateRequest",
@@ -64,8 +66,8 @@ EXPECTED = {
         # the workflow<->activity contract
         "ACTIVITY_ADVANCE", "ACTIVITY_CHECKPOINT", "ACTIVITY_DISPOSE", "ACTIVITY_GENERATE", "ACTIVITY_OPEN", "ACTIVITY_OPEN_CARRY", "ACTIVITY_RECALL", "ACTIVITY_RESET", "ACTIVITY_REWIND", "ACTIVITY_SEAL_CARRY", "ACTIVITY_VERIFY", "PRESENTATION", "PROGRESS_BYTES", "AdvanceChunkRequest", "AdvanceChunkResult", "CarrySeal", "CarrySealRequest", "CheckpointStreamRequest", "DisposeStreamRequest", "DisposeStreamResult", "GenerateChunkRequest", "GenerateChunkResult", "OpenStreamRequest", "OpenStreamResult", "RecallResultRequest", "RecallResultResult", "ResetStreamRequest", "RewindStreamRequest", "STREAM_WORKFLOW_TYPE", "StateResult", "VerifyRequest", "id_digest",
     ],
-    "cli": ["main"],
-    "quality": ["DISTRACTOR_WORDS", "KEYS", "VALUES", "Sample", "parity_sample", "recall_sample"],
+    "mamba_stream.cli": ["main"],
+    "mamba_stream.quality": ["DISTRACTOR_WORDS", "KEYS", "VALUES", "Sample", "parity_sample", "recall_sample"],
 }
 
 
@@ -86,9 +88,9 @@ def test_shipped_modules_import_no_other_packages_private_modules():
     import re
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[1] / "mamba_stream"
     files = [root / "worker.py", root / "plugin.py"] + [p for pkg in _PACKAGES for p in (root / pkg).rglob("*.py")]
-    pattern = re.compile(r"^\s*(?:from|import)\s+(" + "|".join(_PACKAGES) + r")\._\w+", re.M)
+    pattern = re.compile(r"^\s*(?:from|import)\s+mamba_stream\.(" + "|".join(_PACKAGES) + r")\._\w+", re.M)
     found = []
     for path in files:
         rel = path.relative_to(root)

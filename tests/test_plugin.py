@@ -14,10 +14,10 @@ from temporalio.converter import DataConverter, PayloadCodec
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
-from plugin import PASSTHROUGH, MambaStreamPlugin, _runner, data_converter
-from state_codec.keyring import Keyring, KeyringNotFound
-from state_codec.payload import ENCRYPTED_ENCODING, EncryptionCodec, StreamPayloadConverter
-from worker import start_dev_server
+from mamba_stream.plugin import PASSTHROUGH, MambaStreamPlugin, _runner, data_converter
+from mamba_stream.state_codec.keyring import Keyring, KeyringNotFound
+from mamba_stream.state_codec.payload import ENCRYPTED_ENCODING, EncryptionCodec, StreamPayloadConverter
+from mamba_stream.worker import start_dev_server
 
 
 class Tagging(PayloadCodec):
@@ -103,8 +103,8 @@ def test_a_worker_throttles_heartbeats_to_the_progress_interval():
     (0.8 x the heartbeat timeout, up to 60 s) would show them seconds late."""
     from datetime import timedelta
 
-    from plugin import heartbeat_throttle
-    from workflows import PROGRESS_INTERVAL_S
+    from mamba_stream.plugin import heartbeat_throttle
+    from mamba_stream.workflows import PROGRESS_INTERVAL_S
 
     plugin = MambaStreamPlugin(keyring=Keyring.generate())
     ours = timedelta(seconds=PROGRESS_INTERVAL_S)
@@ -125,7 +125,7 @@ def _values() -> list[tuple[object, type | None]]:
     """A value of each kind the stream converter encodes, with the type hint that decodes it."""
     from temporalio.api.common.v1 import WorkflowExecution
 
-    from workflows._models import AdvanceRequest
+    from mamba_stream.workflows._models import AdvanceRequest
 
     return [
         (None, type(None)),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from workflows._client import new_stream_id
+from mamba_stream.workflows._client import new_stream_id
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -14,7 +14,7 @@ README = (ROOT / "README.md").read_text()
 
 def test_every_file_the_readme_names_is_in_the_repository():
     named = set(re.findall(r"`((?:[\w.-]+/)+[\w.-]+\.(?:md|py|sh|yml|toml|json|png|txt))`", README))
-    named |= set(re.findall(r"`((?:docs|bench|scan|workflows|activities|state_codec|cli|tests|deploy)/[\w./-]*)`",
+    named |= set(re.findall(r"`((?:docs|bench|mamba_stream|tests|deploy)/[\w./-]*)`",
                             README))
     assert named, "the README names no files: the pattern no longer matches its style"
     missing = sorted(p for p in named if not (ROOT / p.rstrip("/")).exists())
@@ -33,6 +33,6 @@ def test_the_readmes_agent_is_the_shipped_example_whole():
     """The "Embed a stream" section shows workflows/_agent.py's models and workflow as they are
     (which tests/workflows/test_agent.py runs through a SIGKILL), not a copy that drifts."""
     [block] = re.findall(r"### Embed a stream in your agent workflow\n.*?```python\n(.*?)```", README, re.S)
-    shipped = (ROOT / "workflows" / "_agent.py").read_text()
+    shipped = (ROOT / "mamba_stream" / "workflows" / "_agent.py").read_text()
     assert block.startswith("class ChatInput(") and shipped.rstrip().endswith(block.rstrip())
     assert len(block.strip().splitlines()) <= 50

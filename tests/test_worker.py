@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_the_deployment_raises_the_transfer_queue_rate_as_the_embedded_server_does():
     import yaml
 
-    from worker import DEV_SERVER_DYNAMIC_CONFIG, dev_server_args
+    from mamba_stream.worker import DEV_SERVER_DYNAMIC_CONFIG, dev_server_args
 
     config = yaml.safe_load((ROOT / "deploy" / "temporal-dynamic-config.yaml").read_text())
     assert {k: [c["value"] for c in v] for k, v in config.items()} == {
@@ -40,7 +40,7 @@ def test_a_worker_refuses_to_start_on_a_model_it_cannot_load_before_starting_any
     import sys
     import time
 
-    from worker import EXIT_CONFIG
+    from mamba_stream.worker import EXIT_CONFIG
 
     missing = tmp_path / "no-such-checkpoint"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MAMBA_STREAM_", "TEMPORAL_"))}

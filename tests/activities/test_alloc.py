@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PROBE = "import json; from activities import tune_allocator as t; print(json.dumps([t(), t()]))"
+PROBE = "import json; from mamba_stream.activities import tune_allocator as t; print(json.dumps([t(), t()]))"
 
 
 def _run(env_value: str | None) -> list[dict]:
@@ -24,7 +24,7 @@ def _run(env_value: str | None) -> list[dict]:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt is glibc's")
 def test_thresholds_are_set_once_and_reported():
-    from activities._alloc import MMAP_THRESHOLD, TRIM_THRESHOLD
+    from mamba_stream.activities._alloc import MMAP_THRESHOLD, TRIM_THRESHOLD
 
     first, again = _run(None)
     assert first == {"mmap_threshold": MMAP_THRESHOLD, "trim_threshold": TRIM_THRESHOLD}

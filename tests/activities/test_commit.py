@@ -11,13 +11,13 @@ from temporalio.exceptions import ApplicationError
 
 
 
-from activities import MemoryStateStore, ModelRegistry, StreamActivities
-from activities._commit import ChunkCommit
-from scan import State, load_model
-from state_codec import CheckpointNotFound, format_state_key, parse_state_key, record_key
-from state_codec.codec import Keyring, default_state_key, plaintext_checksum
-from workflows import AdvanceRequest, GenerateRequest
-from workflows._models import (
+from mamba_stream.activities import MemoryStateStore, ModelRegistry, StreamActivities
+from mamba_stream.activities._commit import ChunkCommit
+from mamba_stream.scan import State, load_model
+from mamba_stream.state_codec import CheckpointNotFound, format_state_key, parse_state_key, record_key
+from mamba_stream.state_codec.codec import Keyring, default_state_key, plaintext_checksum
+from mamba_stream.workflows import AdvanceRequest, GenerateRequest
+from mamba_stream.workflows._models import (
     AdvanceChunkRequest,
     AdvanceResult,
     GenerateChunkRequest,

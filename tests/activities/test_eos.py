@@ -14,10 +14,10 @@ import json
 import pytest
 import torch
 
-from scan import load_model, save_checkpoint
-from state_codec.codec import plaintext_checksum
+from mamba_stream.scan import load_model, save_checkpoint
+from mamba_stream.state_codec.codec import plaintext_checksum
 from tests.activities._eos import PROMPT, N, checkpoint, first_new, run, scanned
-from workflows import GenerateResult
+from mamba_stream.workflows import GenerateResult
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def test_a_stop_text_completed_by_the_end_of_sequence_token_is_reported_as_stop(
 
 
 def test_end_of_sequence_ids_are_read_from_the_config_and_bad_ones_refused(tmp_path):
-    from scan import ConfigError
+    from mamba_stream.scan import ConfigError
 
     assert load_model("tiny-mamba2").eos_token_ids == ()
     assert load_model(checkpoint(tmp_path / "none", None)).eos_token_ids == ()

@@ -13,16 +13,16 @@ from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 from temporalio.testing import ActivityEnvironment
 
 
-import activities._registry as registry_module
-from state_codec import record_key
-from activities import MemoryStateStore, ModelRegistry, StreamActivities, StreamMetrics, WorkerHealth
-from activities._health import FAILURES_TO_TRIP
-from activities._stream import UNTYPED_ATTEMPTS, WORKER_FAULT_ATTEMPTS
-from scan import load_model
-from state_codec.codec import Keyring, plaintext_checksum
+import mamba_stream.activities._registry as registry_module
+from mamba_stream.state_codec import record_key
+from mamba_stream.activities import MemoryStateStore, ModelRegistry, StreamActivities, StreamMetrics, WorkerHealth
+from mamba_stream.activities._health import FAILURES_TO_TRIP
+from mamba_stream.activities._stream import UNTYPED_ATTEMPTS, WORKER_FAULT_ATTEMPTS
+from mamba_stream.scan import load_model
+from mamba_stream.state_codec.codec import Keyring, plaintext_checksum
 from tests.workflows.test_metrics import free_port, scrape, total
-from workflows import AdvanceRequest
-from workflows._models import AdvanceChunkRequest, OpenStreamRequest
+from mamba_stream.workflows import AdvanceRequest
+from mamba_stream.workflows._models import AdvanceChunkRequest, OpenStreamRequest
 from tests.activities._env import stream_env
 
 MODEL = "tiny-mamba2"

@@ -18,15 +18,15 @@ from typing import Any
 import pytest
 from temporalio.exceptions import ApplicationError
 
-from activities import MemoryStateStore, ModelRegistry, StreamActivities, StreamMetrics, open_store
-from activities._prefix import SCOPES_KIND, SHARED_PRINCIPAL, is_prefix_stream
-from activities._store import StateStore
-from scan import load_model
-from state_codec.codec import Keyring, open_bytes, plaintext_checksum
+from mamba_stream.activities import MemoryStateStore, ModelRegistry, StreamActivities, StreamMetrics, open_store
+from mamba_stream.activities._prefix import SCOPES_KIND, SHARED_PRINCIPAL, is_prefix_stream
+from mamba_stream.activities._store import StateStore
+from mamba_stream.scan import load_model
+from mamba_stream.state_codec.codec import Keyring, open_bytes, plaintext_checksum
 from tests.activities._env import stream_env
 from tests.activities.test_stores import PG_URL
 from tests.workflows.test_stream_workflow import digest
-from workflows import AdvanceChunkRequest, AdvanceRequest, OpenStreamRequest
+from mamba_stream.workflows import AdvanceChunkRequest, AdvanceRequest, OpenStreamRequest
 
 MODEL = "tiny-mamba2"
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from activities import ModelRegistry
-from scan import CheckpointError, load_model, save_checkpoint
+from mamba_stream.activities import ModelRegistry
+from mamba_stream.scan import CheckpointError, load_model, save_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def test_presets_and_a_checkpoint_pass_without_loading_anything(good, monkeypatc
     def refuse(*a, **k):
         raise AssertionError("check must not load a model")
 
-    monkeypatch.setattr("activities._registry.load_model", refuse)
+    monkeypatch.setattr("mamba_stream.activities._registry.load_model", refuse)
     registry = ModelRegistry.from_spec(f"tiny-mamba1,recall-mamba2,tiny-mamba3#float32,mine={good}#bfloat16")
     registry.check()
 
@@ -101,8 +101,8 @@ def test_an_unknown_preset_or_weight_format_and_every_bad_model_are_named_at_onc
 
 
 def test_weights_the_check_cannot_see_are_broken_fail_the_warm_up_naming_the_model(tmp_path, good):
-    from activities import MemoryStateStore, StreamActivities
-    from state_codec.codec import Keyring
+    from mamba_stream.activities import MemoryStateStore, StreamActivities
+    from mamba_stream.state_codec.codec import Keyring
 
     d = _copy(good, tmp_path / "c")
     (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:100])  # cut short

@@ -15,8 +15,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from activities import PrefixStore, StateStore, open_store, rekey_store
-from state_codec.codec import Keyring, is_clear_header
+from mamba_stream.activities import PrefixStore, StateStore, open_store, rekey_store
+from mamba_stream.state_codec.codec import Keyring, is_clear_header
 from tests._legacy import downgrade_file_store, downgrade_meta, downgrade_pg_rows, legacy_pg_table
 from tests.activities.test_prefix import acts_for, feed, open_, tokens, truth
 from tests.activities.test_stores import PG_URL, REQUIRED
@@ -124,8 +124,8 @@ def test_a_legacy_checkpoint_under_another_keyring_is_left_as_it_is(tmp_path: Pa
 
 
 def _v1_blob(ring: Keyring) -> bytes:
-    from scan import load_model
-    from state_codec.codec import seal
+    from mamba_stream.scan import load_model
+    from mamba_stream.state_codec.codec import seal
     from tests._legacy import legacy_blob
 
     m = load_model("tiny-mamba2")

@@ -13,10 +13,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from activities._engine import NeedsLoad, SeededSampler, StreamEngine, sample_rows
-from activities._slots import SlotTable, StaleSlot
-from activities._engine import _sample_one as _sample  # the per-row path, which batching must match
-from scan import InvalidState, NonFiniteOutput, load_model
+from mamba_stream.activities._engine import NeedsLoad, SeededSampler, StreamEngine, sample_rows
+from mamba_stream.activities._slots import SlotTable, StaleSlot
+from mamba_stream.activities._engine import _sample_one as _sample  # the per-row path, which batching must match
+from mamba_stream.scan import InvalidState, NonFiniteOutput, load_model
 from tests.scan._helpers import model_for, tokens
 
 MODEL = "tiny-mamba2"

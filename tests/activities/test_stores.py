@@ -18,7 +18,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from activities import (
+from mamba_stream.activities import (
     Fence,
     FileStateStore,
     InvalidStoreKey,
@@ -128,7 +128,7 @@ def test_concurrent_threads_leave_one_complete_object(store):
 _WRITER = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {root!r})
-    from activities import open_store
+    from mamba_stream.activities import open_store
     store = open_store(sys.argv[1])
     payload = bytes([int(sys.argv[2])]) * (2 << 20)
     while time.time() < float(sys.argv[3]):
@@ -153,7 +153,7 @@ def test_concurrent_processes_leave_one_complete_object(store):
 _SLOW_WRITER = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {root!r})
-    from activities import FileStateStore
+    from mamba_stream.activities import FileStateStore
 
     class Slow(FileStateStore):
         def _write_chunk(self, fd, chunk):
@@ -248,7 +248,7 @@ def test_metadata_is_put_if_absent_and_apart_from_the_blobs(store):
 ])
 def test_postgres_errors_are_classified_by_sqlstate(pg_admin, sqlstate, transient):
     """Each SQLSTATE's psycopg exception, as raised on a healthy connection: its code decides."""
-    from activities._pg_store import store_error
+    from mamba_stream.activities._pg_store import store_error
 
     exc = psycopg.errors.lookup(sqlstate)("from the server")
     err = store_error(exc, conn=pg_admin)
@@ -410,7 +410,7 @@ def test_a_read_only_file_store_raises_the_write_error_typed(read_only_store):
 @pytest.fixture(params=["memory", "file", "postgresql"])
 def any_store(request, tmp_path):
     if request.param == "memory":
-        from activities import MemoryStateStore
+        from mamba_stream.activities import MemoryStateStore
 
         yield MemoryStateStore()
     elif request.param == "file":

@@ -21,17 +21,17 @@ import pytest_asyncio
 from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 
-from activities import (
+from mamba_stream.activities import (
     StateStore,
     StoreOwnedElsewhere,
     claim_store,
     open_store,
     sweep_orphans,
 )
-from activities._sweep import MISSING_KIND, store_owner
+from mamba_stream.activities._sweep import MISSING_KIND, store_owner
 from tests.activities.test_stores import store  # noqa: F401 - the file and PostgreSQL stores, as a fixture
-from state_codec.codec import Keyring
-from worker import WorkerConfig, run_worker, start_dev_server
+from mamba_stream.state_codec.codec import Keyring
+from mamba_stream.worker import WorkerConfig, run_worker, start_dev_server
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -137,9 +137,9 @@ async def test_prefix_entries_are_never_orphans_and_a_workers_sweep_bounds_them(
     """The prefix store keeps its entries under stream ids no workflow has (`pfx.<scope>`): the
     sweep must not take them for forgotten streams, whatever the grace; given the worker's
     activities it sweeps them by their own rule (the scope's bytes bound)."""
-    from activities import ModelRegistry, StreamActivities
+    from mamba_stream.activities import ModelRegistry, StreamActivities
     from tests.activities._env import stream_env
-    from workflows import OpenStreamRequest
+    from mamba_stream.workflows import OpenStreamRequest
 
     await claim_store(server_a.client, store)
     acts = StreamActivities(models=ModelRegistry(["tiny-mamba2"], backend="exact"), store=store,
@@ -200,7 +200,7 @@ def _cli_env(store_url: str, address: str) -> dict[str, str]:
 
 
 async def _sweep_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    return await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "cli", "sweep", *args], env=env,
+    return await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "mamba_stream.cli", "sweep", *args], env=env,
                                    capture_output=True, text=True, timeout=120, cwd=ROOT)
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from cli._demo import ANSWER, DISTRACTORS, FACTS, QUESTION
-from scan import load_model
+from mamba_stream.cli._demo import ANSWER, DISTRACTORS, FACTS, QUESTION
+from mamba_stream.scan import load_model
 
 
 def test_the_demo_model_answers_before_and_forgets_after_a_reset():

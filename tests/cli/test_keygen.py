@@ -6,9 +6,9 @@ import json
 import os
 import stat
 
-from cli import main
-from state_codec.signing import PrincipalKeys, RequestSigner
-from workflows._models import AdvanceRequest
+from mamba_stream.cli import main
+from mamba_stream.state_codec.signing import PrincipalKeys, RequestSigner
+from mamba_stream.workflows._models import AdvanceRequest
 
 
 def test_keygen_writes_a_private_key_0600_and_prints_the_workers_entry(tmp_path, capsys):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cli._release import VERIFY_RUNS, render_schema_reference, render_verification
+from mamba_stream.cli._release import VERIFY_RUNS, render_schema_reference, render_verification
 
 ROOT = Path(__file__).resolve().parents[2]
 RELEASE = ROOT / "docs" / "release"

@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 from temporalio.client import WorkflowExecutionStatus
 
-from activities import StreamActivities
-from cli._streams import add_stream_commands
+from mamba_stream.activities import StreamActivities
+from mamba_stream.cli._streams import add_stream_commands
 from tests.workflows import conftest as workflow_fixtures
 from tests.workflows.conftest import Stack, eventually, make_stack
-from worker import WorkerConfig
-from workflows import ClientConfig, OpenFailed, StreamClient
+from mamba_stream.worker import WorkerConfig
+from mamba_stream.workflows import ClientConfig, OpenFailed, StreamClient
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 # the real dev server and a worker stack per test, as tests/workflows/ has them (a conftest there only)
@@ -60,7 +60,7 @@ def _env(stack: Stack, keyfile: Path, **extra: str | None) -> dict[str, str]:
 async def _run(env: dict[str, str], *args: str) -> tuple[subprocess.CompletedProcess, float]:
     """The real CLI in a subprocess, off the event loop the test's worker runs on; and its seconds."""
     t0 = time.monotonic()
-    out = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "cli", *args], env=env, cwd=ROOT,
+    out = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "mamba_stream.cli", *args], env=env, cwd=ROOT,
                                   capture_output=True, text=True, timeout=120)
     return out, time.monotonic() - t0
 
@@ -252,7 +252,7 @@ async def test_ctrl_c_during_a_streamed_generate_says_where_the_result_will_be(t
         sid = await stack.streams.open("alice", "tiny-mamba2")
         await stack.streams.advance(sid, "alice", text="Once upon a time")
         proc = await asyncio.to_thread(
-            subprocess.Popen, [*WITH_SIGINT, "-m", "cli", "generate", sid, "--principal", "alice", "-n", "40",
+            subprocess.Popen, [*WITH_SIGINT, "-m", "mamba_stream.cli", "generate", sid, "--principal", "alice", "-n", "40",
                                "--seed", "3"], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
             first = await asyncio.to_thread(proc.stdout.read, 1)  # its first tokens are on the screen
@@ -285,7 +285,7 @@ async def test_ctrl_c_during_a_streamed_generate_says_where_the_result_will_be(t
 
 STUCK_COMMAND = """
 import asyncio, sys
-import cli._streams as streams
+import mamba_stream.cli._streams as streams
 
 streams.INTERRUPT_GRACE_S = 1.0
 
@@ -452,7 +452,7 @@ PREFIX_TEXT = "Système: réponds brièvement ✓\r\nUser: "
 
 def _encoded(text: str, model_id: str = "tiny-mamba2") -> list[int]:
     """`text`'s tokens as the workers make them: the model's own input transform."""
-    from scan import load_model
+    from mamba_stream.scan import load_model
 
     return list(load_model(model_id, backend="exact").transform.encode(text))
 
@@ -608,7 +608,7 @@ async def test_rekey_store_rewrites_an_old_format_store_keyed_and_the_streams_go
     in the checkpoints' envelopes, prefix records in clear JSON) beside a live worker: `rekey-store`
     rewrites it so that no name is left in any file; the streams go on from where they were; run
     again it finds nothing. Bad input is one line, exit 2, and makes nothing."""
-    from state_codec.codec import is_clear_header
+    from mamba_stream.state_codec.codec import is_clear_header
     from tests._legacy import downgrade_file_store, downgrade_meta
 
     stack = await make_stack(temporal_env, tmp_path, backend="auto")  # exact: the prefix store serves

@@ -6,9 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cli import main
-from scan import load_model
-from scan._verify import standard_partitions, verify_chunking
+from mamba_stream.cli import main
+from mamba_stream.scan import load_model
+from mamba_stream.scan._verify import standard_partitions, verify_chunking
 
 
 def test_verify_reports_every_partition(capsys):

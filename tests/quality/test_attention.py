@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quality.attention import AttentionConfig, KVCache, TinyTransformer, load_attention, save_attention
+from mamba_stream.quality.attention import AttentionConfig, KVCache, TinyTransformer, load_attention, save_attention
 
 
 def test_feeding_through_the_cache_equals_one_forward_and_the_cache_grows(tmp_path):

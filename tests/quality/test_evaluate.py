@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from quality.evaluate import EvalConfig, append_run, chance_band, evaluate_attention, evaluate_preset, render_run
+from mamba_stream.quality.evaluate import EvalConfig, append_run, chance_band, evaluate_attention, evaluate_preset, render_run
 
 
 def test_a_small_run_renders_and_appends_without_replacing(tmp_path):

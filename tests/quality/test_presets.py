@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from quality.evaluate import (
+from mamba_stream.quality.evaluate import (
     EvalConfig,
     chance_band,
     predict,
@@ -15,7 +15,7 @@ from quality.evaluate import (
     predict_chunked,
     recall_set,
 )
-from scan import TRAINED_PRESETS, load_model
+from mamba_stream.scan import TRAINED_PRESETS, load_model
 
 CFG = EvalConfig(n=100)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from quality.tasks import DISTRACTOR_WORDS, KEYS, VALUES, parity_sample, recall_sample
+from mamba_stream.quality.tasks import DISTRACTOR_WORDS, KEYS, VALUES, parity_sample, recall_sample
 
 
 def test_the_same_seed_and_index_give_the_same_sample_and_others_differ():

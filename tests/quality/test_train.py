@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from quality.train import ARCH_CONFIGS, TrainConfig, build, forward, make_batch, parse_args, train, write
-from scan import load_model, tolerance
+from mamba_stream.quality.train import ARCH_CONFIGS, TrainConfig, build, forward, make_batch, parse_args, train, write
+from mamba_stream.scan import load_model, tolerance
 
 
 @pytest.mark.parametrize("arch", ["mamba1", "mamba2", "mamba3"])
@@ -65,7 +65,7 @@ def test_bad_arguments_are_refused(argv):
 
 
 def test_an_architecture_alone_runs_its_recipe_and_flags_override_it():
-    from quality.train import RECIPES
+    from mamba_stream.quality.train import RECIPES
 
     a = parse_args(["--arch", "mamba1", "--out", "x"])
     assert (a.batch, a.lr, a.steps) == (RECIPES["mamba1"]["batch"], RECIPES["mamba1"]["lr"], RECIPES["mamba1"]["steps"])

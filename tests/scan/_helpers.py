@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from scan import Model, State, load_model
+from mamba_stream.scan import Model, State, load_model
 
 ARCH_PRESETS = ["tiny-mamba1", "tiny-mamba2", "tiny-mamba3", "tiny-mamba3-mimo"]
 DTYPES = {"float32": torch.float32, "float64": torch.float64}

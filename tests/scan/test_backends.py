@@ -7,8 +7,8 @@ import copy
 import pytest
 import torch
 
-from scan import NonFiniteOutput, UnsupportedBackend, load_model, tolerance
-from scan._drift import measure_drift, misalignment
+from mamba_stream.scan import NonFiniteOutput, UnsupportedBackend, load_model, tolerance
+from mamba_stream.scan._drift import measure_drift, misalignment
 from tests.scan._helpers import model_for, scan_chunks, tokens
 
 

@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scan import load_model, tolerance
+from mamba_stream.scan import load_model, tolerance
 from tests.scan._helpers import ARCH_PRESETS, model_for, scan_chunks, tokens
 
 N = 37  # prime, longer than a chunked-backend block (16), short enough for 1600 examples

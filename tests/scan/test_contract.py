@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from scan import (
+from mamba_stream.scan import (
     InvalidInput,
     InvalidState,
     NonFiniteInput,
@@ -207,7 +207,7 @@ def test_state_bytes_are_constant_and_match_schema(preset):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 def test_the_finite_check_agrees_with_isfinite_on_every_kind_of_bad_value(dtype):
-    from scan._model import all_finite
+    from mamba_stream.scan._model import all_finite
 
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(64, 129, generator=gen) * 100).to(dtype)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scan import load_model
+from mamba_stream.scan import load_model
 from tests.scan._mamba_ssm import require
 
 pytestmark = pytest.mark.crosscheck

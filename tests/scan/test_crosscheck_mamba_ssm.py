@@ -14,8 +14,8 @@ import math
 import pytest
 import torch
 
-from scan import PRESETS, ModelConfig, init_model, load_model, weights_revision
-from scan._backends import CHUNKED, REFERENCE
+from mamba_stream.scan import PRESETS, ModelConfig, init_model, load_model, weights_revision
+from mamba_stream.scan._backends import CHUNKED, REFERENCE
 from tests.scan._mamba_ssm import import_mamba_ssm, patch_to_references
 
 pytestmark = pytest.mark.crosscheck

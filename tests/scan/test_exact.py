@@ -20,10 +20,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scan import _exact as E
-from scan import load_model
-from scan._forward import embed, forward
-from scan._quant import quantize_q8
+from mamba_stream.scan import _exact as E
+from mamba_stream.scan import load_model
+from mamba_stream.scan._forward import embed, forward
+from mamba_stream.scan._quant import quantize_q8
 from tests.scan._helpers import ARCH_PRESETS, model_for, scan_chunks, tokens
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -410,7 +410,7 @@ def test_fused_products_give_their_twins_bits_in_every_format_and_split(monkeypa
 
 
 def test_the_fma_backend_computes_in_float32_only():
-    from scan import UnsupportedBackend
+    from mamba_stream.scan import UnsupportedBackend
 
     with pytest.raises(UnsupportedBackend, match="float32"):
         load_model("tiny-mamba1", backend="exact-fma", dtype=torch.float64)
@@ -459,8 +459,8 @@ def test_a_forked_child_runs_threaded_products_without_the_parents_helpers():
     parent's helpers would hang; the join's timeout fails the test instead)."""
     script = """
 import os, sys, torch
-from scan import _exact as E
-from scan._quant import quantize_q8
+from mamba_stream.scan import _exact as E
+from mamba_stream.scan._quant import quantize_q8
 torch.set_num_threads(1)  # libgomp's own threads do not survive a fork either
 E._THREADED_WORK, E._THREADS = 0, 2
 ops = E._kernel_ops()
@@ -721,7 +721,7 @@ def test_decode_token_by_token_equals_the_prefill_of_the_same_tokens(preset, dty
 
 _CHECKSUMS = """
 import hashlib, json, sys, torch
-from scan import load_model
+from mamba_stream.scan import load_model
 from tests.scan._helpers import tokens
 out = {}
 for entry in sys.argv[1].split(","):
@@ -847,7 +847,7 @@ def test_a_product_that_depends_on_its_batch_is_caught_and_the_twins_run(monkeyp
 def test_without_a_compiler_the_twins_run_and_say_why(tmp_path):
     env = {"MAMBA_STREAM_CACHE": str(tmp_path), "PATH": str(tmp_path), "MAMBA_STREAM_CC": ""}
     code = ("import sys; sys.modules['ziglang'] = None\n"
-            "from scan import load_model\n"
+            "from mamba_stream.scan import load_model\n"
             "m = load_model('tiny-mamba2', backend='exact')\n"
             "print(m.exact_probe.kernels, m.advance(m.initial_state(), [1]).path, '|', m.exact_probe.reason)")
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
@@ -862,7 +862,7 @@ def test_a_forward_on_the_kernels_turns_torchs_threads_off_for_its_thread_only(m
     meanwhile, and the caller afterwards, have torch's setting as it was."""
     import threading
 
-    from scan import ModelConfig, init_model
+    from mamba_stream.scan import ModelConfig, init_model
 
     if E._openmp() is None or torch.get_num_threads() < 2:
         pytest.skip("torch runs no OpenMP threads here")

@@ -9,7 +9,7 @@ import ctypes.util
 import pytest
 import torch
 
-from scan._fma import fma_twin
+from mamba_stream.scan._fma import fma_twin
 
 _LIBM = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
 _LIBM.fmaf.argtypes = [ctypes.c_float] * 3

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from scan import PRESETS, init_weights, load_model, weights_revision
-from scan._init import exp, expm1, log, ndtri, normal, uniform
+from mamba_stream.scan import PRESETS, init_weights, load_model, weights_revision
+from mamba_stream.scan._init import exp, expm1, log, ndtri, normal, uniform
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,7 +30,7 @@ PINNED = {
 
 _PROBE = """
 import json, torch
-from scan import PRESETS, load_model
+from mamba_stream.scan import PRESETS, load_model
 print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
                   "revisions": {n: load_model(n).revision for n in PRESETS}}))
 """
@@ -85,8 +85,8 @@ def test_the_initialization_does_not_move_the_callers_rng():
 
 
 def test_the_recipe_sets_every_parameter_that_is_not_a_constructor_constant():
-    from scan import ModelConfig
-    from scan._lm import MambaLM
+    from mamba_stream.scan import ModelConfig
+    from mamba_stream.scan._lm import MambaLM
 
     for name, (fields, _) in PRESETS.items():
         cfg = ModelConfig.create(**fields)

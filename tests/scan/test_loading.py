@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from scan import (
+from mamba_stream.scan import (
     PRESETS,
     ByteTransform,
     CheckpointError,
@@ -327,7 +327,7 @@ def test_a_q8_file_missing_its_scales_or_a_q8_model_in_float64_is_refused(tmp_pa
 
 
 def test_a_checkpoints_revision_is_remembered_by_its_files_and_recomputed_when_they_change(tmp_path, monkeypatch):
-    from scan import _loading
+    from mamba_stream.scan import _loading
 
     monkeypatch.setenv("MAMBA_STREAM_CACHE", str(tmp_path / "cache"))
     d = tmp_path / "ckpt"

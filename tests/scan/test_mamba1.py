@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scan._mamba1 import _selective_scan_forward, selective_scan, selective_scan_autograd
+from mamba_stream.scan._mamba1 import _selective_scan_forward, selective_scan, selective_scan_autograd
 
 # float64 agrees to rounding; float32 within a few ulps of values of order 1-10 after 12 tokens
 _TOL = {torch.float64: 1e-12, torch.float32: 2e-5}

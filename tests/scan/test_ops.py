@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scan._ops import NATIVE_OPS, REFERENCE_OPS, conv_taps, gated_rms_norm, rms_normalize
+from mamba_stream.scan._ops import NATIVE_OPS, REFERENCE_OPS, conv_taps, gated_rms_norm, rms_normalize
 
 BATCHES = [1, 2, 3, 5, 8, 13, 16, 33]
 

@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from quality.evaluate import EvalConfig, recall_set
-from scan import PRESETS, TOLERANCES, TRAINED_PRESETS, Tolerance, load_model, tolerance
-from scan._model import StepResult
+from mamba_stream.quality.evaluate import EvalConfig, recall_set
+from mamba_stream.scan import PRESETS, TOLERANCES, TRAINED_PRESETS, Tolerance, load_model, tolerance
+from mamba_stream.scan._model import StepResult
 
 
 def test_an_element_near_zero_is_held_to_the_scale_of_its_tensor():
@@ -75,7 +75,7 @@ def test_a_trained_preset_on_the_chunked_backend_is_within_its_bound_and_a_misal
 # AVX-512, AVX2 and its scalar build; mamba1/chunked/float32's state error is 2.2x smaller under
 # AVX2 than under ATEN_CPU_CAPABILITY=default), so a ratio pinned on one CPU failed on another
 # (Issue 25: "state bound 28x the measured error" on an AVX2 Zen 3). The exact backend performs
-# the same IEEE operations in the same order on every CPU (scan/_exact.py): its error on the same
+# the same IEEE operations in the same order on every CPU (mamba_stream/scan/_exact.py): its error on the same
 # tokens, held to the entry's bound, must reach `TIGHT[dtype]` of it. For an exact entry that is
 # its own error; for the others it says the bound is not far looser than a float32 (float64)
 # computation of the same model errs. A float32 bound must be met to 1/25 (the docs claim about

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scan import UnsupportedBackend, load_model, tolerance
-from scan._drift import measure_drift, misalignment
-from scan._triton import unavailable_reason
+from mamba_stream.scan import UnsupportedBackend, load_model, tolerance
+from mamba_stream.scan._drift import measure_drift, misalignment
+from mamba_stream.scan._triton import unavailable_reason
 from tests.scan._helpers import ARCH_PRESETS, tokens
 
 REASON = unavailable_reason(torch.device("cuda"))

@@ -6,9 +6,9 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from scan import load_model
-from state_codec import Arithmetic, Receipt, arithmetic_moved, continue_arithmetic
-from state_codec.codec import Keyring, seal
+from mamba_stream.scan import load_model
+from mamba_stream.state_codec import Arithmetic, Receipt, arithmetic_moved, continue_arithmetic
+from mamba_stream.state_codec.codec import Keyring, seal
 
 RING = Keyring.generate()
 

@@ -11,8 +11,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scan import PRESETS, ModelConfig, init_model, load_model
-from state_codec import (
+from mamba_stream.scan import PRESETS, ModelConfig, init_model, load_model
+from mamba_stream.state_codec import (
     ChecksumMismatch,
     ChunkSequenceMismatch,
     CorruptBlob,
@@ -29,7 +29,7 @@ from state_codec import (
     UnknownKeyId,
     UnsupportedEnvelopeVersion,
 )
-from state_codec.codec import (
+from mamba_stream.state_codec.codec import (
     ENVELOPE_VERSION,
     Keyring,
     KeyringError,
@@ -321,8 +321,8 @@ def test_keyring_files_and_environment(tmp_path, monkeypatch):
 
 
 def test_checksums_are_blake3_and_sha256_checkpoints_still_verify(monkeypatch):
-    import state_codec.codec as codec
-    from state_codec.codec import plaintext_checksum
+    import mamba_stream.state_codec.codec as codec
+    from mamba_stream.state_codec.codec import plaintext_checksum
 
     model, state, receipt, blob = _sealed()
     assert receipt.checksum.startswith("blake3:") and receipt.checksum == plaintext_checksum(state.tensors)
@@ -379,7 +379,7 @@ def _other(value: object) -> object:
 
 def test_every_bound_field_of_the_codec_is_one_of_the_receipt():
     # the parametrization below takes the codec's own list: a field added there is tested too
-    from state_codec.codec import _BOUND_ERRORS
+    from mamba_stream.state_codec.codec import _BOUND_ERRORS
 
     _, _, receipt, _ = _sealed()
     assert set(_BOUND_ERRORS) == set(receipt.bound())
@@ -474,7 +474,7 @@ def test_a_version_1_blob_rewritten_in_header_and_receipt_together_fails_authent
 
 
 def test_a_version_1_blob_is_read_and_resealed_with_the_same_plaintext():
-    from state_codec.codec import is_clear_header, reseal
+    from mamba_stream.state_codec.codec import is_clear_header, reseal
     from tests._legacy import legacy_blob
 
     model, state, receipt, v2 = _sealed(principal="principal-old-4k")

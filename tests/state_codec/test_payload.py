@@ -11,17 +11,17 @@ import pytest
 from temporalio.converter import DataConverter, WorkflowSerializationContext
 from temporalio.exceptions import ApplicationError
 
-from state_codec._sealing import SEALED_ATTR, SEALER_KEY
-from state_codec.keyring import Keyring
-from state_codec.payload import (
+from mamba_stream.state_codec._sealing import SEALED_ATTR, SEALER_KEY
+from mamba_stream.state_codec.keyring import Keyring
+from mamba_stream.state_codec.payload import (
     ENCRYPTED_ENCODING,
     UNDECRYPTABLE_ENCODING,
     EncryptionCodec,
     StreamPayloadConverter,
     sealed_for_stream,
 )
-from workflows import new_stream_id
-from workflows._models import AdvanceRequest
+from mamba_stream.workflows import new_stream_id
+from mamba_stream.workflows._models import AdvanceRequest
 
 #: in every plaintext value below, so that a payload that leaves (or comes back) in clear is seen
 _MARK = "issue31-item4-plaintext"

@@ -7,8 +7,8 @@ import pickle
 import pytest
 from pydantic import ValidationError
 
-from scan import load_model
-from state_codec import (
+from mamba_stream.scan import load_model
+from mamba_stream.state_codec import (
     ChunkSequenceMismatch,
     DTypeMismatch,
     EpochMismatch,
@@ -23,7 +23,7 @@ from state_codec import (
     schema_diff,
     validate_resume,
 )
-from state_codec.codec import Keyring, seal
+from mamba_stream.state_codec.codec import Keyring, seal
 
 RING = Keyring.generate()
 

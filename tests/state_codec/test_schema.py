@@ -7,8 +7,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from scan import PRESETS, load_model
-from state_codec import StateSchema
+from mamba_stream.scan import PRESETS, load_model
+from mamba_stream.state_codec import StateSchema
 
 
 def test_fingerprint_is_stable_and_distinguishes_every_preset():

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from state_codec import StateKey, format_state_key, parse_state_key, record_key
+from mamba_stream.state_codec import StateKey, format_state_key, parse_state_key, record_key
 
 DIGEST = "0123456789abcdef" * 2
 

@@ -30,12 +30,12 @@ from typing import Any
 from temporalio.client import Client
 from temporalio.worker import Worker
 
-import activities._registry as registry
-from activities import open_store
-from activities._registry import ModelRegistry
-from activities._stream import StreamActivities
-from plugin import MambaStreamPlugin
-from state_codec.codec import Keyring
+import mamba_stream.activities._registry as registry
+from mamba_stream.activities import open_store
+from mamba_stream.activities._registry import ModelRegistry
+from mamba_stream.activities._stream import StreamActivities
+from mamba_stream.plugin import MambaStreamPlugin
+from mamba_stream.state_codec.codec import Keyring
 
 #: what this worker's first model load imports
 SLOW = ("tests.workflows._slow_first_load",)

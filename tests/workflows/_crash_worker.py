@@ -31,12 +31,12 @@ from temporalio.worker import (
     WorkflowOutboundInterceptor,
 )
 
-from activities import open_store
-from activities._registry import ModelRegistry
-from activities._stream import StreamActivities
-from plugin import MambaStreamPlugin, data_converter
-from state_codec.codec import Keyring
-from worker import worker_slots
+from mamba_stream.activities import open_store
+from mamba_stream.activities._registry import ModelRegistry
+from mamba_stream.activities._stream import StreamActivities
+from mamba_stream.plugin import MambaStreamPlugin, data_converter
+from mamba_stream.state_codec.codec import Keyring
+from mamba_stream.worker import worker_slots
 
 _CRASH: tuple[str, int] = ("", -1)
 

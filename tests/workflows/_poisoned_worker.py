@@ -15,11 +15,11 @@ import logging
 import sys
 from pathlib import Path
 
-from activities import open_store
-from activities._registry import ModelRegistry
-from activities._stream import StreamActivities
-from scan import Model
-from worker import WorkerConfig, load_keyring, serve
+from mamba_stream.activities import open_store
+from mamba_stream.activities._registry import ModelRegistry
+from mamba_stream.activities._stream import StreamActivities
+from mamba_stream.scan import Model
+from mamba_stream.worker import WorkerConfig, load_keyring, serve
 
 POISON = "module 'sympy' has no attribute 'core'"
 

@@ -18,13 +18,13 @@ from temporalio.client import Client, WorkflowHistory
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer, Worker
 
-from activities import open_store
-from activities._registry import ModelRegistry
-from activities._stream import StreamActivities
-from plugin import MambaStreamPlugin, _runner, data_converter, heartbeat_throttle
-from state_codec.codec import Keyring
-from worker import start_dev_server, worker_slots
-from workflows import ChatAgent, MambaStreamWorkflow, StreamClient, StreamOptions
+from mamba_stream.activities import open_store
+from mamba_stream.activities._registry import ModelRegistry
+from mamba_stream.activities._stream import StreamActivities
+from mamba_stream.plugin import MambaStreamPlugin, _runner, data_converter, heartbeat_throttle
+from mamba_stream.state_codec.codec import Keyring
+from mamba_stream.worker import start_dev_server, worker_slots
+from mamba_stream.workflows import ChatAgent, MambaStreamWorkflow, StreamClient, StreamOptions
 
 # Short timeouts so that a dead worker is noticed in seconds, not minutes.
 # A worker that dies inside a workflow task (a local chunk) holds the stream up for task_timeout_s.

@@ -14,11 +14,11 @@ from temporalio.client import Client, WorkflowFailureError, WorkflowUpdateFailed
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.exceptions import ApplicationError
 
-from plugin import MambaStreamPlugin
-from state_codec.codec import plaintext_checksum
+from mamba_stream.plugin import MambaStreamPlugin
+from mamba_stream.state_codec.codec import plaintext_checksum
 from tests.workflows.conftest import FAST, Stack, eventually, make_stack
 from tests.workflows.test_stream_workflow import local
-from workflows import ChatAgent, ChatInput, ChatMessage, StreamClient, TokenEvent
+from mamba_stream.workflows import ChatAgent, ChatInput, ChatMessage, StreamClient, TokenEvent
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

@@ -13,7 +13,7 @@ from temporalio.client import WorkflowUpdateFailedError
 from temporalio.testing import WorkflowEnvironment
 
 from tests.workflows.conftest import FAST, _start, eventually, make_stack
-from workflows import StreamOptions
+from mamba_stream.workflows import StreamOptions
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

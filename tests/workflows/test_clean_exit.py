@@ -12,6 +12,11 @@ does now and then (4 runs of 11 in the report; 3 of 202 on this 2-core machine, 
 the test fails without the fix every time rather than now and then, every other run holds each
 such thread in that call for a while (`SLOW_WAKEUPS_S`), as a thread left unscheduled is held:
 without the fix, every one of those runs dies.
+
+Dropping the runtimes was not enough: the RPC whose result a native thread is handing over holds
+its runtime too, so that thread can still be in Python as the interpreter finalizes. The last run,
+slowed and alone on the machine, died so every time (3 of 5 suites); the plugin now also waits,
+bounded, until no thread Python did not start is inside a Python call (`close_native_clients`).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import pytest
 import pytest_asyncio
 from temporalio.testing import WorkflowEnvironment
 
-from state_codec.codec import Keyring
+from mamba_stream.state_codec.codec import Keyring
 from tests.workflows.conftest import Stack, make_stack
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -47,8 +52,8 @@ import time
 
 from temporalio.client import Client
 
-from plugin import MambaStreamPlugin
-from workflows import ClientConfig, StreamClient
+from mamba_stream.plugin import MambaStreamPlugin
+from mamba_stream.workflows import ClientConfig, StreamClient
 
 
 async def main() -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from worker import (
+from mamba_stream.worker import (
     _DIE_WITH_PARENT,
     EmbeddedTemporal,
     _dying_with_this_thread,
@@ -252,7 +252,7 @@ def test_a_health_check_in_flight_dies_with_its_worker(tmp_path):
         silent.bind(("127.0.0.1", 0))
         silent.listen()
         port = silent.getsockname()[1]
-        code = ("import sys; from pathlib import Path; from worker import EmbeddedTemporal; "
+        code = ("import sys; from pathlib import Path; from mamba_stream.worker import EmbeddedTemporal; "
                 "EmbeddedTemporal(Path(sys.argv[1]), port=int(sys.argv[2]))._serving()")
         worker = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "home"), str(port)], cwd=ROOT)
         checks: dict[int, int | None] = {}

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from state_codec.codec import plaintext_checksum
+from mamba_stream.state_codec.codec import plaintext_checksum
 from tests.activities._eos import PROMPT, SEED, N, checkpoint, first_new, run, scanned
 from tests.workflows.conftest import FAST, make_stack
 

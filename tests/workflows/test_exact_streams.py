@@ -13,15 +13,15 @@ from temporalio.client import Client, WorkflowFailureError
 from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 from temporalio.worker import Worker
 
-from activities import ModelRegistry, StreamActivities, StreamMetrics, open_store
-from plugin import MambaStreamPlugin
-from scan import load_model
-from state_codec.codec import Keyring, plaintext_checksum
+from mamba_stream.activities import ModelRegistry, StreamActivities, StreamMetrics, open_store
+from mamba_stream.plugin import MambaStreamPlugin
+from mamba_stream.scan import load_model
+from mamba_stream.state_codec.codec import Keyring, plaintext_checksum
 from tests.scan._helpers import tokens
 from tests.workflows.conftest import FAST, make_stack
 from tests.workflows.test_metrics import Meter, free_port
 from tests.workflows.test_stream_workflow import chunking, digest, feed
-from workflows import StreamOptions
+from mamba_stream.workflows import StreamOptions
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -215,7 +215,7 @@ async def test_an_exact_drift_sample_that_finds_other_bits_counts_a_mismatch(tmp
 async def test_a_model_whose_kernels_fail_the_probe_says_so_in_its_path_arithmetic_and_metric(tmp_path, monkeypatch):
     """A product that depends on its batch (as tests/scan/test_exact.py forces it): the probe at load
     catches it, the twins run, and the worker's metric and the receipt's arithmetic say so."""
-    from scan import _exact as E
+    from mamba_stream.scan import _exact as E
 
     ops = E._kernel_ops()
     honest = type(ops).linear

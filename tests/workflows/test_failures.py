@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 
-import workflows
-from activities import StoreCorrupt, StoreError, StoreOwnedElsewhere, StoreUnavailable
-from activities._registry import UnknownModel
-from scan import NonFiniteOutput, TokenOutOfRange
-from state_codec import CheckpointNotFound, PrincipalMismatch
-from workflows import NOT_THE_CHUNKS_FAULT, StreamFailure, application_error, catalogue
+from mamba_stream import workflows
+from mamba_stream.activities import StoreCorrupt, StoreError, StoreOwnedElsewhere, StoreUnavailable
+from mamba_stream.activities._registry import UnknownModel
+from mamba_stream.scan import NonFiniteOutput, TokenOutOfRange
+from mamba_stream.state_codec import CheckpointNotFound, PrincipalMismatch
+from mamba_stream.workflows import NOT_THE_CHUNKS_FAULT, StreamFailure, application_error, catalogue
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = ["activities", "workflows", "cli", "state_codec", "scan", "plugin.py", "worker.py"]
+SOURCES = [f"mamba_stream/{s}" for s in ("activities", "workflows", "cli", "state_codec", "scan", "plugin.py", "worker.py")]
 
 
 def _calls_with_literal_type(path: Path) -> list[str]:

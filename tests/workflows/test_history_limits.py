@@ -19,11 +19,11 @@ from temporalio.api.enums.v1 import EventType, WorkflowTaskFailedCause
 from temporalio.client import Client
 from temporalio.exceptions import CancelledError
 
-from activities._stream import StreamActivities
-from state_codec.codec import plaintext_checksum
+from mamba_stream.activities._stream import StreamActivities
+from mamba_stream.state_codec.codec import plaintext_checksum
 from tests.workflows.conftest import FAST, histories, make_stack
 from tests.workflows.test_stream_workflow import local
-from workflows._stream import HISTORY_CRITICAL_BYTES
+from mamba_stream.workflows._stream import HISTORY_CRITICAL_BYTES
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

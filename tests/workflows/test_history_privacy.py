@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from temporalio.client import WorkflowUpdateFailedError
 
-from state_codec import parse_state_key
+from mamba_stream.state_codec import parse_state_key
 from tests.workflows.conftest import Stack, sdk_bookkeeping
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -124,9 +124,9 @@ async def test_a_principal_keyring_reads_its_own_streams_and_no_one_elses(stack:
     from temporalio.client import Client
     from temporalio.exceptions import ApplicationError
 
-    from plugin import MambaStreamPlugin
-    from state_codec.payload import UNDECRYPTABLE_ENCODING, EncryptionCodec
-    from workflows import StreamClient
+    from mamba_stream.plugin import MambaStreamPlugin
+    from mamba_stream.state_codec.payload import UNDECRYPTABLE_ENCODING, EncryptionCodec
+    from mamba_stream.workflows import StreamClient
 
     rings = {p: stack.keyring.for_principal(p) for p in ("alice", "bob")}
     clients = {p: StreamClient(await Client.connect(stack.address, plugins=[MambaStreamPlugin(keyring=r)]),
@@ -147,7 +147,7 @@ async def test_a_principal_keyring_reads_its_own_streams_and_no_one_elses(stack:
     # bob's client gets its type, in clear anyway, and nothing else
     from temporalio.client import WorkflowUpdateFailedError
 
-    from workflows import AdvanceRequest, MambaStreamWorkflow
+    from mamba_stream.workflows import AdvanceRequest, MambaStreamWorkflow
 
     with pytest.raises(WorkflowUpdateFailedError) as failed:
         await clients["bob"].handle(sid).execute_update(
@@ -184,7 +184,7 @@ async def test_the_codec_server_decodes_only_its_tokens_principals(stack: Stack)
     from google.protobuf import json_format
     from temporalio.api.common.v1 import Payloads
 
-    from state_codec.codec_server import CodecServer
+    from mamba_stream.state_codec.codec_server import CodecServer
 
     sid = await stack.streams.open("alice", "tiny-mamba2")
     await stack.streams.advance(sid, "alice", text="alice's secret")
@@ -216,7 +216,7 @@ async def test_the_codec_server_decodes_only_its_tokens_principals(stack: Stack)
         import asyncio
         import subprocess
 
-        from worker import temporal_binary
+        from mamba_stream.worker import temporal_binary
 
         for token, reads in (("t-alice", True), ("t-bob", False)):
             shown = await asyncio.to_thread(subprocess.run, [
@@ -238,13 +238,13 @@ async def test_export_keys_writes_one_principals_keyring(stack: Stack, tmp_path)
     import subprocess
     import sys
 
-    from state_codec.keyring import Keyring
+    from mamba_stream.state_codec.keyring import Keyring
 
     master = tmp_path / "master.json"
     stack.keyring.rotate().save(master)  # two key ids: both exported, so rotation keeps history readable
     out = tmp_path / "alice.json"
     env = dict(os.environ, MAMBA_STREAM_KEYRING=str(master))
-    run = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "cli", "export-keys", "alice", "--out",
+    run = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "mamba_stream.cli", "export-keys", "alice", "--out",
                                                    str(out)], env=env, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     ring = Keyring.from_file(out)
@@ -253,13 +253,13 @@ async def test_export_keys_writes_one_principals_keyring(stack: Stack, tmp_path)
     tag = full.principal_tag("alice")
     assert ring.tag == tag == stack.keyring.principal_tag("alice")  # rotation keeps the tag
     assert all(ring.key(k) == full.history_key(k, tag) != full.key(k) for k in full.ids)
-    again = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "cli", "export-keys", "bob", "--out",
+    again = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "mamba_stream.cli", "export-keys", "bob", "--out",
                                                      str(out)], env=env, capture_output=True, text=True, timeout=60)
     assert again.returncode == 1  # never overwrites
     # a principal's keyring cannot derive another's, nor serve as a worker's
     with pytest.raises(Exception):
         ring.for_principal("bob")
-    from worker import WorkerConfig, load_keyring
+    from mamba_stream.worker import WorkerConfig, load_keyring
 
     cfg = WorkerConfig()
     cfg.keyring = str(out)

@@ -10,11 +10,11 @@ import pytest
 from temporalio.api.common.v1 import Payload
 from temporalio.client import WorkflowFailureError, WorkflowUpdateFailedError
 
-from state_codec.codec import plaintext_checksum
-from state_codec.payload import ENCRYPTED_ENCODING
+from mamba_stream.state_codec.codec import plaintext_checksum
+from mamba_stream.state_codec.payload import ENCRYPTED_ENCODING
 from tests.workflows.conftest import Stack, eventually, sdk_bookkeeping
 from tests.workflows.test_stream_workflow import digest, local, reason
-from worker import temporal_binary
+from mamba_stream.worker import temporal_binary
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -34,7 +34,7 @@ async def test_reset_and_cancel_from_the_temporal_cli(stack: Stack):
     the environment), so the request is sealed and the principal's name never reaches history."""
     import os
 
-    from state_codec.codec_server import CodecServer
+    from mamba_stream.state_codec.codec_server import CodecServer
 
     model = local("tiny-mamba2")
     sid = await stack.streams.open("alice", "tiny-mamba2")
@@ -145,7 +145,7 @@ async def test_checkpoint_and_resume_in_another_stream(stack: Stack):
 
 
 def _opts(**kw):
-    from workflows import StreamOptions
+    from mamba_stream.workflows import StreamOptions
 
     return StreamOptions(**kw)
 
@@ -242,7 +242,7 @@ async def test_malformed_update_from_the_cli_is_refused_before_history(stack: St
         assert out.returncode != 0, bad
     assert await history_updates(stack, sid) == before
     # a good one, its encrypted result decoded for the CLI by our codec server
-    from state_codec.codec_server import CodecServer
+    from mamba_stream.state_codec.codec_server import CodecServer
 
     codec = CodecServer(stack.keyring, port=0).start()  # its token travels in `endpoint`
     try:

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from temporalio.api.enums.v1 import EventType
 
-from activities._stream import StreamActivities
-from state_codec.codec import plaintext_checksum
+from mamba_stream.activities._stream import StreamActivities
+from mamba_stream.state_codec.codec import plaintext_checksum
 from tests.workflows.conftest import FAST, Stack, eventually, make_stack
 from tests.workflows.test_stream_workflow import FailOnce, digest, local
 

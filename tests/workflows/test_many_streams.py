@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from state_codec.codec import plaintext_checksum
+from mamba_stream.state_codec.codec import plaintext_checksum
 from tests.workflows.conftest import Stack
 from tests.workflows.test_stream_workflow import local
 

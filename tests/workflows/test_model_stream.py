@@ -9,11 +9,11 @@ import asyncio
 import pytest
 from temporalio.client import WorkflowFailureError
 
-from state_codec.codec import plaintext_checksum
+from mamba_stream.state_codec.codec import plaintext_checksum
 from tests.workflows._owner import OwnerInput, TestOwner
 from tests.workflows.conftest import FAST, eventually, histories, make_stack
 from tests.workflows.test_stream_workflow import local
-from workflows import TokenEvent
+from mamba_stream.workflows import TokenEvent
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -95,7 +95,7 @@ async def test_a_stream_owned_by_a_workflow_moves_resets_and_is_disposed(can_env
 
 def test_every_patch_is_decided_by_one_start_marker_and_their_ids_are_the_recorded_ones():
     from tests.workflows.conftest import PATCH_IDS
-    from workflows._model_stream import START_MARKERS
+    from mamba_stream.workflows._model_stream import START_MARKERS
 
     listed = [p for patches in START_MARKERS.values() for p in patches]
     assert len(listed) == len(set(listed)) and not set(listed) & set(START_MARKERS)

@@ -1,4 +1,4 @@
-"""The request models (workflows/_models.py) by themselves, without a Temporal server: what a
+"""The request models (mamba_stream/workflows/_models.py) by themselves, without a Temporal server: what a
 request may hold is refused where the request is built or decoded, typed, before any workflow,
 activity or CLI sees it (Issue 31: a model that took both `tokens` and `text` was caught only by
 a CLI test, and that test's request is refused anyway, as unsealed, once it is decoded)."""
@@ -12,12 +12,12 @@ from pydantic import ValidationError
 from temporalio.api.common.v1 import Payload
 from temporalio.exceptions import ApplicationError
 
-import workflows._models as models
-from scan import load_model
-from state_codec.codec import Keyring, seal
-from state_codec.payload import StreamPayloadConverter
-from workflows import AdvanceRequest, InvalidRequest
-from workflows._models import AdvanceChunkRequest
+import mamba_stream.workflows._models as models
+from mamba_stream.scan import load_model
+from mamba_stream.state_codec.codec import Keyring, seal
+from mamba_stream.state_codec.payload import StreamPayloadConverter
+from mamba_stream.workflows import AdvanceRequest, InvalidRequest
+from mamba_stream.workflows._models import AdvanceChunkRequest
 
 ONE_INPUT = "give exactly one of tokens and text"
 

@@ -10,12 +10,12 @@ import pytest
 from pydantic import ValidationError
 from temporalio.client import WorkflowUpdateFailedError
 
-from activities import StoreUnavailable
-from activities._stream import UNTYPED_ATTEMPTS, StreamActivities
-from scan import load_model
-from state_codec.codec import plaintext_checksum
+from mamba_stream.activities import StoreUnavailable
+from mamba_stream.activities._stream import UNTYPED_ATTEMPTS, StreamActivities
+from mamba_stream.scan import load_model
+from mamba_stream.state_codec.codec import plaintext_checksum
 from tests.workflows.conftest import FAST, Stack, eventually, make_stack
-from workflows import GenerateRequest
+from mamba_stream.workflows import GenerateRequest
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

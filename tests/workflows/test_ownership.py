@@ -23,12 +23,12 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
-from plugin import MambaStreamPlugin
-from state_codec import SEALER_KEY
-from state_codec.codec import plaintext_checksum
+from mamba_stream.plugin import MambaStreamPlugin
+from mamba_stream.state_codec import SEALER_KEY
+from mamba_stream.state_codec.codec import plaintext_checksum
 from tests.workflows.conftest import Stack, eventually
 from tests.workflows.test_stream_workflow import local
-from workflows import (
+from mamba_stream.workflows import (
     AdvanceRequest,
     CheckpointRequest,
     GenerateRequest,
@@ -39,7 +39,7 @@ from workflows import (
     StreamClient,
     new_stream_id,
 )
-from workflows._models import (
+from mamba_stream.workflows._models import (
     CancelRequest,
     CarrySeal,
     ModelInfo,
@@ -233,7 +233,7 @@ def _clear_strings(msg, out: list[str]) -> list[str]:
 async def test_ids_in_clear_history_and_store_keys_carry_no_content(stack: Stack):
     """`advance-1-e0-<16 hex>` was an unkeyed sha256 of the request: a dictionary search over
     history alone recovered "the vault code is 4711" in 0.05 s."""
-    from workflows import chunk_digest
+    from mamba_stream.workflows import chunk_digest
 
     sid = await stack.streams.open("alice", "tiny-mamba2")
     secret = "the vault code is 4711"
@@ -266,7 +266,7 @@ async def _cli(stack: Stack, codec_endpoint: str, *args: str):
     import os
     import subprocess
 
-    from worker import temporal_binary
+    from mamba_stream.worker import temporal_binary
 
     # the codec endpoint from the environment, as the README says: not on the command line
     env = dict(os.environ, TEMPORAL_CODEC_ENDPOINT=codec_endpoint)
@@ -277,7 +277,7 @@ async def _cli(stack: Stack, codec_endpoint: str, *args: str):
 async def test_the_operator_resets_and_cancels_any_stream_and_that_is_recorded(stack: Stack):
     """The README's commands through the codec endpoint: the principal travels encrypted, the
     operator's acts are counted as the operator's, and a refused reset is visible to whoever sent it."""
-    from state_codec.codec_server import CodecServer
+    from mamba_stream.state_codec.codec_server import CodecServer
 
     bob, sid = await _bobs_stream(stack)
     codec = CodecServer(stack.keyring, port=0).start()  # the operator's token, in `endpoint`
@@ -390,7 +390,7 @@ async def test_a_carry_from_a_version_that_did_not_seal_carries_is_taken_on_the_
     version's carry has no seal. The new run takes it because the server's history says the run it
     continues continued as new into it (only the workflow's own code can); a client's start, whose
     run continues nothing, is refused (the forged-carry test above)."""
-    import workflows._model_stream as model_stream
+    import mamba_stream.workflows._model_stream as model_stream
     from tests.workflows.conftest import make_stack
 
     sealing, marking = ModelStream.seal_carry, model_stream.mark_patches

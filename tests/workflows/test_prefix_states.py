@@ -17,17 +17,17 @@ import pytest
 from temporalio.client import WorkflowFailureError, WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError
 
-from activities import StreamMetrics, open_store
-from scan import load_model
-from state_codec import parse_state_key
-from state_codec.codec import plaintext_checksum
+from mamba_stream.activities import StreamMetrics, open_store
+from mamba_stream.scan import load_model
+from mamba_stream.state_codec import parse_state_key
+from mamba_stream.state_codec.codec import plaintext_checksum
 from tests.activities.test_prefix import CountingMeter
 from tests.activities.test_stores import PG_URL
 from tests.workflows._owner import OwnerInput
 from tests.workflows._owner import TestOwner as Owner  # (not a test class)
 from tests.workflows.conftest import FAST, Stack, eventually, make_stack, replay
 from tests.workflows.test_stream_workflow import digest
-from workflows import MambaStreamWorkflow, OpenStreamInput, StreamClient, StreamOptions
+from mamba_stream.workflows import MambaStreamWorkflow, OpenStreamInput, StreamClient, StreamOptions
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -275,7 +275,7 @@ async def test_a_workflow_that_owns_its_stream_opens_it_from_a_stored_prefix(tem
 
 
 async def test_agents_that_share_a_system_prompt_open_from_its_state(temporal_env, tmp_path):
-    from workflows import ChatAgent, ChatInput, ChatMessage
+    from mamba_stream.workflows import ChatAgent, ChatInput, ChatMessage
 
     stack = await make_stack(temporal_env, tmp_path, backend="auto")
     async with stack.exits:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from state_codec import Receipt
-from workflows import AdvanceResult, TokenEvent
-from workflows._models import ReadTokensRequest, RecentResult
-from workflows._records import LOG_BYTES, READ_BYTES, RecentResults, TokenLog, chunk_seq_of
+from mamba_stream.state_codec import Receipt
+from mamba_stream.workflows import AdvanceResult, TokenEvent
+from mamba_stream.workflows._models import ReadTokensRequest, RecentResult
+from mamba_stream.workflows._records import LOG_BYTES, READ_BYTES, RecentResults, TokenLog, chunk_seq_of
 
 
 def _ev(seq: int, n: int = 3, text: str | None = None, update_id: str | None = None) -> TokenEvent:

@@ -9,12 +9,12 @@ import pytest
 from temporalio import activity
 from temporalio.api.enums.v1 import EventType
 
-from activities._stream import StreamActivities
-from state_codec.codec import plaintext_checksum
+from mamba_stream.activities._stream import StreamActivities
+from mamba_stream.state_codec.codec import plaintext_checksum
 from tests.workflows.conftest import FAST, Stack, failed_tasks, histories, make_stack, replay
 from tests.workflows.test_stream_workflow import local
-from workflows import ModelStream
-from workflows._model_stream import LOCAL_PAUSE_CHUNKS
+from mamba_stream.workflows import ModelStream
+from mamba_stream.workflows._model_stream import LOCAL_PAUSE_CHUNKS
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

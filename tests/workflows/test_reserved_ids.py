@@ -24,13 +24,13 @@ from temporalio.exceptions import ApplicationError
 from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 from temporalio.worker import Worker
 
-from activities import HISTOGRAM_BUCKETS, StreamMetrics
-from activities._prefix import PREFIX_STREAM_PREFIX
-from plugin import MambaStreamPlugin
-from state_codec.codec import Keyring
+from mamba_stream.activities import HISTOGRAM_BUCKETS, StreamMetrics
+from mamba_stream.activities._prefix import PREFIX_STREAM_PREFIX
+from mamba_stream.plugin import MambaStreamPlugin
+from mamba_stream.state_codec.codec import Keyring
 from tests.workflows.conftest import Stack, make_stack
 from tests.workflows.test_metrics import Meter, free_port
-from workflows import ChatInput, OpenStreamInput, catalogue, new_stream_id
+from mamba_stream.workflows import ChatInput, OpenStreamInput, catalogue, new_stream_id
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

@@ -17,8 +17,8 @@ from temporalio.client import Client, WorkflowHandle
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
 from tests.workflows.conftest import Stack, eventually
-from workflows._models import ACTIVITY_RESET, ResetRequest
-from workflows._stream import MambaStreamWorkflow
+from mamba_stream.workflows._models import ACTIVITY_RESET, ResetRequest
+from mamba_stream.workflows._stream import MambaStreamWorkflow
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

@@ -15,11 +15,11 @@ import pytest
 import torch
 from temporalio.client import WorkflowUpdateFailedError
 
-from scan import load_model
-from state_codec.codec import plaintext_checksum
+from mamba_stream.scan import load_model
+from mamba_stream.state_codec.codec import plaintext_checksum
 from tests.workflows.conftest import FAST, Stack, address, eventually
-from worker import temporal_binary
-from workflows import RewindPastWindow, StreamOptions
+from mamba_stream.worker import temporal_binary
+from mamba_stream.workflows import RewindPastWindow, StreamOptions
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

@@ -9,13 +9,13 @@ import pytest
 import torch
 from temporalio.client import WorkflowFailureError, WorkflowUpdateFailedError
 
-from scan import load_model
-from state_codec.codec import plaintext_checksum
-from state_codec.signing import PrincipalKeys, RequestSigner
+from mamba_stream.scan import load_model
+from mamba_stream.state_codec.codec import plaintext_checksum
+from mamba_stream.state_codec.signing import PrincipalKeys, RequestSigner
 from tests.workflows.conftest import FAST, eventually, make_stack
-from workflows import OpenStreamInput, StreamClient
-from workflows._models import AdvanceRequest, GenerateRequest, ResetRequest
-from workflows._stream import MambaStreamWorkflow
+from mamba_stream.workflows import OpenStreamInput, StreamClient
+from mamba_stream.workflows._models import AdvanceRequest, GenerateRequest, ResetRequest
+from mamba_stream.workflows._stream import MambaStreamWorkflow
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

@@ -23,14 +23,14 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from activities import open_store
-from activities._prefix import _tokens_hash
-from scan import load_model
-from state_codec.codec import plaintext_checksum
+from mamba_stream.activities import open_store
+from mamba_stream.activities._prefix import _tokens_hash
+from mamba_stream.scan import load_model
+from mamba_stream.state_codec.codec import plaintext_checksum
 from tests._legacy import downgrade_file_store, downgrade_meta
 from tests.activities.test_stores import PG_URL
 from tests.workflows.conftest import FAST, Stack, make_stack
-from workflows import StreamOptions
+from mamba_stream.workflows import StreamOptions
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

@@ -12,9 +12,9 @@ import pytest
 from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError, WorkflowUpdateFailedError
 from temporalio.exceptions import CancelledError
 
-from activities._file_store import _os_error
-from scan import load_model
-from state_codec.codec import plaintext_checksum
+from mamba_stream.activities._file_store import _os_error
+from mamba_stream.scan import load_model
+from mamba_stream.state_codec.codec import plaintext_checksum
 from tests.activities.test_stores import PG_HOSTPART, pg_admin, pg_role  # noqa: F401 - fixtures
 from tests.workflows.conftest import FAST, eventually, make_stack
 

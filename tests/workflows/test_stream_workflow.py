@@ -10,13 +10,13 @@ import pytest
 import torch
 from temporalio.client import WorkflowUpdateFailedError
 
-from activities._stream import StreamActivities
-from scan import load_model, tolerance
-from state_codec.codec import plaintext_checksum, unseal
+from mamba_stream.activities._stream import StreamActivities
+from mamba_stream.scan import load_model, tolerance
+from mamba_stream.state_codec.codec import plaintext_checksum, unseal
 from tests.workflows.conftest import FAST, Stack, eventually, make_stack
-from workflows import StreamOptions
-from workflows._models import AdvanceRequest
-from workflows._stream import MambaStreamWorkflow
+from mamba_stream.workflows import StreamOptions
+from mamba_stream.workflows._models import AdvanceRequest
+from mamba_stream.workflows._stream import MambaStreamWorkflow
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

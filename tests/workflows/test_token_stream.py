@@ -18,13 +18,13 @@ from temporalio.common import RawValue
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
-from activities._stream import StreamActivities
-from plugin import MambaStreamPlugin
-from state_codec.codec import plaintext_checksum
-from state_codec.payload import ENCRYPTED_ENCODING, sealed_for_stream
+from mamba_stream.activities._stream import StreamActivities
+from mamba_stream.plugin import MambaStreamPlugin
+from mamba_stream.state_codec.codec import plaintext_checksum
+from mamba_stream.state_codec.payload import ENCRYPTED_ENCODING, sealed_for_stream
 from tests.workflows.conftest import FAST, Stack, eventually, make_stack
 from tests.workflows.test_stream_workflow import local, reason
-from workflows import StreamClient, StreamOptions, TokenEvent, TokenProgress
+from mamba_stream.workflows import StreamClient, StreamOptions, TokenEvent, TokenProgress
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -481,7 +481,7 @@ def _progress(start: int, tokens: list[int], text_start: int = 0, text: str | No
 
 
 async def test_a_reader_shows_each_token_once_and_the_commit_brings_the_rest():
-    from workflows._client import _Shown
+    from mamba_stream.workflows._client import _Shown
 
     first = _progress(0, [1, 2, 3], 0, "abc")
     shown = _Shown(first)
@@ -498,7 +498,7 @@ async def test_a_reader_shows_each_token_once_and_the_commit_brings_the_rest():
 
 
 async def test_a_reader_that_fell_behind_or_saw_a_retry_sample_others_waits_for_the_commit():
-    from workflows._client import _Shown
+    from mamba_stream.workflows._client import _Shown
 
     entry = TokenEvent(offset=5, chunk_seq=2, update_id="generate-2-e0-x", tokens=[1, 2, 9, 9], text="ab!!",
                        done=True, finish_reason="length")
@@ -577,7 +577,7 @@ class FailStreamedOnce(SlowSampling):
     def _edge(self, name: str, stream_id: str, chunk_seq: int) -> None:
         from temporalio import activity
 
-        from workflows import InternalError
+        from mamba_stream.workflows import InternalError
 
         super()._edge(name, stream_id, chunk_seq)
         if name == "computed" and not self.failed and activity.in_activity() and not activity.info().is_local \

@@ -8,7 +8,7 @@ import pytest
 from temporalio.client import WorkflowQueryFailedError
 from temporalio.service import RPCError, RPCStatusCode
 
-from workflows._client import StreamClient, transient
+from mamba_stream.workflows._client import StreamClient, transient
 
 
 @pytest.mark.parametrize(("err", "again"), [

@@ -14,11 +14,11 @@ from temporalio.client import WorkflowFailureError, WorkflowQueryFailedError, Wo
 from temporalio.exceptions import ApplicationError
 from temporalio.workflow import _Definition
 
-from scan import load_model
-from state_codec.codec import plaintext_checksum
-from state_codec.payload import ENCODED_FAILURE
+from mamba_stream.scan import load_model
+from mamba_stream.state_codec.codec import plaintext_checksum
+from mamba_stream.state_codec.payload import ENCODED_FAILURE
 from tests.workflows.conftest import FAST, Stack, eventually
-from workflows import MambaStreamWorkflow, ResetRequest, catalogue
+from mamba_stream.workflows import MambaStreamWorkflow, ResetRequest, catalogue
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

@@ -18,14 +18,14 @@ import pytest
 from temporalio.client import Client
 from temporalio.worker import Worker
 
-from activities import open_store
-from activities._registry import ModelRegistry
-from activities._stream import StreamActivities
-from plugin import MambaStreamPlugin
-from state_codec.codec import Keyring
-from state_codec.codec_server import CodecServer, ui_origins
-from worker import EmbeddedTemporal
-from workflows import StreamClient
+from mamba_stream.activities import open_store
+from mamba_stream.activities._registry import ModelRegistry
+from mamba_stream.activities._stream import StreamActivities
+from mamba_stream.plugin import MambaStreamPlugin
+from mamba_stream.state_codec.codec import Keyring
+from mamba_stream.state_codec.codec_server import CodecServer, ui_origins
+from mamba_stream.worker import EmbeddedTemporal
+from mamba_stream.workflows import StreamClient
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

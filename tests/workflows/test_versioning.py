@@ -17,9 +17,9 @@ from temporalio.common import VersioningBehavior, WorkerDeploymentVersion
 from temporalio.service import RPCError
 from temporalio.worker import Worker, WorkerDeploymentConfig
 
-from plugin import MambaStreamPlugin
-from scan import load_model
-from state_codec.codec import plaintext_checksum
+from mamba_stream.plugin import MambaStreamPlugin
+from mamba_stream.scan import load_model
+from mamba_stream.state_codec.codec import plaintext_checksum
 from tests.workflows.conftest import FAST, eventually, make_stack
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

@@ -22,12 +22,12 @@ from temporalio.api.common.v1 import Payload
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 
-from plugin import MambaStreamPlugin
-from state_codec import CLEAR, MASTER
-from state_codec.codec import Keyring
-from state_codec.codec_server import CodecServer
-from state_codec.keyring import KeyringNotFound, find_keyring
-from state_codec.payload import (
+from mamba_stream.plugin import MambaStreamPlugin
+from mamba_stream.state_codec import CLEAR, MASTER
+from mamba_stream.state_codec.codec import Keyring
+from mamba_stream.state_codec.codec_server import CodecServer
+from mamba_stream.state_codec.keyring import KeyringNotFound, find_keyring
+from mamba_stream.state_codec.payload import (
     ENCRYPTED_ENCODING,
     UNDECRYPTABLE_ENCODING,
     EncryptionCodec,
@@ -35,8 +35,8 @@ from state_codec.payload import (
     with_sealer,
 )
 from tests.workflows.conftest import Stack, eventually
-from worker import WorkerConfig, _running, load_keyring
-from workflows import ClientConfig, StreamClient
+from mamba_stream.worker import WorkerConfig, _running, load_keyring
+from mamba_stream.workflows import ClientConfig, StreamClient
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 ROOT = Path(__file__).resolve().parents[2]
@@ -393,7 +393,7 @@ async def _run(stack: Stack, keyfile: Path, *args: str) -> subprocess.CompletedP
     """The CLI in a subprocess, without blocking the event loop the test's worker runs on."""
     env = dict(os.environ, TEMPORAL_ADDRESS=stack.address, MAMBA_STREAM_KEYRING=str(keyfile),
                MAMBA_STREAM_TASK_QUEUE=stack.queue)
-    return await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "cli", *args], env=env,
+    return await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "mamba_stream.cli", *args], env=env,
                                    capture_output=True, text=True, timeout=120, cwd=ROOT)
 
 

@@ -16,12 +16,12 @@ from temporalio.api.enums.v1 import EventType, TimeoutType
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
 from temporalio.worker import Worker
 
-from plugin import MambaStreamPlugin
-from state_codec.codec import plaintext_checksum
+from mamba_stream.plugin import MambaStreamPlugin
+from mamba_stream.state_codec.codec import plaintext_checksum
 from tests.workflows.conftest import FAST, Stack, eventually, make_stack
 from tests.workflows.test_stream_workflow import digest, local
-from workflows import MambaStreamWorkflow, OpenStreamInput, StreamOptions, new_stream_id
-from workflows._models import TIMEOUT_FLOORS
+from mamba_stream.workflows import MambaStreamWorkflow, OpenStreamInput, StreamOptions, new_stream_id
+from mamba_stream.workflows._models import TIMEOUT_FLOORS
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

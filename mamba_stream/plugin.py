@@ -1,0 +1,336 @@
+"""MambaStreamPlugin: everything a Temporal client or worker needs to run Mamba streams.
+
+    client = await Client.connect(address, plugins=[MambaStreamPlugin()])          # a client
+    client = await Client.connect(address, plugins=[MambaStreamPlugin(keyring=ring, activities=acts)])
+
+It registers MambaStreamWorkflow and the example ChatAgent (a workflow that owns its stream), the stream activities (when
+given), and builds on the data converter and workflow runner it is given rather than replacing
+them: the payload converter becomes the pydantic one (with the typed refusal of payloads the
+keyring cannot open), the keyring's AES-256-GCM codec is added after any codec already there
+(tokens, texts and receipts are encrypted in history; plain JSON typed into the Temporal CLI
+still decodes), and a sandboxed runner lets the request/receipt models through. When the
+worker stops, the plugin closes the activities it was given.
+
+A worker whose activities trip their health check (`activities.WorkerHealth`: it fails chunk
+after chunk of several streams, none succeeding) is shut down by the plugin, and its
+`Worker.run` raises `workflows.WorkerUnhealthy` saying why, so that its process can end and be
+restarted rather than fail every stream that reaches it.
+
+A client imports nothing heavy here: no torch, no checkpoint codec, no worker.
+
+A program that connects through the plugin exits cleanly: when the interpreter exits, the
+plugin closes the Temporal clients it connected and the runtimes they ran on, before
+finalization (`close_native_clients`), so that no native Temporal thread is left to call into
+a finalizing interpreter. Such a client cannot be used after that: not from a daemon thread,
+nor from an `atexit` hook registered before this module was imported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import dataclasses
+import logging
+import sys
+import threading
+import time
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from datetime import timedelta
+from typing import Any
+
+from temporalio.contrib.pydantic import PydanticPayloadConverter
+from temporalio.converter import (
+    CompositePayloadConverter,
+    DataConverter,
+    DefaultFailureConverter,
+    DefaultFailureConverterWithEncodedAttributes,
+    DefaultPayloadConverter,
+    PayloadCodec,
+    SerializationContext,
+    WithSerializationContext,
+)
+from temporalio.plugin import SimplePlugin
+from temporalio.runtime import Runtime
+from temporalio.service import ConnectConfig, ServiceClient
+from temporalio.worker import WorkerConfig, WorkflowRunner
+from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
+
+from mamba_stream.state_codec import SEALER_KEY
+from mamba_stream.state_codec.keyring import Keyring
+from mamba_stream.state_codec.payload import (
+    EncryptionCodec,
+    SealedPayloadConverter,
+    StreamPayloadConverter,
+    TypedFailureConverter,
+    with_sealer,
+)
+from mamba_stream.workflows import (
+    PROGRESS_INTERVAL_S,
+    ChatAgent,
+    ClientConfig,
+    MambaStreamWorkflow,
+    WorkerUnhealthy,
+)
+
+__all__ = ["MambaStreamPlugin", "close_native_clients", "data_converter", "heartbeat_throttle"]
+
+log = logging.getLogger(__name__)
+
+#: modules the workflow sandbox imports once, from outside: the request/receipt models
+PASSTHROUGH = ("pydantic", "mamba_stream.state_codec", "mamba_stream.workflows._models",
+               "mamba_stream.workflows._failures")
+
+
+class _Codecs(PayloadCodec, WithSerializationContext):
+    """Another codec, then ours: encoding runs them in order, decoding in reverse."""
+
+    def __init__(self, *codecs: PayloadCodec) -> None:
+        self.codecs = codecs
+
+    def with_context(self, context: SerializationContext) -> _Codecs:
+        # ours needs the stream's id to pick its principal's key: pass the context on
+        return _Codecs(*(c.with_context(context) if isinstance(c, WithSerializationContext) else c
+                         for c in self.codecs))
+
+    async def encode(self, payloads):  # noqa: ANN001, ANN201 - PayloadCodec's signature
+        for c in self.codecs:
+            payloads = await c.encode(payloads)
+        return list(payloads)
+
+    async def decode(self, payloads):  # noqa: ANN001, ANN201
+        sealers = None
+        for c in reversed(self.codecs):
+            payloads = await c.decode(payloads)
+            if _has_encryption(c):  # who sealed each payload, in our codec's word
+                sealers = [p.metadata.get(SEALER_KEY, b"").decode() for p in payloads]
+            elif sealers is not None and len(sealers) == len(payloads):
+                # a codec inside ours decodes what the sender wrote: it cannot say who sealed it
+                payloads = [with_sealer(p, s) for p, s in zip(payloads, sealers)]
+        return list(payloads)
+
+
+def _has_encryption(codec: PayloadCodec | None) -> bool:
+    if isinstance(codec, EncryptionCodec):
+        return True
+    return isinstance(codec, _Codecs) and any(_has_encryption(c) for c in codec.codecs)
+
+
+def _payload_converter_class(cls: type) -> type:
+    if issubclass(cls, StreamPayloadConverter):
+        return cls
+    if cls in (DefaultPayloadConverter, PydanticPayloadConverter):
+        return StreamPayloadConverter
+    if issubclass(cls, CompositePayloadConverter):
+        log.warning("MambaStreamPlugin: keeping the payload converter %s; it must convert pydantic models",
+                    cls.__name__)
+
+        def __init__(self) -> None:  # noqa: N807 - a nullary constructor, as DataConverter requires
+            cls.__init__(self)
+            self._set_converters(*self.converters.values(), SealedPayloadConverter())
+
+        return type(f"{cls.__name__}WithSealed", (cls,), {"__init__": __init__})
+    raise TypeError(f"MambaStreamPlugin needs a CompositePayloadConverter (pydantic models and sealed payloads "
+                    f"are added to it), not {cls.__name__}")
+
+
+def data_converter(keyring: Keyring, existing: DataConverter | None = None) -> DataConverter:
+    """`existing` (default: Temporal's) with pydantic payloads and the keyring's encryption added,
+    and failures' messages and stack traces moved into an encrypted payload (history keeps no
+    state key, store path or input text of a failure in clear; the stand-in names the failure's
+    type: `state_codec.payload.TypedFailureConverter`)."""
+    base = existing or DataConverter.default
+    codec = base.payload_codec
+    if not _has_encryption(codec):
+        codec = EncryptionCodec(keyring) if codec is None else _Codecs(codec, EncryptionCodec(keyring))
+    failures = base.failure_converter_class
+    if failures in (DefaultFailureConverter, DefaultFailureConverterWithEncodedAttributes):
+        failures = TypedFailureConverter
+    elif not issubclass(failures, DefaultFailureConverterWithEncodedAttributes):
+        log.warning("MambaStreamPlugin: keeping the failure converter %s; failure messages may reach history in "
+                    "clear", failures.__name__)
+    return dataclasses.replace(base, payload_converter_class=_payload_converter_class(base.payload_converter_class),
+                               payload_codec=codec, failure_converter_class=failures)
+
+
+def _runner(existing: WorkflowRunner | None) -> WorkflowRunner:
+    """The sandbox it is given (or the default one), letting the request/receipt models through."""
+    if existing is None:
+        return SandboxedWorkflowRunner(restrictions=SandboxRestrictions.default.with_passthrough_modules(*PASSTHROUGH))
+    if isinstance(existing, SandboxedWorkflowRunner):
+        return dataclasses.replace(existing, restrictions=existing.restrictions.with_passthrough_modules(*PASSTHROUGH))
+    return existing  # unsandboxed: nothing to let through
+
+
+#: the service clients the plugin connected; closed at interpreter exit
+_connected: weakref.WeakSet[ServiceClient] = weakref.WeakSet()
+#: the runtimes the plugin connected on (id -> runtime), a connect that failed included: a refused
+#: connect leaves no client, but its runtime's threads ran; closed at interpreter exit
+_runtimes: dict[int, Runtime] = {}
+
+
+class _ClosedClient:
+    """What a closed client's native handle becomes: any call says why, instead of `None` has no attribute."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError("this Temporal client was closed at interpreter exit (plugin.close_native_clients)")
+
+
+def close_native_clients() -> None:
+    """Close the Temporal clients the plugin connected and the runtimes it connected on (a connect
+    that failed included); the plugin calls it at interpreter exit, before finalization. A closed
+    client cannot be used again.
+
+    Why: a Temporal runtime is a pool of native (Tokio) threads, and each RPC's result reaches
+    the event loop through one of them calling into Python (`loop.call_soon_threadsafe`, which
+    releases the GIL to wake the loop). The default runtime is a module global of temporalio,
+    so without this it lives until the interpreter is finalizing. If the main thread gets there
+    while such a thread is still inside its call (it woke the loop, the program finished, and
+    the thread had not been scheduled again: common on a loaded machine), the thread is ended
+    when it asks for the GIL back, and releasing its thread state then aborts the process:
+    "Fatal Python error: PyGILState_Release: thread state ... must be current when releasing".
+    Releasing the last references to the runtime here lets temporalio's bridge shut it down the
+    way it is built to, with the GIL released, waiting for each thread to finish its call.
+
+    A runtime that something else still holds (a `Worker` object, a `WorkflowEnvironment`, a
+    client connected without the plugin) stays up; only its clients connected here are closed.
+    """
+    for service in list(_connected):
+        # temporalio's bridge service client: `_bridge_client` (None until connected, for a lazy
+        # client) owns the native client, which holds a share of its runtime
+        bridge = getattr(service, "_bridge_client", None)
+        if bridge is not None and hasattr(bridge, "_ref"):
+            bridge._ref = _ClosedClient()
+    runtimes = list(_runtimes.values())
+    _runtimes.clear()
+    for runtime in runtimes:
+        core = getattr(runtime, "_core_runtime", None)  # temporalio.bridge.runtime.Runtime
+        if core is not None and hasattr(core, "_ref"):
+            # the last share: the bridge shuts the runtime down here, joining its threads
+            core._ref = _ClosedClient()
+    if runtimes:
+        log.debug("closed %d Temporal runtime(s) before interpreter exit", len(runtimes))
+    if _connected or runtimes:
+        _wait_for_native_callbacks()
+
+
+def _wait_for_native_callbacks(timeout_s: float = 2.0) -> None:
+    """Return once no thread that Python did not start is inside a Python call (bounded).
+
+    A runtime whose RPC is in flight is held by that RPC's task as well: dropping the Python
+    side's references does not stop the thread that is, at that moment, handing a result to the
+    loop (`loop.call_soon_threadsafe`, descheduled in it on a loaded machine). Such a thread has
+    a Python frame and no `threading` object; once it has none, it is back in native code and
+    the interpreter can finalize. The last frame gone, it still releases its thread state: a
+    moment more is left for that."""
+    deadline = time.monotonic() + timeout_s
+    waited = False
+    while True:
+        known = {t.ident for t in threading.enumerate()}
+        foreign = [tid for tid in sys._current_frames() if tid not in known]
+        if not foreign:
+            break
+        if time.monotonic() > deadline:
+            log.warning("%d native thread(s) still in a Python call at exit after %.1f s", len(foreign), timeout_s)
+            return
+        waited = True
+        time.sleep(0.001)
+    if waited:
+        time.sleep(0.005)
+
+
+# Registered at import, before anything of the program's: atexit runs its hooks last registered
+# first, so the program's own exit hooks can still use their clients when they run.
+atexit.register(close_native_clients)
+
+
+def heartbeat_throttle(existing: timedelta | None = None) -> timedelta:
+    """A worker's `max_heartbeat_throttle_interval`: `PROGRESS_INTERVAL_S`, or less if it was less."""
+    ours = timedelta(seconds=PROGRESS_INTERVAL_S)
+    return ours if existing is None else min(existing, ours)
+
+
+class MambaStreamPlugin(SimplePlugin):
+    """Args:
+    keyring: encrypts payloads (and, through the activities, checkpoints). Default: the one
+        `ClientConfig` finds (MAMBA_STREAM_KEYRING, else $MAMBA_STREAM_HOME/keyring.json); a
+        client never makes one (`state_codec.keyring.KeyringNotFound` when there is none).
+    activities: a `StreamActivities` to serve; None for a client that only starts and feeds
+        streams. The plugin closes it when the last worker it runs in stops.
+    """
+
+    def __init__(self, *, keyring: Keyring | None = None, activities: Any = None) -> None:
+        ring = keyring if keyring is not None else ClientConfig().load_keyring()
+        served: list[Callable[..., Any]] = list(activities.activities()) if activities is not None else []
+        self._activities = activities
+        self._running = 0
+
+        def add(existing: Sequence[Callable[..., Any]] | None) -> Sequence[Callable[..., Any]]:
+            return [*(existing or []), *served]
+
+        super().__init__(
+            "mamba_stream.MambaStreamPlugin",
+            data_converter=lambda existing: data_converter(ring, existing),
+            workflows=lambda existing: [*(existing or []), MambaStreamWorkflow, ChatAgent],
+            activities=add,
+            workflow_runner=_runner,
+            run_context=self._serving if activities is not None else None,
+        )
+
+    async def connect_service_client(self, config: ConnectConfig,
+                                     next: Callable[[ConnectConfig], Awaitable[ServiceClient]]) -> ServiceClient:
+        """See base class. The client is closed, with its runtime, when the interpreter exits
+        (`close_native_clients`: a program that returns after using it exits cleanly)."""
+        runtime = config.runtime or Runtime.default()  # what the connect runs on, as temporalio picks it
+        _runtimes[id(runtime)] = runtime
+        service = await super().connect_service_client(config, next)
+        _connected.add(service)
+        return service
+
+    def configure_worker(self, config: WorkerConfig) -> WorkerConfig:
+        """See base class. Heartbeats are throttled to `PROGRESS_INTERVAL_S` at most: a streaming
+        generate's tokens reach readers as its heartbeats (the SDK's default throttle is 0.8 x the
+        heartbeat timeout, up to 60 s)."""
+        config = super().configure_worker(config)
+        config["max_heartbeat_throttle_interval"] = heartbeat_throttle(config.get("max_heartbeat_throttle_interval"))
+        return config
+
+    async def run_worker(self, worker: Any, next: Callable[[Any], Awaitable[None]]) -> None:
+        """See base class. A worker whose activities' health trips is shut down.
+
+        Raises:
+            WorkerUnhealthy: the activities' health tripped; the worker was shut down for it.
+        """
+        health = getattr(self._activities, "health", None)
+        if health is None:
+            await super().run_worker(worker, next)
+            return
+        loop = asyncio.get_running_loop()
+        stopping: list[asyncio.Task] = []
+
+        def tripped(why: str) -> None:  # in the activity thread that tripped it
+            def stop() -> None:
+                log.error("shutting down the worker on %s: %s", worker.task_queue, why)
+                stopping.append(asyncio.ensure_future(worker.shutdown()))
+
+            loop.call_soon_threadsafe(stop)
+
+        remove = health.on_trip(tripped)
+        try:
+            await super().run_worker(worker, next)
+        finally:
+            remove()
+        if health.tripped is not None:
+            raise WorkerUnhealthy(f"the worker on {worker.task_queue} stopped taking work: {health.tripped}")
+
+    @asynccontextmanager
+    async def _serving(self) -> AsyncIterator[None]:
+        """Around each worker run: the last one to stop closes the activities (engines, threads)."""
+        self._running += 1
+        try:
+            yield
+        finally:
+            self._running -= 1
+            if self._running == 0:
+                self._activities.close()

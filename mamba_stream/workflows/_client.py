@@ -1,0 +1,1067 @@
+"""Client helpers: open streams with server-made ids, feed them with idempotent update ids."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from temporalio.api.common.v1 import WorkflowExecution
+from temporalio.api.enums.v1 import EventType, PendingWorkflowTaskState, TaskQueueType
+from temporalio.api.taskqueue.v1 import TaskQueue
+from temporalio.api.workflowservice.v1 import (
+    DescribeTaskQueueRequest,
+    GetWorkflowExecutionHistoryRequest,
+    ResetStickyTaskQueueRequest,
+)
+from temporalio.client import (
+    Client,
+    WorkflowExecutionDescription,
+    WorkflowExecutionStatus,
+    WorkflowHandle,
+    WorkflowQueryFailedError,
+    WorkflowUpdateFailedError,
+    WorkflowUpdateRPCTimeoutOrCancelledError,
+)
+from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.converter import WorkflowSerializationContext
+from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
+from temporalio.service import RPCError, RPCStatusCode
+
+from mamba_stream.state_codec import Receipt, stream_tag
+from mamba_stream.workflows._config import DEFAULT_TASK_QUEUE
+from mamba_stream.workflows._failures import (
+    InvalidRequest,
+    OpenFailed,
+    RewindPastWindow,
+    RewindUnavailable,
+    StreamMoving,
+    StreamOpening,
+)
+from mamba_stream.workflows._models import (
+    ACTIVITY_GENERATE,
+    ACTIVITY_OPEN,
+    PROGRESS_INTERVAL_S,
+    READ_EVENTS,
+    STREAM_WORKFLOW_TYPE,
+    AdvanceRequest,
+    AdvanceResult,
+    CancelRequest,
+    CheckpointRequest,
+    CheckpointResult,
+    GenerateRequest,
+    GenerateResult,
+    OpenStreamInput,
+    ReadTokensRequest,
+    ResetRequest,
+    RewindRequest,
+    ReleaseRequest,
+    ReleaseResult,
+    StreamOptions,
+    StreamStats,
+    TokenBatch,
+    TokenEvent,
+    TokenProgress,
+    update_id,
+)
+from mamba_stream.workflows._model_stream import check_prefix
+from mamba_stream.workflows._stream import MambaStreamWorkflow
+
+if TYPE_CHECKING:
+    from mamba_stream.state_codec.signing import RequestSigner
+
+__all__ = ["GenerateStream", "StreamClient", "id_key", "new_stream_id", "transient"]
+
+T = TypeVar("T")
+
+#: RPC statuses that say the server or the stream's worker could not answer now, not that the
+#: request is wrong: a loaded box times out workflow tasks, and while a stream's workflow task is
+#: retried the server refuses its updates with FAILED_PRECONDITION ("Workflow Task in failed state");
+#: it does too while no worker has polled the queue lately (all busy, or restarting)
+_TRANSIENT = {RPCStatusCode.UNAVAILABLE, RPCStatusCode.DEADLINE_EXCEEDED, RPCStatusCode.RESOURCE_EXHAUSTED,
+              RPCStatusCode.ABORTED, RPCStatusCode.CANCELLED}
+
+
+def transient(err: BaseException) -> bool:
+    """Whether `err` is a client call that may pass if sent again unchanged: an update or query
+    RPC that timed out, a server that could not take it now, a stream whose workflow task is being
+    retried, a query the worker's deadlock detector cut short, a stream moving to a new run
+    (`StreamMoving`). A chunk's own failure, or a refusal,
+    is never transient."""
+    if isinstance(err, WorkflowUpdateRPCTimeoutOrCancelledError):
+        return True
+    if isinstance(err, WorkflowUpdateFailedError):
+        # the stream moved to a new run before its time, with this request in flight or waiting
+        # (nothing of it was committed, and the next run takes the same update id), or its new run
+        # is still checking what it carried over
+        return isinstance(err.cause, ApplicationError) and err.cause.type in (StreamMoving.reason,
+                                                                               StreamOpening.reason)
+    if isinstance(err, RPCError):
+        if err.status in _TRANSIENT:
+            return True
+        if err.status == RPCStatusCode.FAILED_PRECONDITION and any(
+                m in str(err) for m in ("failed state", "no poller seen")):
+            return True
+        # a query the stream's worker did not answer in time (its task expired in the queue)
+        return err.status == RPCStatusCode.NOT_FOUND and "query task not found" in str(err)
+    if isinstance(err, WorkflowQueryFailedError):
+        # the worker's deadlock detector failed the activation that ran the query: it took over
+        # 2 s (TMPRL1101: a long GC pause of a worker holding many streams, a saturated machine).
+        # A query only reads: asked again, it is answered. Its own failures stay failures.
+        return "_DeadlockError" in str(err) or "TMPRL1101" in str(err)
+    return False
+
+log = logging.getLogger(__name__)
+
+#: how long `StreamClient.open` lets a stream wait for a worker to take it, by default: a worker that
+#: polls the queue takes a new stream in milliseconds, even a loaded one in a few seconds
+OPEN_WORKER_TIMEOUT_S = 10.0
+#: `open`'s first look whether a worker took the stream, then twice as long each time up to the max
+_TAKEN_POLL_S = 0.25
+_TAKEN_POLL_MAX_S = 1.0
+
+
+def new_stream_id(tag: str | None = None) -> str:
+    """Unguessable, and valid as a store key prefix: `ms.<tag>.<32 hex>`, where the tag names the
+    principal whose history key encrypts the stream's payloads without saying who it is
+    (`state_codec.keyring`, `state_codec.payload.stream_principal`), or `ms-<32 hex>` (the master
+    key's) without one."""
+    return f"ms.{tag}.{uuid.uuid4().hex}" if tag else "ms-" + uuid.uuid4().hex
+
+
+def _keyring(client: Client) -> Any:
+    """The keyring of the client's payload codec (`state_codec.keyring.Keyring`), or None."""
+    todo = [client.data_converter.payload_codec]
+    while todo:
+        codec = todo.pop()
+        ring = getattr(codec, "keyring", None)
+        if ring is not None and hasattr(ring, "principal_tag"):
+            return ring
+        todo.extend(getattr(codec, "codecs", ()))
+    return None
+
+
+def _principal_tag(client: Client, principal: str) -> str | None:
+    """The principal's tag, from the keyring of the client's payload codec (None: no such codec,
+    or a principal's keyring opening a stream for someone else)."""
+    ring = _keyring(client)
+    if ring is None:
+        return None
+    try:
+        return ring.principal_tag(principal)
+    except Exception:  # noqa: BLE001 - KeyringError: not this keyring's principal
+        return None
+
+
+def id_key(client: Client, stream_id: str) -> bytes:
+    """The key of a stream's update ids (`Keyring.id_key`), from the client's keyring. Raises
+    LookupError when it holds none for the stream (no keyring, another principal's stream)."""
+    ring = _keyring(client)
+    if ring is None:
+        raise LookupError("the client has no keyring (a payload codec of MambaStreamPlugin): it cannot name "
+                          "a stream's updates, nor seal them")
+    try:
+        return ring.id_key(stream_tag(stream_id))
+    except Exception as exc:  # noqa: BLE001 - UnknownKeyId: another principal's stream
+        raise LookupError(f"this client's keyring holds no key for stream {stream_id}: {exc}") from exc
+
+
+class StreamClient:
+    """Operations on streams through a Temporal client carrying the MambaStreamPlugin.
+
+    Args:
+        signer: signs every request for its principal (`state_codec.signing.RequestSigner`);
+            needed when the workers verify signatures.
+        retry_s: how long a call is sent again while it fails for a transient reason (`transient`:
+            a loaded server or worker); every call is idempotent (an update under its id, a reset
+            under the epoch it begins), so sending it again never applies it twice.
+    """
+
+    def __init__(self, client: Client, task_queue: str = DEFAULT_TASK_QUEUE, *,
+                 signer: RequestSigner | None = None, retry_s: float = 120.0) -> None:
+        self.client = client
+        self.task_queue = task_queue
+        self.signer = signer
+        self.retry_s = retry_s
+        self._epochs: dict[str, int] = {}  # stream -> the epoch this client last saw it in
+        self._id_keys: dict[str, bytes] = {}  # stream -> the key of its update ids
+
+    async def _retrying(self, call: Callable[[], Awaitable[T]], stream_id: str | None = None) -> T:
+        """`call()`, sent again with backoff while it fails transiently, for up to `retry_s`."""
+        loop = asyncio.get_running_loop()
+        deadline, delay = loop.time() + self.retry_s, 0.05
+        while True:
+            try:
+                return await call()
+            except (RPCError, WorkflowUpdateRPCTimeoutOrCancelledError, WorkflowUpdateFailedError,
+                    WorkflowQueryFailedError) as err:
+                # the SDK turns a cancelled update call into WorkflowUpdateRPCTimeoutOrCancelledError,
+                # which is transient: sent again, the caller's cancellation (a Ctrl-C, a wait_for
+                # that expired) would be lost and the call would go on forever
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise asyncio.CancelledError() from err
+                if not transient(err) or loop.time() + delay > deadline:
+                    raise
+                if stream_id is not None and "no poller seen" in str(err):
+                    await self._unstick(stream_id)
+            await asyncio.sleep(delay * (0.5 + random.random()))  # jitter: many clients back off apart
+            delay = min(delay * 2, 2.0)
+
+    async def _unstick(self, stream_id: str) -> None:
+        """Send the stream's next tasks to its task queue instead of the worker that last ran it.
+        A query goes to that worker's own (sticky) queue while the stream sits idle; when that
+        worker died, nothing polls it and every query fails "no poller seen" until the stream's
+        next workflow task, which an idle stream may never have."""
+        try:
+            await self.client.workflow_service.reset_sticky_task_queue(ResetStickyTaskQueueRequest(
+                namespace=self.client.namespace, execution=WorkflowExecution(workflow_id=stream_id)))
+        except RPCError:
+            pass  # the next attempt says what is wrong, if anything still is
+
+    async def _update(self, handle: WorkflowHandle, update: Any, *args: Any, id: str) -> Any:
+        return await self._retrying(lambda: handle.execute_update(update, *args, id=id), handle.id)
+
+    async def _query(self, stream_id: str, query: Any, *args: Any) -> Any:
+        return await self._retrying(lambda: self.handle(stream_id).query(query, *args), stream_id)
+
+    def sign(self, kind: str, stream_id: str, request):  # noqa: ANN001, ANN201 - any signed request model
+        """`request` with its signature, when this client signs (unchanged otherwise)."""
+        if self.signer is None:
+            return request
+        return request.model_copy(update={"signature": self.signer.sign(kind, stream_id, request.claims())})
+
+    def update_id(self, kind: str, stream_id: str, request: AdvanceRequest | GenerateRequest, epoch: int,
+                  attempt: int = 0) -> str:
+        """`update_id` of a chunk of `stream_id`, keyed by this client's key for it (`id_key`)."""
+        key = self._id_keys.get(stream_id)
+        if key is None:
+            key = self._id_keys[stream_id] = id_key(self.client, stream_id)
+        return update_id(kind, request, epoch=epoch, key=key, attempt=attempt)
+
+    def handle(self, stream_id: str) -> WorkflowHandle:
+        return self.client.get_workflow_handle_for(MambaStreamWorkflow.run, stream_id)
+
+    def new_id(self, principal: str) -> str:
+        """A new stream id for `principal` (`new_stream_id`, tagged from this client's keyring):
+        the id to start a workflow that owns a `ModelStream` under, so that its payloads are
+        sealed under the principal's history key and this client's readers open them."""
+        return new_stream_id(_principal_tag(self.client, principal))
+
+    async def open(self, principal: str, model_id: str, *, options: StreamOptions | None = None,
+                   input_transform: str | None = None, resume: Receipt | None = None,
+                   prefix: str | Sequence[int] | None = None,
+                   stream_id: str | None = None, wait: bool = True,
+                   worker_timeout_s: float | None = OPEN_WORKER_TIMEOUT_S) -> str:
+        """Start a stream; returns its id (server-made unless given) once it is open.
+
+        `prefix`: text (encoded by the model's input transform) or token ids the stream starts
+        after: its first state is the prefix's, from the workers' prefix store when it holds the
+        prefix or a shorter one of it (the stream's principal's own entries, or a shared prefix
+        the operator declared), the rest computed once and stored for the next stream. The
+        receipt's `origin` says how much came from the store; its checksum is that of a stream fed
+        the prefix from position 0. Empty: an ordinary open.
+
+        `worker_timeout_s`: with `wait`, how long the stream may wait for a worker to take it
+        (to start its first workflow task) while no worker polls the task queue; None waits as
+        long as a worker takes to come. Once a worker has it, or one polls the queue (a busy
+        worker takes a new stream late), its opening is waited for however long it takes.
+
+        Raises:
+            ApplicationError: typed `ChunkTooLarge` (a prefix over `max_prefix_tokens` or
+                `max_text_bytes`) or `InvalidRequest` (a prefix beside a resume), before anything starts.
+            WorkflowFailureError: opening failed; its cause is typed by reason (a resume from an
+                incompatible checkpoint: PrincipalMismatch, SchemaMismatch, ...; a prefix token
+                outside the vocabulary: TokenOutOfRange).
+            OpenFailed: no worker took the stream within `worker_timeout_s` and none polls the task
+                queue; the stream was terminated, before any of it ran, so it leaves nothing
+                behind. Its details name the `stream_id`, the `task_queue` and the `waited_s`.
+        """
+        sid = stream_id or self.new_id(principal)
+        inp = self.sign("open", sid, OpenStreamInput(
+            principal=principal, model_id=model_id, input_transform=input_transform, resume=resume,
+            prefix=prefix if prefix is None or isinstance(prefix, str) else [int(t) for t in prefix],
+            options=options or StreamOptions()))
+        check_prefix(inp, inp.options)  # typed, before anything starts (the prefix would reach history)
+        sent = False
+
+        async def start() -> WorkflowHandle:
+            nonlocal sent
+            try:
+                return await self.client.start_workflow(
+                    MambaStreamWorkflow.run, inp,
+                    id=sid, task_queue=self.task_queue, id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
+                    task_timeout=timedelta(seconds=inp.options.task_timeout_s),
+                )
+            except WorkflowAlreadyStartedError:
+                if not sent:
+                    raise
+                return self.handle(sid)  # our own earlier start went through; its answer was lost
+            finally:
+                sent = True
+
+        handle = await self._retrying(start)
+        if wait:
+            try:
+                await self._ready(handle, worker_timeout_s)
+            except WorkflowUpdateFailedError:
+                await handle.result()  # raises the typed reason the stream failed to open with
+                raise
+            except RPCError:
+                # The stream closed before it took the update (it could not read its input: another
+                # keyring): its failure is the reason. Still running: the RPC error is.
+                if (await handle.describe()).status != WorkflowExecutionStatus.RUNNING:
+                    await handle.result()
+                raise
+        return sid
+
+    async def _ready(self, handle: WorkflowHandle, worker_timeout_s: float | None) -> None:
+        """The `ready` update, while watching that a worker takes the stream: with none polling
+        its task queue, the update would wait (and the SDK poll for it) forever. A stream no worker
+        took is terminated when the wait ends unanswered, by the bound or by the caller's
+        cancellation (a Ctrl-C): else it would wait Running, its id known to no one."""
+        ready = asyncio.ensure_future(self._update(handle, MambaStreamWorkflow.ready, id="ready"))
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        pause, taken = _TAKEN_POLL_S, False
+        try:
+            while True:
+                # an open that a worker takes answers in tens of milliseconds: most opens never describe
+                await asyncio.wait({ready}, timeout=pause)
+                if ready.done():
+                    ready.result()
+                    return
+                taken = await self._taken(handle)
+                if taken:
+                    await ready  # a worker has it: its open takes as long as it takes
+                    return
+                if worker_timeout_s is not None and loop.time() - t0 >= worker_timeout_s:
+                    if not await self._polled():
+                        break
+                    # a worker polls the queue, busy: a loaded machine takes a new stream late, not never
+                    worker_timeout_s = None
+                pause = min(pause * 2, _TAKEN_POLL_MAX_S) if worker_timeout_s is None else \
+                    min(pause * 2, _TAKEN_POLL_MAX_S, max(0.01, t0 + worker_timeout_s - loop.time()))
+        except asyncio.CancelledError:
+            if not taken:
+                try:
+                    if not await self._taken(handle):
+                        await self._abandon(handle, "the open was cancelled before any worker took the stream")
+                except RPCError as err:  # the caller's cancellation is what it raises, not this
+                    log.warning("stream %s: its open was cancelled, and it could not be terminated: %s",
+                                handle.id, err)
+            raise
+        finally:
+            if not ready.done():
+                await _drop(ready)
+        waited = loop.time() - t0
+        await self._abandon(handle, f"no worker took the stream within {worker_timeout_s:g} s (task queue "
+                                    f"{self.task_queue!r})")
+        raise OpenFailed(f"no worker took stream {handle.id} within {worker_timeout_s:g} s: none polls task queue "
+                         f"{self.task_queue!r} (start one: `python worker.py`, with the same "
+                         f"MAMBA_STREAM_TASK_QUEUE); the stream was terminated",
+                         stream_id=handle.id, task_queue=self.task_queue, waited_s=round(waited, 3))
+
+    async def _abandon(self, handle: WorkflowHandle, why: str) -> None:
+        """Terminate a stream no worker has taken. Terminated, not cancelled: a cancel needs a
+        worker to carry it out, and would leave the stream Running until one comes. No worker ran
+        a task of it, so no state of it exists to dispose of (were one to take it in the instant
+        between the check and the terminate, what it stored is an orphan `sweep_orphans` deletes)."""
+        try:
+            await handle.terminate(reason=why)
+        except RPCError as err:
+            if err.status != RPCStatusCode.NOT_FOUND:  # NOT_FOUND: it closed on its own meanwhile
+                raise
+        log.info("stream %s terminated: %s", handle.id, why)
+
+    async def _polled(self) -> bool:
+        """Whether a worker polled the stream's task queue for workflow tasks lately (the server
+        lists the pollers it saw in the last minutes): with one there, a stream not taken yet waits
+        its turn. (A worker that died in those minutes still counts: the open then waits as before.)"""
+        try:
+            # the legacy mode: it lists the pollers seen lately, also a busy worker's that stopped
+            # polling while its task slots are full (the enhanced mode lists only polls in flight)
+            desc = await self.client.workflow_service.describe_task_queue(DescribeTaskQueueRequest(
+                namespace=self.client.namespace, task_queue=TaskQueue(name=self.task_queue),
+                task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW))
+        except RPCError as err:  # no answer: do not guess that nobody polls
+            log.warning("task queue %s could not be described: %s", self.task_queue, err)
+            return True
+        return len(desc.pollers) > 0
+
+    async def _taken(self, handle: WorkflowHandle) -> bool:
+        """Whether a worker has started a workflow task of the stream (or it closed: the `ready`
+        update's answer says how), from `describe`."""
+        desc = await handle.describe()
+        if desc.status != WorkflowExecutionStatus.RUNNING:
+            return True
+        pending = desc.raw_description.pending_workflow_task
+        # started, scheduled and nothing else yet: two events; a started or completed task adds more
+        return desc.history_length > 2 or \
+            pending.state == PendingWorkflowTaskState.PENDING_WORKFLOW_TASK_STATE_STARTED
+
+    async def next_seq(self, stream_id: str) -> int:
+        return (await self._position(stream_id))[0] + 1
+
+    async def _position(self, stream_id: str) -> tuple[int, int]:
+        """(committed chunk_seq, epoch), from the stream."""
+        st = await self.stats(stream_id)
+        self._epochs[stream_id] = st.epoch
+        return st.chunk_seq, st.epoch
+
+    async def _chunk(self, kind: str, stream_id: str, make: Callable[[int], Any], update: Any,
+                     chunk_seq: int | None, attempt: int) -> Any:
+        """Send a chunk under its update id; once more with a fresh epoch if the stream was reset
+        since this client last saw it (the stream refuses a stale epoch, nothing is stored)."""
+        if chunk_seq is None:
+            seq, epoch = await self._position(stream_id)
+            seq += 1
+        else:
+            seq = chunk_seq
+            epoch = self._epochs.get(stream_id)
+            if epoch is None:
+                epoch = (await self._position(stream_id))[1]
+        req = self.sign(kind, stream_id, make(seq))
+        handle = self.handle(stream_id)
+        try:
+            out = await self._update(handle, update, req, id=self.update_id(kind, stream_id, req, epoch, attempt))
+        except WorkflowUpdateFailedError as err:
+            if not (isinstance(err.cause, ApplicationError) and err.cause.type == "EpochMismatch"):
+                raise
+            epoch = (await self._position(stream_id))[1]  # reset since we last looked: once more
+            out = await self._update(handle, update, req, id=self.update_id(kind, stream_id, req, epoch, attempt))
+        self._epochs[stream_id] = out.receipt.epoch
+        return out
+
+    async def advance(self, stream_id: str, principal: str, *, tokens: Sequence[int] | None = None,
+                      text: str | None = None, chunk_seq: int | None = None, top_k: int = 5,
+                      attempt: int = 0) -> AdvanceResult:
+        """Feed a chunk. `attempt`: send a chunk again whose update failed for a reason that was
+        not its own (`NOT_THE_CHUNKS_FAULT`); the same attempt returns the same outcome."""
+        return await self._chunk("advance", stream_id, lambda seq: AdvanceRequest(
+            principal=principal, chunk_seq=seq, tokens=list(tokens) if tokens is not None else None, text=text,
+            top_k=top_k), MambaStreamWorkflow.advance, chunk_seq, attempt)
+
+    async def generate(self, stream_id: str, principal: str, max_tokens: int, *, temperature: float = 1.0,
+                       top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (),
+                       chunk_seq: int | None = None, attempt: int = 0) -> GenerateResult:
+        return await self._chunk("generate", stream_id, lambda seq: GenerateRequest(
+            principal=principal, chunk_seq=seq, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
+            seed=seed, stop=list(stop)), MambaStreamWorkflow.generate, chunk_seq, attempt)
+
+    def generate_stream(self, stream_id: str, principal: str, max_tokens: int, *, temperature: float = 1.0,
+                        top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (),
+                        chunk_seq: int | None = None, attempt: int = 0) -> GenerateStream:
+        """`generate`, its tokens read as they are sampled: `async for event in ...` yields the
+        chunk's `TokenEvent`s in order (the last one `done`); then `.result` is its GenerateResult.
+        The same chunk as `generate` with the same arguments: streaming decides how it is shown,
+        never what is committed."""
+        return GenerateStream(self, stream_id, principal, dict(
+            max_tokens=max_tokens, temperature=temperature, top_k=top_k, seed=seed, stop=list(stop)),
+            chunk_seq, attempt)
+
+    async def tokens(self, stream_id: str, *, from_offset: int = 0, chunk_seq: int | None = None,
+                     update_id: str | None = None, max_events: int = READ_EVENTS) -> AsyncIterator[TokenEvent]:
+        """The stream's generated tokens from log offset `from_offset` (of one chunk or update, if
+        named), as they come: each token once, in order, across continue-as-new; ends when the
+        stream is cancelled or closed.
+
+        Committed generates come from the token log (the `read_tokens` query), one entry each; a
+        streamed generate still running shows its tokens as its activity heartbeats them (read
+        with `describe`), with the offset its entry will take, and its committed entry then
+        brings the rest (or, `restart`, all of them again if they differ from those shown). A
+        reader writes no history and holds no update: it follows the stream's history with a
+        long-poll (an idle reader costs one request held by the server), queries the log when a
+        generate has finished, and polls `describe` while a generate runs (every `POLL_MIN_S`
+        while tokens flow, backing off to `POLL_MAX_S`). A reader that reconnects passes the
+        offset of the last `done` event + 1 (or of an unfinished chunk's events, to see that
+        chunk from its start). Entries older than the log's window
+        (`StreamOptions.token_log_events`) are gone: reading starts at the oldest kept.
+        `max_events`: the most entries one query returns (a read also stops at 512 KiB).
+        """
+        async for ev in _Reader(self, stream_id, from_offset, chunk_seq, update_id, max_events).events():
+            yield ev
+
+    async def read_tokens(self, stream_id: str, *, from_offset: int = 0, chunk_seq: int | None = None,
+                          update_id: str | None = None, max_events: int = READ_EVENTS) -> TokenBatch:
+        """What the token log holds from `from_offset` now (a query: no history), at most
+        `max_events` entries; `more` says some were held back: read again from `next_offset`."""
+        return await self._query(stream_id, MambaStreamWorkflow.read_tokens, ReadTokensRequest(
+            from_offset=from_offset, chunk_seq=chunk_seq, update_id=update_id, max_events=max_events))
+
+    async def token_offset(self, stream_id: str) -> int:
+        """Where the stream's token log ends now."""
+        return await self._query(stream_id, MambaStreamWorkflow.token_offset)
+
+    async def progress(self, stream_id: str, desc: WorkflowExecutionDescription | None = None
+                       ) -> TokenProgress | None:
+        """The newest tokens of the stream's streamed generate running now (its activity's last
+        heartbeat, from `describe`, or from `desc` when given), or None.
+
+        Raises:
+            ApplicationError: typed `UnknownKeyId` for a client without the stream's principal's
+                key (the details are encrypted under it, as every payload of the stream).
+        """
+        from mamba_stream.state_codec.payload import sealed_for_stream  # the client's codec: not in the workflow sandbox
+
+        desc = desc or await self.handle(stream_id).describe()
+        conv = None
+        for pa in desc.raw_description.pending_activities:
+            payloads = pa.heartbeat_details.payloads
+            if pa.activity_type.name != ACTIVITY_GENERATE or len(payloads) != 1:
+                continue
+            if not sealed_for_stream(payloads[0], stream_id):
+                # not from the workers: details anyone may write by the activity's id, in clear or
+                # under another principal's key (`RecordActivityTaskHeartbeatById`)
+                log.debug("stream %s: ignoring heartbeat details the workers did not write", stream_id)
+                continue
+            conv = conv or self.client.data_converter.with_context(
+                WorkflowSerializationContext(namespace=self.client.namespace, workflow_id=stream_id))
+            try:
+                [got] = await conv.decode(payloads, [TokenProgress])
+            except ApplicationError as err:
+                if err.type == InvalidRequest.reason:
+                    continue  # not a progress: a heartbeat of another shape
+                raise
+            return got
+        return None
+
+    async def reset(self, stream_id: str, principal: str, *, epoch: int | None = None, revoke: bool = False) -> None:
+        """Signal a reset. A signing client names the epoch it begins (the current one + 1 unless
+        given), so the signed signal cannot be replayed to reset the stream again. `revoke`: also
+        delete every checkpoint of the earlier epochs, pinned ones included (default: they survive,
+        and receipts handed out before the reset still resume them)."""
+        if epoch is None and self.signer is not None:
+            epoch = (await self.stats(stream_id)).epoch + 1
+        req = self.sign("reset", stream_id, ResetRequest(principal=principal, epoch=epoch, revoke=revoke))
+        send = lambda: self.handle(stream_id).signal(MambaStreamWorkflow.reset, req)  # noqa: E731
+        # A reset that names its epoch is refused when it arrives twice, so it may be sent again;
+        # one that does not could reset twice.
+        await (self._retrying(send) if epoch is not None else send())
+        self._epochs.pop(stream_id, None)  # the next chunk asks the stream for its epoch
+
+    async def rewind(self, stream_id: str, to_seq: int, *, principal: str | None = None,
+                     timeout_s: float = 60.0) -> str:
+        """Rewind the stream to just after chunk `to_seq` (0: just after it opened), as its
+        principal (default: the stream's own, from its stats; sealed under this client's key, so
+        only a client holding that principal's keys, or the operator, can). The stream moves to a
+        new run that continues from chunk `to_seq`'s checkpoint, with the same outputs and
+        checksum as a fresh stream fed the same tokens; returns the new run's id.
+
+        A rewind reaches any chunk of the stream's window (its newest `checkpoints_kept`
+        checkpoints), and a rewind after a rewind any chunk of the new window: the undone chunks'
+        checkpoints are deleted and do not count against it.
+
+        Raises:
+            RewindPastWindow: chunk `to_seq` is outside the window; nothing was rewound.
+            RewindUnavailable: chunk `to_seq` was never committed, or its checkpoint has no
+                recorded receipt (written before rewinds recorded one).
+        """
+        if principal is None:
+            principal = (await self.stats(stream_id)).principal
+        before = (await self.handle(stream_id).describe()).run_id
+        req = self.sign("rewind", stream_id, RewindRequest(principal=principal, to_seq=to_seq))
+        try:
+            await self._update(self.handle(stream_id), MambaStreamWorkflow.rewind, req,
+                               id=f"rewind-{to_seq}-{uuid.uuid4().hex}")
+        except WorkflowUpdateFailedError as err:
+            cause = err.cause
+            if isinstance(cause, ApplicationError) and cause.type in (RewindPastWindow.reason,
+                                                                      RewindUnavailable.reason):
+                cls = RewindPastWindow if cause.type == RewindPastWindow.reason else RewindUnavailable
+                details = cause.details[0] if cause.details and isinstance(cause.details[0], dict) else {}
+                raise cls(cause.message, **details) from err
+            raise
+        self._epochs.pop(stream_id, None)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:  # the stream continues as new once the rewind's update is done
+            run = (await self.handle(stream_id).describe()).run_id
+            if run != before or loop.time() > deadline:
+                return run
+            await asyncio.sleep(0.05)
+
+    async def rewind_point(self, stream_id: str, to_seq: int) -> tuple[str, int | None]:
+        """(current run id, the id of the first WorkflowTaskCompleted event after chunk `to_seq`
+        committed; None when nothing followed it): where `rewind` resets to, for an operator who
+        runs `temporal workflow reset --event-id` by hand (no window check: a raw reset past the
+        window leaves a run whose next chunk fails `RewindPastWindow`)."""
+        run_id, point, _ = await self._locate(stream_id, to_seq)
+        return run_id, point
+
+    async def _locate(self, stream_id: str, to_seq: int) -> tuple[str, int | None, str]:
+        """`rewind_point`, and the state key chunk `to_seq` committed."""
+        desc = await self.handle(stream_id).describe()
+        run_id = desc.run_id
+        events = [e async for e in self.client.get_workflow_handle(stream_id, run_id=run_id).fetch_history_events()]
+        decode = self.client.data_converter.decode
+        committed: int | None = None  # the event after which chunk `to_seq` is committed
+        key = ""  # the state key it committed
+        open_scheduled: set[int] = set()
+        point: int | None = None
+        for e in events:
+            if committed is None:
+                if to_seq == 0:
+                    if e.HasField("activity_task_scheduled_event_attributes") and \
+                            e.activity_task_scheduled_event_attributes.activity_type.name == ACTIVITY_OPEN:
+                        open_scheduled.add(e.event_id)
+                    elif e.HasField("activity_task_completed_event_attributes") and \
+                            e.activity_task_completed_event_attributes.scheduled_event_id in open_scheduled:
+                        committed = e.event_id
+                        [value] = await decode(e.activity_task_completed_event_attributes.result.payloads)
+                        key = _state_key(value)
+                elif e.HasField("workflow_execution_update_completed_event_attributes"):
+                    outcome = e.workflow_execution_update_completed_event_attributes.outcome
+                    if outcome.HasField("success") and outcome.success.payloads:
+                        [value] = await decode(outcome.success.payloads)
+                        if isinstance(value, dict) and value.get("chunk_seq") == to_seq and "backend" in value \
+                                and not value.get("duplicate"):
+                            committed = e.event_id
+                            key = _state_key(value)
+                continue
+            if e.HasField("workflow_execution_update_accepted_event_attributes"):
+                accepted = e.workflow_execution_update_accepted_event_attributes.accepted_request.input
+                args = accepted.args
+                if accepted.name in ("advance", "generate") and args.payloads:
+                    [value] = await decode(args.payloads)
+                    if isinstance(value, dict) and isinstance(value.get("chunk_seq"), int) and value["chunk_seq"] > to_seq:
+                        raise RewindUnavailable(f"chunk {value['chunk_seq']} was admitted before chunk {to_seq} "
+                                                f"had a workflow task of its own", chunk_seq=to_seq)
+            if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED:
+                point = e.event_id
+                break
+        if committed is None:
+            raise RewindUnavailable(f"chunk {to_seq} is not committed in the stream's current run {run_id} (never "
+                                    f"committed, or before a continue-as-new)", chunk_seq=to_seq)
+        return run_id, point, key
+
+    async def checkpoint(self, stream_id: str, principal: str, *, at_seq: int | None = None) -> CheckpointResult:
+        """A portable receipt of the stream's state now (or after chunk `at_seq`, one of its rewind
+        window's; 0: the opened state), verified in the store and kept there until the stream is
+        cancelled: `open(resume=)` continues from it in a new stream."""
+        req = self.sign("checkpoint", stream_id, CheckpointRequest(principal=principal, at_seq=at_seq))
+        return await self._update(self.handle(stream_id), MambaStreamWorkflow.checkpoint, req,
+                                  id=f"checkpoint-{uuid.uuid4().hex}")
+
+    async def fork(self, stream_id: str, at_seq: int | None = None, *, principal: str | None = None,
+                   options: StreamOptions | None = None, new_stream_id: str | None = None) -> str:
+        """A new stream of the same principal and model, from the stream's state after chunk
+        `at_seq` (one of its rewind window's; None: its state now): for agents that branch (a tree
+        search, a retry with another plan). The parent goes on unchanged: it keeps the checkpoint
+        while the new stream opens from it, then releases it (`release`), so a thousand forks of one
+        parent leave no thousand checkpoints behind. The new stream's receipt names its origin
+        (`Receipt.origin`: the parent's stream id, chunk and checksum), and fed the same
+        continuation it gives the parent's outputs and checksum. Returns the new stream's id.
+
+        Raises:
+            WorkflowUpdateFailedError: typed `RewindPastWindow` (the chunk left the parent's window),
+                `RewindUnavailable` (not committed yet); nothing is opened.
+        """
+        if principal is None:
+            principal = (await self.stats(stream_id)).principal
+        point = await self.checkpoint(stream_id, principal, at_seq=at_seq)
+        try:
+            return await self.open(principal, point.receipt.model_id, resume=point.receipt, options=options,
+                                   stream_id=new_stream_id)
+        finally:  # opened or not, the parent need not keep it for this fork (each `checkpoint` call
+            # holds it once; another caller's hold stays)
+            await self.release(stream_id, point.receipt, principal=principal)
+
+    async def release(self, stream_id: str, receipt: Receipt, *, principal: str | None = None) -> ReleaseResult:
+        """The stream stops keeping a checkpoint it handed out (`checkpoint`): it leaves the store
+        with the stream's next chunk, or as the rewind window moves on if it is still in it.
+
+        Raises:
+            WorkflowUpdateFailedError: typed `InvalidRequest` when the stream does not keep it.
+        """
+        if principal is None:
+            principal = (await self.stats(stream_id)).principal
+        req = self.sign("release", stream_id, ReleaseRequest(principal=principal, state_key=receipt.state_key))
+        return await self._update(self.handle(stream_id), MambaStreamWorkflow.release, req,
+                                  id=f"release-{uuid.uuid4().hex}")
+
+    async def receipt(self, stream_id: str) -> Receipt | None:
+        return await self._query(stream_id, MambaStreamWorkflow.receipt)
+
+    async def stats(self, stream_id: str) -> StreamStats:
+        return await self._query(stream_id, MambaStreamWorkflow.stats)
+
+    async def cancel(self, stream_id: str, principal: str | None = None, *, wait: bool = True) -> None:
+        """Cancel the stream as its principal (default: the stream's own, from its stats): the
+        `cancel` signal, sealed under this client's key (a Temporal cancel request alone carries
+        no key, and the stream refuses it), then the Temporal cancel request that ends its run as
+        cancelled. With `wait`, return once it has disposed of its state and ended."""
+        if principal is None:
+            principal = (await self.stats(stream_id)).principal
+        h = self.handle(stream_id)
+        req = self.sign("cancel", stream_id, CancelRequest(principal=principal))
+        await self._retrying(lambda: h.signal(MambaStreamWorkflow.cancel, req), stream_id)
+        await self._retrying(h.cancel, stream_id)
+        if wait:
+            try:
+                await h.result()
+            except Exception:  # noqa: BLE001 - a cancelled run ends in WorkflowFailureError
+                pass
+
+
+class GenerateStream:
+    """A generate chunk's tokens as they are sampled (`StreamClient.generate_stream`).
+
+    Iterating starts the chunk and yields its `TokenEvent`s: the tokens in order, each once, the
+    last one `done` (a `restart` one replaces what came before it). While the chunk runs, its
+    tokens come from its activity's heartbeats (`StreamClient.progress`); the last event comes
+    from the update's result, the committed chunk. Afterwards `result` is the chunk's
+    GenerateResult; a failed chunk raises as `generate` would.
+    """
+
+    def __init__(self, client: StreamClient, stream_id: str, principal: str, args: dict[str, Any],
+                 chunk_seq: int | None, attempt: int) -> None:
+        self._client, self.stream_id, self.principal = client, stream_id, principal
+        self._args, self.chunk_seq, self._attempt = args, chunk_seq, attempt
+        self.result: GenerateResult | None = None
+
+    async def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        c, sid = self._client, self.stream_id
+        if self.chunk_seq is None:
+            self.chunk_seq = await c.next_seq(sid)
+        seq, handle = self.chunk_seq, c.handle(sid)
+        req = c.sign("generate", sid, GenerateRequest(principal=self.principal, chunk_seq=seq, stream=True,
+                                                      **self._args))
+        epoch = c._epochs.get(sid)
+        for resend in (False, True):
+            if epoch is None or resend:
+                epoch = (await c._position(sid))[1]
+            uid = c.update_id("generate", sid, req, epoch, self._attempt)
+            work = asyncio.ensure_future(c._update(handle, MambaStreamWorkflow.generate, req, id=uid))
+            shown: _Shown | None = None
+            pause, t0 = FIRST_POLL_S, asyncio.get_running_loop().time()
+            try:
+                while True:
+                    await asyncio.wait({work}, timeout=pause)
+                    if work.done():
+                        break
+                    try:
+                        got = await c.progress(sid)
+                    except RPCError:
+                        got = None  # between runs (continue-as-new): the update's answer decides
+                    ev = None
+                    if got is not None and got.update_id == uid:
+                        if shown is None or shown.key != _key(got):
+                            shown = _Shown(got)
+                        ev = shown.live(got)
+                    if ev is not None:
+                        yield ev
+                    if ev is not None:
+                        pause = POLL_MIN_S
+                    elif shown is not None or asyncio.get_running_loop().time() - t0 > _FIRST_WAIT_S:
+                        pause = min(pause * _POLL_BACKOFF, POLL_MAX_S)
+                try:
+                    self.result = work.result()  # a refused or failed chunk raises here
+                except WorkflowUpdateFailedError as err:
+                    if not resend and shown is None and isinstance(err.cause, ApplicationError) and \
+                            err.cause.type == "EpochMismatch":
+                        continue  # reset since this client last looked: once more, under the new epoch
+                    raise
+                r = self.result
+                last = TokenEvent(offset=shown.offset if shown is not None else -1, chunk_seq=seq,
+                                  epoch=r.receipt.epoch, tokens=r.tokens, text=r.text, done=True,
+                                  finish_reason=r.finish_reason, update_id=uid)
+                yield shown.settle(last) if shown is not None else last
+                c._epochs[sid] = r.receipt.epoch
+                return
+            finally:
+                if not work.done():
+                    await _drop(work)
+
+
+#: a token reader's poll interval while tokens flow: the heartbeats' own pace (a shorter one finds
+#: nothing new every other time, and each poll is a `describe`); it grows by _POLL_BACKOFF per
+#: empty poll up to POLL_MAX_S. A reader shows tokens about 0.1-0.2 s after they are sampled.
+POLL_MIN_S = PROGRESS_INTERVAL_S
+POLL_MAX_S = 0.25
+_POLL_BACKOFF = 1.5
+#: a generate_stream's polls before its first token, for its first second: the first heartbeat
+#: goes at once, and the caller waits for it (then they back off like the others)
+FIRST_POLL_S = 0.05
+_FIRST_WAIT_S = 1.0
+#: failed calls in a row a reader of a running stream rides out (a continue-as-new: the next run
+#: answers queries once its first workflow task is done)
+_RPC_FAILURES = 10
+
+
+def _key(p: TokenProgress | TokenEvent) -> tuple[int, int, str | None]:
+    return p.epoch, p.chunk_seq, p.update_id
+
+
+class _Shown:
+    """What a reader has shown of one streamed generate from its progress: to go on from there,
+    and to check the committed tokens against."""
+
+    def __init__(self, p: TokenProgress) -> None:
+        self.key = _key(p)
+        self.offset = p.offset if p.offset is not None else -1
+        self.tokens: list[int] = []
+        self.text = ""
+        # the progress left what was shown (the reader fell behind its window, or a retry sampled
+        # other tokens): the rest comes with the committed entry
+        self.behind = False
+
+    def live(self, p: TokenProgress) -> TokenEvent | None:
+        """The tokens of `p` not shown yet, as an event (None: nothing new)."""
+        if self.behind or _key(p) != self.key:
+            return None
+        n, chars = len(self.tokens), len(self.text)
+        end, text_end = p.start + len(p.tokens), p.text_start + len(p.text or "")
+        if p.start > n or p.text_start > chars:
+            self.behind = True  # what came in between is no longer in the progress
+            return None
+        k, tk = min(n, end), min(chars, text_end)
+        if self.tokens[p.start:k] != p.tokens[: k - p.start] or self.text[p.text_start:tk] != (p.text or "")[: tk - p.text_start]:
+            self.behind = True
+            return None
+        new = p.tokens[n - p.start:]
+        text = None if p.text is None else p.text[chars - p.text_start:]
+        if not new and not text:
+            return None
+        self.tokens += new
+        self.text += text or ""
+        return TokenEvent(offset=self.offset, chunk_seq=p.chunk_seq, epoch=p.epoch, index=n, tokens=new, text=text,
+                          update_id=p.update_id)
+
+    def settle(self, ev: TokenEvent) -> TokenEvent:
+        """The chunk's committed entry `ev`, less what was shown; all of it again (`restart`) if
+        what was shown is not what was committed."""
+        n = len(self.tokens)
+        if n == 0 and not self.text:
+            return ev
+        if ev.error is not None and _key(ev) == self.key:
+            return ev.model_copy(update={"index": n})  # failed: its readers are told, and stop
+        if _key(ev) == self.key and ev.tokens[:n] == self.tokens and (ev.text or "").startswith(self.text):
+            return ev.model_copy(update={"index": n, "tokens": ev.tokens[n:],
+                                         "text": None if ev.text is None else ev.text[len(self.text):]})
+        return ev.model_copy(update={"restart": True})
+
+
+#: a reader's history long-poll: the server answers when the stream's history grows, or with
+#: nothing after its own long-poll interval (20 s by default)
+_LONG_POLL = timedelta(seconds=70)
+#: the least time between two history reads of one reader that found events: a busy stream's
+#: events are read in batches, at most 1 / _HISTORY_GAP_S reads a second per reader, however many
+#: events a second the stream makes (each read wakes on the server and reads its store)
+_HISTORY_GAP_S = 0.5
+#: the update whose completion adds an entry to the token log
+_GENERATE = "generate"
+_CLOSING = {
+    EventType.EVENT_TYPE_WORKFLOW_EXECUTION_COMPLETED, EventType.EVENT_TYPE_WORKFLOW_EXECUTION_FAILED,
+    EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CANCELED, EventType.EVENT_TYPE_WORKFLOW_EXECUTION_TERMINATED,
+    EventType.EVENT_TYPE_WORKFLOW_EXECUTION_TIMED_OUT, EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW,
+}
+_ACTIVITY_ENDS = ("activity_task_completed_event_attributes", "activity_task_failed_event_attributes",
+                  "activity_task_timed_out_event_attributes", "activity_task_canceled_event_attributes")
+
+
+class _Reader:
+    """`StreamClient.tokens`: follows the stream's history without writing to it (a long-poll of
+    `GetWorkflowExecutionHistory`: an idle reader costs one request held by the server), reads the
+    token log (the `read_tokens` query, answered by a worker) only when a generate has finished,
+    and polls `describe` for a streamed generate's progress while one runs."""
+
+    def __init__(self, client: StreamClient, stream_id: str, from_offset: int, chunk_seq: int | None,
+                 update_id: str | None, max_events: int = READ_EVENTS) -> None:
+        self.c, self.sid, self.offset = client, stream_id, from_offset
+        self.chunk_seq, self.update_id, self.max_events = chunk_seq, update_id, max_events
+        self.handle = client.handle(stream_id)
+        self.run_id: str | None = None
+        self.token = b""  # where this reader's history of the run ends (the server's page token)
+        self.names: dict[str, str] = {}  # update id -> update name, accepted in this run
+        self.live: int | None = None  # the scheduled event of a generate activity running now
+        #: a workflow of another type than MambaStreamWorkflow, owning a `ModelStream`: it may generate in
+        #: any update of its own or outside one, so the log is read after each of its workflow tasks
+        #: (the log changes only in one)
+        self.owner = False
+        self.next_read = 0.0  # (event loop time) no history read before this
+        self.shown: _Shown | None = None
+        self._closed = False  # the last read said the stream is cancelled
+        self.failures = 0
+
+    async def events(self) -> AsyncIterator[TokenEvent]:
+        # history first, then the log: a generate that finishes in between is in the history
+        # that comes next, and read then
+        running = await self._follow()
+        for ev in await self._read(closing=not running):
+            yield ev
+        if not running or self._closed:
+            return
+        poll: asyncio.Future | None = None
+        pause = POLL_MIN_S
+        try:
+            while True:
+                if poll is None:
+                    poll = asyncio.ensure_future(self._history())
+                if self.live is not None:
+                    await asyncio.wait({poll}, timeout=pause)
+                    if not poll.done():
+                        ev = await self._progress()
+                        if ev is not None:
+                            yield ev
+                        pause = POLL_MIN_S if ev is not None else min(pause * _POLL_BACKOFF, POLL_MAX_S)
+                        continue
+                else:
+                    await asyncio.wait({poll})
+                try:
+                    page = poll.result()
+                except RPCError as err:
+                    self._failed(err)
+                    poll = None
+                    await asyncio.sleep(0.05 * self.failures)
+                    continue
+                poll = None
+                self.failures = 0
+                read, over = self._take(page.history.events)
+                self.token = page.next_page_token
+                if over:
+                    running, read = await self._follow(), True
+                if read:
+                    for ev in await self._read(closing=not running):
+                        yield ev
+                if not running or self._closed:
+                    return
+                pause = POLL_MIN_S
+        finally:
+            if poll is not None:
+                await _drop(poll)
+
+    async def _follow(self) -> bool:
+        """Start on the stream's latest run: its history up to now; False if the stream is closed."""
+        desc = await self._call(self.handle.describe)
+        if desc.status != WorkflowExecutionStatus.RUNNING:
+            return False
+        self.run_id, self.token, self.names, self.live = desc.run_id, b"", {}, None
+        self.owner = desc.workflow_type != STREAM_WORKFLOW_TYPE
+        seen = 0
+        while seen < desc.history_length:
+            page = await self._call(lambda: self._page(False))
+            self._take(page.history.events)
+            self.token = page.next_page_token
+            if not page.history.events or not self.token:
+                break
+            seen = page.history.events[-1].event_id
+        return True
+
+    async def _history(self) -> Any:
+        """The run's next events, once there are some (or none, after the server's long-poll), no
+        sooner than `_HISTORY_GAP_S` after the last read that found some."""
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(max(0.0, self.next_read - loop.time()))
+        page = await self._page(True)
+        if page.history.events:
+            self.next_read = loop.time() + _HISTORY_GAP_S
+        return page
+
+    async def _page(self, wait: bool) -> Any:
+        return await self.c.client.workflow_service.get_workflow_execution_history(
+            GetWorkflowExecutionHistoryRequest(
+                namespace=self.c.client.namespace, execution=WorkflowExecution(workflow_id=self.sid, run_id=self.run_id),
+                next_page_token=self.token, wait_new_event=True, skip_archival=True),
+            retry=not wait, timeout=_LONG_POLL if wait else None)
+
+    def _take(self, events: Sequence[Any]) -> tuple[bool, bool]:
+        """Track the run's updates and generate activities; (a generate finished, the run ended)."""
+        read = over = False
+        for e in events:
+            if e.HasField("workflow_execution_update_accepted_event_attributes"):
+                req = e.workflow_execution_update_accepted_event_attributes.accepted_request
+                self.names[req.meta.update_id] = req.input.name
+            elif e.HasField("workflow_execution_update_completed_event_attributes"):
+                uid = e.workflow_execution_update_completed_event_attributes.meta.update_id
+                read = read or self.names.get(uid) == _GENERATE
+            elif e.HasField("activity_task_scheduled_event_attributes"):
+                if e.activity_task_scheduled_event_attributes.activity_type.name == ACTIVITY_GENERATE:
+                    self.live = e.event_id
+            elif any(e.HasField(f) and getattr(e, f).scheduled_event_id == self.live for f in _ACTIVITY_ENDS):
+                self.live = None
+            elif e.HasField("workflow_task_completed_event_attributes"):
+                read = read or self.owner
+            elif e.event_type in _CLOSING:
+                over = True
+        return read, over
+
+    async def _progress(self) -> TokenEvent | None:
+        """The running generate's tokens this reader has not shown yet, if its entry is the next one
+        it reads (else it is committed already, or before from_offset)."""
+        try:
+            got = await self.c.progress(self.sid)
+        except RPCError:
+            return None  # the history long-poll says what became of the stream
+        if got is None or got.offset != self.offset or not self._wanted(got):
+            return None
+        if self.shown is None or self.shown.key != _key(got):
+            self.shown = _Shown(got)
+        return self.shown.live(got)
+
+    async def _read(self, *, closing: bool = False) -> list[TokenEvent]:
+        """The log's new entries (the query). `closing`: the stream is closed; a read no worker
+        answers ends the reader with what it has."""
+        out: list[TokenEvent] = []
+        self._closed = closing
+        while True:
+            try:
+                batch = await self._call(lambda: self.c.read_tokens(
+                    self.sid, from_offset=self.offset, chunk_seq=self.chunk_seq, update_id=self.update_id,
+                    max_events=self.max_events), give_up=closing)
+            except (RPCError, WorkflowQueryFailedError):
+                return out  # closed, and no worker answers for it: nothing more will come
+            for ev in batch.events:
+                if self.shown is not None and ev.offset >= self.shown.offset:
+                    if ev.offset == self.shown.offset:
+                        ev = self.shown.settle(ev)
+                    self.shown = None
+                out.append(ev)
+            self.offset = batch.next_offset
+            self._closed = closing or batch.closed
+            if batch.closed or not batch.more:
+                return out
+
+    async def _call(self, fn: Callable[[], Any], *, give_up: bool = False) -> Any:
+        """`fn()`, again after a failure while the stream exists (a continue-as-new in between: the
+        next run answers queries once its first workflow task is done)."""
+        while True:
+            try:
+                out = await fn()
+                self.failures = 0
+                return out
+            except (RPCError, WorkflowQueryFailedError) as err:
+                if give_up:
+                    raise
+                self._failed(err)
+                await asyncio.sleep(0.05 * self.failures)
+
+    def _wanted(self, p: TokenProgress) -> bool:
+        return (self.chunk_seq is None or p.chunk_seq == self.chunk_seq) and \
+            (self.update_id is None or p.update_id == self.update_id)
+
+    def _failed(self, err: Exception) -> None:
+        """Count a failed call; raise `err` after too many in a row, or when the stream does not exist."""
+        self.failures += 1
+        if self.failures > _RPC_FAILURES or (isinstance(err, RPCError) and err.status == RPCStatusCode.NOT_FOUND):
+            raise err
+
+
+def _state_key(value: Any) -> str:
+    """The state key of a decoded result that carries a receipt (a chunk's, the open's)."""
+    receipt = value.get("receipt") if isinstance(value, dict) else None
+    return str(receipt.get("state_key", "")) if isinstance(receipt, dict) else ""
+
+
+async def _drop(task: asyncio.Future) -> None:
+    """Cancel a task whose outcome no one reads any more, and let it finish (a poll cut short ends
+    in an RPC error, not a cancellation)."""
+    if not task.done():
+        task.cancel()
+    await asyncio.wait({task})
+    if not task.cancelled():
+        task.exception()

@@ -1,0 +1,218 @@
+"""The catalogue of a stream's failure reasons: classes, never strings.
+
+Every refusal or failure a stream can report to its caller is an exception class with a stable
+`reason` (its class name, and the Temporal `ApplicationError.type` the caller sees) and a
+`retryable` flag: a permanent failure becomes a non-retryable `ApplicationError`, one that trying
+again can cure stays retryable. Three families share this shape:
+
+    StreamFailure subclasses    here: refusals of the workflow and the activities' own checks
+    state_codec.StateRejected   a receipt, checkpoint or signature that does not belong
+    store and scan errors       activities' `StoreError` subclasses, `scan.ScanError` subclasses,
+                                `UnknownModel` (they carry `reason` and `retryable` alike)
+
+`application_error` turns any of them into the `ApplicationError` that crosses Temporal, and
+`NOT_THE_CHUNKS_FAULT` names the reasons a caller cannot cure by changing the chunk: after one of
+these, the same chunk may be sent again as a next attempt (`workflows.update_id(..., attempt=)`).
+
+Sandbox-safe: the standard library, temporalio and state_codec's record.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from temporalio.exceptions import ApplicationError
+
+from mamba_stream.state_codec import StateRejected
+
+__all__ = [
+    "ActivityFailed",
+    "ChunkTooLarge",
+    "ConflictingChunk",
+    "EmptyContext",
+    "InternalError",
+    "InvalidRequest",
+    "LocalTooSlow",
+    "NOT_THE_CHUNKS_FAULT",
+    "OpenFailed",
+    "ReservedStreamId",
+    "ResultExpired",
+    "RewindPastWindow",
+    "RewindUnavailable",
+    "StreamCancelled",
+    "StreamFailure",
+    "StreamMoving",
+    "StreamOpening",
+    "TokenOutOfRange",
+    "UnknownRequest",
+    "UpdateIdMismatch",
+    "WorkerUnhealthy",
+    "application_error",
+    "invalid_request",
+    "catalogue",
+]
+
+
+class StreamFailure(Exception):
+    """A stream's refusal or failure. `details`: JSON-friendly values that travel with it."""
+
+    reason: ClassVar[str] = "StreamFailure"
+    retryable: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.reason = cls.__name__
+
+    def __init__(self, message: str = "", **details: Any) -> None:
+        super().__init__(message)
+        self.extra = details
+
+    def details(self) -> dict[str, Any]:
+        return dict(self.extra)
+
+
+class StreamCancelled(StreamFailure):
+    """The stream is cancelled: it takes no more chunks."""
+
+
+class StreamOpening(StreamFailure):
+    """The stream has no first receipt yet. Refused, not failed: the same update id can come again."""
+
+    retryable = True
+
+
+class StreamMoving(StreamFailure):
+    """The stream is continuing as new before its time: its history neared the server's limits (a
+    flood of signals or updates while a chunk ran). The chunk or checkpoint in flight, or waiting,
+    was stopped before it committed anything; send it again, under the same update id: the next
+    run takes it."""
+
+    retryable = True
+
+
+class LocalTooSlow(StreamFailure):
+    """A local attempt declined: at the engine's pace now, the chunk would not finish well inside
+    the local timeout. The workflow sends it the regular way at once (no attempt was made)."""
+
+    retryable = True
+
+
+class ChunkTooLarge(StreamFailure):
+    """More tokens, text bytes or generated tokens than the stream's options allow."""
+
+
+class TokenOutOfRange(StreamFailure):
+    """A token id outside the model's vocabulary (checked before the chunk is admitted)."""
+
+
+class EmptyContext(StreamFailure):
+    """Nothing to continue from: a generate before any input."""
+
+
+class InvalidRequest(StreamFailure):
+    """A request the stream or the model cannot take: a payload that does not validate, a missing,
+    extra or null argument to an update or query, text for a model without an input transform."""
+
+
+class ReservedStreamId(StreamFailure):
+    """A stream started under an id of the workers' own namespace: `pfx.` names the prefix store's
+    entries (`activities.PREFIX_STREAM_PREFIX`), and no workflow's stream runs there, whoever
+    sealed its start. The run fails at its first workflow task, before any activity."""
+
+
+class UnknownRequest(StreamFailure):
+    """An update, signal or query of a name the stream does not have. An update or query is
+    refused with it (an update leaves nothing in history); a signal, which has no caller to
+    answer, is counted (`StreamStats.unknown_signals`) and changes nothing."""
+
+
+class ConflictingChunk(StreamFailure):
+    """A chunk sequence already committed or in flight with other content: the second writer's."""
+
+
+class UpdateIdMismatch(StreamFailure):
+    """An update id made by `update_id` that names another chunk, epoch or content than its request."""
+
+
+class RewindPastWindow(StreamFailure):
+    """A rewind to a chunk outside the stream's rewind window: refused by `StreamClient.rewind`
+    before anything is reset; or, after a raw Temporal reset there (or a chain of rewinds deeper
+    than the store holds), the next chunk's refusal: its checkpoint is no longer stored.
+
+    The stream stays usable: a `reset` signal starts a fresh epoch at position 0."""
+
+
+class RewindUnavailable(StreamFailure):
+    """No point in the stream's current run where the chunk asked for is the last one committed:
+    it was never committed, or it lies in an earlier run (before a continue-as-new)."""
+
+
+class ResultExpired(StreamFailure):
+    """A repeated update id whose chunk was committed, but whose full result is no longer kept (it
+    left the carry's byte budget and its record left the store with its checkpoint)."""
+
+
+class InternalError(StreamFailure):
+    """An unforeseen exception in an activity, retried a bounded number of times, then typed."""
+
+
+class WorkerUnhealthy(StreamFailure):
+    """The worker stopped taking work: it failed chunk after chunk of several streams, with no
+    success between, for reasons that were not the chunks' own (`activities.WorkerHealth`).
+    Retryable: another worker (or this one, restarted) takes the chunk. Also what a tripped
+    worker's `Worker.run` raises, so that `python worker.py` exits non-zero."""
+
+    retryable = True
+
+
+class ActivityFailed(StreamFailure):
+    """An activity failed without a reason of its own (a timeout, a worker lost for good)."""
+
+
+class OpenFailed(StreamFailure):
+    """Opening the stream failed (the run's failure names the cause)."""
+
+
+#: reasons a caller cannot cure by changing the chunk: the same chunk may be sent again as a next
+#: attempt once the cause is gone (a store back, a blob restored, a reset signal after a rewind)
+NOT_THE_CHUNKS_FAULT = frozenset({
+    "StoreError", "StoreUnavailable", "StoreCorrupt", "CheckpointNotFound", "CorruptBlob", "TruncatedBlob",
+    "InternalError", "ActivityFailed", "RewindPastWindow", "WorkerUnhealthy"})
+
+
+def catalogue() -> dict[str, type[Exception]]:
+    """Every failure class defined here and in state_codec, by reason."""
+    out: dict[str, type[Exception]] = {}
+    for base in (StreamFailure, StateRejected):
+        todo: list[type[Exception]] = [base]
+        while todo:
+            cls = todo.pop()
+            out[cls.reason] = cls  # type: ignore[attr-defined]
+            todo.extend(cls.__subclasses__())
+    return out
+
+
+def application_error(exc: BaseException, *, retryable: bool | None = None) -> ApplicationError:
+    """The `ApplicationError` a typed failure crosses Temporal as: `type` is its reason; a
+    permanent one is non-retryable. Any exception with a `reason` (this catalogue, state_codec's
+    rejections, the store's and the scan's errors) qualifies; others raise TypeError.
+
+    `retryable` overrides the class's flag where the caller waits out what would otherwise be
+    permanent (a cancel's dispose waits out a read-only store until an operator lifts it)."""
+    reason = getattr(exc, "reason", None)
+    if not isinstance(reason, str):
+        raise TypeError(f"{type(exc).__name__} is not a typed failure") from exc
+    details = exc.details() if callable(getattr(exc, "details", None)) else {}
+    message = str(exc) or reason
+    if retryable is None:
+        retryable = bool(getattr(exc, "retryable", False))
+    return ApplicationError(message, *([details] if details else []), type=reason, non_retryable=not retryable)
+
+
+def invalid_request(name: str, exc: Any) -> ApplicationError:
+    """A value that does not validate as model `name` (`exc`: pydantic's ValidationError), refused
+    typed `InvalidRequest`: its first fields in the message, up to eight in the details. An untyped
+    ValidationError would be retried (and, in workflow code, fail the workflow task each time)."""
+    errors = [{"loc": ".".join(str(p) for p in e["loc"]), "msg": e["msg"]} for e in exc.errors()[:8]]
+    first = "; ".join(f"{e['loc'] or name}: {e['msg']}" for e in errors[:3])
+    return application_error(InvalidRequest(f"invalid {name}: {first}", errors=errors))
