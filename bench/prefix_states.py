@@ -57,9 +57,9 @@ from temporalio.client import Client
 from temporalio.worker import Worker
 
 from mamba_stream.activities import ModelRegistry, StreamActivities, open_store
-from mamba_stream.plugin import MambaStreamPlugin
+from mamba_stream.plugin import MambaStreamPlugin, worker_slots
 from mamba_stream.state_codec.codec import Keyring
-from mamba_stream.worker import start_dev_server, worker_slots
+from mamba_stream.worker import start_dev_server
 from mamba_stream.workflows import ACTIVITY_OPEN, StreamClient, StreamOptions
 
 MODES = ("on", "off")

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import sys
@@ -54,7 +56,7 @@ from temporalio.converter import (
 from temporalio.plugin import SimplePlugin
 from temporalio.runtime import Runtime
 from temporalio.service import ConnectConfig, ServiceClient
-from temporalio.worker import WorkerConfig, WorkflowRunner
+from temporalio.worker import Worker, WorkerConfig, WorkflowRunner
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner, SandboxRestrictions
 
 from mamba_stream.state_codec import SEALER_KEY
@@ -74,7 +76,8 @@ from mamba_stream.workflows import (
     WorkerUnhealthy,
 )
 
-__all__ = ["MambaStreamPlugin", "close_native_clients", "data_converter", "heartbeat_throttle"]
+__all__ = ["ACTIVITY_SLOTS", "LOCAL_SLOTS", "WORKFLOW_TASK_SLOTS", "MambaStreamPlugin", "close_native_clients",
+           "data_converter", "heartbeat_throttle", "worker_slots"]
 
 log = logging.getLogger(__name__)
 
@@ -245,6 +248,34 @@ def _wait_for_native_callbacks(timeout_s: float = 2.0) -> None:
 atexit.register(close_native_clients)
 
 
+#: tasks one worker takes at once: regular activities (each queue), and on the queue that runs
+#: workflows, local activities and workflow tasks. Each activity holds a thread while its chunk
+#: waits on the engine.
+ACTIVITY_SLOTS = 16
+LOCAL_SLOTS = 16
+WORKFLOW_TASK_SLOTS = 32
+
+
+def worker_slots(*, workflows: bool, activities: int = ACTIVITY_SLOTS, locals_: int = LOCAL_SLOTS,
+                 workflow_tasks: int = WORKFLOW_TASK_SLOTS) -> dict:
+    """`Worker` options that bound what a queue takes to what the process can run at once.
+
+    Activities get as many threads as the tasks they may take, so a task the server hands over
+    never waits for a thread while its timeouts (a local attempt's deadline, a heartbeat timeout)
+    run. Workflow tasks are bounded too: on a saturated box a hundred tasks at once each run slower
+    than their timeout, time out, and come back as full replays, which cost more; fewer at once
+    finish, and the rest wait in the server's queue, where no timeout runs. `workflows`: the queue
+    runs workflows, and so their local activities."""
+    threads = activities + (locals_ if workflows else 0)
+    opts = {"activity_executor": concurrent.futures.ThreadPoolExecutor(max_workers=threads,
+                                                                       thread_name_prefix="activity"),
+            "max_concurrent_activities": activities,
+            "max_concurrent_local_activities": locals_ if workflows else 1}
+    if workflows:
+        opts["max_concurrent_workflow_tasks"] = workflow_tasks
+    return opts
+
+
 def heartbeat_throttle(existing: timedelta | None = None) -> timedelta:
     """A worker's `max_heartbeat_throttle_interval`: `PROGRESS_INTERVAL_S`, or less if it was less."""
     ours = timedelta(seconds=PROGRESS_INTERVAL_S)
@@ -252,19 +283,46 @@ def heartbeat_throttle(existing: timedelta | None = None) -> timedelta:
 
 
 class MambaStreamPlugin(SimplePlugin):
-    """Args:
-    keyring: encrypts payloads (and, through the activities, checkpoints). Default: the one
-        `ClientConfig` finds (MAMBA_STREAM_KEYRING, else $MAMBA_STREAM_HOME/keyring.json); a
-        client never makes one (`state_codec.keyring.KeyringNotFound` when there is none).
-    activities: a `StreamActivities` to serve; None for a client that only starts and feeds
-        streams. The plugin closes it when the last worker it runs in stops.
+    """Everything a Temporal client or worker needs to run Mamba streams.
+
+    On a client: the data converter (payloads encrypted under the keyring) and nothing else. With
+    `activities`, a `Worker` built on the client (or given the plugin) hosts the streams: nothing
+    else is needed than the worker's task queue and the workflows of one's own (agents that own a
+    `ModelStream`)::
+
+        plugin = MambaStreamPlugin.for_worker()            # keyring, store and models from the environment
+        client = await Client.connect(address, plugins=[plugin])
+        async with Worker(client, task_queue="agents", workflows=[MyAgent]):
+            ...
+
+    The worker gets the stream workflows (`MambaStreamWorkflow`, the example `ChatAgent`) and
+    activities, an activity executor and slots sized for them (`worker_slots`, where the worker
+    was given none), and runs beside itself a second worker on the activities' own queue
+    (`StreamActivities.worker_queue`: a stream's chunks go to the worker whose cache holds its
+    state), with the same deployment version. When the last worker stops, the plugin closes the
+    activities and the executors it made.
+
+    Args:
+        keyring: encrypts payloads (and, through the activities, checkpoints). Default: the one
+            `ClientConfig` finds (MAMBA_STREAM_KEYRING, else $MAMBA_STREAM_HOME/keyring.json); a
+            client never makes one (`state_codec.keyring.KeyringNotFound` when there is none).
+        activities: a `StreamActivities` to serve; None for a client that only starts and feeds
+            streams.
+        own_queue: run the worker on the activities' own queue beside each worker that serves
+            another queue (default), unless the caller made one for it with this plugin before
+            that worker ran. False: the caller runs it, or none runs (chunks then take the
+            shared queue).
     """
 
-    def __init__(self, *, keyring: Keyring | None = None, activities: Any = None) -> None:
+    def __init__(self, *, keyring: Keyring | None = None, activities: Any = None, own_queue: bool = True) -> None:
         ring = keyring if keyring is not None else ClientConfig().load_keyring()
         served: list[Callable[..., Any]] = list(activities.activities()) if activities is not None else []
         self._activities = activities
+        self._own_queue = own_queue and activities is not None and bool(getattr(activities, "worker_queue", None))
         self._running = 0
+        self._caller_runs_own = False  # a worker of the own queue was made by the caller, not run_worker
+        self._making_own = False
+        self._made: set[concurrent.futures.Executor] = set()  # the executors this plugin made
 
         def add(existing: Sequence[Callable[..., Any]] | None) -> Sequence[Callable[..., Any]]:
             return [*(existing or []), *served]
@@ -277,6 +335,32 @@ class MambaStreamPlugin(SimplePlugin):
             workflow_runner=_runner,
             run_context=self._serving if activities is not None else None,
         )
+
+    @classmethod
+    def for_worker(cls, **settings: Any) -> MambaStreamPlugin:
+        """A worker's plugin from the environment, as `mamba-stream-worker` configures itself
+        (`mamba_stream.worker`'s documentation: MAMBA_STREAM_KEYRING, made on first use in
+        MAMBA_STREAM_HOME; MAMBA_STREAM_STORE; MAMBA_STREAM_MODELS...); `settings` override
+        `WorkerConfig`'s fields (`models=["tiny-mamba2"]`, `store_url=...`). The models are
+        loaded and run once here, before any worker takes work.
+
+        Raises:
+            KeyringError: the keyring found is a principal's (a client's), or unreadable.
+            ScanError: a configured model cannot be loaded.
+        """
+        import os
+        import socket
+        import uuid
+
+        from mamba_stream.worker import WorkerConfig, build_activities, load_keyring
+
+        cfg = WorkerConfig(**settings)
+        keyring = load_keyring(cfg)
+        own = f"{cfg.task_queue}@{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        acts = build_activities(cfg, keyring, own)
+        took = acts.warm()  # here, not in a worker's run: a model that does not load fails this call
+        log.info("models ready in %.1f s: %s", sum(took.values()), ", ".join(took))
+        return cls(keyring=keyring, activities=acts)
 
     async def connect_service_client(self, config: ConnectConfig,
                                      next: Callable[[ConnectConfig], Awaitable[ServiceClient]]) -> ServiceClient:
@@ -291,17 +375,74 @@ class MambaStreamPlugin(SimplePlugin):
     def configure_worker(self, config: WorkerConfig) -> WorkerConfig:
         """See base class. Heartbeats are throttled to `PROGRESS_INTERVAL_S` at most: a streaming
         generate's tokens reach readers as its heartbeats (the SDK's default throttle is 0.8 x the
-        heartbeat timeout, up to 60 s)."""
+        heartbeat timeout, up to 60 s). With activities: an executor and slots where the worker was
+        given none (`worker_slots`); the activities' own queue runs no workflows."""
         config = super().configure_worker(config)
         config["max_heartbeat_throttle_interval"] = heartbeat_throttle(config.get("max_heartbeat_throttle_interval"))
+        if self._activities is None:
+            return config
+        own = config.get("task_queue") == getattr(self._activities, "worker_queue", None)
+        if own and not self._making_own:
+            self._caller_runs_own = True  # the caller runs the own queue's worker: none is run beside
+        if own:
+            config["workflows"] = [w for w in config.get("workflows") or [] if w not in (MambaStreamWorkflow, ChatAgent)]
+        runs_workflows = bool(config.get("workflows"))
+        if config.get("activity_executor") is None:
+            slots = worker_slots(workflows=runs_workflows)
+            self._made.add(slots["activity_executor"])
+            for key, value in slots.items():
+                if config.get(key) is None:  # type: ignore[misc]
+                    config[key] = value  # type: ignore[literal-required]
         return config
 
     async def run_worker(self, worker: Any, next: Callable[[Any], Awaitable[None]]) -> None:
-        """See base class. A worker whose activities' health trips is shut down.
+        """See base class. Beside a worker of another queue, the activities' own queue is served
+        (`own_queue`); a worker whose activities' health trips is shut down.
 
         Raises:
             WorkerUnhealthy: the activities' health tripped; the worker was shut down for it.
         """
+        own_queue = getattr(self._activities, "worker_queue", None)
+        try:
+            if not self._own_queue or self._caller_runs_own or worker.task_queue == own_queue:
+                await self._run_watched(worker, next)
+                return
+            # The worker runs first: should the second one fail to be made, this one is shut down
+            # and the failure raised (a plugin that raised before its worker ran would leave
+            # `async with Worker(...)` waiting forever for a shutdown that cannot come).
+            main = asyncio.create_task(self._run_watched(worker, next), name=f"worker {worker.task_queue}")
+            try:
+                # not the plugin's own Worker: what `Worker` makes of it is what the user's would be
+                kw: dict[str, Any] = {"deployment_config": worker.config().get("deployment_config")}
+                if self not in (worker.client.config().get("plugins") or []):
+                    kw["plugins"] = [self]  # given to the worker, not its client: give it to this one too
+                self._making_own = True
+                try:
+                    beside = Worker(worker.client, task_queue=own_queue, **{k: v for k, v in kw.items() if v is not None})
+                finally:
+                    self._making_own = False
+            except BaseException:
+                await worker.shutdown()
+                await asyncio.gather(main, return_exceptions=True)
+                raise
+            task = asyncio.create_task(beside.run(), name=f"worker {own_queue}")
+            try:
+                await main
+            finally:
+                if not task.done():
+                    await beside.shutdown()
+                with contextlib.suppress(asyncio.CancelledError):
+                    error = (await asyncio.gather(task, return_exceptions=True))[0]
+                if isinstance(error, Exception):
+                    raise error
+        finally:
+            executor = worker.config().get("activity_executor")
+            if executor in self._made:
+                self._made.discard(executor)
+                executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _run_watched(self, worker: Any, next: Callable[[Any], Awaitable[None]]) -> None:
+        """Run `worker`, shut down if the activities' health trips (`WorkerUnhealthy` then)."""
         health = getattr(self._activities, "health", None)
         if health is None:
             await super().run_worker(worker, next)

@@ -68,7 +68,6 @@ restart it (activities.WorkerHealth).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import json
 import logging
 import os
@@ -535,13 +534,13 @@ async def run_worker(cfg: WorkerConfig, stop: asyncio.Event, *, ready: asyncio.E
         log.info("metrics on http://%s/metrics", cfg.metrics)
     versioning = deployment_config(cfg)
     kw = {"deployment_config": versioning} if versioning is not None else {}
-    slots = [worker_slots(workflows=True), worker_slots(workflows=False)]
-    workers = [Worker(client, task_queue=q, **opts, **kw) for q, opts in zip((cfg.task_queue, own_queue), slots)]
+    # the plugin runs this worker's own queue beside it, with the same version, and sizes both
+    worker = Worker(client, task_queue=cfg.task_queue, **kw)
     log.info("worker %s serving %s and %s (models %s, store %s, version %s)", worker_id, cfg.task_queue, own_queue,
              cfg.models, acts.store.url, f"{cfg.deployment}:{cfg.build_id}" if cfg.build_id else "unversioned")
-    # run as tasks, not `async with`: a worker that ends by itself (the plugin stops a tripped one)
-    # ends the wait below, and its error is raised here, after both have stopped
-    runs = [asyncio.create_task(w.run(), name=f"worker {w.task_queue}") for w in workers]
+    # run as a task, not `async with`: a worker that ends by itself (the plugin stops a tripped one)
+    # ends the wait below, and its error is raised here, after it has stopped
+    runs = [asyncio.create_task(worker.run(), name=f"worker {cfg.task_queue}")]
     stopping = asyncio.create_task(stop.wait())
     sweeper = None
     try:
@@ -554,41 +553,13 @@ async def run_worker(cfg: WorkerConfig, stop: asyncio.Event, *, ready: asyncio.E
         for task in (stopping, sweeper):
             if task is not None:
                 task.cancel()
-        await asyncio.gather(*(w.shutdown() for w in workers), return_exceptions=True)
+        await asyncio.gather(worker.shutdown(), return_exceptions=True)
         outcomes = await asyncio.gather(*runs, return_exceptions=True)
-        for opts in slots:  # the plugin closed the activities with the workers
-            opts["activity_executor"].shutdown(wait=False, cancel_futures=True)
     for outcome in outcomes:
         if isinstance(outcome, Exception):
             raise outcome
 
 
-#: tasks one worker takes at once: regular activities (each queue), and on the queue that runs
-#: workflows, local activities and workflow tasks. Each activity holds a thread while its chunk
-#: waits on the engine.
-ACTIVITY_SLOTS = 16
-LOCAL_SLOTS = 16
-WORKFLOW_TASK_SLOTS = 32
-
-
-def worker_slots(*, workflows: bool, activities: int = ACTIVITY_SLOTS, locals_: int = LOCAL_SLOTS,
-                 workflow_tasks: int = WORKFLOW_TASK_SLOTS) -> dict:
-    """`Worker` options that bound what a queue takes to what the process can run at once.
-
-    Activities get as many threads as the tasks they may take, so a task the server hands over
-    never waits for a thread while its timeouts (a local attempt's deadline, a heartbeat timeout)
-    run. Workflow tasks are bounded too: on a saturated box a hundred tasks at once each run slower
-    than their timeout, time out, and come back as full replays, which cost more; fewer at once
-    finish, and the rest wait in the server's queue, where no timeout runs. `workflows`: the queue
-    runs workflows, and so their local activities."""
-    threads = activities + (locals_ if workflows else 0)
-    opts = {"activity_executor": concurrent.futures.ThreadPoolExecutor(max_workers=threads,
-                                                                       thread_name_prefix="activity"),
-            "max_concurrent_activities": activities,
-            "max_concurrent_local_activities": locals_ if workflows else 1}
-    if workflows:
-        opts["max_concurrent_workflow_tasks"] = workflow_tasks
-    return opts
 
 
 async def _claim_store(client, acts, *, close: bool) -> None:

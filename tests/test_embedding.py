@@ -11,16 +11,18 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import pytest
 
 from mamba_stream.scan import load_model
 from mamba_stream.state_codec.codec import Keyring, plaintext_checksum
 from tests.workflows import conftest as workflow_fixtures
-from tests.workflows.conftest import address
+from tests.workflows.conftest import address, make_stack
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 temporal_env = workflow_fixtures.temporal_env
@@ -64,21 +66,13 @@ from temporalio.worker import Worker
 
 import activities
 import workflows
-from mamba_stream import MambaStreamPlugin
-from mamba_stream.activities import ModelRegistry, StreamActivities, open_store
-from mamba_stream.state_codec.codec import Keyring
-from mamba_stream.worker import worker_slots
+from mamba_stream import ClientConfig, MambaStreamPlugin
 
 
 async def main() -> None:
-    queue = os.environ["QUEUE"]
-    ring = Keyring.from_file(os.environ["KEYRING"])
-    acts = StreamActivities(models=ModelRegistry(["tiny-mamba2"], backend="reference"),
-                            store=open_store(os.environ["STORE"]), keyring=ring, worker_queue=queue + "@1")
-    client = await Client.connect(os.environ["ADDRESS"], plugins=[MambaStreamPlugin(keyring=ring, activities=acts)])
-    async with Worker(client, task_queue=queue, workflows=[workflows.Greeter], activities=[activities.greeting],
-                      **worker_slots(workflows=True)), \\
-            Worker(client, task_queue=acts.worker_queue, **worker_slots(workflows=False)):
+    client = await Client.connect(ClientConfig().target, plugins=[MambaStreamPlugin.for_worker()])
+    async with Worker(client, task_queue=os.environ["QUEUE"], workflows=[workflows.Greeter],
+                      activities=[activities.greeting]):
         print("ready", workflows.__file__, activities.__file__, flush=True)
         await asyncio.Event().wait()
 
@@ -95,13 +89,11 @@ import sys
 from temporalio.client import Client
 
 from mamba_stream import MambaStreamPlugin
-from mamba_stream.state_codec.keyring import Keyring
 from workflows import Greeter
 
 
 async def main() -> None:
-    client = await Client.connect(os.environ["ADDRESS"],
-                                  plugins=[MambaStreamPlugin(keyring=Keyring.from_file(os.environ["KEYRING"]))])
+    client = await Client.connect(os.environ["TEMPORAL_ADDRESS"], plugins=[MambaStreamPlugin()])
     out = await client.execute_workflow(Greeter.run, sys.argv[1], id=sys.argv[2], task_queue=os.environ["QUEUE"])
     print(json.dumps(out))
 
@@ -110,32 +102,86 @@ asyncio.run(main())
 '''
 
 
-async def test_a_project_laid_out_like_temporals_samples_imports_the_package_and_runs_an_agent(
-        temporal_env, tmp_path):
-    project = tmp_path / "my-agent"
-    project.mkdir()
-    for name, text in (("workflows.py", WORKFLOWS), ("activities.py", ACTIVITIES), ("worker.py", WORKER),
-                       ("starter.py", STARTER)):
-        (project / name).write_text(text.lstrip())
+def _env(temporal_env, tmp_path: Path, queue: str) -> dict[str, str]:
+    """A worker's and a client's environment: the test's server, a keyring, a store and a home of
+    their own, the one model served; nothing of this checkout on the path (the installed package)."""
     ring = Keyring.generate()
     ring.save(tmp_path / "keyring.json")
-    env = {**os.environ, "ADDRESS": address(temporal_env), "QUEUE": f"sample-{uuid.uuid4().hex[:8]}",
-           "KEYRING": str(tmp_path / "keyring.json"), "STORE": f"file://{tmp_path / 'states'}"}
-    env.pop("PYTHONPATH", None)  # the installed package only: nothing of this checkout on the path
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TEMPORAL_", "MAMBA_STREAM_"))}
+    env.pop("PYTHONPATH", None)
+    env.update(TEMPORAL_ADDRESS=address(temporal_env), QUEUE=queue, MAMBA_STREAM_KEYRING=str(tmp_path / "keyring.json"),
+               MAMBA_STREAM_STORE=f"file://{tmp_path / 'states'}", MAMBA_STREAM_HOME=str(tmp_path / "home"),
+               MAMBA_STREAM_MODELS="tiny-mamba2", MAMBA_STREAM_SWEEP_S="0")
+    return env
+
+
+async def _run_project(project: Path, files: dict[str, str], env: dict[str, str], starter: list[str],
+                       ready: bool = True) -> tuple[str, str]:
+    """Write the project, start its worker.py, run its starter; (the worker's first line, the
+    starter's stdout)."""
+    project.mkdir()
+    for name, text in files.items():
+        (project / name).write_text(text.lstrip())
     worker = await asyncio.to_thread(subprocess.Popen, [sys.executable, "worker.py"], cwd=project, env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        line = await asyncio.wait_for(asyncio.to_thread(worker.stdout.readline), 120)
-        assert line.split() == ["ready", str(project / "workflows.py"), str(project / "activities.py")], \
-            (line, worker.poll(), worker.stderr.read() if worker.poll() is not None else "")
-        out = await asyncio.to_thread(subprocess.run, [sys.executable, "starter.py", "Ada", "greeter-1"],
-                                      cwd=project, env=env, capture_output=True, text=True, timeout=120)
-        assert out.returncode == 0, out.stderr
-        got = json.loads(out.stdout)
+        line = ""
+        if ready:
+            line = await asyncio.wait_for(asyncio.to_thread(worker.stdout.readline), 120)
+            assert line, (worker.poll(), worker.stderr.read() if worker.poll() is not None else "")
+        out = await asyncio.to_thread(subprocess.run, [sys.executable, *starter], cwd=project, env=env,
+                                      capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, (out.stderr, worker.poll())
+        return line, out.stdout
     finally:
         worker.terminate()
-        worker.wait(timeout=30)
-    m = load_model("tiny-mamba2", backend="reference")
+        await asyncio.to_thread(worker.wait, 30)
+
+
+async def test_a_project_laid_out_like_temporals_samples_imports_the_package_and_runs_an_agent(
+        temporal_env, tmp_path):
+    project = tmp_path / "my-agent"
+    env = _env(temporal_env, tmp_path, f"sample-{uuid.uuid4().hex[:8]}")
+    line, out = await _run_project(project, {"workflows.py": WORKFLOWS, "activities.py": ACTIVITIES,
+                                             "worker.py": WORKER, "starter.py": STARTER},
+                                   env, ["starter.py", "Ada", f"greeter-{uuid.uuid4().hex[:8]}"])
+    # the project's own modules, not the library's
+    assert line.split() == ["ready", str(project / "workflows.py"), str(project / "activities.py")]
+    got = json.loads(out)
+    m = load_model("tiny-mamba2")  # what the worker serves: the default backend (exact on a CPU)
     tokens = m.transform.encode("Hello, Ada! ")
     assert got == {"text": "Hello, Ada! ", "position": len(tokens),
                    "checksum": plaintext_checksum(m.advance(m.initial_state(), tokens).state.tensors)}
+
+
+def _readme_files() -> dict[str, str]:
+    """The README's "Your own agent" files: each a python block whose first line names it."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("### Your own agent"):readme.index("### Embed a stream in your agent workflow")]
+    blocks = re.findall(r"```python\n# (\w+\.py)\n(.*?)```", section, re.DOTALL)
+    return {name: body for name, body in blocks}
+
+
+async def test_the_readmes_own_agent_is_three_files_in_at_most_40_lines():
+    files = _readme_files()
+    assert sorted(files) == ["starter.py", "worker.py", "workflows.py"]
+    lines = sum(1 for body in files.values() for line in body.splitlines() if line.strip())
+    assert lines <= 40, lines
+
+
+async def test_the_readmes_own_agent_runs_and_answers_as_a_stream_fed_the_same(temporal_env, tmp_path):
+    queue, wid = f"readme-{uuid.uuid4().hex[:8]}", f"assistant-{uuid.uuid4().hex[:8]}"
+    files = {name: body.replace('"my-agents"', repr(queue)).replace('"assistant-1"', repr(wid))
+             for name, body in _readme_files().items()}
+    env = _env(temporal_env, tmp_path, queue)
+    _, out = await _run_project(tmp_path / "readme-agent", files, env, ["starter.py"], ready=False)
+    # the same chunks on the library's own stream workflow, on the same model and backend
+    stack = await make_stack(temporal_env, tmp_path / "stack", backend="auto")
+    async with stack.exits:
+        s = stack.streams
+        sid = await s.open("alice", "tiny-mamba2")
+        await s.advance(sid, "alice", text="Hello! ")
+        same = await s.generate(sid, "alice", 16, seed=1)
+    assert out == same.text + "\n"
+    # its state was destroyed with it: the project's store holds nothing
+    assert [p for p in (tmp_path / "states" / "objects").rglob("*") if p.is_file()] == []

@@ -3,11 +3,13 @@ keyring, and closes the activities it serves when its last worker stops."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import uuid
 from collections.abc import Sequence
 
 import pytest
+from temporalio import activity
 from temporalio.api.common.v1 import Payload
 from temporalio.client import Client
 from temporalio.converter import DataConverter, PayloadCodec
@@ -69,12 +71,19 @@ def test_a_client_plugin_finds_the_keyring_and_never_makes_one(tmp_path, monkeyp
     assert conv.payload_codec.keyring.active_id == ring.active_id
 
 
+@activity.defn(name="plugin-test-noop")
+async def _noop() -> None:
+    return None
+
+
 class _Acts:
-    def __init__(self) -> None:
+    def __init__(self, worker_queue: str | None = None) -> None:
         self.closed = 0
+        if worker_queue is not None:
+            self.worker_queue = worker_queue
 
     def activities(self) -> list:
-        return []
+        return [_noop] if hasattr(self, "worker_queue") else []
 
     def close(self) -> None:
         self.closed += 1
@@ -93,6 +102,43 @@ async def test_the_activities_close_when_the_last_worker_stops():
             async with own:
                 assert acts.closed == 0
             assert acts.closed == 0  # the shared queue's worker still serves them
+        assert acts.closed == 1
+    finally:
+        await env.shutdown()
+
+
+async def _pollers(client: Client, queue: str) -> int:
+    from temporalio.api.enums.v1 import TaskQueueType
+    from temporalio.api.taskqueue.v1 import TaskQueue
+    from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
+
+    got = await client.workflow_service.describe_task_queue(DescribeTaskQueueRequest(
+        namespace=client.namespace, task_queue=TaskQueue(name=queue),
+        task_queue_type=TaskQueueType.TASK_QUEUE_TYPE_ACTIVITY))
+    return len(got.pollers)
+
+
+async def test_the_own_queue_is_served_beside_and_a_worker_that_cannot_have_it_stops_and_says_why():
+    env = await start_dev_server()
+    try:
+        queue = f"plugin-{uuid.uuid4().hex[:8]}"
+        acts = _Acts(worker_queue=queue + "@own")
+        target = env.client.service_client.config.target_host
+        client = await Client.connect(target, plugins=[MambaStreamPlugin(keyring=Keyring.generate(), activities=acts)])
+        async with Worker(client, task_queue=queue):  # nothing else: the plugin serves the own queue beside it
+            while await _pollers(client, queue + "@own") == 0:
+                await asyncio.sleep(0.05)
+        assert acts.closed == 1
+
+        # a worker of the own queue the plugin did not make (on a client without it): the plugin's
+        # second worker cannot be registered; the first is shut down and the failure raised, not a hang
+        bare = await Client.connect(target)
+        acts = _Acts(worker_queue=queue + "@other")
+        plugin = MambaStreamPlugin(keyring=Keyring.generate(), activities=acts)
+        async with Worker(bare, task_queue=queue + "@other", activities=[_noop]):
+            with pytest.raises(RuntimeError, match="(?i)failed creating worker"):
+                async with asyncio.timeout(60), Worker(bare, task_queue=queue + "-b", plugins=[plugin]):
+                    await asyncio.Event().wait()  # the worker's failure ends this
         assert acts.closed == 1
     finally:
         await env.shutdown()

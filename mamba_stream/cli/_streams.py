@@ -292,20 +292,24 @@ async def _cancel(args: argparse.Namespace) -> int:
 
 
 async def _list(args: argparse.Namespace) -> int:
-    from mamba_stream.workflows import STREAM_WORKFLOW_TYPE, ClientConfig
+    from mamba_stream.workflows import STREAM_MEMO, STREAM_WORKFLOW_TYPE, ClientConfig
 
     client = await _connect(args)
-    query = f"WorkflowType = '{STREAM_WORKFLOW_TYPE}'"
+    # every workflow of the queue: a stream workflow, or one that owns a stream (an agent's: its memo
+    # says so; the field's name is in clear, its value encrypted)
+    terms = []
     if not args.all_queues:
         queue = args.task_queue or ClientConfig().task_queue
         if "'" in queue:
             raise _CliError("InvalidRequest", f"a task queue name with a quote cannot be listed: {queue!r}")
-        query += f" AND TaskQueue = '{queue}'"
+        terms.append(f"TaskQueue = '{queue}'")
     if args.running:
-        query += " AND ExecutionStatus = 'Running'"
+        terms.append("ExecutionStatus = 'Running'")
     # one line per stream: a stream's runs (continue-as-new, rewinds) share its id; the newest is its state
     newest: dict[str, Any] = {}
-    async for wf in client.list_workflows(query):
+    async for wf in client.list_workflows(" AND ".join(terms) or None):
+        if wf.workflow_type != STREAM_WORKFLOW_TYPE and STREAM_MEMO not in wf.raw_info.memo.fields:
+            continue
         seen = newest.get(wf.id)
         if seen is None and len(newest) >= args.limit:
             break
@@ -313,13 +317,14 @@ async def _list(args: argparse.Namespace) -> int:
             newest[wf.id] = wf
     rows = [{"stream_id": wf.id, "status": wf.status.name.lower() if wf.status else "unknown",
              "start_time": wf.start_time.isoformat(), "close_time": wf.close_time.isoformat() if wf.close_time else None,
-             "run_id": wf.run_id, "task_queue": wf.task_queue}
+             "run_id": wf.run_id, "task_queue": wf.task_queue, "workflow_type": wf.workflow_type}
             for wf in sorted(newest.values(), key=lambda w: w.start_time, reverse=True)]
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
         for r in rows:
-            print(f"{r['stream_id']}  {r['status']:<10}  {r['start_time']}")
+            owner = "" if r["workflow_type"] == STREAM_WORKFLOW_TYPE else f"  (owned by {r['workflow_type']})"
+            print(f"{r['stream_id']}  {r['status']:<10}  {r['start_time']}{owner}")
     return 0
 
 
@@ -718,7 +723,8 @@ def add_stream_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-wait", action="store_true", help="return once the cancel is sent")
     p.set_defaults(func=_run(_cancel))
 
-    p = common(sub.add_parser("list", help="the streams on the server: id, status, start time (newest first)"))
+    p = common(sub.add_parser("list", help="the streams on the server: id, status, start time (newest first); a "
+                              "stream a workflow of yours owns names its workflow type"))
     p.add_argument("--running", action="store_true", help="only the running streams")
     p.add_argument("--all-queues", action="store_true",
                    help="the streams of every task queue (default: those of --task-queue)")

@@ -82,6 +82,7 @@ with workflow.unsafe.imports_passed_through():
         ACTIVITY_RESET,
         ACTIVITY_REWIND,
         ACTIVITY_SEAL_CARRY,
+        STREAM_MEMO,
         TIMEOUT_FLOORS,
         AdvanceChunkRequest,
         AdvanceChunkResult,
@@ -139,7 +140,12 @@ PATCH_AT_START = "patches-at-start"
 #: the markers recorded in a run's first workflow task, each with the patches it stands for. A patch
 #: added later gets a marker of its own here, never a place in an existing marker's list: a run
 #: recorded with that marker before the patch existed would replay as if it had taken it.
-START_MARKERS: dict[str, tuple[str, ...]] = {PATCH_AT_START: (PATCH_SEALED, PATCH_LOCAL_PAUSE)}
+#: a workflow that opens a stream (`ModelStream.open`) says so in its memo (`STREAM_MEMO`): histories
+#: recorded before replay without the memo's upsert
+PATCH_STREAM_MEMO = "stream-memo"
+PATCH_MEMO_AT_START = "stream-memo-at-start"
+START_MARKERS: dict[str, tuple[str, ...]] = {PATCH_AT_START: (PATCH_SEALED, PATCH_LOCAL_PAUSE),
+                                             PATCH_MEMO_AT_START: (PATCH_STREAM_MEMO,)}
 #: histories recorded before a start of a reserved id was refused at once (`check_stream_id`) replay
 #: as they ran. Asked of a reserved id's run only, first thing in it (so in its first workflow task):
 #: not one of `START_MARKERS`, whose markers every run records.
@@ -356,6 +362,8 @@ class ModelStream:
                                     prefix=prefix if prefix is None or isinstance(prefix, str) else list(prefix),
                                     max_prefix_tokens=options.max_prefix_tokens)
         stream = cls(request, options, carried.carry if carried else None)
+        if patched(PATCH_STREAM_MEMO):  # the CLI's `list` shows the streams agents own by it
+            workflow.upsert_memo({STREAM_MEMO: model_id})
         if carried is None:
             await stream.start()
             return stream

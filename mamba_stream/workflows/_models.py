@@ -59,6 +59,7 @@ __all__ = [
     "RewindRequest",
     "RewindResult",
     "RewindStreamRequest",
+    "STREAM_MEMO",
     "STREAM_WORKFLOW_TYPE",
     "StateResult",
     "StreamCarry",
@@ -76,6 +77,9 @@ __all__ = [
 
 #: the Temporal workflow type of `MambaStreamWorkflow` (the CLI lists streams by it)
 STREAM_WORKFLOW_TYPE = "MambaStream"
+#: the memo field a workflow that owns a stream (`ModelStream.open`) carries, its value the model's id
+#: (encrypted as every payload): the CLI lists agents' streams by it. Its name is in clear.
+STREAM_MEMO = "mamba_stream"
 
 ACTIVITY_OPEN = "open_stream"
 ACTIVITY_ADVANCE = "advance_chunk"

@@ -407,6 +407,44 @@ async def test_list_cancel_and_the_errors_of_a_missing_or_cancelled_stream(stack
     assert lines[2:] == [f"error: StreamCancelled: the stream was cancelled: {gone}"] * 3, lines
 
 
+async def test_list_shows_the_streams_agents_own_and_no_other_workflow(stack: Stack, tmp_path):
+    """An agent's stream is the agent's workflow (`ModelStream.open` marks it in its memo): `list`
+    shows it beside the stream workflows, naming its type; a workflow of the queue that owns no
+    stream is not listed."""
+    from mamba_stream.workflows import ChatAgent, ChatInput, ChatMessage
+
+    env = _env(stack, _keyfile(stack, tmp_path))
+    sid = (await _ok(env, "open", "--principal", "alice", "--model", "tiny-mamba2")).strip()
+    agent_id = stack.streams.new_id("alice")
+    agent = await stack.client.start_workflow(ChatAgent.run, ChatInput(principal="alice", model_id="tiny-mamba2",
+                                                                       reply_tokens=2), id=agent_id,
+                                              task_queue=stack.queue)
+    await agent.execute_update(ChatAgent.say, ChatMessage(principal="alice", text="hi"))
+    # a workflow of the queue that owns no stream: started, never taken (no worker has its type)
+    await stack.client.start_workflow("NotAStream", id=f"other-{agent_id}", task_queue=stack.queue)
+
+    async def listed() -> list | None:  # visibility is eventually consistent
+        rows = await _json(env, "list")
+        return rows if {r["stream_id"] for r in rows} == {sid, agent_id} else None
+
+    rows = {r["stream_id"]: r for r in await eventually(listed, timeout=30)}
+    assert (rows[sid]["workflow_type"], rows[agent_id]["workflow_type"]) == ("MambaStream", "ChatAgent")
+    human = dict(line.split(None, 1) for line in (await _ok(env, "list")).splitlines())
+    assert human[agent_id].endswith("(owned by ChatAgent)") and "owned by" not in human[sid]
+    # the memo says which model, encrypted as every payload: in clear, only that a stream is there
+    from temporalio.api.enums.v1 import EventType
+
+    from mamba_stream.state_codec.payload import ENCRYPTED_ENCODING
+
+    memos = [e.workflow_properties_modified_event_attributes.upserted_memo.fields async for e in
+             agent.fetch_history_events() if e.event_type == EventType.EVENT_TYPE_WORKFLOW_PROPERTIES_MODIFIED]
+    assert [(list(m), m["mamba_stream"].metadata["encoding"]) for m in memos] == [(["mamba_stream"], ENCRYPTED_ENCODING)]
+    assert b"tiny-mamba2" not in memos[0]["mamba_stream"].data
+    await agent.execute_update(ChatAgent.say, ChatMessage(principal="alice"))  # the end: disposed
+    await agent.result()
+    await stack.client.get_workflow_handle(f"other-{agent_id}").terminate()
+
+
 # --- what each command prints ------------------------------------------------------------------------------
 
 

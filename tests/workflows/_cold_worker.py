@@ -73,8 +73,7 @@ async def main() -> None:
                             store=open_store(store_url), keyring=ring, worker_queue=own)
     client = await Client.connect(address, plugins=[MambaStreamPlugin(keyring=ring, activities=acts)])
     pool = concurrent.futures.ThreadPoolExecutor(4)
-    async with Worker(client, task_queue=queue, activity_executor=pool), \
-            Worker(client, task_queue=own, activity_executor=pool):
+    async with Worker(client, task_queue=queue, activity_executor=pool):  # and `own`, beside it (the plugin)
         Path(ready).write_text(json.dumps({"queue": own, "imported": [m for m in SLOW if m in sys.modules],
                                            "loaded": list(acts.models._models)}))
         await asyncio.Event().wait()

@@ -34,9 +34,8 @@ from temporalio.worker import (
 from mamba_stream.activities import open_store
 from mamba_stream.activities._registry import ModelRegistry
 from mamba_stream.activities._stream import StreamActivities
-from mamba_stream.plugin import MambaStreamPlugin, data_converter
+from mamba_stream.plugin import MambaStreamPlugin, data_converter, worker_slots
 from mamba_stream.state_codec.codec import Keyring
-from mamba_stream.worker import worker_slots
 
 _CRASH: tuple[str, int] = ("", -1)
 
@@ -87,9 +86,13 @@ async def main() -> None:
                     store=open_store(store_url), keyring=ring, worker_queue=own)
     if mode == "local":
         client = await Client.connect(address, plugins=[MambaStreamPlugin(keyring=ring, activities=acts)])
+        # the plugin serves `own` beside it
         shared = Worker(client, task_queue=queue, interceptors=[KillAfterLocal()],
                         **worker_slots(workflows=True, activities=8, locals_=8))
-        mine = Worker(client, task_queue=own, **worker_slots(workflows=False, activities=8))
+        async with shared:
+            Path(ready).write_text(own)
+            await asyncio.Event().wait()
+        return
     else:
         client = await Client.connect(address, data_converter=data_converter(ring))
         shared = Worker(client, task_queue=queue, activities=acts.activities(), **worker_slots(workflows=False, activities=8))

@@ -21,9 +21,9 @@ from temporalio.worker import Replayer, Worker
 from mamba_stream.activities import open_store
 from mamba_stream.activities._registry import ModelRegistry
 from mamba_stream.activities._stream import StreamActivities
-from mamba_stream.plugin import MambaStreamPlugin, _runner, data_converter, heartbeat_throttle
+from mamba_stream.plugin import MambaStreamPlugin, _runner, data_converter, heartbeat_throttle, worker_slots
 from mamba_stream.state_codec.codec import Keyring
-from mamba_stream.worker import start_dev_server, worker_slots
+from mamba_stream.worker import start_dev_server
 from mamba_stream.workflows import ChatAgent, MambaStreamWorkflow, StreamClient, StreamOptions
 
 # Short timeouts so that a dead worker is noticed in seconds, not minutes.
@@ -83,8 +83,9 @@ class Stack:
         a workflows-only or activities-only worker is wired by hand from the same pieces.
         """
         acts = acts or self.new_activities()
-        if workflows and activities:
-            client = await Client.connect(self.address, plugins=[MambaStreamPlugin(keyring=self.keyring, activities=acts)])
+        if workflows and activities:  # the plugin serves the own queue beside it, unless not `own_queue`
+            client = await Client.connect(self.address, plugins=[MambaStreamPlugin(keyring=self.keyring, activities=acts,
+                                                                                   own_queue=own_queue)])
             kw: dict = {"workflows": list(self.owners)} if workflows and self.owners else {}
         else:
             client = await Client.connect(self.address, data_converter=data_converter(self.keyring))
@@ -93,7 +94,7 @@ class Stack:
                   "workflow_runner": _runner(None), "max_heartbeat_throttle_interval": heartbeat_throttle()}
         await self.exits.enter_async_context(Worker(client, task_queue=self.queue, **kw,
                                                     **worker_slots(workflows=workflows, activities=8, locals_=8)))
-        if own_queue and activities and acts.worker_queue:
+        if own_queue and activities and not workflows and acts.worker_queue:
             await self.exits.enter_async_context(
                 Worker(client, task_queue=acts.worker_queue, **worker_slots(workflows=False, activities=8),
                        **{**kw, "workflows": []} if kw else {}))
@@ -223,7 +224,8 @@ LOCAL_MARKER_META_KEYS = {"seq", "attempt", "activity_id", "activity_type", "com
 #: the patches of the workflows' code (`workflows._model_stream`), whose markers hold their id in
 #: clear: names of the code's versions, the same in every history. They are history's format:
 #: renaming one breaks the replay of every history that recorded it.
-PATCH_IDS = {"patches-at-start", "requests-by-sealer", "local-pause-after-timeout"}
+PATCH_IDS = {"patches-at-start", "requests-by-sealer", "local-pause-after-timeout", "stream-memo-at-start",
+             "stream-memo"}
 
 
 def sdk_bookkeeping(events) -> list:

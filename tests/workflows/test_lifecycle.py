@@ -205,9 +205,11 @@ async def test_history_holds_no_plaintext(stack: Stack):
     for e in events:
         _payloads(e, payloads)
     metas = sdk_bookkeeping(events)  # the SDK's own bookkeeping, checked there
-    # the three local chunks' markers; the first workflow task's patch marker and the search
-    # attribute that lists it
-    assert len(metas) == 3 + 2
+    # the three local chunks' markers; the first workflow task's patch markers and the search
+    # attribute that lists each
+    from mamba_stream.workflows._model_stream import START_MARKERS
+
+    assert len(metas) == 3 + 2 * len(START_MARKERS)
     payloads = [p for p in payloads if p not in metas]
     assert len(payloads) >= 10
     assert [p for p in payloads if p.metadata.get("encoding") != ENCRYPTED_ENCODING] == []

@@ -75,8 +75,7 @@ async def test_a_lifecycle_scenario_moves_each_meter_by_exactly_its_amount(tempo
         client = await Client.connect(stack.address, runtime=runtime,
                                       plugins=[MambaStreamPlugin(keyring=stack.keyring, activities=acts)])
         pool = concurrent.futures.ThreadPoolExecutor(4)
-        for q in (stack.queue, acts.worker_queue):
-            await stack.exits.enter_async_context(Worker(client, task_queue=q, activity_executor=pool))
+        await stack.exits.enter_async_context(Worker(client, task_queue=stack.queue, activity_executor=pool))
         streams: StreamClient = stack.streams
         opts = StreamOptions(**{**FAST.model_dump(), "checkpoints_kept": 1})
         m = Meter(port)

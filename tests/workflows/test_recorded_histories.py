@@ -33,7 +33,8 @@ def _load(where: Path) -> tuple[Keyring, list[WorkflowHistory]]:
         workflow_id = "chat-1" if p.name.startswith("chat") else json.loads(p.read_text())["events"][0][
             "workflowExecutionStartedEventAttributes"]["workflowId"]
         runs.append(WorkflowHistory.from_json(workflow_id, p.read_text()))
-    return Keyring.from_file(where / "keyring.json"), runs
+    # from_json, not from_file: git keeps no 0600 mode, and this keyring is a test fixture, not a secret
+    return Keyring.from_json((where / "keyring.json").read_text()), runs
 
 
 async def _replay(ring: Keyring, runs: list[WorkflowHistory]) -> list[str]:

@@ -108,8 +108,7 @@ async def world(temporal_env, tmp_path) -> AsyncIterator[World]:
                                       plugins=[MambaStreamPlugin(keyring=stack.keyring, activities=stack.acts)])
         pool = concurrent.futures.ThreadPoolExecutor(4)
         stack.exits.callback(pool.shutdown)
-        for q in (stack.queue, stack.acts.worker_queue):
-            await stack.exits.enter_async_context(Worker(client, task_queue=q, activity_executor=pool))
+        await stack.exits.enter_async_context(Worker(client, task_queue=stack.queue, activity_executor=pool))
         yield World(stack, Meter(port))
 
 
