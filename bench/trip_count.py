@@ -9,7 +9,7 @@ installed packages left out), in every thread, by file. `--owner`: the advance o
 owns its stream (`ModelStream.advance`, in bench/_agent_paths.py's agent, whose own update is not
 counted) instead of a client's to a stream workflow.
 
-    python bench/trip_count.py [--owner]
+    python bench/trip_count.py [--owner] [--functions]
 """
 
 from __future__ import annotations
@@ -81,6 +81,9 @@ async def main(owner: bool) -> None:
     print(f"one advance{' through ModelStream' if owner else ''}: {len(by_file)} files, {sum(_CALLS.values())} calls, {len(_CALLS)} distinct functions")
     for f, n in by_file.most_common():
         print(f"{n:6d}  {f}")
+    if "--functions" in sys.argv[1:]:
+        for (f, fn), n in _CALLS.most_common():
+            print(f"{n:6d}  {f}:{fn}")
 
 
 if __name__ == "__main__":

@@ -32,9 +32,10 @@ from temporalio.converter import WorkflowSerializationContext
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
-from mamba_stream.state_codec import Receipt, stream_tag
+from mamba_stream.state_codec import ChunkSequenceMismatch, EpochMismatch, Receipt, stream_tag
 from mamba_stream.workflows._config import DEFAULT_TASK_QUEUE
 from mamba_stream.workflows._failures import (
+    ConflictingChunk,
     InvalidRequest,
     OpenFailed,
     RewindPastWindow,
@@ -188,6 +189,7 @@ class StreamClient:
         self.signer = signer
         self.retry_s = retry_s
         self._epochs: dict[str, int] = {}  # stream -> the epoch this client last saw it in
+        self._last_seq: dict[str, int] = {}  # stream -> the last chunk_seq this client sent or saw committed
         self._id_keys: dict[str, bytes] = {}  # stream -> the key of its update ids
 
     async def _retrying(self, call: Callable[[], Awaitable[T]], stream_id: str | None = None) -> T:
@@ -405,36 +407,75 @@ class StreamClient:
             pending.state == PendingWorkflowTaskState.PENDING_WORKFLOW_TASK_STATE_STARTED
 
     async def next_seq(self, stream_id: str) -> int:
-        return (await self._position(stream_id))[0] + 1
+        """The chunk_seq a chunk sent now would take, from the stream (after its chunks in flight)."""
+        return (await self._position(stream_id))[0]
 
     async def _position(self, stream_id: str) -> tuple[int, int]:
-        """(committed chunk_seq, epoch), from the stream."""
+        """(the next chunk_seq, epoch), from the stream's stats."""
         st = await self.stats(stream_id)
         self._epochs[stream_id] = st.epoch
-        return st.chunk_seq, st.epoch
+        return (st.next_seq if st.next_seq is not None else st.chunk_seq + 1), st.epoch
+
+    async def _take_seq(self, stream_id: str, *, ask: bool = False) -> tuple[int, int, bool]:
+        """(chunk_seq, epoch, guessed) for a chunk that names none: the one after the last this
+        client sent or saw committed (no request: `guessed`), else (or `ask`) after the stream's
+        own next, asked. Taken at once, so that this client's chunks sent together take
+        consecutive sequences and the later ones wait in the stream behind the earlier."""
+        last, epoch = self._last_seq.get(stream_id), self._epochs.get(stream_id)
+        guessed = not ask and last is not None and epoch is not None
+        if not guessed:
+            nxt, epoch = await self._position(stream_id)
+            last = nxt - 1 if ask else max(nxt - 1, self._last_seq.get(stream_id, 0))
+        assert last is not None and epoch is not None
+        self._last_seq[stream_id] = last + 1
+        return last + 1, epoch, guessed
+
+    def _seq_failed(self, stream_id: str, seq: int) -> None:
+        """A chunk that names no sequence failed: the next one asks the stream where it is."""
+        if self._last_seq.get(stream_id) == seq:
+            del self._last_seq[stream_id]
 
     async def _chunk(self, kind: str, stream_id: str, make: Callable[[int], Any], update: Any,
                      chunk_seq: int | None, attempt: int) -> Any:
-        """Send a chunk under its update id; once more with a fresh epoch if the stream was reset
-        since this client last saw it (the stream refuses a stale epoch, nothing is stored)."""
+        """Send a chunk under its update id: one request when this client knows where the stream is.
+        Once more, asking the stream, when the guess of a chunk that named no sequence was wrong
+        (another client's chunks came between: `ChunkSequenceMismatch`, `ConflictingChunk`) or the
+        stream was reset since this client last saw it (`EpochMismatch`); the stream refuses
+        either, and nothing is stored."""
+        handle = self.handle(stream_id)
         if chunk_seq is None:
-            seq, epoch = await self._position(stream_id)
-            seq += 1
+            seq, epoch, guessed = await self._take_seq(stream_id)
         else:
-            seq = chunk_seq
+            seq, guessed = chunk_seq, False
             epoch = self._epochs.get(stream_id)
             if epoch is None:
                 epoch = (await self._position(stream_id))[1]
-        req = self.sign(kind, stream_id, make(seq))
-        handle = self.handle(stream_id)
         try:
-            out = await self._update(handle, update, req, id=self.update_id(kind, stream_id, req, epoch, attempt))
-        except WorkflowUpdateFailedError as err:
-            if not (isinstance(err.cause, ApplicationError) and err.cause.type == "EpochMismatch"):
-                raise
-            epoch = (await self._position(stream_id))[1]  # reset since we last looked: once more
-            out = await self._update(handle, update, req, id=self.update_id(kind, stream_id, req, epoch, attempt))
+            req = self.sign(kind, stream_id, make(seq))
+            try:
+                out = await self._update(handle, update, req, id=self.update_id(kind, stream_id, req, epoch, attempt))
+            except WorkflowUpdateFailedError as err:
+                cause = err.cause.type if isinstance(err.cause, ApplicationError) else None
+                if cause == EpochMismatch.reason:
+                    if chunk_seq is None:
+                        seq, epoch, _ = await self._take_seq(stream_id, ask=True)
+                    else:
+                        epoch = (await self._position(stream_id))[1]  # reset since we last looked: once more
+                elif guessed and cause in (ChunkSequenceMismatch.reason, ConflictingChunk.reason):
+                    seq, epoch, _ = await self._take_seq(stream_id, ask=True)
+                else:
+                    raise
+                req = self.sign(kind, stream_id, make(seq))
+                out = await self._update(handle, update, req, id=self.update_id(kind, stream_id, req, epoch, attempt))
+        except asyncio.CancelledError:
+            raise  # the chunk may be in flight still: the next takes the sequence after it
+        except BaseException:
+            if chunk_seq is None:
+                self._seq_failed(stream_id, seq)
+            raise
         self._epochs[stream_id] = out.receipt.epoch
+        if out.chunk_seq > self._last_seq.get(stream_id, 0):
+            self._last_seq[stream_id] = out.chunk_seq
         return out
 
     async def advance(self, stream_id: str, principal: str, *, tokens: Sequence[int] | None = None,
@@ -542,7 +583,8 @@ class StreamClient:
         # A reset that names its epoch is refused when it arrives twice, so it may be sent again;
         # one that does not could reset twice.
         await (self._retrying(send) if epoch is not None else send())
-        self._epochs.pop(stream_id, None)  # the next chunk asks the stream for its epoch
+        self._epochs.pop(stream_id, None)  # the next chunk asks the stream for its epoch and sequence
+        self._last_seq.pop(stream_id, None)
 
     async def rewind(self, stream_id: str, to_seq: int, *, principal: str | None = None,
                      timeout_s: float = 60.0) -> str:
@@ -577,6 +619,7 @@ class StreamClient:
                 raise cls(cause.message, **details) from err
             raise
         self._epochs.pop(stream_id, None)
+        self._last_seq.pop(stream_id, None)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:  # the stream continues as new once the rewind's update is done
@@ -726,56 +769,79 @@ class GenerateStream:
 
     async def __aiter__(self) -> AsyncIterator[TokenEvent]:
         c, sid = self._client, self.stream_id
-        if self.chunk_seq is None:
-            self.chunk_seq = await c.next_seq(sid)
-        seq, handle = self.chunk_seq, c.handle(sid)
-        req = c.sign("generate", sid, GenerateRequest(principal=self.principal, chunk_seq=seq, stream=True,
-                                                      **self._args))
-        epoch = c._epochs.get(sid)
-        for resend in (False, True):
-            if epoch is None or resend:
-                epoch = (await c._position(sid))[1]
-            uid = c.update_id("generate", sid, req, epoch, self._attempt)
-            work = asyncio.ensure_future(c._update(handle, MambaStreamWorkflow.generate, req, id=uid))
-            shown: _Shown | None = None
-            pause, t0 = FIRST_POLL_S, asyncio.get_running_loop().time()
-            try:
-                while True:
-                    await asyncio.wait({work}, timeout=pause)
-                    if work.done():
-                        break
-                    try:
-                        got = await c.progress(sid)
-                    except RPCError:
-                        got = None  # between runs (continue-as-new): the update's answer decides
-                    ev = None
-                    if got is not None and got.update_id == uid:
-                        if shown is None or shown.key != _key(got):
-                            shown = _Shown(got)
-                        ev = shown.live(got)
-                    if ev is not None:
-                        yield ev
-                    if ev is not None:
-                        pause = POLL_MIN_S
-                    elif shown is not None or asyncio.get_running_loop().time() - t0 > _FIRST_WAIT_S:
-                        pause = min(pause * _POLL_BACKOFF, POLL_MAX_S)
+        named = self.chunk_seq is not None
+        if named:
+            guessed, epoch = False, c._epochs.get(sid)
+        else:
+            self.chunk_seq, epoch, guessed = await c._take_seq(sid)
+        handle = c.handle(sid)
+        ok = False
+        try:
+            for resend in (False, True):
+                if epoch is None:
+                    epoch = (await c._position(sid))[1]
+                seq = self.chunk_seq
+                req = c.sign("generate", sid, GenerateRequest(principal=self.principal, chunk_seq=seq, stream=True,
+                                                              **self._args))
+                uid = c.update_id("generate", sid, req, epoch, self._attempt)
+                work = asyncio.ensure_future(c._update(handle, MambaStreamWorkflow.generate, req, id=uid))
+                shown: _Shown | None = None
+                pause, t0 = FIRST_POLL_S, asyncio.get_running_loop().time()
                 try:
-                    self.result = work.result()  # a refused or failed chunk raises here
-                except WorkflowUpdateFailedError as err:
-                    if not resend and shown is None and isinstance(err.cause, ApplicationError) and \
-                            err.cause.type == "EpochMismatch":
-                        continue  # reset since this client last looked: once more, under the new epoch
-                    raise
-                r = self.result
-                last = TokenEvent(offset=shown.offset if shown is not None else -1, chunk_seq=seq,
-                                  epoch=r.receipt.epoch, tokens=r.tokens, text=r.text, done=True,
-                                  finish_reason=r.finish_reason, update_id=uid)
-                yield shown.settle(last) if shown is not None else last
-                c._epochs[sid] = r.receipt.epoch
-                return
-            finally:
-                if not work.done():
-                    await _drop(work)
+                    while True:
+                        await asyncio.wait({work}, timeout=pause)
+                        if work.done():
+                            break
+                        try:
+                            got = await c.progress(sid)
+                        except RPCError:
+                            got = None  # between runs (continue-as-new): the update's answer decides
+                        ev = None
+                        if got is not None and got.update_id == uid:
+                            if shown is None or shown.key != _key(got):
+                                shown = _Shown(got)
+                            ev = shown.live(got)
+                        if ev is not None:
+                            yield ev
+                        if ev is not None:
+                            pause = POLL_MIN_S
+                        elif shown is not None or asyncio.get_running_loop().time() - t0 > _FIRST_WAIT_S:
+                            pause = min(pause * _POLL_BACKOFF, POLL_MAX_S)
+                    try:
+                        self.result = work.result()  # a refused or failed chunk raises here
+                    except WorkflowUpdateFailedError as err:
+                        cause = err.cause.type if isinstance(err.cause, ApplicationError) else None
+                        if resend or shown is not None:
+                            raise
+                        if cause == EpochMismatch.reason:  # reset since this client last looked: once more
+                            if named:
+                                epoch = None
+                            else:
+                                self.chunk_seq, epoch, _ = await c._take_seq(sid, ask=True)
+                            continue
+                        if guessed and cause in (ChunkSequenceMismatch.reason, ConflictingChunk.reason):
+                            self.chunk_seq, epoch, _ = await c._take_seq(sid, ask=True)  # another's came between
+                            continue
+                        raise
+                    r = self.result
+                    last = TokenEvent(offset=shown.offset if shown is not None else -1, chunk_seq=seq,
+                                      epoch=r.receipt.epoch, tokens=r.tokens, text=r.text, done=True,
+                                      finish_reason=r.finish_reason, update_id=uid)
+                    ok = True
+                    c._epochs[sid] = r.receipt.epoch
+                    if r.chunk_seq > c._last_seq.get(sid, 0):
+                        c._last_seq[sid] = r.chunk_seq
+                    yield shown.settle(last) if shown is not None else last
+                    return
+                finally:
+                    if not work.done():
+                        await _drop(work)
+        except (asyncio.CancelledError, GeneratorExit):
+            raise  # the chunk may be in flight still: the next takes the sequence after it
+        except BaseException:
+            if not named and not ok and self.chunk_seq is not None:
+                c._seq_failed(sid, self.chunk_seq)
+            raise
 
 
 #: a token reader's poll interval while tokens flow: the heartbeats' own pace (a shorter one finds

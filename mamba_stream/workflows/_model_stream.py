@@ -911,7 +911,14 @@ class StreamOwner:
 
     @workflow.query
     def stats(self) -> StreamStats | None:
-        return self.stream.stats if self.stream is not None else None
+        if self.stream is None:
+            return None
+        return self.stream.stats.model_copy(update={"next_seq": self._next_chunk_seq()})
+
+    def _next_chunk_seq(self) -> int:
+        """The chunk_seq a chunk sent now takes (an owner that admits chunks in flight says more)."""
+        assert self.stream is not None
+        return self.stream.stats.chunk_seq + 1
 
     @workflow.update(dynamic=True)
     async def _unknown_update(self, name: str, args: Sequence[RawValue]) -> None:

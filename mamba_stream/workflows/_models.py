@@ -330,6 +330,9 @@ class StreamStats(_Model):
     rewinds: int = Field(default=0, description="rewinds to an earlier chunk (each moved the stream to a new run)")
     forged_results: int = Field(default=0, description="activity results the workers did not seal (an activity "
                                 "completed by its id from outside): dropped, and the activity run again")
+    next_seq: int | None = Field(default=None, description="the chunk_seq a chunk sent now takes: after the "
+                                 "committed one and those in flight (the `stats` query's answer; None where the "
+                                 "stats are carried or recorded)")
 
 
 class TokenLogprob(_Model):

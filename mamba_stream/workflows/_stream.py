@@ -396,6 +396,9 @@ class MambaStreamWorkflow(StreamOwner):  # its queries (receipt, stats, the toke
     def _next_seq(self) -> int:
         return max(self.stream.stats.chunk_seq, *self._in_flight) + 1 if self._in_flight else self.stream.stats.chunk_seq + 1
 
+    def _next_chunk_seq(self) -> int:  # the `stats` query's next_seq: after the chunks in flight too
+        return self._next_seq()
+
     def _known(self) -> RecentResult | None:
         """The recent result of the current update's id, if it has one (a carry's only once verified)."""
         info = workflow.current_update_info()
