@@ -53,6 +53,7 @@ from temporalio.converter import (
     SerializationContext,
     WithSerializationContext,
 )
+from temporalio.exceptions import ApplicationError
 from temporalio.plugin import SimplePlugin
 from temporalio.runtime import Runtime
 from temporalio.service import ConnectConfig, ServiceClient
@@ -72,12 +73,13 @@ from mamba_stream.workflows import (
     PROGRESS_INTERVAL_S,
     ChatAgent,
     ClientConfig,
+    InternalError,
     MambaStreamWorkflow,
     WorkerUnhealthy,
 )
 
-__all__ = ["ACTIVITY_SLOTS", "LOCAL_SLOTS", "WORKFLOW_TASK_SLOTS", "MambaStreamPlugin", "close_native_clients",
-           "data_converter", "heartbeat_throttle", "worker_slots"]
+__all__ = ["ACTIVITY_SLOTS", "LOCAL_SLOTS", "WORKFLOW_TASK_SLOTS", "MambaStreamPlugin", "RefusalsInOneLine",
+           "close_native_clients", "data_converter", "heartbeat_throttle", "worker_slots"]
 
 log = logging.getLogger(__name__)
 
@@ -248,6 +250,29 @@ def _wait_for_native_callbacks(timeout_s: float = 2.0) -> None:
 atexit.register(close_native_clients)
 
 
+class RefusalsInOneLine(logging.Filter):
+    """On Temporal's activity logger: a typed refusal an activity answered with (an
+    `ApplicationError` whose type is one of ours, `InternalError` apart) is logged in one line,
+    its reason and message, instead of the SDK's 30-40-line traceback; a fault (an untyped
+    exception, an `InternalError`) keeps its traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, ApplicationError) and exc.type and exc.type != InternalError.reason:
+            record.msg = f"{record.getMessage()}: refused, {exc.type}: {exc.message}"
+            record.args = ()
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
+def _refusals_in_one_line() -> None:
+    """Install `RefusalsInOneLine` on Temporal's activity logger, once per process."""
+    logger = logging.getLogger("temporalio.activity")
+    if not any(isinstance(f, RefusalsInOneLine) for f in logger.filters):
+        logger.addFilter(RefusalsInOneLine())
+
+
 #: tasks one worker takes at once: regular activities (each queue), and on the queue that runs
 #: workflows, local activities and workflow tasks. Each activity holds a thread while its chunk
 #: waits on the engine.
@@ -381,6 +406,7 @@ class MambaStreamPlugin(SimplePlugin):
         config["max_heartbeat_throttle_interval"] = heartbeat_throttle(config.get("max_heartbeat_throttle_interval"))
         if self._activities is None:
             return config
+        _refusals_in_one_line()
         own = config.get("task_queue") == getattr(self._activities, "worker_queue", None)
         if own and not self._making_own:
             self._caller_runs_own = True  # the caller runs the own queue's worker: none is run beside

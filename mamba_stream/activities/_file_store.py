@@ -359,7 +359,7 @@ class FileStateStore(StateStore):
             _quiet_unlink(tmp)
 
     def sweep_tmp(self, older_than_s: float = 3600.0) -> int:
-        """Remove leftovers of writers that died before committing; returns how many."""
+        """See base class: the tmp/ files of writers killed before their link."""
         cutoff, n = time.time() - older_than_s, 0
         for f in (self.root / "tmp").iterdir():
             try:  # a live writer may remove its own file between the listing and here

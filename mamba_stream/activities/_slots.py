@@ -3,7 +3,7 @@
 Dimension letters: K slots (capacity), then each state tensor's own shape (see the schema).
 
 Every slot holds one stream's state with its identity (stream id, epoch, position, state key)
-and a generation number. Insertion, removal and compaction move state and identity together.
+and a generation number. Insertion and removal move state and identity together.
 A handle is (slot, generation); a slot's generation changes whenever its occupant does, so an old
 handle can never read or write the new occupant. A released slot is zeroed before anyone can
 reuse it. A table serves one schema: a state is admitted only if its schema fingerprint matches,
@@ -80,9 +80,6 @@ class SlotTable:
             raise StaleSlot(f"slot {h.slot} generation {h.generation} is no longer valid")
         return self.meta[h.slot]
 
-    def meta_of(self, h: SlotHandle) -> SlotMeta:
-        return self._check(h)
-
     def lru(self, exclude: set[str] = frozenset()) -> str | None:
         """The least recently used stream, not in `exclude` (eviction candidate)."""
         live = [(m.last_used, m.stream_id) for m in self.meta if m.stream_id and m.stream_id not in exclude]
@@ -155,7 +152,7 @@ class SlotTable:
         """
         metas = [self._check(h) for h in handles]
         dev = self.logits.device
-        # In slot order, so the rows of a compacted table form one span (stepped as a view).
+        # In slot order, so that adjacent occupied slots form one span (stepped as a view).
         order = sorted(range(len(handles)), key=lambda i: handles[i].slot)
         rows = torch.tensor([handles[i].slot for i in order], dtype=torch.long, device=dev)
         toks = torch.tensor([tokens[i] for i in order], dtype=torch.long, device=dev)
@@ -198,29 +195,3 @@ class SlotTable:
         self._set_logits(slot, None)
         self.meta[slot] = SlotMeta(generation=self._next_generation())
         return True
-
-    def compact(self) -> int:
-        """Move occupied slots to the front (state, logits and identity together); returns moves."""
-        moves = 0
-        holes = [i for i, m in enumerate(self.meta) if m.stream_id is None]
-        for hole in holes:
-            last = max((i for i, m in enumerate(self.meta) if m.stream_id is not None), default=-1)
-            if last <= hole:
-                break
-            for buf in self.buffers.values():
-                buf[hole].copy_(buf[last])
-                buf[last].zero_()
-            self.logits[hole].copy_(self.logits[last])
-            self.logits[last].zero_()
-            self.has_logits[hole], self.has_logits[last] = self.has_logits[last], False
-            moved = self.meta[last]
-            moved.generation = self._next_generation()  # handles to the old slot are now stale
-            self.meta[hole] = moved
-            self.meta[last] = SlotMeta(generation=self._next_generation())
-            self._by_stream[moved.stream_id] = hole
-            moves += 1
-        return moves
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers.values()) + self.logits.numel() * 4

@@ -220,6 +220,11 @@ class StateStore(ABC):
     def usage(self) -> StoreUsage:
         """Objects, bytes and streams held."""
 
+    def sweep_tmp(self, older_than_s: float = 3600.0) -> int:
+        """Remove what writers that died before committing left behind, older than `older_than_s`
+        (the orphan sweep's grace); how many. A store whose writes are atomic leaves nothing."""
+        return 0
+
     def legacy_objects(self) -> list[LegacyObject]:
         """The objects written before owners were tagged (their principal's name in clear)."""
         return []

@@ -60,6 +60,7 @@ class SweepReport:
     rekeyed: RekeyReport | None = None  # what was left in clear, rewritten keyed (None: no worker's activities)
     owner: StoreOwner | None = None  # the store's owner, as checked
     refused: str | None = None  # why nothing was swept (the store has no owner record)
+    tmp_removed: int = 0  # what writers killed before they committed left in the store, removed
 
 
 async def client_owner(client: Client) -> StoreOwner:
@@ -190,6 +191,9 @@ async def sweep_orphans(client: Client, store: StateStore, metrics: StreamMetric
     if not dry_run:  # sightings of streams deleted since (by their workflow or another sweep)
         for sid in marked - set(streams):
             store.delete_meta(kind=MISSING_KIND, name=sid)
+        report.tmp_removed = store.sweep_tmp(older_than_s=grace_s)
+        if report.tmp_removed:
+            log.warning("orphan sweep: %d files of writers killed before they committed removed", report.tmp_removed)
         prefixes = getattr(activities, "prefixes", None)
         if prefixes is not None:
             report.prefixes = prefixes.sweep(grace_s=grace_s)

@@ -254,7 +254,7 @@ class Model:
             float32 logits (B, V) and the path that ran.
         """
         lm, cfg, names, k = self._lm, self.config, self._names, self._per_layer
-        # A compacted slot table steps a run of adjacent rows: read them as a view and write them
+        # Adjacent slots of the table are a run of rows: read them as a view and write them
         # back as a slice, saving the gather's copy of every state (decode is bound by that traffic).
         b = int(rows.numel())
         if b == 0:

@@ -244,3 +244,19 @@ async def test_a_worker_claims_its_store_and_will_not_start_on_another_clusters(
     assert not ready_b.is_set() and owner.cluster_id in str(exc.value)
     recorded = json.loads((tmp_path / "store" / "meta" / "owner" / "temporal").read_bytes())
     assert recorded["cluster_id"] == owner.cluster_id  # unchanged by the refused worker
+
+
+async def test_the_sweep_removes_what_a_writer_killed_before_its_commit_left_past_the_grace(tmp_path, server_a):
+    files = open_store(f"file://{tmp_path / 'states'}")
+    await claim_store(server_a.client, files)
+    left = tmp_path / "states" / "tmp" / "ms-x.k1.dead.part"  # as `put_if_absent` names its file
+    left.write_bytes(b"half a sealed state")
+    writing = tmp_path / "states" / "tmp" / "ms-x.k2.live.part"
+    writing.write_bytes(b"a write in progress")
+    past = time.time() - 120
+    os.utime(left, (past, past))
+    report = await sweep_orphans(server_a.client, files, grace_s=60, dry_run=True)
+    assert report.tmp_removed == 0 and left.exists()  # a dry run removes nothing
+    report = await sweep_orphans(server_a.client, files, grace_s=60)
+    assert report.tmp_removed == 1
+    assert not left.exists() and writing.exists()  # the one within the grace may still be committed

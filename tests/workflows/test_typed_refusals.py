@@ -130,3 +130,31 @@ async def test_a_start_input_that_is_not_one_open_request_fails_the_run_typed(st
     events = [e async for e in handle.fetch_history_events()]
     assert not [e for e in events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED]
     assert not [e for e in events if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED]
+
+
+async def test_the_worker_logs_a_typed_refusal_in_one_line_and_a_fault_with_its_traceback(stack: Stack, caplog):
+    """An open of a model the workers do not serve is refused by its activity, typed: the
+    worker's log says so in one line (it was a 40-line traceback), its reason and message."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="temporalio.activity")
+    with pytest.raises(WorkflowFailureError):
+        await stack.streams.open("alice", "no-such-model")
+
+    def said() -> list[logging.LogRecord]:
+        return [r for r in caplog.records if r.name == "temporalio.activity" and "open_stream" in r.getMessage()]
+
+    await eventually(lambda: asyncio.sleep(0, said()))
+    [record] = said()
+    line = caplog.text.splitlines()
+    assert "refused, UnknownModel: model 'no-such-model' is not served here" in record.getMessage()
+    assert record.exc_info is None and not any("Traceback" in x for x in line)
+
+    from mamba_stream.plugin import RefusalsInOneLine
+
+    fault = logging.LogRecord("temporalio.activity", logging.WARNING, __file__, 1, "Completing activity as failed",
+                              (), (ApplicationError, ApplicationError("boom", type="InternalError"), None))
+    assert RefusalsInOneLine().filter(fault) and fault.exc_info is not None  # a fault keeps its traceback
+    untyped = logging.LogRecord("temporalio.activity", logging.WARNING, __file__, 1, "Completing activity as failed",
+                                (), (RuntimeError, RuntimeError("boom"), None))
+    assert RefusalsInOneLine().filter(untyped) and untyped.exc_info is not None
