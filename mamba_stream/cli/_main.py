@@ -5,8 +5,23 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import NoReturn
+
+from mamba_stream.failures import InvalidRequest
 
 __all__ = ["main"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, its errors in the CLI's one line on stderr, `error: InvalidRequest: <what>`,
+    exit status 2, as every command's own refusals (argparse's: a usage block, then `<prog>: error:
+    ...`). Subcommands' parsers are of this class too (`add_subparsers` makes them of the parent's)."""
+
+    def error(self, message: str) -> NoReturn:
+        # "argument -n: must be ..." -> "-n: must be ...": the flag leads, as `--prefix-file FILE: ...` does
+        # (its lines joined: one line, whatever argparse says; the spaces of a value it quotes kept)
+        what = " ".join(message.removeprefix("argument ").splitlines())
+        self.exit(2, f"error: {InvalidRequest.reason}: {what}\n")
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
@@ -127,7 +142,7 @@ def _cmd_export_keys(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mamba-stream", description=__doc__)
+    parser = _Parser(prog="mamba-stream", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     v = sub.add_parser("verify", help="print the chunk-equivalence report of a model")
     v.add_argument("--model", default=None, help="preset name or checkpoint directory (default tiny-mamba2; "

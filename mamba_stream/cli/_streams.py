@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -16,26 +17,36 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from mamba_stream.failures import Failure, InvalidRequest
+
 __all__ = ["add_stream_commands"]
 
 #: the stream workflow's type name (`@workflow.defn(name=...)` of workflows.MambaStreamWorkflow):
 #: what `list` asks Temporal's visibility for
 
 
-class _CliError(Exception):
-    """A failure the CLI explains itself, in one line: `error: <reason>: <message>`."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
+class Unreachable(Failure):
+    """No Temporal server answers at the address the command was given or found."""
 
 
-def _unreachable(target: str, exc: BaseException) -> _CliError:
+class NoSuchStream(Failure):
+    """No workflow has the stream's id on this server."""
+
+
+class StreamClosed(Failure):
+    """The stream's workflow ended otherwise than by a cancel (failed, terminated, timed out)."""
+
+
+class PrefixNotApplied(Failure):
+    """A stream opened with a prefix whose receipt names none (an older worker ignored it)."""
+
+
+def _unreachable(target: str, exc: BaseException) -> Failure:
     why = "connection refused" if "refused" in str(exc).lower() else "it does not answer"
-    return _CliError("Unreachable", (
-        f"no Temporal server at {target} ({why}): start the worker (`python worker.py` runs the embedded "
-        f"server on 127.0.0.1:$MAMBA_STREAM_TEMPORAL_PORT, default 7233), or set TEMPORAL_ADDRESS to your "
-        f"Temporal frontend, or MAMBA_STREAM_TEMPORAL_PORT to the port of the worker's embedded server"))
+    return Unreachable(
+                       f"no Temporal server at {target} ({why}): start the worker (`python worker.py` runs the embedded "
+                       f"server on 127.0.0.1:$MAMBA_STREAM_TEMPORAL_PORT, default 7233), or set TEMPORAL_ADDRESS to your "
+                       f"Temporal frontend, or MAMBA_STREAM_TEMPORAL_PORT to the port of the worker's embedded server")
 
 
 async def _connect(args: argparse.Namespace) -> Any:
@@ -78,22 +89,251 @@ def _emit(args: argparse.Namespace, obj: Any, human: str) -> None:
         print(human)
 
 
-def _tokens(text: str) -> list[int]:
-    return [int(t) for t in text.replace(" ", "").split(",") if t]
-
-
 #: the largest token id a request carries (`workflows._models._Token`: 0 <= id < 2**31); which ids a
 #: model reads is the workers' to say (TokenOutOfRange)
 _TOKEN_LIMIT = 2**31
+
+# --- the flags' values, checked as argparse reads them ---------------------------------------------------
+# Each raises argparse.ArgumentTypeError: the parser (cli._main._Parser) says it in the CLI's one line,
+# `error: InvalidRequest: <flag>: <why>`, exit 2, before the command runs, so before any server is asked.
+
+
+def _said(text: str) -> str:
+    """A value as typed, for a message: verbatim where that reads unambiguously, else quoted and escaped
+    (an empty one, one with spaces or control characters: what is typed must not reach the terminal raw)."""
+    return text if text and text.isprintable() and not text.isspace() and " " not in text else repr(text)
+
+
+def _num(v: float) -> str:
+    """A bound for a message: the request models' large bounds as the powers of two they are written as."""
+    if isinstance(v, float):
+        return f"{v:g}"
+    for k in range(31, 64):
+        if v == 2**k:
+            return f"2**{k}"
+        if v == 2**k - 1:
+            return f"2**{k} - 1"
+    return str(v)
+
+
+def _field_range(model: Any, field: str) -> tuple[Any, Any]:
+    """(lowest, highest) value, inclusive (None: unbounded), that `model`'s `field` takes, from its
+    constraints: the CLI refuses what the request would, as the flag is read, instead of the request's
+    pydantic dump once connected (the model decides, so the two cannot drift apart)."""
+    lo = hi = None
+    for c in model.model_fields[field].metadata:
+        if getattr(c, "ge", None) is not None:
+            lo = c.ge
+        if getattr(c, "gt", None) is not None:
+            lo = c.gt + 1  # the integer fields only: a float field here has ge/le
+        if getattr(c, "le", None) is not None:
+            hi = c.le
+        if getattr(c, "lt", None) is not None:
+            hi = c.lt - 1
+    return lo, hi
+
+
+def _request_range(model: str, field: str) -> Callable[[], tuple[Any, Any]]:
+    """`_field_range` of a request model of `workflows`, imported once a flag needs it: importing
+    `workflows` takes most of a second, which a command's parsing (and its --help) does not pay for."""
+    def bounds() -> tuple[Any, Any]:
+        from mamba_stream.workflows import _models
+
+        return _field_range(getattr(_models, model), field)
+    return bounds
+
+
+def _allowed(kind: str, lo: Any, hi: Any) -> str:
+    return f"{kind} from {_num(lo)} to {_num(hi)}" if hi is not None else f"{kind} >= {_num(lo)}"
+
+
+def _integer(bounds: Callable[[], tuple[Any, Any]]) -> Callable[[str], int]:
+    """An argparse type: an integer within `bounds()`."""
+    def parse(text: str) -> int:
+        lo, hi = bounds()
+        value = int(text) if re.fullmatch(r"\s*[+-]?[0-9]+\s*", text) else None
+        if value is None or value < lo or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"must be {_allowed('an integer', lo, hi)}, not {_said(text)}")
+        return value
+    return parse
+
+
+def _number(bounds: Callable[[], tuple[Any, Any]]) -> Callable[[str], float]:
+    """An argparse type: a finite number within `bounds()` (the requests take no NaN or infinity)."""
+    def parse(text: str) -> float:
+        import math
+
+        lo, hi = bounds()
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < lo or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"must be {_allowed('a number', lo, hi)}, not {_said(text)}")
+        return value
+    return parse
+
+
+def _principal(text: str) -> str:
+    """An argparse type: a principal, any name but an empty one (spaces alone are none): a stream
+    opened for nobody would be sealed under a key nobody asks for."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"names no principal: {_said(text)}; give the name of the stream's owner")
+    return text
+
+
+def _token_ids(text: str) -> list[int]:
+    """An argparse type: `--tokens`, comma-separated token ids (spaces around them allowed, an empty
+    element skipped); the element that is not one is named by its position (from 0) and value."""
+    ids = []
+    for i, part in enumerate(text.split(",")):
+        part = part.strip()
+        if not part:
+            continue
+        if not re.fullmatch(r"[+-]?[0-9]+", part):
+            raise argparse.ArgumentTypeError(f"element {i} is not a token id (an integer): {_said(part[:40])}")
+        t = int(part)
+        if not 0 <= t < _TOKEN_LIMIT:
+            raise argparse.ArgumentTypeError(f"element {i} is not a token id (0 <= id < 2**31): {t}")
+        ids.append(t)
+    if not ids:
+        raise argparse.ArgumentTypeError(f"no token ids in {_said(text)}: give them comma-separated, 1,2,3")
+    return ids
+
+
+def _chunk_limits() -> dict[str, Any]:
+    """The chunk limits: the stream's options' defaults (a stream the CLI opens has them) and the most
+    any stream may be opened with (StreamOptions' bounds), and the request's -n bound."""
+    from mamba_stream.workflows import GenerateRequest, StreamOptions
+
+    def default(f: str) -> int:
+        return StreamOptions.model_fields[f].default
+
+    def most(model: Any, f: str) -> int:
+        return _field_range(model, f)[1]
+
+    return {"text_bytes": default("max_text_bytes"), "text_bytes_max": most(StreamOptions, "max_text_bytes"),
+            "chunk_tokens": default("max_chunk_tokens"), "chunk_tokens_max": most(StreamOptions, "max_chunk_tokens"),
+            "generate_tokens": default("max_generate_tokens"), "n_max": most(GenerateRequest, "max_tokens")}
+
+
+def _chunk_text(args: argparse.Namespace) -> str | None:
+    """The chunk's text: `--text` (`-`: stdin) or `--text-file`'s, UTF-8, every byte as given (a final
+    newline is part of it). Text that cannot be read, is not UTF-8, or is larger than any stream takes
+    (its options' bound: a stream's own limit, the default or what it was opened with, is the workers'
+    to apply, ChunkTooLarge) is refused here, before any server is asked. None: a chunk of tokens."""
+    if args.text_file is not None:
+        where = f"--text-file {args.text_file}"
+        try:
+            data = Path(args.text_file).read_bytes()  # bytes: no newline translation
+        except OSError as exc:
+            raise InvalidRequest(f"{where}: cannot read it: {exc.strerror or exc}") from exc
+    elif args.text == "-":
+        where = "--text - (stdin)"
+        if sys.stdin is None:  # started with no stdin at all
+            raise InvalidRequest(f"{where}: this command has no stdin")
+        try:
+            data = sys.stdin.buffer.read()
+        except (OSError, ValueError) as exc:  # a closed or unreadable one
+            raise InvalidRequest(f"{where}: cannot read it: {exc}") from exc
+    elif args.text is not None:
+        where = "--text"
+        data = os.fsencode(args.text)  # the argument's bytes (undecodable ones kept as the OS gave them)
+    else:
+        return None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest(f"{where}: not UTF-8 text (byte {exc.start})") from exc
+    limits = _chunk_limits()
+    if len(data) > limits["text_bytes_max"]:
+        from mamba_stream.workflows import ChunkTooLarge
+
+        raise ChunkTooLarge(f"{where}: {len(data)} bytes of text exceed the most any stream takes, "
+                            f"{limits['text_bytes_max']} (a stream opened with the default options takes "
+                            f"{limits['text_bytes']})")
+    return text
+
+
+def _shown(text: str) -> str:
+    """Model text for a terminal: each character that is not printable (a control byte, ESC and its
+    sequences, a bidi override) as its escape, `\\x07` as repr writes it; newline and tab as they are.
+    A model samples any byte: raw, they would move the cursor, retitle the window, ring the bell."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
+
+
+def _problems(exc: Any) -> str:
+    """A pydantic ValidationError in a line: how many problems, the first one's field path and message
+    (no input echoed, no documentation URL)."""
+    errors = exc.errors(include_url=False, include_input=False, include_context=False)
+    n = len(errors)
+    first = errors[0] if errors else {"loc": (), "msg": str(exc)}
+    path = ".".join(str(p) for p in first["loc"])
+    msg = " ".join(str(first["msg"]).split())
+    head = f"{n} problem{'s' if n != 1 else ''}" + (", the first" if n > 1 else "")
+    return f"{head}: {path}: {msg}" if path else f"{head}: {msg}"
+
+
+def _checkpoint_file(path: str, principal: str) -> Any:
+    """The receipt `--checkpoint` names, read and checked here, before any server is asked: a file
+    that cannot be read, is not UTF-8 JSON or not a receipt (`checkpoint --out` writes them) is
+    refused InvalidRequest; a receipt of another principal PrincipalMismatch (the workers refuse
+    to resume it, after a stream was started for it). Either way nothing is started."""
+    from pydantic import ValidationError
+
+    from mamba_stream.state_codec import Receipt
+
+    def bad(why: str) -> Failure:
+        return InvalidRequest(f"--checkpoint {path}: {why}")
+
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise bad(f"cannot read it: {exc.strerror or exc}") from exc
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad(f"not UTF-8 text (byte {exc.start}): a receipt is the JSON `checkpoint --out` writes") from exc
+    try:
+        json.loads(text)  # its own message says where the JSON breaks
+    except ValueError as exc:
+        raise bad(f"not JSON ({exc})") from exc
+    try:
+        receipt = Receipt.model_validate_json(text)
+    except ValidationError as exc:
+        raise bad(f"not a checkpoint receipt: {_problems(exc)}") from exc
+    if receipt.principal != principal:
+        from mamba_stream.state_codec import PrincipalMismatch
+
+        raise PrincipalMismatch(f"--checkpoint {path}: the checkpoint's principal is "
+                                f"{receipt.principal!r}, --principal is {principal!r}: a stream resumes under its "
+                                f"checkpoint's principal only")
+    return receipt
+
+
+def _out_file(path: str) -> None:
+    """Refuse, before any server is asked, an `--out` the receipt cannot be written to: else the
+    checkpoint is taken (and pinned) and then the write fails."""
+    out = Path(path)
+    if out.is_dir():
+        raise InvalidRequest(f"--out {path}: a directory; name the file to write the receipt to")
+    parent = out.parent
+    if not parent.is_dir():
+        raise InvalidRequest(f"--out {path}: no directory {parent}" if not parent.exists() else
+                             f"--out {path}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise InvalidRequest(f"--out {path}: cannot write in {parent}")
 
 
 def _prefix_file(path: str, tokens: bool) -> str | list[int]:
     """The prefix `--prefix-file` names: its text (UTF-8, exactly as stored: a final newline is part
     of it), or with `--prefix-tokens` its JSON array of token ids. A file that cannot be read or
-    parsed is the command's bad input: refused here, before any server is asked (`_CliError`
+    parsed is the command's bad input: refused here, before any server is asked (a typed `Failure`
     InvalidRequest, exit 2). An empty file (or array) is no prefix: an ordinary open."""
-    def bad(why: str) -> _CliError:
-        return _CliError("InvalidRequest", f"--prefix-file {path}: {why}")
+    def bad(why: str) -> Failure:
+        return InvalidRequest(f"--prefix-file {path}: {why}")
 
     try:
         data = Path(path).read_bytes()  # bytes: no newline translation, the text is the prefix
@@ -137,7 +377,7 @@ async def _open(args: argparse.Namespace) -> int:
 
     # the prefix first: a file that is not one fails here, with nothing started
     if args.prefix_tokens and args.prefix_file is None:
-        raise _CliError("InvalidRequest", "--prefix-tokens says how --prefix-file is read: give --prefix-file")
+        raise InvalidRequest("--prefix-tokens says how --prefix-file is read: give --prefix-file")
     prefix = _prefix_file(args.prefix_file, args.prefix_tokens) if args.prefix_file is not None else None
     prefix = prefix or None  # an empty prefix is an ordinary open
     if prefix is not None:  # what the stream's options refuse is refused here too, before any server is asked
@@ -162,8 +402,8 @@ async def _open(args: argparse.Namespace) -> int:
     origin = receipt.origin if receipt is not None else None
     if origin is None or origin.kind != "prefix":
         _emit(args, {"stream_id": sid, "position": receipt.position if receipt else None, "prefix": None}, sid)
-        raise _CliError("PrefixNotApplied", f"stream {sid} opened, but its receipt names no prefix (position "
-                        f"{receipt.position if receipt else '?'}): do the workers predate prefixes?")
+        raise PrefixNotApplied(f"stream {sid} opened, but its receipt names no prefix (position "
+                               f"{receipt.position if receipt else '?'}): do the workers predate prefixes?")
     data, line = _prefix_said(origin, receipt.position)
     # stdout holds the id alone, as ever (`sid=$(mamba-stream open ...)`); the prefix's line is for people
     _emit(args, {"stream_id": sid, "position": receipt.position, "prefix": data}, sid)
@@ -191,10 +431,17 @@ def _marked(res: Any, before: tuple[int, int] | None) -> Any:
 
 
 async def _feed(args: argparse.Namespace) -> int:
+    text = _chunk_text(args)  # read and checked before any server is asked (--tokens: as argparse read it)
+    limits = _chunk_limits()
+    if args.tokens is not None and len(args.tokens) > limits["chunk_tokens_max"]:
+        from mamba_stream.workflows import ChunkTooLarge
+
+        raise ChunkTooLarge(f"--tokens: {len(args.tokens)} token ids exceed the most any stream takes, "
+                            f"{limits['chunk_tokens_max']} (a stream opened with the default options takes "
+                            f"{limits['chunk_tokens']})")
     streams = await _streams(args)
     before = await _committed(streams, args)
-    res = _marked(await streams.advance(args.stream, args.principal, text=args.text,
-                                        tokens=_tokens(args.tokens) if args.tokens is not None else None,
+    res = _marked(await streams.advance(args.stream, args.principal, text=text, tokens=args.tokens,
                                         chunk_seq=args.seq, attempt=args.attempt), before)
     top = ", ".join(f"{t.token}:{t.logprob:.2f}" for t in res.top_k)
     _emit(args, res, f"chunk {res.chunk_seq}: {res.n_tokens} tokens, position {res.position}"
@@ -220,7 +467,8 @@ async def _generate(args: argparse.Namespace) -> int:
             async for ev in gen:
                 if ev.restart:
                     sys.stdout.write("\n[the committed tokens differ from those shown; they are:]\n")
-                sys.stdout.write(ev.text if ev.text is not None else "".join(f"{t} " for t in ev.tokens))
+                # escaped: the model's bytes never reach the terminal raw (--json escapes them as JSON)
+                sys.stdout.write(_shown(ev.text) if ev.text is not None else "".join(f"{t} " for t in ev.tokens))
                 sys.stdout.flush()
                 shown = True
             sys.stdout.write("\n")
@@ -230,13 +478,15 @@ async def _generate(args: argparse.Namespace) -> int:
         if shown:
             sys.stdout.write("\n")
             sys.stdout.flush()
-        print(f"interrupted: chunk {seq} goes on in the worker; its result: "
+        # the chunk is the stream's now: what becomes of it, and where its result is, in one line
+        print(f"interrupted: chunk {seq} is still in flight: it commits on the worker unless the stream is "
+              f"cancelled, and a feed or generate without --seq waits behind it; its result: "
               f"mamba-stream tokens {args.stream} --seq {seq}", file=sys.stderr, flush=True)
         args.interrupt_said = True
         raise
     _emit(args, res, f"chunk {res.chunk_seq}: generated {len(res.tokens)} tokens ({res.finish_reason}), "
                      f"position {res.position}{' (duplicate: first result returned)' if res.duplicate else ''}\n"
-                     f"  tokens {res.tokens}\n  text {res.text!r}")
+                     f"  tokens {res.tokens}\n  text {res.text!r}")  # repr: escaped, as the streamed text
     return 0
 
 
@@ -246,7 +496,8 @@ async def _tokens_cmd(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(ev.model_dump(mode="json")), flush=True)
         else:
-            piece = ev.text if ev.text is not None else "".join(f"{t} " for t in ev.tokens)
+            # escaped, as generate shows it: the model's bytes never reach the terminal raw
+            piece = _shown(ev.text) if ev.text is not None else "".join(f"{t} " for t in ev.tokens)
             sys.stdout.write(("\n" if ev.restart else "") + piece + ("\n" if ev.done else ""))
             sys.stdout.flush()
         if args.seq is not None and ev.done:
@@ -294,15 +545,15 @@ async def _cancel(args: argparse.Namespace) -> int:
 async def _list(args: argparse.Namespace) -> int:
     from mamba_stream.workflows import STREAM_MEMO, STREAM_WORKFLOW_TYPE, ClientConfig
 
-    client = await _connect(args)
     # every workflow of the queue: a stream workflow, or one that owns a stream (an agent's: its memo
     # says so; the field's name is in clear, its value encrypted)
     terms = []
     if not args.all_queues:
         queue = args.task_queue or ClientConfig().task_queue
-        if "'" in queue:
-            raise _CliError("InvalidRequest", f"a task queue name with a quote cannot be listed: {queue!r}")
+        if "'" in queue:  # refused before connecting: the name alone says it
+            raise InvalidRequest(f"a task queue name with a quote cannot be listed: {queue!r}")
         terms.append(f"TaskQueue = '{queue}'")
+    client = await _connect(args)
     if args.running:
         terms.append("ExecutionStatus = 'Running'")
     # one line per stream: a stream's runs (continue-as-new, rewinds) share its id; the newest is its state
@@ -329,6 +580,8 @@ async def _list(args: argparse.Namespace) -> int:
 
 
 async def _checkpoint(args: argparse.Namespace) -> int:
+    if args.out:
+        _out_file(args.out)  # before the checkpoint is taken (and pinned) that could not be written
     streams = await _streams(args)
     res = await streams.checkpoint(args.stream, args.principal)
     if args.out:
@@ -340,11 +593,10 @@ async def _checkpoint(args: argparse.Namespace) -> int:
 
 
 async def _resume(args: argparse.Namespace) -> int:
-    from mamba_stream.state_codec import Receipt
     from mamba_stream.workflows import OpenFailed
 
+    receipt = _checkpoint_file(args.checkpoint, args.principal)  # before anything is started for it
     streams = await _streams(args)
-    receipt = Receipt.model_validate_json(Path(args.checkpoint).read_text())
     try:
         sid = await streams.open(args.principal, receipt.model_id, resume=receipt,
                                  worker_timeout_s=args.worker_timeout)
@@ -461,13 +713,14 @@ def _codec_server(args: argparse.Namespace) -> int:
 
 def _undecodable(reason: str) -> str:
     """What to say of a failure whose message the workers encrypted under a key we lack."""
+    from mamba_stream.state_codec import UnknownKeyId
     from mamba_stream.workflows import ClientConfig
 
     try:
         kid = ClientConfig().load_keyring().active_id
     except Exception:  # noqa: BLE001 - a hint only
         kid = "?"
-    if reason == "UnknownKeyId":
+    if reason == UnknownKeyId.reason:
         return (f"the workers do not hold this client's key {kid}: the client and the workers use different "
                 f"keyrings (the failure's own message is encrypted under the workers' key)")
     return f"the failure's message is encrypted under a key this client's keyring (active key {kid}) lacks"
@@ -477,7 +730,7 @@ def _undecodable(reason: str) -> str:
 _UPDATE_OUTLIVED = "AcceptedUpdateCompletedWorkflow"
 
 
-async def _stream_gone(args: argparse.Namespace, exc: BaseException) -> _CliError | None:
+async def _stream_gone(args: argparse.Namespace, exc: BaseException) -> Failure | None:
     """"no such stream" / "the stream was cancelled" for a call that failed because the stream is
     missing or closed (an RPC error, an update its closing run ended), from the stream's own
     description; None for any other failure."""
@@ -497,22 +750,28 @@ async def _stream_gone(args: argparse.Namespace, exc: BaseException) -> _CliErro
         desc = await client.get_workflow_handle(sid).describe()
     except RPCError as err:
         if err.status == RPCStatusCode.NOT_FOUND:
-            return _CliError("NoSuchStream", f"no such stream: {sid}")
+            return NoSuchStream(f"no such stream: {sid}")
         return None
     status = desc.status
     if status in (WorkflowExecutionStatus.CANCELED, WorkflowExecutionStatus.COMPLETED):
         # a stream's run completes only when its principal or the operator cancels it
-        return _CliError("StreamCancelled", f"the stream was cancelled: {sid}")
+        from mamba_stream.workflows import StreamCancelled
+
+        return StreamCancelled(f"the stream was cancelled: {sid}")
     if status is not None and status != WorkflowExecutionStatus.RUNNING:
-        return _CliError("StreamClosed", f"the stream is closed ({status.name.lower()}): {sid}")
+        return StreamClosed(f"the stream is closed ({status.name.lower()}): {sid}")
     return None
 
 
 async def _explain(args: argparse.Namespace, exc: BaseException) -> tuple[str, str]:
     """(reason, message) of a command's failure, for its one line on stderr: every stream command's
     errors are mapped here."""
-    if isinstance(exc, _CliError):
+    if isinstance(exc, Failure):  # typed here, or by StreamClient before any server was asked
         return exc.reason, str(exc)
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError):  # a request this side would not build from what it was given
+        return InvalidRequest.reason, f"{exc.title}: {_problems(exc)}"
     gone = await _stream_gone(args, exc)
     if gone is not None:
         return gone.reason, str(gone)
@@ -607,25 +866,43 @@ def _run(fn: Callable[[argparse.Namespace], Awaitable[int]]) -> Callable[[argpar
     return call
 
 
-class _ServedModels(UserString):
-    """Help text naming the models the workers serve, made when the help is shown: reading them
+class _LazyHelp(UserString):
+    """Help text filled in when the help is shown: what fills it in (the models served, the limits)
     means importing `workflows` (most of a second), which no other use of the parser needs."""
 
-    def __init__(self, template: str) -> None:  # `template` has one {models}
+    def __init__(self, template: str) -> None:  # `template` names what `fill` gives, {name}
         self.template = template
+
+    def fill(self) -> dict[str, Any]:
+        raise NotImplementedError
 
     @property
     def data(self) -> str:  # type: ignore[override]
+        # % escaped: argparse fills help in with %-formatting
+        return self.template.format(**self.fill()).replace("%", "%%")
+
+    def __mod__(self, params: Any) -> str:  # argparse's last step: a plain str from here on
+        return self.data % params
+
+
+class _ServedModels(_LazyHelp):
+    """Help text naming the models the workers serve: `template` has one {models}."""
+
+    def fill(self) -> dict[str, Any]:
         from mamba_stream.workflows import ClientConfig
 
         ids = ", ".join(ClientConfig().model_ids())
         where = "from MAMBA_STREAM_MODELS" if os.environ.get("MAMBA_STREAM_MODELS") else \
             "the worker's default, without MAMBA_STREAM_MODELS"
-        # % escaped: argparse fills help in with %-formatting
-        return self.template.format(models=f"{ids} ({where}; a worker may serve others)").replace("%", "%%")
+        return {"models": f"{ids} ({where}; a worker may serve others)"}
 
-    def __mod__(self, params: Any) -> str:  # argparse's last step: a plain str from here on
-        return self.data % params
+
+class _Limits(_LazyHelp):
+    """Help text naming a chunk's limits, from the code's own (`_chunk_limits`): never a number
+    written twice."""
+
+    def fill(self) -> dict[str, Any]:
+        return {k: _num(v) for k, v in _chunk_limits().items()}
 
 
 def add_stream_commands(sub: argparse._SubParsersAction) -> None:
@@ -636,6 +913,10 @@ def add_stream_commands(sub: argparse._SubParsersAction) -> None:
                        "$MAMBA_STREAM_TASK_QUEUE or mamba-stream)")
         p.add_argument("--json", action="store_true", help="machine-readable output")
         return p
+
+    # the flags' types refuse, as argparse reads them, what the requests would (`_field_range`)
+    seq = _integer(_request_range("AdvanceRequest", "chunk_seq"))  # a generate's chunk_seq is the same field's
+    attempt = _integer(lambda: (0, None))  # the update id's attempt: 0 is the first
 
     def stream(p: argparse.ArgumentParser) -> None:
         p.add_argument("stream", help="the stream's id (ms-... or ms.<tag>.<hex>, as `open` printed it)")
@@ -648,7 +929,8 @@ def add_stream_commands(sub: argparse._SubParsersAction) -> None:
     p = common(sub.add_parser("open", help=_ServedModels("open a stream on a model: {models}"),
                               description="Open a stream and print its id on stdout (--model's help lists the "
                                           "models served)."))
-    p.add_argument("--principal", required=True, help="who owns the stream (its key seals its payloads)")
+    p.add_argument("--principal", required=True, type=_principal,
+                   help="who owns the stream (its key seals its payloads)")
     p.add_argument("--model", required=True, help=_ServedModels("the model's id: {models}"))
     p.add_argument("--input-transform", default=None,
                    help="the input transform's id: the tokenizer that turns --text into tokens (default: the "
@@ -665,27 +947,40 @@ def add_stream_commands(sub: argparse._SubParsersAction) -> None:
 
     p = common(sub.add_parser("feed", help="advance a stream by a chunk of text or tokens"))
     stream(p)
-    p.add_argument("--principal", required=True, help="the stream's principal")
+    p.add_argument("--principal", required=True, type=_principal, help="the stream's principal")
     g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument("--text", help="the chunk as text (the stream's input transform makes it tokens)")
-    g.add_argument("--tokens", help="the chunk as comma-separated token ids")
-    p.add_argument("--seq", type=int, default=None, help="chunk sequence (default: the next); part of the update "
+    g.add_argument("--text", help=_Limits(
+        "the chunk as text (the stream's input transform makes it tokens); - reads it from stdin, all of it (a "
+        "final newline included). The largest chunk a stream opened with the default options takes: "
+        "{text_bytes} bytes of UTF-8 (StreamOptions.max_text_bytes; no stream takes more than {text_bytes_max})"))
+    g.add_argument("--text-file", default=None, metavar="FILE",
+                   help="the chunk as the text of FILE: UTF-8, all of it (a final newline included), as for --text")
+    g.add_argument("--tokens", type=_token_ids, help=_Limits(
+        "the chunk as comma-separated token ids (0 <= id < 2**31); the largest chunk a stream opened with the "
+        "default options takes: {chunk_tokens} tokens (StreamOptions.max_chunk_tokens; no stream takes more than "
+        "{chunk_tokens_max})"))
+    p.add_argument("--seq", type=seq, default=None, help="chunk sequence (default: the next); part of the update "
                    "id: a chunk sent again under its sequence returns the first result, marked duplicate")
-    p.add_argument("--attempt", type=int, default=0, help="send a chunk again whose update failed for a reason "
+    p.add_argument("--attempt", type=attempt, default=0, help="send a chunk again whose update failed for a reason "
                    "that was not its own (a store fault, a rewind past the window): 1, 2, ...")
     p.set_defaults(func=_run(_feed))
 
     p = common(sub.add_parser("generate", help="sample tokens (seeded) that advance the stream"))
     stream(p)
-    p.add_argument("--principal", required=True, help="the stream's principal")
-    p.add_argument("-n", type=int, required=True, help="the most tokens to sample")
-    p.add_argument("--seed", type=int, default=None,
+    p.add_argument("--principal", required=True, type=_principal, help="the stream's principal")
+    p.add_argument("-n", type=_integer(_request_range("GenerateRequest", "max_tokens")), required=True,
+                   help=_Limits("the most tokens to sample: at most {generate_tokens} on a stream opened with the "
+                                "default options (StreamOptions.max_generate_tokens; no stream takes more than "
+                                "{n_max})"))
+    p.add_argument("--seed", type=_integer(_request_range("GenerateRequest", "seed")), default=None,
                    help="sampling seed (default: derived from the stream and the chunk sequence)")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy; default 1)")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: all)")
+    p.add_argument("--temperature", type=_number(_request_range("GenerateRequest", "temperature")), default=1.0,
+                   help="sampling temperature (0: greedy; default 1)")
+    p.add_argument("--top-k", type=_integer(_request_range("GenerateRequest", "top_k")), default=0,
+                   help="sample among the k most likely tokens (default 0: all)")
     p.add_argument("--stop", action="append", help="stop once the text ends with this (repeatable)")
-    p.add_argument("--seq", type=int, default=None, help="chunk sequence (default: the next), as for feed")
-    p.add_argument("--attempt", type=int, default=0, help="as for feed")
+    p.add_argument("--seq", type=seq, default=None, help="chunk sequence (default: the next), as for feed")
+    p.add_argument("--attempt", type=attempt, default=0, help="as for feed")
     p.add_argument("--no-stream", action="store_true", help="print the result only, not the text as it is "
                    "sampled (--json never streams)")
     p.set_defaults(func=_run(_generate))
@@ -693,8 +988,10 @@ def add_stream_commands(sub: argparse._SubParsersAction) -> None:
     p = common(sub.add_parser("tokens", help="follow the stream's token log: its generates' text as it is "
                               "sampled, from an offset (each entry's offset is in --json)"))
     stream(p)
-    p.add_argument("--from-offset", type=int, default=0, help="reconnect: the last entry's offset + 1")
-    p.add_argument("--seq", type=int, default=None, help="only this chunk's entries; stop at its last")
+    p.add_argument("--from-offset", type=_integer(_request_range("ReadTokensRequest", "from_offset")), default=0,
+                   help="reconnect: the last entry's offset + 1")
+    p.add_argument("--seq", type=_integer(_request_range("ReadTokensRequest", "chunk_seq")), default=None,
+                   help="only this chunk's entries; stop at its last")
     p.set_defaults(func=_run(_tokens_cmd))
 
     p = common(sub.add_parser("receipt", help="the stream's current receipt and counters, as JSON "
@@ -704,7 +1001,7 @@ def add_stream_commands(sub: argparse._SubParsersAction) -> None:
 
     p = common(sub.add_parser("reset", help="start a new epoch at position 0 (a signal)"))
     stream(p)
-    p.add_argument("--principal", required=True, help="the stream's principal")
+    p.add_argument("--principal", required=True, type=_principal, help="the stream's principal")
     p.add_argument("--revoke", action="store_true",
                    help="also delete every checkpoint of the earlier epochs, pinned ones included (default: kept)")
     p.set_defaults(func=_run(_reset))
@@ -712,14 +1009,17 @@ def add_stream_commands(sub: argparse._SubParsersAction) -> None:
     p = common(sub.add_parser("rewind", help="undo the chunks after --to-seq (the stream continues, in a new run, "
                                              "from that chunk's checkpoint)"))
     stream(p)
-    p.add_argument("--to-seq", type=int, required=True, help="the last chunk to keep (0: back to the opened state)")
-    p.add_argument("--principal", default=None, help="the stream's principal (default: read from the stream)")
+    p.add_argument("--to-seq", type=_integer(_request_range("RewindRequest", "to_seq")), required=True,
+                   help="the last chunk to keep (0: back to the opened state)")
+    p.add_argument("--principal", default=None, type=_principal,
+                   help="the stream's principal (default: read from the stream)")
     p.set_defaults(func=_run(_rewind))
 
     p = common(sub.add_parser("cancel", help="end the stream and destroy its state (the sealed cancel signal, "
                                              "then Temporal's cancel request)"))
     stream(p)
-    p.add_argument("--principal", default=None, help="the stream's principal (default: read from the stream)")
+    p.add_argument("--principal", default=None, type=_principal,
+                   help="the stream's principal (default: read from the stream)")
     p.add_argument("--no-wait", action="store_true", help="return once the cancel is sent")
     p.set_defaults(func=_run(_cancel))
 
@@ -728,17 +1028,19 @@ def add_stream_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--running", action="store_true", help="only the running streams")
     p.add_argument("--all-queues", action="store_true",
                    help="the streams of every task queue (default: those of --task-queue)")
-    p.add_argument("--limit", type=int, default=100, help="the most streams to list (default 100)")
+    p.add_argument("--limit", type=_integer(lambda: (1, None)), default=100,
+                   help="the most streams to list (default 100)")
     p.set_defaults(func=_run(_list))
 
     p = common(sub.add_parser("checkpoint", help="a portable receipt of the stream's state"))
     stream(p)
-    p.add_argument("--principal", required=True, help="the stream's principal")
+    p.add_argument("--principal", required=True, type=_principal, help="the stream's principal")
     p.add_argument("--out", help="write the receipt JSON here (mode 0600)")
     p.set_defaults(func=_run(_checkpoint))
 
     p = common(sub.add_parser("resume", help="open a new stream from a checkpoint receipt; print its id"))
-    p.add_argument("--principal", required=True, help="the principal of the new stream (the checkpoint's own)")
+    p.add_argument("--principal", required=True, type=_principal,
+                   help="the principal of the new stream (the checkpoint's own)")
     p.add_argument("--checkpoint", required=True, help="receipt JSON file (from `checkpoint --out`)")
     worker_timeout(p)
     p.set_defaults(func=_run(_resume))

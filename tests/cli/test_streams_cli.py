@@ -25,7 +25,7 @@ from mamba_stream.cli._streams import add_stream_commands
 from tests.workflows import conftest as workflow_fixtures
 from tests.workflows.conftest import Stack, eventually, make_stack
 from mamba_stream.worker import WorkerConfig
-from mamba_stream.workflows import ClientConfig, OpenFailed, StreamClient
+from mamba_stream.workflows import ClientConfig, OpenFailed, StreamClient, StreamOptions
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 # the real dev server and a worker stack per test, as tests/workflows/ has them (a conftest there only)
@@ -275,8 +275,10 @@ async def test_ctrl_c_during_a_streamed_generate_says_where_the_result_will_be(t
             if proc.poll() is None:
                 proc.kill()
         assert code == 130, err
-        assert err.strip().splitlines() == [
-            f"interrupted: chunk 2 goes on in the worker; its result: mamba-stream tokens {sid} --seq 2"], err
+        # one line: which chunk is in flight, what becomes of it, what waits behind it, where its result is
+        assert err.strip().splitlines() == [(
+            f"interrupted: chunk 2 is still in flight: it commits on the worker unless the stream is cancelled, "
+            f"and a feed or generate without --seq waits behind it; its result: mamba-stream tokens {sid} --seq 2")], err
         # it did: the chunk commits, whole, and the command named gets its result
         await eventually(lambda: _committed(stack, sid, 2), timeout=90)
         [entry] = [json.loads(line) for line in (await _ok(env, "tokens", sid, "--seq", "2", "--json")).splitlines()]
@@ -636,6 +638,217 @@ async def test_a_prefix_the_workers_refuse_is_reported_typed(stack: Stack, tmp_p
     running = [w async for w in stack.client.list_workflows(
         f"TaskQueue = '{stack.queue}' AND ExecutionStatus = 'Running'")]
     assert running == []
+
+
+# --- input typed by hand, refused before any server is asked ----------------------------------------------
+
+
+async def _run_in(env: dict[str, str], data: bytes, *args: str) -> subprocess.CompletedProcess:
+    """`_run` with `data` on the command's stdin (bytes: as a pipe gives them)."""
+    out = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "mamba_stream.cli", *args], env=env, cwd=ROOT,
+                                  input=data, capture_output=True, timeout=120)
+    return subprocess.CompletedProcess(out.args, out.returncode, out.stdout.decode(), out.stderr.decode())
+
+
+async def _refused_alike(env: dict[str, str], cases: dict[tuple[str, ...], str]) -> None:
+    """Each command refused in exactly its one line, exit 2, nothing on stdout: against the test's
+    server, and the same line where no server listens (it was refused before connecting)."""
+    nowhere = dict(env, TEMPORAL_ADDRESS=f"127.0.0.1:{_free_port()}")
+    outs = await asyncio.gather(*(_run(e, *args) for e in (env, nowhere) for args in cases))
+    for (args, line), (out, _) in zip([*cases.items(), *cases.items()], outs, strict=True):
+        assert _one_error_line(out) == line, (args, out.stderr)
+        assert out.stdout == "", (args, out.stdout)
+
+
+async def _only_these_streams(stack: Stack, *sids: str) -> None:
+    """The queue holds `sids` and nothing else, none failed or closed: a marker stream opened last is
+    visible first (visibility is eventually consistent), so one a refused command started would be too."""
+    marker = await stack.streams.open("alice", "tiny-mamba2")
+
+    async def listed() -> list | None:
+        rows = await _on_queue(stack)
+        return rows if marker in {w.id for w in rows} else None
+
+    rows = await eventually(listed, timeout=30)
+    assert sorted(w.id for w in rows) == sorted([*sids, marker]), [(w.id, w.status) for w in rows]
+    assert all(w.status == WorkflowExecutionStatus.RUNNING for w in rows), [(w.id, w.status) for w in rows]
+
+
+async def test_bad_flag_values_are_refused_in_one_line_naming_the_flag_before_anything_is_asked(
+        stack: Stack, tmp_path):
+    env = _env(stack, _keyfile(stack, tmp_path))
+    sid = await stack.streams.open("alice", "tiny-mamba2")
+    fed = await stack.streams.advance(sid, "alice", text="Once upon a time")
+    feed, gen = ("feed", sid, "--principal", "alice"), ("generate", sid, "--principal", "alice")
+    nodir = tmp_path / "no-such-dir"
+    cases = {
+        ("open", "--principal", "", "--model", "tiny-mamba2"):
+            "error: InvalidRequest: --principal: names no principal: ''; give the name of the stream's owner",
+        ("open", "--principal", "   ", "--model", "tiny-mamba2"):
+            "error: InvalidRequest: --principal: names no principal: '   '; give the name of the stream's owner",
+        ("feed", sid, "--principal", " ", "--text", "x"):
+            "error: InvalidRequest: --principal: names no principal: ' '; give the name of the stream's owner",
+        (*feed, "--tokens", "1,x"): "error: InvalidRequest: --tokens: element 1 is not a token id (an integer): x",
+        (*feed, "--tokens", ""): "error: InvalidRequest: --tokens: no token ids in '': give them comma-separated, 1,2,3",
+        (*feed, "--tokens", "104, 105,-3"):
+            "error: InvalidRequest: --tokens: element 2 is not a token id (0 <= id < 2**31): -3",
+        (*feed, "--tokens", "7,2147483648"):
+            "error: InvalidRequest: --tokens: element 1 is not a token id (0 <= id < 2**31): 2147483648",
+        (*feed, "--tokens", "1 2"): "error: InvalidRequest: --tokens: element 0 is not a token id (an integer): '1 2'",
+        (*feed, "--text", "x", "--seq", "0"): "error: InvalidRequest: --seq: must be an integer from 1 to 2**53, not 0",
+        (*feed, "--text", "x", "--seq", "-1"):
+            "error: InvalidRequest: --seq: must be an integer from 1 to 2**53, not -1",
+        (*feed, "--text", "x", "--attempt", "-1"): "error: InvalidRequest: --attempt: must be an integer >= 0, not -1",
+        (*gen, "-n", "-5"): f"error: InvalidRequest: -n: must be an integer from 1 to {2**20}, not -5",
+        (*gen, "-n", "0"): f"error: InvalidRequest: -n: must be an integer from 1 to {2**20}, not 0",
+        (*gen, "-n", "many"): f"error: InvalidRequest: -n: must be an integer from 1 to {2**20}, not many",
+        (*gen, "-n", "2", "--temperature", "-1"):
+            "error: InvalidRequest: --temperature: must be a number from 0 to 1000, not -1",
+        (*gen, "-n", "2", "--temperature", "nan"):
+            "error: InvalidRequest: --temperature: must be a number from 0 to 1000, not nan",
+        (*gen, "-n", "2", "--top-k", "-1"): "error: InvalidRequest: --top-k: must be an integer from 0 to 2**31, not -1",
+        (*gen, "-n", "2", "--seed", "-1"):
+            "error: InvalidRequest: --seed: must be an integer from 0 to 2**63 - 1, not -1",
+        (*gen, "-n", "2", "--seq", "0"): "error: InvalidRequest: --seq: must be an integer from 1 to 2**53, not 0",
+        (*gen, "-n", "2", "--attempt", "-1"): "error: InvalidRequest: --attempt: must be an integer >= 0, not -1",
+        ("list", "--limit", "0"): "error: InvalidRequest: --limit: must be an integer >= 1, not 0",
+        ("rewind", sid, "--to-seq", "-1"): "error: InvalidRequest: --to-seq: must be an integer from 0 to 2**53, not -1",
+        ("tokens", sid, "--from-offset", "-1"):
+            "error: InvalidRequest: --from-offset: must be an integer from 0 to 2**53, not -1",
+        ("tokens", sid, "--seq", "0"): "error: InvalidRequest: --seq: must be an integer from 1 to 2**53, not 0",
+        ("checkpoint", sid, "--principal", "alice", "--out", str(nodir / "cp.json")):
+            f"error: InvalidRequest: --out {nodir / 'cp.json'}: no directory {nodir}",
+        ("checkpoint", sid, "--principal", "alice", "--out", str(tmp_path)):
+            f"error: InvalidRequest: --out {tmp_path}: a directory; name the file to write the receipt to",
+        ("feed", sid, "--text", "x"): "error: InvalidRequest: the following arguments are required: --principal",
+    }
+    await _refused_alike(env, cases)
+    # what only the request's model refuses, once the stream is asked for its next chunk: one line too
+    out, _ = await _run(env, *gen, "-n", "2", *[a for i in range(65) for a in ("--stop", f"s{i}")])
+    assert _one_error_line(out) == "error: InvalidRequest: GenerateRequest: 1 problem: stop: List should have at " \
+                                   "most 64 items after validation, not 65"
+    # nothing was sent: the stream is where it was, and no stream was started
+    stats = await stack.streams.stats(sid)
+    assert (stats.chunk_seq, stats.chunks, stats.position) == (1, 1, fed.position)
+    assert not nodir.exists()
+    await _only_these_streams(stack, sid)
+
+
+async def test_a_checkpoint_file_that_is_not_a_receipt_of_the_principal_is_refused_before_anything_starts(
+        stack: Stack, tmp_path):
+    env = _env(stack, _keyfile(stack, tmp_path))
+    sid = await stack.streams.open("bob", "tiny-mamba2")
+    await stack.streams.advance(sid, "bob", text="hello")
+    bobs = tmp_path / "bob.json"
+    bobs.write_text((await stack.streams.checkpoint(sid, "bob")).receipt.model_dump_json(indent=2))
+    files = {"garbage.bin": b"\x00\x9f\x92\x96 not text", "notes.txt": b"my checkpoint",
+             "partial.json": b'{"stream_id": "ms-1"}', "array.json": b"[1, 2]"}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    (tmp_path / "a-dir.json").mkdir()
+
+    def line(name: str, why: str) -> str:
+        return f"error: InvalidRequest: --checkpoint {tmp_path / name}: {why}"
+
+    resume = ("resume", "--principal", "alice", "--checkpoint")
+    cases = {
+        (*resume, str(tmp_path / "missing.json")): line("missing.json", "cannot read it: No such file or directory"),
+        (*resume, str(tmp_path / "a-dir.json")): line("a-dir.json", "cannot read it: Is a directory"),
+        (*resume, str(tmp_path / "garbage.bin")):
+            line("garbage.bin", "not UTF-8 text (byte 1): a receipt is the JSON `checkpoint --out` writes"),
+        (*resume, str(tmp_path / "notes.txt")): line("notes.txt", "not JSON (Expecting value: line 1 column 1 (char 0))"),
+        # a receipt's 21 fields bar the one given and the one with a default: 19 problems, the first one's path
+        (*resume, str(tmp_path / "partial.json")):
+            line("partial.json", "not a checkpoint receipt: 19 problems, the first: principal: Field required"),
+        (*resume, str(tmp_path / "array.json")):
+            line("array.json", "not a checkpoint receipt: 1 problem: Input should be an object"),
+        # which principal is whose: the file's and the flag's (the workers would refuse it after starting a stream)
+        (*resume, str(bobs)): f"error: PrincipalMismatch: --checkpoint {bobs}: the checkpoint's principal is 'bob', "
+                              f"--principal is 'alice': a stream resumes under its checkpoint's principal only",
+    }
+    await _refused_alike(env, cases)
+    for out, _ in await asyncio.gather(*(_run(env, *args) for args in cases)):
+        assert "http" not in out.stderr and "pydantic" not in out.stderr, out.stderr
+    await _only_these_streams(stack, sid)  # no stream started, none failed
+
+
+async def test_feed_takes_its_text_from_stdin_or_a_file_byte_for_byte_and_refuses_one_it_cannot_take(
+        stack: Stack, tmp_path):
+    env = _env(stack, _keyfile(stack, tmp_path))
+    text = "Système: réponds ✓\r\n\tthen a final newline\n"
+    data = text.encode()
+    sids = [await stack.streams.open("alice", "tiny-mamba2") for _ in range(3)]
+    path = tmp_path / "chunk.txt"
+    path.write_bytes(data)
+    by_file = await _json(env, "feed", sids[0], "--principal", "alice", "--text-file", str(path))
+    piped = await _run_in(env, data, "feed", sids[1], "--principal", "alice", "--text", "-", "--json")
+    assert piped.returncode == 0, piped.stderr
+    by_stdin = json.loads(piped.stdout)
+    fed = await stack.streams.advance(sids[2], "alice", text=text)
+    # every byte, the final newline included (tiny-mamba2 reads bytes: a token each), the same state
+    assert by_file["position"] == by_stdin["position"] == fed.position == len(data)
+    assert by_file["receipt"]["checksum"] == by_stdin["receipt"]["checksum"] == fed.receipt.checksum
+    # what cannot be read, or is not UTF-8, or is larger than any stream takes: one line, nothing sent
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("café".encode("latin-1"))
+    huge = tmp_path / "huge.txt"
+    most = StreamOptions.model_fields["max_text_bytes"].metadata[-1].le
+    huge.write_bytes(b"a" * (most + 1))
+    feed = ("feed", sids[0], "--principal", "alice")
+    await _refused_alike(env, {
+        (*feed, "--text-file", str(tmp_path / "missing.txt")):
+            f"error: InvalidRequest: --text-file {tmp_path / 'missing.txt'}: cannot read it: No such file or directory",
+        (*feed, "--text-file", str(tmp_path)): f"error: InvalidRequest: --text-file {tmp_path}: cannot read it: "
+                                               f"Is a directory",
+        (*feed, "--text-file", str(latin)): f"error: InvalidRequest: --text-file {latin}: not UTF-8 text (byte 3)",
+        (*feed, "--text-file", str(huge)):
+            f"error: ChunkTooLarge: --text-file {huge}: {most + 1} bytes of text exceed the most any stream takes, "
+            f"{most} (a stream opened with the default options takes {StreamOptions().max_text_bytes})",
+        (*feed, "--text-file", str(path), "--tokens", "1"):
+            "error: InvalidRequest: --tokens: not allowed with argument --text-file",
+    })
+    out = await _run_in(env, "café".encode("latin-1"), *feed, "--text", "-")
+    assert _one_error_line(out) == "error: InvalidRequest: --text - (stdin): not UTF-8 text (byte 3)"
+    # over this stream's limit (the default options') but not every stream's: the stream refuses it, typed
+    over = tmp_path / "over.txt"
+    over.write_bytes(b"a" * (StreamOptions().max_text_bytes + 1))
+    out, _ = await _run(env, *feed, "--text-file", str(over))
+    assert _one_error_line(out) == f"error: ChunkTooLarge: text exceeds {StreamOptions().max_text_bytes} bytes"
+    assert [(await stack.streams.stats(s)).chunks for s in sids] == [1, 1, 1]
+
+
+def _escaped(text: str) -> str:
+    """`text` with each character that is not printable, but newline and tab, as repr writes it."""
+    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
+
+
+def _raw_controls(text: str) -> set[str]:
+    return {c for c in text if (ord(c) < 32 or 127 <= ord(c) < 160) and c not in "\n\t"}
+
+
+async def test_generate_shows_control_characters_escaped_and_json_keeps_them(stack: Stack, tmp_path):
+    """A model samples any byte (tiny-mamba2's tokens are bytes; at temperature 1000 about uniformly):
+    the streamed text, the result's text and `tokens` show the unprintable ones escaped; --json
+    keeps the text exact."""
+    env = _env(stack, _keyfile(stack, tmp_path))
+    sid = await stack.streams.open("alice", "tiny-mamba2")
+    await stack.streams.advance(sid, "alice", text="Once upon a time")
+    args = ("generate", sid, "--principal", "alice", "-n", "64", "--temperature", "1000", "--seed", "11")
+    # bytes as written (no newline translation: a raw carriage return is one to find)
+    out = await _run_in(env, b"", *args)
+    assert out.returncode == 0, out.stderr
+    shown = out.stdout
+    exact = await _json(env, *args, "--seq", "2")  # the same chunk: its result, exact
+    assert exact["duplicate"] is True and exact["chunk_seq"] == 2
+    text = exact["text"]
+    assert _raw_controls(text), repr(text)  # the seed samples control bytes: what is checked is there
+    assert not _raw_controls(shown), repr(shown)
+    assert shown.startswith(_escaped(text) + "\nchunk 2: generated 64 tokens (length)"), (repr(shown), repr(text))
+    assert shown.endswith(f"\n  text {text!r}\n"), repr(shown)
+    out = await _run_in(env, b"", "tokens", sid, "--seq", "2")
+    assert out.returncode == 0, out.stderr
+    logged = out.stdout
+    assert logged == _escaped(text) + "\n", (repr(logged), repr(text))
 
 
 # --- rekey-store (issue 43, item 7) ------------------------------------------------------------------------
