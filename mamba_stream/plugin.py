@@ -84,7 +84,7 @@ __all__ = ["ACTIVITY_SLOTS", "LOCAL_SLOTS", "WORKFLOW_TASK_SLOTS", "MambaStreamP
 log = logging.getLogger(__name__)
 
 #: modules the workflow sandbox imports once, from outside: the request/receipt models
-PASSTHROUGH = ("pydantic", "mamba_stream.state_codec", "mamba_stream.workflows._models",
+PASSTHROUGH = ("pydantic", "mamba_stream.failures", "mamba_stream.state_codec", "mamba_stream.workflows._models",
                "mamba_stream.workflows._failures")
 
 
@@ -377,7 +377,7 @@ class MambaStreamPlugin(SimplePlugin):
         import socket
         import uuid
 
-        from mamba_stream.worker import WorkerConfig, build_activities, load_keyring
+        from mamba_stream.serving import WorkerConfig, build_activities, load_keyring
 
         cfg = WorkerConfig(**settings)
         keyring = load_keyring(cfg)

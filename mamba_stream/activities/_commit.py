@@ -54,7 +54,7 @@ from mamba_stream.state_codec import (
 from mamba_stream.state_codec.codec import Keyring, open_bytes, open_checkpoint, seal, seal_bytes, unseal
 from mamba_stream.workflows import RewindPastWindow
 
-__all__ = ["ChunkCommit", "Committed", "Prior"]
+__all__ = ["ChunkCommit", "Committed", "Completed", "Prior"]
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,14 @@ class Committed:
     receipt: Receipt
     state: State
     adopted: bool
+
+
+@dataclass(frozen=True)
+class Completed:
+    """A computed chunk, committed: what was stored, and the result recorded for it."""
+
+    committed: Committed
+    result: Any
 
 
 def _no_edge(name: str, stream_id: str, chunk_seq: int) -> None:
@@ -240,22 +248,20 @@ class ChunkCommit:
 
     def complete(self, model: Model, state: State, *, stream_id: str, principal: str, before: Receipt,
                  chunk_seq: int, key: str, path: str, last: torch.Tensor | None,
-                 make_result: Callable[[Receipt], Any], drop_keys: list[str],
-                 on_committed: Callable[[Committed], None] = lambda c: None) -> Any:
-        """Steps 3-5 of a computed chunk: checkpoint, then result record, then drops. Returns
-        `make_result(receipt)` (a pydantic model, recorded as JSON). `on_committed` runs right
-        after the checkpoint is stored, before the record (the caller's slot bookkeeping)."""
+                 make_result: Callable[[Receipt], Any], drop_keys: list[str]) -> Completed:
+        """Steps 3-5 of a computed chunk: checkpoint, then result record, then drops. Returns what
+        was committed and `make_result(receipt)` (a pydantic model, recorded as JSON); the caller
+        brings its cache in line with `committed` (the state stored may be an earlier attempt's)."""
         self.edge("computed", stream_id, chunk_seq)
         done = self.commit(model, state, stream_id=stream_id, principal=principal, chunk_seq=chunk_seq,
                            epoch=before.epoch, key=key, backend=model.ran(path), before=before, path=path,
                            origin=before.origin)
-        on_committed(done)
         result = make_result(done.receipt)
         self.edge("written", stream_id, chunk_seq)
         self.write_record(done.receipt, result.model_dump(mode="json"), last)
         self.edge("recorded", stream_id, chunk_seq)
         self.drop(drop_keys, stream_id=stream_id, principal=principal)
-        return result
+        return Completed(done, result)
 
     def drop(self, keys: list[str], *, stream_id: str, principal: str) -> None:
         """Delete checkpoints (and their records) of the stream that left the retention window.

@@ -39,6 +39,7 @@ import torch
 
 from mamba_stream.activities._alloc import tune_allocator
 from mamba_stream.activities._slots import SlotTable
+from mamba_stream.failures import Failure
 from mamba_stream.scan import Model, NonFiniteOutput, State
 
 __all__ = ["ChunkOutput", "EngineDead", "EngineStats", "NeedsLoad", "SeededSampler", "StreamBusy", "StreamEngine", "sample_rows"]
@@ -64,12 +65,11 @@ class NeedsLoad(LookupError):
     """The stream's committed state is not in a slot: load it from the store and resubmit."""
 
 
-class StreamBusy(RuntimeError):
+class StreamBusy(Failure, RuntimeError):
     """Another chunk of the same stream is still running here (a retry overtook its attempt, e.g.
     the regular attempt after a local one timed out). Retryable: once that one is done, the retry
     finds its record."""
 
-    reason = "StreamBusy"
     retryable = True
 
 

@@ -18,6 +18,16 @@ from collections import OrderedDict
 
 from temporalio.common import MetricMeter
 
+from mamba_stream.state_codec import (
+    CheckpointNotFound,
+    ChunkSequenceMismatch,
+    EpochMismatch,
+    InputTransformMismatch,
+    ModelRevisionMismatch,
+    PositionMismatch,
+    SchemaMismatch,
+)
+
 __all__ = ["HISTOGRAM_BUCKETS", "STALE_REASONS", "StreamMetrics"]
 
 log = logging.getLogger(__name__)
@@ -25,10 +35,9 @@ log = logging.getLogger(__name__)
 #: refusals of a receipt that names a state which is no longer the one to continue from: dropped
 #: by retention or disposal, left behind by a reset or a later chunk, or made by another model
 #: revision or state schema (a rollout). Other reasons (principal, stream, corruption) are not stale.
-STALE_REASONS = frozenset({
-    "CheckpointNotFound", "ChunkSequenceMismatch", "EpochMismatch", "PositionMismatch",
-    "ModelRevisionMismatch", "SchemaMismatch", "InputTransformMismatch",
-})
+STALE_REASONS = frozenset(c.reason for c in (
+    CheckpointNotFound, ChunkSequenceMismatch, EpochMismatch, PositionMismatch, ModelRevisionMismatch,
+    SchemaMismatch, InputTransformMismatch))
 
 _LATENCY = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 #: bucket bounds for the Prometheus exporter (its defaults are for milliseconds)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import torch
 
+from mamba_stream.failures import Failure
 from mamba_stream.scan import CheckpointError, Model, checkpoint_problem, load_model
 
 __all__ = ["ModelRegistry", "UnknownModel"]
@@ -25,11 +26,8 @@ __all__ = ["ModelRegistry", "UnknownModel"]
 log = logging.getLogger(__name__)
 
 
-class UnknownModel(KeyError):
+class UnknownModel(Failure, KeyError):
     """This worker does not serve the requested model id."""
-
-    reason = "UnknownModel"
-    retryable = False
 
     def __str__(self) -> str:  # KeyError's would quote the message
         return str(self.args[0]) if self.args else self.reason

@@ -33,6 +33,8 @@ from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 from typing import Union
 
+from mamba_stream.failures import Failure
+
 __all__ = [
     "Fence",
     "InvalidStoreKey",
@@ -53,24 +55,18 @@ Blob = Union[bytes, bytearray, memoryview]
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
 
 
-class StoreError(Exception):
+class StoreError(Failure):
     """A store operation failed. `retryable` says whether trying again may help."""
-
-    retryable: bool = False
-    reason: str = "StoreError"
 
 
 class StoreUnavailable(StoreError):
     """The backend is unreachable or busy (connection refused, timeout, disk full)."""
 
     retryable = True
-    reason = "StoreUnavailable"
 
 
 class StoreCorrupt(StoreError):
     """A stored object no longer matches its digest."""
-
-    reason = "StoreCorrupt"
 
 
 class StoreOwnedElsewhere(StoreError):
@@ -81,20 +77,14 @@ class StoreOwnedElsewhere(StoreError):
     Retrying cannot help; the store or the address is misconfigured.
     """
 
-    reason = "StoreOwnedElsewhere"
-
 
 class LeaseLost(StoreError):
     """A fenced write was refused: the lease it was conditional on is no longer the writer's (it
     went stale and another worker took it over). Nothing was written; retrying cannot help."""
 
-    reason = "LeaseLost"
-
 
 class InvalidStoreKey(StoreError, ValueError):
     """A key or stream id outside [A-Za-z0-9._-], or empty, or too long."""
-
-    reason = "InvalidStoreKey"
 
 
 def since_record(when: float, **more: str) -> bytes:

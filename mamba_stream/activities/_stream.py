@@ -48,14 +48,15 @@ from temporalio import activity
 from temporalio.client import WorkflowHistoryEventFilterType
 from temporalio.exceptions import ApplicationError, CancelledError
 
-from mamba_stream.activities._commit import ChunkCommit, Committed
-from mamba_stream.activities._engine import SeededSampler, StreamBusy, StreamEngine, _multinomial_form_holds
+from mamba_stream.activities._commit import ChunkCommit
+from mamba_stream.activities._engine import SeededSampler, StreamEngine, _multinomial_form_holds
 from mamba_stream.activities._health import WorkerHealth
-from mamba_stream.activities._metrics import StreamMetrics
 from mamba_stream.activities._live import LiveTokens
+from mamba_stream.activities._metrics import StreamMetrics
 from mamba_stream.activities._prefix import PREFIX_STREAM_PREFIX, Compute, PrefixStore, is_prefix_stream
-from mamba_stream.activities._registry import ModelRegistry, UnknownModel
+from mamba_stream.activities._registry import ModelRegistry
 from mamba_stream.activities._store import StateStore, StoreError, check_name
+from mamba_stream.failures import Failure
 from mamba_stream.scan import CheckpointError, Model, ScanError, State
 from mamba_stream.state_codec import (
     BadSignature,
@@ -113,7 +114,6 @@ from mamba_stream.workflows import (
     RewindStreamRequest,
     RewindUnavailable,
     StateResult,
-    StreamFailure,
     TokenLogprob,
     TokenProgress,
     UpdateIdMismatch,
@@ -141,9 +141,6 @@ WORKER_FAULT_ATTEMPTS = 10
 #: the most engine rounds a local attempt takes on before its engine has measured its pace
 UNMEASURED_LOCAL_ROUNDS = 16
 
-#: the exceptions with a reason of their own (workflows.application_error types them)
-_TYPED = (StateRejected, ScanError, StoreError, UnknownModel, StreamFailure, StreamBusy)
-
 
 @contextmanager
 def _typed_errors(metrics: StreamMetrics | None = None, model_id: str = "",
@@ -163,7 +160,7 @@ def _typed_errors(metrics: StreamMetrics | None = None, model_id: str = "",
     except CancelledError:
         raise
     except Exception as exc:  # noqa: BLE001 - every exception leaves typed, or is retried a bounded number of times
-        if isinstance(exc, _TYPED):
+        if isinstance(exc, Failure):  # a reason of its own: application_error types it
             if metrics is not None and isinstance(exc, StateRejected):
                 if isinstance(exc, RequestRejected):
                     metrics.requests_rejected.add(1, {"reason": exc.reason})
@@ -480,17 +477,15 @@ class StreamActivities:
                   make_result: Callable[[Receipt], Any], drop_keys: list[str]) -> Any:
         """A computed chunk through the commit protocol; the slot then holds exactly the committed state."""
         _cancel_point()  # the slot ran ahead of the store: the stream's next chunk reloads from there
-        engine = self.engine(model)
-
-        def slot(done: Committed) -> None:
-            if done.adopted:  # the engine wrote ours; the store holds an earlier attempt's
-                engine.put(stream_id, done.state, epoch=before.epoch, state_key=key, logits=last)
-            else:
-                engine.mark_committed(stream_id, key)
-
-        return self.commits.complete(model, state, stream_id=stream_id, principal=principal, before=before,
+        done = self.commits.complete(model, state, stream_id=stream_id, principal=principal, before=before,
                                      chunk_seq=chunk_seq, key=key, path=path, last=last, make_result=make_result,
-                                     drop_keys=drop_keys, on_committed=slot)
+                                     drop_keys=drop_keys)
+        engine, committed = self.engine(model), done.committed
+        if committed.adopted:  # the engine wrote ours; the store holds an earlier attempt's
+            engine.put(stream_id, committed.state, epoch=before.epoch, state_key=key, logits=last)
+        else:
+            engine.mark_committed(stream_id, key)
+        return done.result
 
     def _reference_input(self, model: Model, receipt: Receipt, principal: str) -> State | None:
         """The chunk's input state, read from the store for the reference check (None if gone)."""

@@ -6,7 +6,9 @@ because `advance` never writes to its input state.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
+
+from mamba_stream.failures import InvalidInput, ScanError, TokenOutOfRange
 
 __all__ = [
     "CheckpointError",
@@ -22,31 +24,9 @@ __all__ = [
 ]
 
 
-class ScanError(Exception):
-    """Base class of every error raised by `scan`. `reason` (the class name) is the failure's
-    type across Temporal (workflows' catalogue); none is worth a retry."""
-
-    reason: ClassVar[str] = "ScanError"
-    retryable: ClassVar[bool] = False
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        cls.reason = cls.__name__
-
-    def details(self) -> dict[str, Any]:
-        return {}
-
-
-class InvalidInput(ScanError, ValueError):
-    """The tokens (or embeddings) handed to `advance` cannot be scanned."""
-
-    def __init__(self, message: str, *, position: int | None = None, value: Any = None) -> None:
-        super().__init__(message)
-        self.position = position
-        self.value = value
-
-    def details(self) -> dict[str, Any]:
-        return {"position": self.position, "value": repr(self.value)[:200]}
+# ScanError, InvalidInput and TokenOutOfRange live in `mamba_stream.failures`: the stream's
+# admission (workflows, which cannot import the scan) refuses an out-of-range token as the scan
+# does, with the same class.
 
 
 class NonIntegerInput(InvalidInput):
@@ -55,10 +35,6 @@ class NonIntegerInput(InvalidInput):
 
 class NonFiniteInput(InvalidInput):
     """A float input holds NaN or infinity."""
-
-
-class TokenOutOfRange(InvalidInput):
-    """A token id is negative or not below the model's vocabulary size."""
 
 
 class InvalidState(ScanError, ValueError):

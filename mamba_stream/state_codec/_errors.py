@@ -7,7 +7,9 @@ Temporal `ApplicationError` type); these failures are permanent, never worth a r
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
+
+from mamba_stream.failures import Failure
 
 __all__ = [
     "CheckpointNotFound",
@@ -36,7 +38,7 @@ __all__ = [
 ]
 
 
-class StateRejected(Exception):
+class StateRejected(Failure):
     """A state, receipt or blob that must not be resumed here.
 
     Attributes:
@@ -44,8 +46,6 @@ class StateRejected(Exception):
         expected: the value the resume needs (the serving side's, or the receipt's).
         actual: the value that was presented.
     """
-
-    reason: ClassVar[str] = "StateRejected"
 
     def __init__(self, message: str = "", *, field: str = "", expected: Any = None, actual: Any = None) -> None:
         super().__init__(message)
@@ -74,67 +74,63 @@ def mismatch(cls: type[StateRejected], field: str, expected: Any, actual: Any) -
 
 
 class StreamMismatch(StateRejected):
-    reason = "StreamMismatch"
+    """The receipt or blob is another stream's."""
 
 
 class PrincipalMismatch(StateRejected):
-    reason = "PrincipalMismatch"
+    """The receipt or blob is another principal's."""
 
 
 class ModelRevisionMismatch(StateRejected):
-    reason = "ModelRevisionMismatch"
+    """The state was made by another model or revision of its weights."""
 
 
 class InputTransformMismatch(StateRejected):
-    reason = "InputTransformMismatch"
+    """The state was fed through another input transform (tokenizer)."""
 
 
 class SchemaMismatch(StateRejected):
-    reason = "SchemaMismatch"
+    """The state's tensors are not this model's state schema."""
 
 
 class DTypeMismatch(StateRejected):
-    reason = "DTypeMismatch"
+    """The state's dtype is not the one this model's state is kept in."""
 
 
 class PositionMismatch(StateRejected):
-    reason = "PositionMismatch"
+    """The state is at another token position than the receipt says."""
 
 
 class ChunkSequenceMismatch(StateRejected):
-    reason = "ChunkSequenceMismatch"
+    """The chunk is not the one that follows the stream's last (or the receipt's)."""
 
 
 class EpochMismatch(StateRejected):
-    reason = "EpochMismatch"
+    """The receipt or request is of another epoch (the stream was reset since)."""
 
 
 class ChecksumMismatch(StateRejected):
-    reason = "ChecksumMismatch"
+    """The state's bytes are not those the receipt's checksum names."""
 
 
 class CheckpointNotFound(StateRejected):
     """The receipt names a checkpoint the store does not hold (for this principal)."""
 
-    reason = "CheckpointNotFound"
-
 
 class UnknownKeyId(StateRejected):
-    reason = "UnknownKeyId"
+    """The blob or payload is under a key this keyring does not hold."""
 
 
 class CorruptBlob(StateRejected):
     """The blob is not a well-formed envelope, or fails authentication."""
 
-    reason = "CorruptBlob"
-
 
 class TruncatedBlob(CorruptBlob):
-    reason = "TruncatedBlob"
+    """The blob ends before its envelope says it does."""
 
 
 class UnsupportedEnvelopeVersion(StateRejected):
-    reason = "UnsupportedEnvelopeVersion"
+    """The blob's envelope is of a version this code cannot read."""
 
 
 class RequestRejected(StateRejected):
@@ -143,41 +139,29 @@ class RequestRejected(StateRejected):
     Raised before the request touches any state (see `state_codec.signing`).
     """
 
-    reason = "RequestRejected"
-
 
 class UnsignedRequest(RequestRejected):
-    reason = "UnsignedRequest"
+    """A request with no signature where the worker requires one."""
 
 
 class UnknownSigner(RequestRejected):
     """The worker holds no public key for the request's principal."""
 
-    reason = "UnknownSigner"
-
 
 class BadSignature(RequestRejected):
     """Malformed, made with another key, or over other bytes: tampered, or meant for another stream."""
-
-    reason = "BadSignature"
 
 
 class UnsealedRequest(RequestRejected):
     """A request in clear: not encrypted under any key of this deployment. Only a client holding
     the stream's principal's history key (or the operator) can change a stream."""
 
-    reason = "UnsealedRequest"
-
 
 class SealerMismatch(RequestRejected):
     """A request sealed under another key than the one it needs: another principal's history key
     on this stream, or the operator's where only the principal may act (feeding a stream)."""
 
-    reason = "SealerMismatch"
-
 
 class ForgedCarry(RequestRejected):
     """A start input carrying a continue-as-new carry the workers did not seal for this stream's
     previous run: a client-made carry, or one moved from another stream or run."""
-
-    reason = "ForgedCarry"

@@ -41,6 +41,7 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
+from mamba_stream.failures import Failure
 from mamba_stream.state_codec._errors import UnknownKeyId
 from mamba_stream.state_codec._sealing import TAG
 
@@ -61,14 +62,12 @@ def history_key(master: bytes, tag: str) -> bytes:
     return hmac.new(prk, tag.encode() + b"\x01", hashlib.sha256).digest()
 
 
-class KeyringError(Exception):
+class KeyringError(Failure):
     """A keyring file or variable is missing, malformed or readable by others."""
 
 
 class KeyringNotFound(KeyringError):
     """No keyring where a client looks; the message names the places and the settings."""
-
-    reason = "KeyringNotFound"
 
 
 def default_home() -> Path:

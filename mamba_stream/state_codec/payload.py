@@ -31,8 +31,8 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from pydantic import ValidationError
 from temporalio.api.common.v1 import Payload
-from temporalio.contrib.pydantic import PydanticJSONPlainPayloadConverter, PydanticPayloadConverter
 from temporalio.api.failure.v1 import Failure
+from temporalio.contrib.pydantic import PydanticJSONPlainPayloadConverter, PydanticPayloadConverter
 from temporalio.converter import (
     DefaultFailureConverterWithEncodedAttributes,
     EncodingPayloadConverter,
@@ -42,8 +42,16 @@ from temporalio.converter import (
 )
 from temporalio.exceptions import ApplicationError
 
+from mamba_stream.failures import invalid_request
 from mamba_stream.state_codec._errors import CorruptBlob, UnknownKeyId
-from mamba_stream.state_codec._sealing import CLEAR, FAILURE_SEALER_ATTR, MASTER, SEALED_ATTR, SEALER_KEY, stream_tag
+from mamba_stream.state_codec._sealing import (
+    CLEAR,
+    FAILURE_SEALER_ATTR,
+    MASTER,
+    SEALED_ATTR,
+    SEALER_KEY,
+    stream_tag,
+)
 from mamba_stream.state_codec.keyring import Keyring
 
 __all__ = ["ENCODED_FAILURE", "ENCRYPTED_ENCODING", "UNDECRYPTABLE_ENCODING", "EncryptionCodec",
@@ -208,8 +216,6 @@ class _TypedJSONPayloadConverter(PydanticJSONPlainPayloadConverter):
         try:
             value = super().from_payload(payload, type_hint)
         except ValidationError as exc:
-            from mamba_stream.workflows import invalid_request
-
             raise invalid_request(getattr(type_hint, "__name__", "value"), exc) from None
         private = getattr(value, "__private_attributes__", None)
         if private and SEALED_ATTR in private:

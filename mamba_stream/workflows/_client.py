@@ -190,6 +190,7 @@ class StreamClient:
         self.retry_s = retry_s
         self._epochs: dict[str, int] = {}  # stream -> the epoch this client last saw it in
         self._last_seq: dict[str, int] = {}  # stream -> the last chunk_seq this client sent or saw committed
+        self._seq_locks: dict[str, asyncio.Lock] = {}  # stream -> held while a chunk naming no sequence is sent
         self._id_keys: dict[str, bytes] = {}  # stream -> the key of its update ids
 
     async def _retrying(self, call: Callable[[], Awaitable[T]], stream_id: str | None = None) -> T:
@@ -441,7 +442,23 @@ class StreamClient:
         Once more, asking the stream, when the guess of a chunk that named no sequence was wrong
         (another client's chunks came between: `ChunkSequenceMismatch`, `ConflictingChunk`) or the
         stream was reset since this client last saw it (`EpochMismatch`); the stream refuses
-        either, and nothing is stored."""
+        either, and nothing is stored. This client's chunks that name no sequence go to a stream
+        one after another."""
+        if chunk_seq is None:
+            # one at a time per stream: the stream takes a chunk only as the next after those it
+            # holds, and concurrent updates may reach it in any order
+            async with self._seq_lock(stream_id):
+                return await self._send_chunk(kind, stream_id, make, update, None, attempt)
+        return await self._send_chunk(kind, stream_id, make, update, chunk_seq, attempt)
+
+    def _seq_lock(self, stream_id: str) -> asyncio.Lock:
+        lock = self._seq_locks.get(stream_id)
+        if lock is None:
+            lock = self._seq_locks[stream_id] = asyncio.Lock()
+        return lock
+
+    async def _send_chunk(self, kind: str, stream_id: str, make: Callable[[int], Any], update: Any,
+                          chunk_seq: int | None, attempt: int) -> Any:
         handle = self.handle(stream_id)
         if chunk_seq is None:
             seq, epoch, guessed = await self._take_seq(stream_id)
@@ -768,6 +785,15 @@ class GenerateStream:
         self.result: GenerateResult | None = None
 
     async def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        if self.chunk_seq is not None:
+            async for ev in self._events():
+                yield ev
+            return
+        async with self._client._seq_lock(self.stream_id):  # as `StreamClient._chunk`: one at a time
+            async for ev in self._events():
+                yield ev
+
+    async def _events(self) -> AsyncIterator[TokenEvent]:
         c, sid = self._client, self.stream_id
         named = self.chunk_seq is not None
         if named:

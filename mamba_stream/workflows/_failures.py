@@ -3,14 +3,15 @@
 Every refusal or failure a stream can report to its caller is an exception class with a stable
 `reason` (its class name, and the Temporal `ApplicationError.type` the caller sees) and a
 `retryable` flag: a permanent failure becomes a non-retryable `ApplicationError`, one that trying
-again can cure stays retryable. Three families share this shape:
+again can cure stays retryable. Every family is under one root, `mamba_stream.failures.Failure`:
 
     StreamFailure subclasses    here: refusals of the workflow and the activities' own checks
     state_codec.StateRejected   a receipt, checkpoint or signature that does not belong
     store and scan errors       activities' `StoreError` subclasses, `scan.ScanError` subclasses,
-                                `UnknownModel` (they carry `reason` and `retryable` alike)
+                                `UnknownModel`, `StreamBusy`
 
-`application_error` turns any of them into the `ApplicationError` that crosses Temporal, and
+`application_error` (from `mamba_stream.failures`, re-exported here) turns any of them into the
+`ApplicationError` that crosses Temporal, and
 `NOT_THE_CHUNKS_FAULT` names the reasons a caller cannot cure by changing the chunk: after one of
 these, the same chunk may be sent again as a next attempt (`workflows.update_id(..., attempt=)`).
 
@@ -19,11 +20,15 @@ Sandbox-safe: the standard library, temporalio and state_codec's record.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
-
-from temporalio.exceptions import ApplicationError
-
-from mamba_stream.state_codec import StateRejected
+from mamba_stream.failures import (
+    Failure,
+    InvalidRequest,
+    TokenOutOfRange,
+    application_error,
+    catalogue,
+    invalid_request,
+)
+from mamba_stream.state_codec import CheckpointNotFound, CorruptBlob, TruncatedBlob
 
 __all__ = [
     "ActivityFailed",
@@ -53,22 +58,8 @@ __all__ = [
 ]
 
 
-class StreamFailure(Exception):
+class StreamFailure(Failure):
     """A stream's refusal or failure. `details`: JSON-friendly values that travel with it."""
-
-    reason: ClassVar[str] = "StreamFailure"
-    retryable: ClassVar[bool] = False
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        cls.reason = cls.__name__
-
-    def __init__(self, message: str = "", **details: Any) -> None:
-        super().__init__(message)
-        self.extra = details
-
-    def details(self) -> dict[str, Any]:
-        return dict(self.extra)
 
 
 class StreamCancelled(StreamFailure):
@@ -101,17 +92,8 @@ class ChunkTooLarge(StreamFailure):
     """More tokens, text bytes or generated tokens than the stream's options allow."""
 
 
-class TokenOutOfRange(StreamFailure):
-    """A token id outside the model's vocabulary (checked before the chunk is admitted)."""
-
-
 class EmptyContext(StreamFailure):
     """Nothing to continue from: a generate before any input."""
-
-
-class InvalidRequest(StreamFailure):
-    """A request the stream or the model cannot take: a payload that does not validate, a missing,
-    extra or null argument to an update or query, text for a model without an input transform."""
 
 
 class ReservedStreamId(StreamFailure):
@@ -175,44 +157,6 @@ class OpenFailed(StreamFailure):
 
 #: reasons a caller cannot cure by changing the chunk: the same chunk may be sent again as a next
 #: attempt once the cause is gone (a store back, a blob restored, a reset signal after a rewind)
-NOT_THE_CHUNKS_FAULT = frozenset({
-    "StoreError", "StoreUnavailable", "StoreCorrupt", "CheckpointNotFound", "CorruptBlob", "TruncatedBlob",
-    "InternalError", "ActivityFailed", "RewindPastWindow", "WorkerUnhealthy"})
-
-
-def catalogue() -> dict[str, type[Exception]]:
-    """Every failure class defined here and in state_codec, by reason."""
-    out: dict[str, type[Exception]] = {}
-    for base in (StreamFailure, StateRejected):
-        todo: list[type[Exception]] = [base]
-        while todo:
-            cls = todo.pop()
-            out[cls.reason] = cls  # type: ignore[attr-defined]
-            todo.extend(cls.__subclasses__())
-    return out
-
-
-def application_error(exc: BaseException, *, retryable: bool | None = None) -> ApplicationError:
-    """The `ApplicationError` a typed failure crosses Temporal as: `type` is its reason; a
-    permanent one is non-retryable. Any exception with a `reason` (this catalogue, state_codec's
-    rejections, the store's and the scan's errors) qualifies; others raise TypeError.
-
-    `retryable` overrides the class's flag where the caller waits out what would otherwise be
-    permanent (a cancel's dispose waits out a read-only store until an operator lifts it)."""
-    reason = getattr(exc, "reason", None)
-    if not isinstance(reason, str):
-        raise TypeError(f"{type(exc).__name__} is not a typed failure") from exc
-    details = exc.details() if callable(getattr(exc, "details", None)) else {}
-    message = str(exc) or reason
-    if retryable is None:
-        retryable = bool(getattr(exc, "retryable", False))
-    return ApplicationError(message, *([details] if details else []), type=reason, non_retryable=not retryable)
-
-
-def invalid_request(name: str, exc: Any) -> ApplicationError:
-    """A value that does not validate as model `name` (`exc`: pydantic's ValidationError), refused
-    typed `InvalidRequest`: its first fields in the message, up to eight in the details. An untyped
-    ValidationError would be retried (and, in workflow code, fail the workflow task each time)."""
-    errors = [{"loc": ".".join(str(p) for p in e["loc"]), "msg": e["msg"]} for e in exc.errors()[:8]]
-    first = "; ".join(f"{e['loc'] or name}: {e['msg']}" for e in errors[:3])
-    return application_error(InvalidRequest(f"invalid {name}: {first}", errors=errors))
+NOT_THE_CHUNKS_FAULT = frozenset({c.reason for c in (
+    CheckpointNotFound, CorruptBlob, TruncatedBlob, InternalError, ActivityFailed, RewindPastWindow, WorkerUnhealthy)}
+) | {"StoreError", "StoreUnavailable", "StoreCorrupt"}  # the stores' are named: they live above workflows

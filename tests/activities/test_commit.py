@@ -59,7 +59,7 @@ def test_a_chunk_commits_its_state_and_record_and_a_retry_finds_the_record(commi
     key = commits.chunk_key("s1", r0, 1, "d1")
     assert commits.prior(key, "alice") is None
     res = commits.complete(model, out.state, stream_id="s1", principal="alice", before=r0, chunk_seq=1, key=key,
-                           path="reference", last=out.logits[-1], make_result=_result(3), drop_keys=[])
+                           path="reference", last=out.logits[-1], make_result=_result(3), drop_keys=[]).result
     assert res.receipt.checksum == plaintext_checksum(out.state.tensors) and res.position == 3
     prior = commits.prior(key, "alice")
     assert AdvanceResult.model_validate(prior.result) == res
@@ -97,7 +97,7 @@ def test_a_revoke_deletes_the_earlier_epochs_checkpoints_and_records_and_only_th
     out = model.advance(model.initial_state(), [3, 4])
     c1 = commits.complete(model, out.state, stream_id="s1", principal="alice", before=r0, chunk_seq=1,
                           key=commits.chunk_key("s1", r0, 1, "d1"), path="reference", last=None,
-                          make_result=_result(2), drop_keys=[]).receipt
+                          make_result=_result(2), drop_keys=[]).result.receipt
     reset1 = commits.commit(model, model.initial_state(), stream_id="s1", principal="alice", chunk_seq=1, epoch=1,
                             key=commits.state_key("s1", 1, 1, "reset|initial"), backend="reference:reset",
                             before=None).receipt
@@ -160,7 +160,7 @@ def test_a_crash_at_any_edge_leaves_what_the_next_attempt_finishes(model, edge):
     retry = ChunkCommit(store, ring)
     prior = retry.prior(key, "alice")
     if prior is None:
-        res = retry.complete(model, out.state, **kw)
+        res = retry.complete(model, out.state, **kw).result
     else:
         res = AdvanceResult.model_validate(prior.result)
         retry.drop([old], stream_id="s1", principal="alice")

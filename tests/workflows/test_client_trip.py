@@ -85,7 +85,7 @@ async def test_a_warm_advance_is_one_update_and_a_stale_guess_is_sent_once_more(
     assert counting.calls["update advance"] == 2 and counting.calls["query stats"] == 1
 
 
-async def test_chunks_sent_together_take_consecutive_sequences_without_asking(stack: Stack):
+async def test_chunks_sent_together_go_one_after_another_without_asking(stack: Stack):
     mine, counting = _counted(stack)
     sid = await mine.open("alice", "tiny-mamba2")
     await mine.advance(sid, "alice", tokens=[1])

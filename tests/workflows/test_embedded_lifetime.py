@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from mamba_stream.worker import (
+from mamba_stream.devserver import (
     _DIE_WITH_PARENT,
     EmbeddedTemporal,
     _dying_with_this_thread,

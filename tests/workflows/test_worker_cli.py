@@ -22,6 +22,7 @@ from temporalio.api.common.v1 import Payload
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 
+from mamba_stream.devserver import _running
 from mamba_stream.plugin import MambaStreamPlugin
 from mamba_stream.state_codec import CLEAR, MASTER
 from mamba_stream.state_codec.codec import Keyring
@@ -34,9 +35,9 @@ from mamba_stream.state_codec.payload import (
     StreamPayloadConverter,
     with_sealer,
 )
-from tests.workflows.conftest import Stack, eventually
-from mamba_stream.worker import WorkerConfig, _running, load_keyring
+from mamba_stream.worker import WorkerConfig, load_keyring
 from mamba_stream.workflows import ClientConfig, StreamClient
+from tests.workflows.conftest import Stack, eventually
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 ROOT = Path(__file__).resolve().parents[2]
