@@ -568,15 +568,53 @@ async def _list(args: argparse.Namespace) -> int:
             newest[wf.id] = wf
     rows = [{"stream_id": wf.id, "status": wf.status.name.lower() if wf.status else "unknown",
              "start_time": wf.start_time.isoformat(), "close_time": wf.close_time.isoformat() if wf.close_time else None,
-             "run_id": wf.run_id, "task_queue": wf.task_queue, "workflow_type": wf.workflow_type}
+             "run_id": wf.run_id, "task_queue": wf.task_queue, "workflow_type": wf.workflow_type,
+             "reason": await _why_closed(client, wf)}
             for wf in sorted(newest.values(), key=lambda w: w.start_time, reverse=True)]
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
         for r in rows:
             owner = "" if r["workflow_type"] == STREAM_WORKFLOW_TYPE else f"  (owned by {r['workflow_type']})"
-            print(f"{r['stream_id']}  {r['status']:<10}  {r['start_time']}{owner}")
+            why = f"  {_shown(r['reason']).replace(chr(10), ' ')}" if r["reason"] else ""
+            print(f"{r['stream_id']}  {r['status']:<10}  {r['start_time']}{owner}{why}")
     return 0
+
+
+async def _why_closed(client: Any, wf: Any) -> str | None:
+    """Why a stream's run ended otherwise than by a cancel or completion (`<Reason>: <message>`:
+    a refused open or resume fails its run, typed), from its last event alone; None for the rest."""
+    from temporalio.api.common.v1 import WorkflowExecution
+    from temporalio.api.enums.v1 import EventType
+    from temporalio.api.workflowservice.v1 import GetWorkflowExecutionHistoryReverseRequest
+    from temporalio.client import WorkflowExecutionStatus
+
+    if wf.status not in (WorkflowExecutionStatus.FAILED, WorkflowExecutionStatus.TERMINATED,
+                         WorkflowExecutionStatus.TIMED_OUT):
+        return None
+    got = await client.workflow_service.get_workflow_execution_history_reverse(
+        GetWorkflowExecutionHistoryReverseRequest(namespace=client.namespace, maximum_page_size=1,
+                                                  execution=WorkflowExecution(workflow_id=wf.id, run_id=wf.run_id)))
+    last = got.history.events[0] if got.history.events else None
+    if last is None:
+        return None
+    if last.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_TERMINATED:
+        return f"terminated: {last.workflow_execution_terminated_event_attributes.reason or 'no reason given'}"
+    if last.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_TIMED_OUT:
+        return "timed out"
+    if last.event_type != EventType.EVENT_TYPE_WORKFLOW_EXECUTION_FAILED:
+        return None
+    from mamba_stream.state_codec.payload import ENCODED_FAILURE
+
+    err = await client.data_converter.decode_failure(last.workflow_execution_failed_event_attributes.failure)
+    # the run's failure wraps the refusal (an activity's, a child's): the innermost typed one says why
+    while getattr(err, "cause", None) is not None and not getattr(err, "type", None):
+        err = err.cause
+    reason = getattr(err, "type", None) or type(err).__name__
+    message = getattr(err, "message", None) or str(err)
+    if message.startswith(ENCODED_FAILURE):
+        message = _undecodable(reason)
+    return f"{reason}: {message}"
 
 
 async def _checkpoint(args: argparse.Namespace) -> int:

@@ -447,6 +447,23 @@ async def test_list_shows_the_streams_agents_own_and_no_other_workflow(stack: St
     await stack.client.get_workflow_handle(f"other-{agent_id}").terminate()
 
 
+async def test_list_says_why_a_refused_open_failed_its_stream(stack: Stack, tmp_path):
+    """A refused open fails its run, typed: `list` says why on the stream's line."""
+    env = _env(stack, _keyfile(stack, tmp_path))
+    out, _ = await _run(env, "open", "--principal", "alice", "--model", "no-such-model")
+    assert out.returncode == 2 and out.stderr.startswith("error: UnknownModel: "), out.stderr
+
+    async def listed() -> list | None:  # the test's queue holds this stream alone
+        rows = await _json(env, "list")
+        return rows or None
+
+    [row] = await eventually(listed, timeout=30)
+    sid = row["stream_id"]
+    assert row["status"] == "failed" and row["reason"].startswith("UnknownModel: model 'no-such-model' is not served")
+    human = dict(line.split(None, 1) for line in (await _ok(env, "list")).splitlines())
+    assert human[sid].startswith("failed") and "UnknownModel: model 'no-such-model'" in human[sid]
+
+
 # --- what each command prints ------------------------------------------------------------------------------
 
 
