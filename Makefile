@@ -22,6 +22,8 @@ run: $(STAMP)
 	$(VENV)/bin/mamba-stream demo
 
 test: $(STAMP)
+	# lint first: the rules and their exceptions are in pyproject.toml's [tool.ruff.lint]
+	$(VENV)/bin/ruff check .
 	# two test processes (pytest-xdist), a file each at a time: the suite is mostly one busy
 	# core at a time (Temporal round trips, subprocess workers), and two fill a 2-core machine
 	MAMBA_STREAM_REQUIRE_CROSSCHECK=1 $(PY) -m pytest -q -n 2 --dist loadfile

@@ -25,16 +25,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from temporalio.client import Client  # noqa: E402
-from temporalio.worker import Worker  # noqa: E402
+from _agent_paths import AgentInput, ChildPathAgent, InWorkflowAgent, Turn, child_turn
+from temporalio.client import Client
+from temporalio.worker import Worker
 
-from _agent_paths import AgentInput, ChildPathAgent, InWorkflowAgent, Turn, child_turn  # noqa: E402
-from mamba_stream.activities import ModelRegistry, StreamActivities, open_store  # noqa: E402
-from mamba_stream.plugin import MambaStreamPlugin  # noqa: E402
-from mamba_stream.scan import ModelConfig, init_model, save_checkpoint  # noqa: E402
-from mamba_stream.state_codec.codec import Keyring  # noqa: E402
-from mamba_stream.worker import DEV_SERVER_DYNAMIC_CONFIG, start_dev_server  # noqa: E402
-from mamba_stream.workflows import StreamClient, StreamOptions  # noqa: E402
+from mamba_stream.activities import ModelRegistry, StreamActivities, open_store
+from mamba_stream.plugin import MambaStreamPlugin
+from mamba_stream.scan import ModelConfig, init_model, save_checkpoint
+from mamba_stream.state_codec.codec import Keyring
+from mamba_stream.worker import DEV_SERVER_DYNAMIC_CONFIG, start_dev_server
+from mamba_stream.workflows import StreamClient, StreamOptions
 
 ROWS = ("in-workflow (ModelStream)", "child workflow + activity + updates", "stream workflow: advance + generate",
         "raw: model.advance of the feed, then one per generated token")
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> str:
     base = med[ROWS[0]]
     for row in ROWS:
         xs = sorted(times[row])
-        p90 = xs[min(len(xs) - 1, int(round(0.9 * (len(xs) - 1))))]
+        p90 = xs[min(len(xs) - 1, round(0.9 * (len(xs) - 1)))]
         lines.append(f"| {row} | {med[row] * 1e3:.2f} | {p90 * 1e3:.2f} | {med[row] / base:.2f}x |")
     child, own, raw = med[ROWS[1]], med[ROWS[2]], med[ROWS[3]]
     lines += ["", f"Beyond the raw compute (medians): in-workflow {(base - raw) * 1e3:.2f} ms, child path "

@@ -15,21 +15,21 @@ import io
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from safetensors.torch import load as st_load  # noqa: E402
-from safetensors.torch import save as st_save  # noqa: E402
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
 
-from mamba_stream.scan import ModelConfig  # noqa: E402
-from mamba_stream.scan import MambaLM  # noqa: E402
-from mamba_stream.scan._model import build_schema  # noqa: E402
-from mamba_stream.state_codec import Receipt  # noqa: E402
-from mamba_stream.state_codec.codec import (  # noqa: E402
+from mamba_stream.scan import MambaLM, ModelConfig
+from mamba_stream.scan._model import build_schema
+from mamba_stream.state_codec import Receipt
+from mamba_stream.state_codec.codec import (
     CODE_REVISION,
     Keyring,
     decode_checkpoint,
@@ -134,7 +134,8 @@ def main() -> None:
     best_enc, best_dec = max(v[0] for v in others), max(v[1] for v in others)
     st = rates["safetensors save / load"]
     print(f"ours vs safetensors: encode {ours[0] / st[0]:.2f}x (target >= 0.5x), decode {ours[1] / st[1]:.2f}x "
-          f"(target >= 0.9x); vs fastest other: encode {ours[0] / best_enc:.2f}x, decode {ours[1] / best_dec:.2f}x; blob {len(blob) / 1e6:.2f} MB vs safetensors {len(st_bytes) / 1e6:.2f} MB")
+          f"(target >= 0.9x); vs fastest other: encode {ours[0] / best_enc:.2f}x, decode {ours[1] / best_dec:.2f}x; "
+          f"blob {len(blob) / 1e6:.2f} MB vs safetensors {len(st_bytes) / 1e6:.2f} MB")
     print()
     _keyed_header(args.rounds, ring, tensors, receipt)
 
@@ -163,7 +164,8 @@ def _keyed_header(rounds: int, ring: Keyring, big: dict[str, torch.Tensor], big_
                                            ("Mamba-2 130M shape", big, big_receipt, None)):
         schema_json = schema.canonical_json() if schema is not None else ""
         bound = receipt.bound()
-        clear = len(msgpack.packb("bound") + msgpack.packb(bound) + msgpack.packb("schema") + msgpack.packb(schema_json))
+        clear = len(msgpack.packb("bound") + msgpack.packb(bound) + msgpack.packb("schema")
+                    + msgpack.packb(schema_json))
         head = _seal_head(key, kid, bound, schema_json)
         keyed = len(msgpack.packb("head") + msgpack.packb(head))
         blob = encode_checkpoint(tensors, receipt, ring, schema=schema)

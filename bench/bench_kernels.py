@@ -28,8 +28,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mamba_stream.scan import ModelConfig, init_model  # noqa: E402
-from mamba_stream.scan._forward import backend_named  # noqa: E402
+from mamba_stream.scan import ModelConfig, init_model
+from mamba_stream.scan._forward import backend_named
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -120,11 +120,11 @@ def run(args: argparse.Namespace) -> str:
     else:
         backend, impl = backend_named("chunked"), "chunked backend (torch, CPU)"
 
-    def step_fn(m, u, st):  # noqa: ANN001, ANN202 - one token: (B, D) in, (B, D) out
+    def step_fn(m, u, st):  # one token: (B, D) in, (B, D) out
         out, new, path = backend.mix(m, u.unsqueeze(1), st)
         return out[:, 0], new, path
 
-    def chunk_fn(m, u, st):  # noqa: ANN001, ANN202
+    def chunk_fn(m, u, st):
         return backend.mix(m, u, st)
 
     bw = copy_bandwidth(device) if use_kernels else float("nan")
@@ -155,7 +155,8 @@ def run(args: argparse.Namespace) -> str:
                         st = _states(mixer, 1, device)
                         try:
                             result: list = []
-                            first, t = _time(lambda: result.append(chunk_fn(mixer, u, st)), device, args.repeats)
+                            # _time calls it at once (B023); `mixer` is deleted only after this loop (F821)
+                            first, t = _time(lambda: result.append(chunk_fn(mixer, u, st)), device, args.repeats)  # noqa: B023, F821
                             path = result[-1][2]
                         except Exception as exc:  # noqa: BLE001 - report, keep sweeping
                             prefill.append(f"| {arch} | {dname} | {d_state} | {length} | error: {type(exc).__name__}: "
@@ -170,7 +171,8 @@ def run(args: argparse.Namespace) -> str:
                         moved = 2 * batch * sum(x[0].numel() * x.element_size() for x in st)
                         try:
                             result = []
-                            first, t = _time(lambda: result.append(step_fn(mixer, u, st)), device, args.repeats)
+                            # _time calls it at once (B023); `mixer` is deleted only after this loop (F821)
+                            first, t = _time(lambda: result.append(step_fn(mixer, u, st)), device, args.repeats)  # noqa: B023, F821
                             path = result[-1][2]
                         except Exception as exc:  # noqa: BLE001
                             decode.append(f"| {arch} | {dname} | {d_state} | {batch} | error: {type(exc).__name__}: "
@@ -199,7 +201,7 @@ def mamba_ssm_step_comparison(device: torch.device, repeats: int) -> list[str]:
 
     rows = ["## Decode step: ours vs mamba-ssm's `Mamba2.step()` (one layer, same weights)", "",
             "| batch | ours us | mamba-ssm us | ours / theirs speed |", "|---|---|---|---|"]
-    model, mixer = _layer("mamba2", 128, device)
+    _model, mixer = _layer("mamba2", 128, device)
     theirs = Mamba2(768, d_state=128, headdim=64, layer_idx=0, device=device)
     theirs.load_state_dict(mixer.state_dict(), strict=True)
     with torch.inference_mode():
@@ -208,8 +210,8 @@ def mamba_ssm_step_comparison(device: torch.device, repeats: int) -> list[str]:
             st = _states(mixer, batch, device)
             conv = st[0].clone()
             ssm = st[1].clone()
-            _, ours = _time(lambda: _triton.TRITON.mix(mixer, u.unsqueeze(1), st), device, repeats)
-            _, ref = _time(lambda: theirs.step(u.unsqueeze(1), conv, ssm), device, repeats)
+            _, ours = _time(lambda: _triton.TRITON.mix(mixer, u.unsqueeze(1), st), device, repeats)  # noqa: B023 - _time calls it at once
+            _, ref = _time(lambda: theirs.step(u.unsqueeze(1), conv, ssm), device, repeats)  # noqa: B023 - _time calls it at once
             rows.append(f"| {batch} | {ours * 1e6:.1f} | {ref * 1e6:.1f} | {ref / ours:.2f}x |")
     return rows
 

@@ -27,12 +27,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # what the readers' process needs: a client (the worker's pieces are imported where it is built)
-from temporalio.client import Client  # noqa: E402
+from temporalio.client import Client
 
-from bench._proc import process_cpu, server_pid  # noqa: E402
-from mamba_stream.plugin import MambaStreamPlugin  # noqa: E402
-from mamba_stream.state_codec.keyring import Keyring  # noqa: E402
-from mamba_stream.workflows import StreamClient, StreamOptions  # noqa: E402
+from bench._proc import process_cpu, server_pid
+from mamba_stream.plugin import MambaStreamPlugin
+from mamba_stream.state_codec.keyring import Keyring
+from mamba_stream.workflows import StreamClient, StreamOptions
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -56,11 +56,11 @@ class Counting(StreamClient):
     describes = 0
     queries = 0
 
-    async def progress(self, stream_id, desc=None):  # noqa: ANN001, ANN201 - StreamClient's
+    async def progress(self, stream_id, desc=None):  # StreamClient's signature
         self.describes += 1
         return await super().progress(stream_id, desc)
 
-    async def read_tokens(self, stream_id, **kw):  # noqa: ANN001, ANN003, ANN201
+    async def read_tokens(self, stream_id, **kw):
         try:
             return await super().read_tokens(stream_id, **kw)
         finally:
@@ -135,7 +135,8 @@ async def _row(streams: StreamClient, n: int, args: argparse.Namespace, server: 
     t_gen = time.perf_counter() - t0
     t_end = time.time()
     wall = t_gen
-    server_cpu, worker_cpu = ((process_cpu(server) - s0) / wall) if server else float("nan"), (process_cpu() - c0) / wall
+    server_cpu, worker_cpu = (((process_cpu(server) - s0) / wall) if server else float("nan"),
+                              (process_cpu() - c0) / wall)
     row = [n, f"{t_gen:.2f}"]
     if child is not None:
         assert child.stdout is not None
@@ -144,7 +145,8 @@ async def _row(streams: StreamClient, n: int, args: argparse.Namespace, server: 
         s0, c0, t0 = process_cpu(server) if server else 0.0, process_cpu(), time.perf_counter()
         idle = json.loads(await child.stdout.readline())
         wall = time.perf_counter() - t0
-        idle_server, idle_worker = ((process_cpu(server) - s0) / wall) if server else float("nan"), (process_cpu() - c0) / wall
+        idle_server, idle_worker = (((process_cpu(server) - s0) / wall) if server else float("nan"),
+                                    (process_cpu() - c0) / wall)
         await child.wait()
         assert busy["tokens"] == [len(gen.result.tokens)] * n  # each reader got every token
         row += [f"{busy['last'] - t_end:+.2f}", f"{busy['describes']:.0f}", f"{busy['queries']:.1f}",
@@ -156,7 +158,8 @@ async def _row(streams: StreamClient, n: int, args: argparse.Namespace, server: 
         await asyncio.sleep(args.idle)
         wall = time.perf_counter() - t0
         row += ["", "0", "0", f"{server_cpu:.2f}", f"{worker_cpu:.2f}", "", "0", "0",
-                f"{((process_cpu(server) - s0) / wall) if server else float('nan'):.2f}", f"{(process_cpu() - c0) / wall:.2f}", ""]
+                f"{((process_cpu(server) - s0) / wall) if server else float('nan'):.2f}",
+                f"{(process_cpu() - c0) / wall:.2f}", ""]
     h1 = (await streams.handle(sid).describe()).history_length
     await streams.cancel(sid)
     return [*row, h1 - h0]

@@ -18,14 +18,14 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mamba_stream.scan import ModelConfig, init_model, load_model  # noqa: E402
+from mamba_stream.scan import ModelConfig, init_model, load_model
 
 D_MODEL, N_LAYER, VOCAB = 256, 4, 1024
 
@@ -144,7 +144,8 @@ def main() -> None:
               "rounds interleaved")
         print(f"{'arch':<7} {'implementation':<26} {'prefill tok/s':>14} {'decode tok/s':>13} {'ms/step':>8}")
         for arch in ("mamba1", "mamba2", "mamba3"):
-            impls = {f"ours: {b}": _ours(ours[arch].with_backend(b), prefill_ids) for b in ("reference", "chunked", "exact")}
+            impls = {f"ours: {b}": _ours(ours[arch].with_backend(b), prefill_ids)
+                     for b in ("reference", "chunked", "exact")}
             if arch in hf_models:
                 impls[f"HF transformers {transformers_version()}"] = _hf(hf_models[arch][0], prefill_ids)
             _measure(impls, args.runs, args.steps, slow={"ours: reference"})
@@ -237,7 +238,8 @@ def big_decode(steps: int, backends: tuple[str, ...]) -> None:
                 st, path = r.state, r.path
             step = statistics.median(times[2:])
             rate = weight_bytes / step
-            print(f"{arch:<7} {backend:<10} {path:<11} {1 / step:>13,.1f} {step * 1000:>8.2f} {weight_bytes / 1e6:>10,.0f} "
+            print(f"{arch:<7} {backend:<10} {path:<11} {1 / step:>13,.1f} {step * 1000:>8.2f} "
+                  f"{weight_bytes / 1e6:>10,.0f} "
                   f"{rate / 1e9:>6.1f} {rate / bw:>8.0%}")
         del base
 

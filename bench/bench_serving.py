@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mamba_stream.scan import load_model  # noqa: E402
+from mamba_stream.scan import load_model
 
 
 def rss_bytes(field: str = "VmRSS") -> int:
@@ -89,7 +89,8 @@ def table_a(turns: int, tmp: Path) -> list[str]:
                    for _ in range(turns)]
     rows = ["## (a) Agent conversation: new tokens only vs re-feeding the history (HF transformers)", "",
             "same weights (Mamba-2, d_model 256, 4 layers), CPU; peak RSS growth during the turn", "",
-            "| turn | new tokens | history tokens | ours ms | ours peak MB | HF re-prefill ms | HF peak MB | HF / ours |",
+            "| turn | new tokens | history tokens | ours ms | ours peak MB | HF re-prefill ms | HF peak MB "
+            "| HF / ours |",
             "|---|---|---|---|---|---|---|---|"]
     state, history, ours_ms, hf_ms = ours.initial_state(), [], [], []
     with torch.inference_mode():
@@ -106,11 +107,11 @@ def table_a(turns: int, tmp: Path) -> list[str]:
             ours_ms.append(a * 1e3)
             hf_ms.append(b * 1e3)
             if i in (1, 2, 5, 10, 20, 30, 40, 50) or i == turns:
-                rows.append(f"| {i} | {len(toks)} | {len(history)} | {a * 1e3:.1f} | {m1.growth_mb:.1f} | {b * 1e3:.1f} | "
-                            f"{m2.growth_mb:.1f} | {b / a:.1f}x |")
+                rows.append(f"| {i} | {len(toks)} | {len(history)} | {a * 1e3:.1f} | {m1.growth_mb:.1f} | "
+                            f"{b * 1e3:.1f} | {m2.growth_mb:.1f} | {b / a:.1f}x |")
     k = max(1, turns // 5)
     sizes = [len(t) for t in turn_tokens]
-    ours_us = [ms * 1e3 / n for ms, n in zip(ours_ms, sizes)]
+    ours_us = [ms * 1e3 / n for ms, n in zip(ours_ms, sizes, strict=True)]
     hist = [sum(sizes[:i + 1]) for i in range(turns)]
     rows.append("")
     rows.append(f"first {k} turns vs last {k} (medians): ours {statistics.median(ours_ms[:k]):.1f} -> "
@@ -125,7 +126,7 @@ def table_a(turns: int, tmp: Path) -> list[str]:
 
 def _slope(xs: list[int], ys: list[float]) -> float:
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=False)) / sum((x - mx) ** 2 for x in xs)
 
 
 def _bench_model(tmp: Path) -> Path:
@@ -184,13 +185,13 @@ async def _throughput(levels: list[int], steps: int, gen_tokens: int, tmp: Path,
                 for i in range(steps):
                     t = time.perf_counter()
                     await streams.advance(sid, "bench", tokens=[i % 256], chunk_seq=i + 2)
-                    chunk_lat.append(time.perf_counter() - t)
+                    chunk_lat.append(time.perf_counter() - t)  # noqa: B023 - gathered below, within this iteration
 
             async def decode(sid: str) -> None:
                 for i in range(4):
                     t = time.perf_counter()
                     await streams.generate(sid, "bench", gen_tokens, seed=i, chunk_seq=steps + 2 + i)
-                    gen_lat.append(time.perf_counter() - t)
+                    gen_lat.append(time.perf_counter() - t)  # noqa: B023 - gathered below, within this iteration
 
             t0 = time.perf_counter()
             await asyncio.gather(*(chunks(s) for s in sids))
@@ -205,8 +206,9 @@ async def _throughput(levels: list[int], steps: int, gen_tokens: int, tmp: Path,
             chunk_lat.sort()
             gen_lat.sort()
             p99 = lambda xs: xs[int(0.99 * (len(xs) - 1))] * 1e3  # noqa: E731
-            rows.append(f"| {n} | {chunk_rate:,.1f} | {statistics.median(chunk_lat) * 1e3:.1f} | {p99(chunk_lat):.1f} | "
-                        f"{tok_rate:,.0f} | {tok_rate / base:.1f}x | {statistics.median(gen_lat) * 1e3:.1f} | "
+            rows.append(f"| {n} | {chunk_rate:,.1f} | {statistics.median(chunk_lat) * 1e3:.1f} | "
+                        f"{p99(chunk_lat):.1f} | {tok_rate:,.0f} | {tok_rate / base:.1f}x | "
+                        f"{statistics.median(gen_lat) * 1e3:.1f} | "
                         f"{p99(gen_lat):.1f} | {occupancy:.1f} |")
             await asyncio.gather(*(streams.cancel(s) for s in sids))
     acts.close()
@@ -222,10 +224,10 @@ def table_b_engine(levels: list[int], gen_tokens: int, tmp: Path,
     _bench_model(tmp)
     rows = ["### (b, beside it) the engine alone: the same model and decode load, one thread per stream", "",
             "sampling: `batched` = a SeededSampler per stream, sampled with the batch (`sample_rows`); `per row` = "
-            "a callable per stream (the per-row path, `activities._engine._sample_one`), called once per row. Same tokens "
-            "either way.", "",
-            "| backend | sampling | streams | decode tokens/s | x single stream | round ms | of which batched step ms | "
-            "streams per step |", "|---|---|---|---|---|---|---|---|"]
+            "a callable per stream (the per-row path, `activities._engine._sample_one`), called once per row. "
+            "Same tokens either way.", "",
+            "| backend | sampling | streams | decode tokens/s | x single stream | round ms "
+            "| of which batched step ms | streams per step |", "|---|---|---|---|---|---|---|---|"]
     for backend in backends:
         for batched in (True, False):
             rows += _engine_rows(levels, gen_tokens, tmp, backend, batched)
@@ -268,7 +270,8 @@ def _engine_rows(levels: list[int], gen_tokens: int, tmp: Path, backend: str, ba
         base = base or rate
         step_ms = (engine.stats.step_seconds - step_s0) / steps * 1e3
         rows.append(f"| {backend} | {'batched' if batched else 'per row'} | {n} | {rate:,.0f} | {rate / base:.1f}x | "
-                    f"{wall / steps * 1e3:.2f} | {step_ms:.2f} | {(engine.stats.stepped_streams - streams0) / steps:.1f} |")
+                    f"{wall / steps * 1e3:.2f} | {step_ms:.2f} | "
+                    f"{(engine.stats.stepped_streams - streams0) / steps:.1f} |")
         for sid in sids:
             engine.release(sid)
     engine.close()
@@ -321,15 +324,15 @@ def main() -> None:
     out: list[str] = [f"allocator: {tuned or 'glibc defaults'}", ""]
     with tempfile.TemporaryDirectory() as tmp:
         if "a" not in skip:
-            out += table_a(args.turns, Path(tmp)) + [""]
+            out += [*table_a(args.turns, Path(tmp)), ""]
         if "b" not in skip:
             levels = [int(x) for x in args.levels.split(",")]
             if "b-temporal" not in skip:
-                out += asyncio.run(_throughput(levels, args.steps, args.gen_tokens, Path(tmp),
-                                               args.temporal_backend)) + [""]
+                out += [*asyncio.run(_throughput(levels, args.steps, args.gen_tokens, Path(tmp),
+                                                 args.temporal_backend)), ""]
             if "b-engine" not in skip:
                 backends = tuple(args.engine_backends.split(","))
-                out += table_b_engine(levels, args.gen_tokens, Path(tmp), backends) + [""]
+                out += [*table_b_engine(levels, args.gen_tokens, Path(tmp), backends), ""]
         if "c" not in skip:
             if skip >= {"a", "b"}:
                 out += table_c(args.positions)

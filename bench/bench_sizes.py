@@ -4,11 +4,11 @@ read bandwidth measured in the same run.
 For each shape (`bench/make_checkpoint.py`: random weights, Hugging Face layout) and each format
 the checkpoint is stored in, a fresh process loads it and reports: the time from `load_model` to
 the first token's logits (the first load of the process, then a second one: page cache warm, the
-revision hash cached, as a restarted worker finds it), its peak RSS beside the weight file's size, prefill tokens/s (one chunk
-of --prefill tokens, 128 at 7B), decode tokens/s (median 1-token step), the weight bytes a decode
-step reads over its time (GB/s) and that rate's share of the measured read bandwidth (a threaded
-sum over 1 GiB). A decode step must read every matrix once: that share is how close it runs to
-the memory's limit.
+revision hash cached, as a restarted worker finds it), its peak RSS beside the weight file's size,
+prefill tokens/s (one chunk of --prefill tokens, 128 at 7B), decode tokens/s (median 1-token
+step), the weight bytes a decode step reads over its time (GB/s) and that rate's share of the
+measured read bandwidth (a threaded sum over 1 GiB). A decode step must read every matrix once:
+that share is how close it runs to the memory's limit.
 
 With LLAMA_BENCH=/path/to/llama-bench (docs/llamacpp.md says how to build it from the
 llama-cpp-python sdist) and GGUF files beside the checkpoints (`<ckpt>/model-<format>.gguf`), the
@@ -113,7 +113,8 @@ def main() -> None:
     ap.add_argument("--sizes", default="130m,1.4b")
     ap.add_argument("--formats", default="", help="only these formats (default: every format a size is measured in)")
     ap.add_argument("--shapes", default="", help="only these shapes, e.g. 7b-mamba1 (default: both of every size)")
-    ap.add_argument("--dir", type=Path, default=Path(os.environ.get("MAMBA_STREAM_BENCH_DIR", "/tmp/mamba-stream-bench")))
+    ap.add_argument("--dir", type=Path,
+                    default=Path(os.environ.get("MAMBA_STREAM_BENCH_DIR", "/tmp/mamba-stream-bench")))
     ap.add_argument("--steps", type=int, default=0, help="decode steps (default 32; 8 at 7B)")
     ap.add_argument("--runs", type=int, default=3, help="prefill runs per process (medians)")
     ap.add_argument("--child", nargs=2, metavar=("CKPT", "WEIGHTS"), help=argparse.SUPPRESS)
@@ -131,10 +132,10 @@ def main() -> None:
 
     bw = read_bandwidth()
     llama = os.environ.get("LLAMA_BENCH")
-    print(f"exact backends ({args.backends}), {os.cpu_count()} threads; read bandwidth {bw / 1e9:.1f} GB/s (a threaded sum of 1 GiB); "
-          f"random-weight checkpoints (bench/make_checkpoint.py); one process per row")
-    print(f"{'shape':<12} {'format':<9} {'file GB':>8} {'load s':>11} {'RSS GB':>7} {'RSS/file':>8} {'prefill tok/s':>14} "
-          f"{'decode tok/s':>13} {'GB/s':>6} {'of bw':>6}  arithmetic")
+    print(f"exact backends ({args.backends}), {os.cpu_count()} threads; read bandwidth {bw / 1e9:.1f} GB/s "
+          f"(a threaded sum of 1 GiB); random-weight checkpoints (bench/make_checkpoint.py); one process per row")
+    print(f"{'shape':<12} {'format':<9} {'file GB':>8} {'load s':>11} {'RSS GB':>7} {'RSS/file':>8} "
+          f"{'prefill tok/s':>14} {'decode tok/s':>13} {'GB/s':>6} {'of bw':>6}  arithmetic")
     for size in args.sizes.split(","):
         prefill = args.prefill or (512 if size == "130m" else 128)
         steps = args.steps or (8 if size == "7b" else 32)
@@ -159,15 +160,15 @@ def main() -> None:
                     load = f"{r['first_token_s']:.1f}, {r['again_s']:.1f}"
                     print(f"{shape:<12} {fmt:<9} {file_gb:>8.2f} {load:>11} {r['rss_peak_gb']:>7.2f} "
                           f"{r['rss_peak_gb'] / file_gb:>8.2f} {r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.2f} "
-                          f"{r['weight_gbs']:>6.1f} {r['weight_gbs'] * 1e9 / bw:>6.0%}  {r['arithmetic']} ({r['path']}, "
-                          f"probe {r['probe_s']:.1f} s)")
+                          f"{r['weight_gbs']:>6.1f} {r['weight_gbs'] * 1e9 / bw:>6.0%}  "
+                          f"{r['arithmetic']} ({r['path']}, probe {r['probe_s']:.1f} s)")
                 if llama and rows:
                     ll = _llama(llama, ckpt / f"model-{fmt}.gguf", prefill, steps)
                     if ll:
                         ratios = "; ".join(f"{b} prefill {x['prefill_tok_s'] / ll['prefill_tok_s']:.2f}x, decode "
                                            f"{x['decode_tok_s'] / ll['decode_tok_s']:.2f}x" for b, x in rows.items())
-                        print(f"{'':<12} {'llama.cpp':<9} {'':>8} {'':>11} {'':>7} {'':>8} {ll['prefill_tok_s']:>14.1f} "
-                              f"{ll['decode_tok_s']:>13.2f}   -> ours/llama.cpp: {ratios}")
+                        print(f"{'':<12} {'llama.cpp':<9} {'':>8} {'':>11} {'':>7} {'':>8} "
+                              f"{ll['prefill_tok_s']:>14.1f} {ll['decode_tok_s']:>13.2f}   -> ours/llama.cpp: {ratios}")
 
 
 if __name__ == "__main__":

@@ -29,18 +29,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from temporalio.client import Client  # noqa: E402
-from temporalio.worker import Worker  # noqa: E402
+from _noop_workflow import NoopWorkflow
+from temporalio.client import Client
+from temporalio.worker import Worker
 
-from _noop_workflow import NoopWorkflow  # noqa: E402
-from mamba_stream.activities import open_store  # noqa: E402
-from mamba_stream.activities._registry import ModelRegistry  # noqa: E402
-from mamba_stream.activities._stream import StreamActivities  # noqa: E402
-from mamba_stream.plugin import MambaStreamPlugin  # noqa: E402
-from mamba_stream.scan import ModelConfig, init_model, save_checkpoint  # noqa: E402
-from mamba_stream.state_codec.codec import Keyring  # noqa: E402
-from mamba_stream.worker import DEV_SERVER_DYNAMIC_CONFIG, start_dev_server  # noqa: E402
-from mamba_stream.workflows import StreamClient, StreamOptions  # noqa: E402
+from mamba_stream.activities import open_store
+from mamba_stream.activities._registry import ModelRegistry
+from mamba_stream.activities._stream import StreamActivities
+from mamba_stream.plugin import MambaStreamPlugin
+from mamba_stream.scan import ModelConfig, init_model, save_checkpoint
+from mamba_stream.state_codec.codec import Keyring
+from mamba_stream.worker import DEV_SERVER_DYNAMIC_CONFIG, start_dev_server
+from mamba_stream.workflows import StreamClient, StreamOptions
 
 RPS = "history.transferProcessorMaxPollRPS"
 #: the paths a chunk can take, as the stream's options choose them
@@ -67,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
 @dataclass
@@ -160,7 +160,8 @@ async def _generate_rows(streams: StreamClient, cells: dict[str, Cell], args: ar
     await streams.advance(sid, "bench", tokens=list(range(16)), chunk_seq=1)
     first = cells[f"generate {args.generate}, streamed: first token at the caller"] = Cell()
     whole = cells[f"generate {args.generate}, streamed: whole result"] = Cell()
-    plain = cells[f"generate {args.generate}, not streamed ({'local' if args.generate <= 256 else 'regular'}): result"] = Cell()
+    plain = cells[f"generate {args.generate}, not streamed "
+                  f"({'local' if args.generate <= 256 else 'regular'}): result"] = Cell()
     step = cells["decode step: raw model.advance, 1 token"] = Cell()
     state = served.advance(served.initial_state(), list(range(16))).state
     for i in range(n + warm):
@@ -209,7 +210,8 @@ def run(args: argparse.Namespace) -> str:
         local = raised[f"advance, {size}-token chunk: local activity"].median
         if size == 1:
             default = raised[f"advance, {size}-token chunk: local activity, no chunk_seq given"].median
-            asked = raised[f"advance, {size}-token chunk: local activity, a stats query first (as before issue 44)"].median
+            asked = raised[f"advance, {size}-token chunk: local activity, a stats query first "
+                           f"(as before issue 44)"].median
             lines.append(f"- 1-token advance, local: {local * 1e3:.2f} ms = {local / noop:.2f}x the no-op round "
                          f"trip (target <= 2.0x: {'met' if local <= 2 * noop else 'missed'}); with no chunk_seq "
                          f"given: {default * 1e3:.2f} ms = {default / noop:.2f}x (a stats query first, as "

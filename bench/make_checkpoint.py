@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mamba_stream.scan import Q8Weight, config_from_json, parameter_shapes, quantize_q8  # noqa: E402
+from mamba_stream.scan import Q8Weight, config_from_json, parameter_shapes, quantize_q8
 
 QB = Q8Weight.block
 
@@ -107,14 +107,16 @@ def make(shape: str, dtype: str, out: Path, seed: int = 0) -> Path:
         return out
     out.mkdir(parents=True, exist_ok=True)
     cfg, _ = config_from_json(cfg_json)
-    names = {("backbone.embeddings.weight" if k == "backbone.embedding.weight" else k): v for k, v in parameter_shapes(cfg).items()}
+    names = {("backbone.embeddings.weight" if k == "backbone.embedding.weight" else k): v
+             for k, v in parameter_shapes(cfg).items()}
     # the entries of the file: (name, safetensors dtype, shape, what fills it)
     entries: list[tuple[str, str, list[int], str, str]] = []
     for name in sorted(names):
         shp = list(names[name])
         if dtype == "q8" and name.endswith(_MATRICES):
             nb = (shp[1] + QB - 1) // QB
-            entries += [(name + "_q8", "I8", [shp[0], nb * QB], name, "q"), (name + "_scale", "F16", [shp[0], nb], name, "d")]
+            entries += [(name + "_q8", "I8", [shp[0], nb * QB], name, "q"),
+                        (name + "_scale", "F16", [shp[0], nb], name, "d")]
         else:
             entries.append((name, "F32" if dtype == "q8" else _DTYPES[dtype][1], shp, name, "v"))
     entries.sort()

@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mamba_stream.scan import PRESETS, TRAINED_PRESETS, load_model  # noqa: E402
-from mamba_stream.scan._drift import measure_drift, misalignment, random_partition  # noqa: E402
+from mamba_stream.scan import PRESETS, TRAINED_PRESETS, load_model
+from mamba_stream.scan._drift import measure_drift, misalignment, random_partition
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 #: a dtype may name a weight format after a slash: "float32/q8" computes in float32 on q8 weights
@@ -92,11 +92,13 @@ def run(args: argparse.Namespace) -> str:
                     f"| {preset} | {backend} | {dname} | {pair.full.logits_abs:.2e} / {pair.chunked.logits_abs:.2e} "
                     f"| {max(pair.full.logits_rel, pair.chunked.logits_rel):.2e} "
                     f"| {pair.full.state_abs_max:.2e} / {pair.chunked.state_abs_max:.2e} "
-                    f"| {max(pair.full.state_rel, pair.chunked.state_rel):.2e} | {worst.split('.', 2)[-1]} | {'ok' if ok else 'BROKEN'} | {min(mis.values()):.2e} | {margin:.0e}x |")
+                    f"| {max(pair.full.state_rel, pair.chunked.state_rel):.2e} | {worst.split('.', 2)[-1]} "
+                    f"| {'ok' if ok else 'BROKEN'} | {min(mis.values()):.2e} | {margin:.0e}x |")
                 detail.append(f"\n## {preset}, {backend}, {dname}\n")
                 detail.append("| positions | logits abs, 1 call | logits abs, partition |")
                 detail.append("|---|---|---|")
-                for (rng_txt, a), (_, b) in zip(pair.full.by_position_buckets(), pair.chunked.by_position_buckets()):
+                for (rng_txt, a), (_, b) in zip(pair.full.by_position_buckets(), pair.chunked.by_position_buckets(),
+                                                strict=False):
                     detail.append(f"| {rng_txt} | {a:.2e} | {b:.2e} |")
                 detail.append("\n| layer | state abs, 1 call | state abs, partition |")
                 detail.append("|---|---|---|")

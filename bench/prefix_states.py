@@ -71,13 +71,15 @@ PRINCIPAL = "bench-agents"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--agents", type=int, default=32, help="agents opening with the prefix (agent 1, then 2..N at once)")
+    ap.add_argument("--agents", type=int, default=32,
+                    help="agents opening with the prefix (agent 1, then 2..N at once)")
     ap.add_argument("--prefix-tokens", type=int, default=2048, help="tokens of the shared prefix")
     ap.add_argument("--gen-tokens", type=int, default=16, help="tokens each agent generates (streamed, greedy)")
     ap.add_argument("--solo", type=int, default=4, help="agents opened one at a time after the N (0: none)")
     ap.add_argument("--model", default="130m-mamba2",
                     help="130m-mamba2 (bench/make_checkpoint.py's shape, random weights, float32) or a preset name")
-    ap.add_argument("--backend", default="exact", help="scan backend of the served model (exact: the prefix store serves)")
+    ap.add_argument("--backend", default="exact",
+                    help="scan backend of the served model (exact: the prefix store serves)")
     ap.add_argument("--store", default="", help="state store URL (default: a file store in a temporary directory; "
                     "postgresql://...: a table per mode)")
     ap.add_argument("--noop-n", type=int, default=30, help="no-op update round trips measured (after 5 warm-up)")
@@ -360,14 +362,16 @@ def run(args: argparse.Namespace) -> str:
              f"({t_all:,.0f} s in all; load average before {load0[0]:.1f}, after {load1[0]:.1f} (1 min), "
              f"{load1[2]:.1f} (15 min)). Times in ms."), ""]
     head = ["mode", "agent 1 TTFT", f"agents 2..{n} TTFT median", "max", "wall s", "CPU s: worker + clients",
-            "CPU s: dev server", "CPU s: other processes", "prefill tokens computed", "x the prefix", "metric prefix_tokens computed / stored",
+            "CPU s: dev server", "CPU s: other processes", "prefill tokens computed", "x the prefix",
+            "metric prefix_tokens computed / stored",
             "hits / misses", "open attempts", "streams' checkpoints (MB)", "prefix store bytes"]
     lines += ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for mode, r in modes.items():
         w = [a.first for a in r.wave]
         lines.append("| " + " | ".join([
             MODE_NAMES[mode], _ms(r.agent1.first), _ms(statistics.median(w)), _ms(max(w)), f"{r.wall:.1f}",
-            f"{r.cpu_self:.1f}", f"{r.cpu_server:.1f}", f"{max(r.cpu_others, 0.0):.1f}", f"{r.advance_tokens:,}", f"{r.advance_tokens / p:.2f}x",
+            f"{r.cpu_self:.1f}", f"{r.cpu_server:.1f}", f"{max(r.cpu_others, 0.0):.1f}", f"{r.advance_tokens:,}",
+            f"{r.advance_tokens / p:.2f}x",
             f"{r.computed:,} / {r.stored:,}", f"{r.hits} / {r.misses}",
             f"{sum(a.attempts for a in (r.agent1, *r.wave))}", f"{r.checkpoints} ({r.checkpoint_bytes / 1e6:,.1f})",
             f"{r.store_bytes:,} ({r.entries} {'entry' if r.entries == 1 else 'entries'})"]) + " |")
@@ -403,7 +407,8 @@ def run(args: argparse.Namespace) -> str:
         lines.append(f"- Side by side, off / on: agents 2..{n} median TTFT "
                      f"{_med(a.first for a in off.wave) / _med(a.first for a in on.wave):.1f}x; CPU (worker + "
                      f"clients + server) {(off.cpu_self + off.cpu_server) / (on.cpu_self + on.cpu_server):.1f}x; "
-                     f"wall {off.wall / on.wall:.1f}x; prefill tokens {off.advance_tokens / max(on.advance_tokens, 1):.1f}x.")
+                     f"wall {off.wall / on.wall:.1f}x; "
+                     f"prefill tokens {off.advance_tokens / max(on.advance_tokens, 1):.1f}x.")
     lines += ["", "Checks:"]
     for mode, r in modes.items():
         origins = Counter((a.stored, a.scope) for a in (r.agent1, *r.wave, *r.solo))

@@ -24,14 +24,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from temporalio.client import Client  # noqa: E402
-from temporalio.worker import Worker  # noqa: E402
+from temporalio.client import Client
+from temporalio.worker import Worker
 
-from mamba_stream.activities import ModelRegistry, StreamActivities, open_store  # noqa: E402
-from mamba_stream.plugin import MambaStreamPlugin  # noqa: E402
-from mamba_stream.state_codec.codec import Keyring  # noqa: E402
-from mamba_stream.worker import start_dev_server  # noqa: E402
-from mamba_stream.workflows import StreamClient, StreamOptions  # noqa: E402
+from mamba_stream.activities import ModelRegistry, StreamActivities, open_store
+from mamba_stream.plugin import MambaStreamPlugin
+from mamba_stream.state_codec.codec import Keyring
+from mamba_stream.worker import start_dev_server
+from mamba_stream.workflows import StreamClient, StreamOptions
 
 #: a big model's chunk takes seconds: no local attempt, timeouts to match
 OPTIONS = StreamOptions(local_chunks=False, activity_timeout_s=1800.0, heartbeat_timeout_s=120.0)

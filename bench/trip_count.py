@@ -26,8 +26,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench._agent_paths import AgentInput, InWorkflowAgent, Turn
-from tests.workflows.conftest import _start, make_stack
+from bench._agent_paths import AgentInput, InWorkflowAgent, Turn  # noqa: E402 - after sys.path names the repository
+from tests.workflows.conftest import _start, make_stack  # noqa: E402
 
 _ON = [False]
 _CALLS: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -78,7 +78,8 @@ async def main(owner: bool) -> None:
     by_file: collections.Counter[str] = collections.Counter()
     for (f, _), n in _CALLS.items():
         by_file[f] += n
-    print(f"one advance{' through ModelStream' if owner else ''}: {len(by_file)} files, {sum(_CALLS.values())} calls, {len(_CALLS)} distinct functions")
+    print(f"one advance{' through ModelStream' if owner else ''}: {len(by_file)} files, {sum(_CALLS.values())} calls, "
+          f"{len(_CALLS)} distinct functions")
     for f, n in by_file.most_common():
         print(f"{n:6d}  {f}")
     if "--functions" in sys.argv[1:]:

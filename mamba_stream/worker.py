@@ -200,7 +200,7 @@ async def _sweep_forever(cfg: WorkerConfig, client, acts) -> None:
             if rep.orphans:
                 log.info("orphan sweep: %d of %d streams orphaned, %d blobs deleted", len(rep.orphans),
                          rep.checked, rep.blobs_deleted)
-        except Exception:  # noqa: BLE001 - a failed sweep is retried at the next interval
+        except Exception:  # a failed sweep is retried at the next interval
             log.exception("orphan sweep failed")
 
 
@@ -242,7 +242,7 @@ def serve(cfg: WorkerConfig, *, activities=None) -> int:
 CODEC_ENDPOINT_FILE = "codec-endpoint"
 
 
-def start_embedded(cfg: WorkerConfig, keyring) -> tuple[EmbeddedTemporal, Any]:  # noqa: ANN001 - a Keyring
+def start_embedded(cfg: WorkerConfig, keyring) -> tuple[EmbeddedTemporal, Any]:  # a Keyring
     """The embedded stack: the codec server (CORS for the UI's own origin), then the dev server
     with the UI pointed at the codec server's address. The operator's token is in neither's
     command line nor in the UI's settings (which any browser that reaches the UI reads): the

@@ -24,7 +24,8 @@ __all__ = ["downgrade_file_store", "downgrade_meta", "downgrade_pg_rows", "legac
            "legacy_pg_row", "legacy_pg_table", "to_version_1"]
 
 
-def legacy_blob(tensors: Mapping[str, torch.Tensor], receipt: Receipt, keyring: Keyring, schema_json: str = "") -> bytes:
+def legacy_blob(tensors: Mapping[str, torch.Tensor], receipt: Receipt, keyring: Keyring,
+                schema_json: str = "") -> bytes:
     """A version-1 checkpoint of `tensors` for `receipt`: `bound` and `schema` in clear in the map,
     the associated data every byte before the ciphertext."""
     pieces, _ = _pieces(tensors, DIGEST)

@@ -16,5 +16,5 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 LONG_FIRST = ("tests/workflows/test_many_streams.py",)
 
 
-def pytest_collection_modifyitems(session, config, items) -> None:  # noqa: ANN001 - pytest's hook
+def pytest_collection_modifyitems(session, config, items) -> None:  # pytest's hook
     items.sort(key=lambda item: item.nodeid.split("::")[0] not in LONG_FIRST)  # stable: order kept otherwise

@@ -136,7 +136,7 @@ async def test_the_own_queue_is_served_beside_and_a_worker_that_cannot_have_it_s
         acts = _Acts(worker_queue=queue + "@other")
         plugin = MambaStreamPlugin(keyring=Keyring.generate(), activities=acts)
         async with Worker(bare, task_queue=queue + "@other", activities=[_noop]):
-            with pytest.raises(RuntimeError, match="(?i)failed creating worker"):
+            with pytest.raises(RuntimeError, match=r"(?i)failed creating worker"):
                 async with asyncio.timeout(60), Worker(bare, task_queue=queue + "-b", plugins=[plugin]):
                     await asyncio.Event().wait()  # the worker's failure ends this
         assert acts.closed == 1
@@ -157,7 +157,8 @@ def test_a_worker_throttles_heartbeats_to_the_progress_interval():
     assert plugin.configure_worker({"max_heartbeat_throttle_interval": timedelta(seconds=60)})[
         "max_heartbeat_throttle_interval"] == ours == heartbeat_throttle()
     shorter = timedelta(milliseconds=20)  # a worker that asked for less keeps it
-    assert plugin.configure_worker({"max_heartbeat_throttle_interval": shorter})["max_heartbeat_throttle_interval"] == shorter
+    assert plugin.configure_worker(
+        {"max_heartbeat_throttle_interval": shorter})["max_heartbeat_throttle_interval"] == shorter
     assert plugin.configure_worker({})["max_heartbeat_throttle_interval"] == ours
 
 
@@ -206,7 +207,7 @@ async def test_every_payload_kind_the_converter_makes_is_encrypted(stream):
     assert b"binary/null" in kinds and b"binary/plain" in kinds  # the two the JSON-only tests missed
 
     encoded = await conv.encode(values)
-    for p, kind in zip(encoded, kinds):
+    for p, kind in zip(encoded, kinds, strict=True):
         assert p.metadata["encoding"] == ENCRYPTED_ENCODING, kind
         assert set(p.metadata) <= {"encoding", "encryption-key-id", "encryption-tag"}, kind
         assert ("encryption-tag" in p.metadata) == (stream is not None and stream.startswith("ms.")), kind

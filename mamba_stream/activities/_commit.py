@@ -193,7 +193,8 @@ class ChunkCommit:
 
     def later_chunks(self, receipt: Receipt) -> list[tuple[int, int]]:
         """(epoch, chunk_seq) of the stream's stored checkpoints that come after `receipt`'s."""
-        return [(e, c) for _, e, c in self._checkpoints(receipt.stream_id) if (e, c) > (receipt.epoch, receipt.chunk_seq)]
+        return [(e, c) for _, e, c in self._checkpoints(receipt.stream_id)
+                if (e, c) > (receipt.epoch, receipt.chunk_seq)]
 
     def revoke_before(self, stream_id: str, principal: str, epoch: int) -> int:
         """Delete every stored checkpoint and result record of the stream from an epoch before

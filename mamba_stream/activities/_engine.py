@@ -42,7 +42,8 @@ from mamba_stream.activities._slots import SlotTable
 from mamba_stream.failures import Failure
 from mamba_stream.scan import Model, NonFiniteOutput, State
 
-__all__ = ["ChunkOutput", "EngineDead", "EngineStats", "NeedsLoad", "SeededSampler", "StreamBusy", "StreamEngine", "sample_rows"]
+__all__ = ["ChunkOutput", "EngineDead", "EngineStats", "NeedsLoad", "SeededSampler", "StreamBusy", "StreamEngine",
+           "sample_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +177,7 @@ def _sample_rows(logits: torch.Tensor, samplers: list[SeededSampler]) -> list[in
 
     greedy = [i for i, s in enumerate(samplers) if s.temperature == 0.0]
     if greedy:
-        for i, t in zip(greedy, torch.argmax(logits[greedy], dim=-1).tolist()):
+        for i, t in zip(greedy, torch.argmax(logits[greedy], dim=-1).tolist(), strict=True):
             out[i] = int(t)
     rest = [i for i, s in enumerate(samplers) if s.temperature != 0.0]
     if rest and not _multinomial_form_holds():
@@ -211,7 +212,7 @@ def _sample_rows(logits: torch.Tensor, samplers: list[SeededSampler]) -> list[in
             picks = torch.argmax(probs[sel] / q[sel], dim=-1)  # (g,)
             if cols is not None:
                 picks = cols[sel].gather(1, picks.unsqueeze(1)).squeeze(1)
-            for j, t in zip(good, picks.tolist()):
+            for j, t in zip(good, picks.tolist(), strict=True):
                 out[idx[j]] = int(t)
     return out
 
@@ -558,7 +559,7 @@ class StreamEngine:
     def _run(self) -> None:
         try:
             self._loop()
-        except BaseException as exc:  # noqa: BLE001 - recorded for the callers left waiting (`_alive`)
+        except BaseException as exc:  # recorded for the callers left waiting (`_alive`)
             self._died = exc
             log.critical("the engine thread of %s died", self.model.model_id, exc_info=exc)
             raise
@@ -687,7 +688,7 @@ class StreamEngine:
     def _sample_batch(self, logits: torch.Tensor, batched: list[tuple[int, _Work]]) -> None:
         """The next token of every row in `batched` ((row of `logits`, work)), sampled at once."""
         toks = _sample_rows(logits[[i for i, _ in batched]], [w.sampler for _, w in batched])  # type: ignore[misc]
-        for (_, w), tok in zip(batched, toks):
+        for (_, w), tok in zip(batched, toks, strict=True):
             if isinstance(tok, Exception):
                 self._fail(w, tok)
                 continue

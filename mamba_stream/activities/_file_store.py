@@ -211,7 +211,7 @@ class FileStateStore(StateStore):
     def _read(self, key: str) -> tuple[dict, bytes] | None:
         """An object's header (a legacy one's marked `legacy`) and blob; None if there is none."""
         try:
-            fh = open(self._object(key), "rb")
+            fh = open(self._object(key), "rb")  # noqa: SIM115 - closed by the `with fh:` below
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -238,7 +238,7 @@ class FileStateStore(StateStore):
         (hlen,) = struct.unpack_from("<I", head, 5)
         header = json.loads(fh.read(hlen))
         if not isinstance(header, dict):
-            raise ValueError("header is not an object")  # noqa: TRY004 - caught: a corrupt object
+            raise ValueError("header is not an object")  # caught: a corrupt object
         header["legacy"] = head[:5] == _LEGACY_MAGIC
         return header
 

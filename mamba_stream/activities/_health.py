@@ -108,7 +108,7 @@ class WorkerHealth:
         for listener in listeners:
             try:
                 listener(why)
-            except Exception:  # noqa: BLE001 - one listener's fault must not keep the others from hearing
+            except Exception:  # one listener's fault must not keep the others from hearing
                 log.exception("a listener of the worker's trip failed")
         return True
 

@@ -171,12 +171,14 @@ class PostgresStateStore(StateStore):
         self._own = own
         # a row of this store's owner (a tag), and (legacy layout) a legacy row of a principal's name
         self._tagged = f"{own} = %s" + (" AND octet_length(sha256) = 0" if self.legacy_layout else "")
-        self._named = f"{own} = %s AND octet_length(sha256) = 32" if self.legacy_layout else "false AND %s::text IS NULL"
+        self._named = (f"{own} = %s AND octet_length(sha256) = 32" if self.legacy_layout
+                       else "false AND %s::text IS NULL")
         self._mine = f"(({self._tagged}) OR ({self._named}))"
         self._insert_cols = (f"key, stream_id, {own}, data, size" + (", sha256" if self.legacy_layout else ""))
         self._insert_vals = "%s, %s, %s, %b, %s" + (", ''::bytea" if self.legacy_layout else "")
 
-    _FENCE = "EXISTS (SELECT 1 FROM {meta} WHERE kind = %s AND name = %s AND substring(data from 1 for %s) = %b FOR SHARE)"
+    _FENCE = ("EXISTS (SELECT 1 FROM {meta} WHERE kind = %s AND name = %s AND substring(data from 1 for %s) = %b "
+              "FOR SHARE)")
 
     def _fence_sql(self, fence: Fence | None) -> tuple[str, tuple]:
         if fence is None:

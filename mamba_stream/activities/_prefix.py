@@ -57,7 +57,15 @@ from typing import Any, Literal
 import torch
 
 from mamba_stream.activities._metrics import StreamMetrics
-from mamba_stream.activities._store import Fence, LeaseLost, StateStore, StoreCorrupt, StoreError, since_of, since_record
+from mamba_stream.activities._store import (
+    Fence,
+    LeaseLost,
+    StateStore,
+    StoreCorrupt,
+    StoreError,
+    since_of,
+    since_record,
+)
 from mamba_stream.scan import Model, State
 from mamba_stream.state_codec import Origin, Receipt, StateRejected, continue_arithmetic, prefix_digest
 from mamba_stream.state_codec.codec import Keyring, open_bytes, seal, seal_bytes, unseal

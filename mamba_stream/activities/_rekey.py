@@ -18,6 +18,7 @@ live workers; and it is idempotent: run again it finds nothing. Every worker's s
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -66,10 +67,8 @@ def rekey_store(store: StateStore, keyring: Keyring, prefixes: PrefixStore | Non
         if store.rewrite(key=obj.key, data=data, owner=owner, legacy=obj.principal):
             rep.objects += 1
             rep.resealed += sealed
-    try:
+    with contextlib.suppress(NotImplementedError):  # a store that keeps no metadata holds no prefix records
         rep.records = (prefixes or PrefixStore(store, keyring)).rekey()
-    except NotImplementedError:  # a store that keeps no metadata holds no prefix records
-        pass
     if rep.objects or rep.records or rep.unreadable:
         log.info("rekeyed %s: %d objects (%d checkpoints resealed), %d prefix records; %d unreadable left",
                  store.url, rep.objects, rep.resealed, rep.records, rep.unreadable)

@@ -170,7 +170,7 @@ class SlotTable:
             logits = torch.empty_like(sorted_logits)
             logits[torch.tensor(order, dtype=torch.long, device=dev)] = sorted_logits
         self._clock += 1
-        for h, m in zip(handles, metas):
+        for h, m in zip(handles, metas, strict=True):
             self.has_logits[h.slot] = True
             m.position += 1
             m.state_key = None

@@ -31,7 +31,6 @@ import json
 import re
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
-from typing import Union
 
 from mamba_stream.failures import Failure
 
@@ -50,7 +49,7 @@ __all__ = [
     "open_store",
 ]
 
-Blob = Union[bytes, bytearray, memoryview]
+Blob = bytes | bytearray | memoryview
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
 
@@ -258,7 +257,7 @@ class StateStore(ABC):
         """Names of the metadata records of `kind`, sorted."""
         raise NotImplementedError(f"{type(self).__name__} keeps no metadata")
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a default, not abstract: a store without connections has none to release
         """Release connections or handles."""
 
     def __enter__(self) -> StateStore:

@@ -159,7 +159,7 @@ def _typed_errors(metrics: StreamMetrics | None = None, model_id: str = "",
         raise
     except CancelledError:
         raise
-    except Exception as exc:  # noqa: BLE001 - every exception leaves typed, or is retried a bounded number of times
+    except Exception as exc:  # every exception leaves typed, or is retried a bounded number of times
         if isinstance(exc, Failure):  # a reason of its own: application_error types it
             if metrics is not None and isinstance(exc, StateRejected):
                 if isinstance(exc, RequestRejected):
@@ -230,7 +230,7 @@ def _top_k(last: torch.Tensor | None, k: int) -> list[TokenLogprob]:
         return []
     logp = torch.log_softmax(last.double(), dim=-1)
     vals, idx = torch.topk(logp, min(k, logp.numel()))
-    return [TokenLogprob(token=int(i), logprob=float(v)) for v, i in zip(vals, idx)]
+    return [TokenLogprob(token=int(i), logprob=float(v)) for v, i in zip(vals, idx, strict=True)]
 
 
 class StreamActivities:
@@ -329,11 +329,11 @@ class StreamActivities:
             # one token in, one sampled: the batched step, the sampler and the engine's pace
             sid = f"warm-{mid}"
             engine.put(sid, model.initial_state(), epoch=0, state_key="warm/0")
-            try:
-                engine.advance(sid, [0], expected_key="warm/0", epoch=0, load=lambda: (model.initial_state(), None))
+            try:  # advance and generate wait: their `load` runs within this iteration (B023)
+                engine.advance(sid, [0], expected_key="warm/0", epoch=0, load=lambda: (model.initial_state(), None))  # noqa: B023
                 engine.mark_committed(sid, "warm/1")
                 engine.generate(sid, SeededSampler(1.0, 0, torch.Generator().manual_seed(0)), 1,
-                                expected_key="warm/1", epoch=0, load=lambda: (model.initial_state(), None))
+                                expected_key="warm/1", epoch=0, load=lambda: (model.initial_state(), None))  # noqa: B023
             finally:
                 engine.release(sid)
             took[mid] = time.perf_counter() - t0
@@ -738,10 +738,10 @@ class StreamActivities:
                 else:
                     self.metrics.time_to_first_output.record(now - t0, {**step_labels, "kind": "generate"})
                 last_t = now
-                if sampled and ask.stop and transform is not None:
-                    if any(s_ and s_ in transform.decode(sampled) for s_ in ask.stop):
-                        finish = "stop"
-                        return False
+                if sampled and ask.stop and transform is not None \
+                        and any(s_ and s_ in transform.decode(sampled) for s_ in ask.stop):
+                    finish = "stop"
+                    return False
                 if sampled and sampled[-1] in eos:
                     finish = "eos"
                     return False

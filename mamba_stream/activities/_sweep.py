@@ -39,7 +39,14 @@ from temporalio.service import RPCError, RPCStatusCode
 from mamba_stream.activities._metrics import StreamMetrics
 from mamba_stream.activities._prefix import PrefixSweep, is_prefix_stream
 from mamba_stream.activities._rekey import RekeyReport, rekey_store
-from mamba_stream.activities._store import StateStore, StoreError, StoreOwnedElsewhere, StoreOwner, since_of, since_record
+from mamba_stream.activities._store import (
+    StateStore,
+    StoreError,
+    StoreOwnedElsewhere,
+    StoreOwner,
+    since_of,
+    since_record,
+)
 
 __all__ = ["SweepReport", "claim_store", "store_owner", "sweep_orphans"]
 

@@ -68,8 +68,8 @@ async def _demo(args: argparse.Namespace) -> int:
         cfg.address = server.address
     queue = f"mamba-stream-demo-{uuid.uuid4().hex[:8]}"
     env = dict(os.environ, TEMPORAL_ADDRESS=cfg.address, MAMBA_STREAM_HOME=str(cfg.home),
-               MAMBA_STREAM_TASK_QUEUE=queue, MAMBA_STREAM_BACKEND=os.environ.get("MAMBA_STREAM_BACKEND", "auto"), MAMBA_STREAM_MODELS=args.model,
-               MAMBA_STREAM_STORE=cfg.store)
+               MAMBA_STREAM_TASK_QUEUE=queue, MAMBA_STREAM_BACKEND=os.environ.get("MAMBA_STREAM_BACKEND", "auto"),
+               MAMBA_STREAM_MODELS=args.model, MAMBA_STREAM_STORE=cfg.store)
     if cfg.keyring:
         env["MAMBA_STREAM_KEYRING"] = cfg.keyring
     worker_log = cfg.home / "demo-worker.log"
@@ -103,7 +103,7 @@ async def _demo(args: argparse.Namespace) -> int:
         cp = await streams.checkpoint(sid, alice)
         print(f"   checkpoint at position {cp.receipt.position}", flush=True)
 
-        async def ask(stream: str):  # noqa: ANN202
+        async def ask(stream: str):
             await streams.advance(stream, alice, text=QUESTION)
             return await streams.generate(stream, alice, 1, temperature=0.0)
 
@@ -115,7 +115,8 @@ async def _demo(args: argparse.Namespace) -> int:
         tokens_a = enc(FACTS + "".join(DISTRACTORS) + QUESTION + said)
         one_shot = model.advance(model.initial_state(), tokens_a)
         ok(f"the stream's state checksum equals one scan of all {len(tokens_a)} tokens "
-           f"({answer.receipt.checksum[:23]}...)", plaintext_checksum(one_shot.state.tensors) == answer.receipt.checksum)
+           f"({answer.receipt.checksum[:23]}...)",
+           plaintext_checksum(one_shot.state.tensors) == answer.receipt.checksum)
 
         print("4. reset, then ask again", flush=True)
         await streams.reset(sid, alice)

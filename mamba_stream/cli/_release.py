@@ -75,7 +75,8 @@ def render_schema_reference(models: tuple[str, ...] = PACKET_MODELS) -> str:
                    f"{s.state_bytes:,} | `{s.fingerprint()[:23]}...` |")
         per_model.append((name, s))
     for name, s in per_model:
-        out += ["", f"### `{name}`", "", "| tensor (layer 0 of each role) | shape | dtype | bytes |", "|---|---|---|---|"]
+        out += ["", f"### `{name}`", "", "| tensor (layer 0 of each role) | shape | dtype | bytes |",
+                "|---|---|---|---|"]
         for t in s.tensors:
             if t.layer == s.layer_order[0]:
                 out.append(f"| `layers.{{i}}.{t.role}` | {tuple(t.shape)} | {t.dtype} | {t.nbytes:,} |")

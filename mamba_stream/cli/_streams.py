@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -44,9 +45,9 @@ class PrefixNotApplied(Failure):
 def _unreachable(target: str, exc: BaseException) -> Failure:
     why = "connection refused" if "refused" in str(exc).lower() else "it does not answer"
     return Unreachable(
-                       f"no Temporal server at {target} ({why}): start the worker (`python worker.py` runs the embedded "
-                       f"server on 127.0.0.1:$MAMBA_STREAM_TEMPORAL_PORT, default 7233), or set TEMPORAL_ADDRESS to your "
-                       f"Temporal frontend, or MAMBA_STREAM_TEMPORAL_PORT to the port of the worker's embedded server")
+        f"no Temporal server at {target} ({why}): start the worker (`python worker.py` runs the embedded "
+        f"server on 127.0.0.1:$MAMBA_STREAM_TEMPORAL_PORT, default 7233), or set TEMPORAL_ADDRESS to your "
+        f"Temporal frontend, or MAMBA_STREAM_TEMPORAL_PORT to the port of the worker's embedded server")
 
 
 async def _connect(args: argparse.Namespace) -> Any:
@@ -567,7 +568,8 @@ async def _list(args: argparse.Namespace) -> int:
         if seen is None or wf.start_time > seen.start_time:
             newest[wf.id] = wf
     rows = [{"stream_id": wf.id, "status": wf.status.name.lower() if wf.status else "unknown",
-             "start_time": wf.start_time.isoformat(), "close_time": wf.close_time.isoformat() if wf.close_time else None,
+             "start_time": wf.start_time.isoformat(),
+             "close_time": wf.close_time.isoformat() if wf.close_time else None,
              "run_id": wf.run_id, "task_queue": wf.task_queue, "workflow_type": wf.workflow_type,
              "reason": await _why_closed(client, wf)}
             for wf in sorted(newest.values(), key=lambda w: w.start_time, reverse=True)]
@@ -742,10 +744,8 @@ def _codec_server(args: argparse.Namespace) -> int:
           f"'Authorization: Bearer <token>' (the Temporal CLI's TEMPORAL_CODEC_AUTH), or the endpoint "
           f"{server.url}/t/<token> (the UI's Codec Server setting in the browser, TEMPORAL_CODEC_ENDPOINT)",
           flush=True)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         server.serve_forever()
-    except KeyboardInterrupt:
-        pass
     return 0
 
 

@@ -37,8 +37,8 @@ __all__ = [
     "evaluate_attention",
     "evaluate_preset",
     "predict",
-    "predict_chunked",
     "predict_after_reset",
+    "predict_chunked",
     "render_run",
 ]
 
@@ -81,14 +81,15 @@ def parity_set(cfg: EvalConfig, bits: int) -> list[Sample]:
 
 
 def _hits(samples: list[Sample], preds: list[list[int]]) -> float:
-    hits = [p == a for s, ps in zip(samples, preds) for p, a in zip(ps, s.answers())]
+    hits = [p == a for s, ps in zip(samples, preds, strict=False)
+            for p, a in zip(ps, s.answers(), strict=False)]
     return sum(hits) / len(hits)
 
 
 def predict(model: Any, samples: list[Sample]) -> list[list[int]]:
     """Argmax predictions at each target, each sample fed in one chunk from a fresh state."""
     results = model.advance_batch([model.initial_state() for _ in samples], [s.tokens for s in samples])
-    return [[int(r.logits[o - 1].argmax()) for o in s.targets] for s, r in zip(samples, results)]
+    return [[int(r.logits[o - 1].argmax()) for o in s.targets] for s, r in zip(samples, results, strict=True)]
 
 
 def predict_chunked(model: Any, samples: list[Sample], rng: random.Random) -> list[list[int]]:
@@ -97,7 +98,7 @@ def predict_chunked(model: Any, samples: list[Sample], rng: random.Random) -> li
     for s in samples:
         toks, state, rows = s.tokens, model.initial_state(), []
         cuts = sorted(rng.sample(range(1, len(toks)), k=min(len(toks) - 1, rng.randint(1, 8))))
-        for a, b in zip([0, *cuts], [*cuts, len(toks)]):
+        for a, b in zip([0, *cuts], [*cuts, len(toks)], strict=True):
             r = model.advance(state, toks[a:b])
             state = r.state
             rows.append(r.logits)
@@ -153,7 +154,7 @@ def evaluate_preset(name: str, cfg: EvalConfig, *, backend: str = "chunked", wei
         rep.recall[delay] = _hits(samples, preds)
         if delay in cfg.chunked_delays:
             chunked = predict_chunked(model, samples, rng)
-            differ = sum(a != b for pa, pb in zip(preds, chunked) for a, b in zip(pa, pb))
+            differ = sum(a != b for pa, pb in zip(preds, chunked, strict=True) for a, b in zip(pa, pb, strict=True))
             rep.chunked_identical[delay] = (differ, sum(len(p) for p in preds))
         end = model.advance(model.initial_state(), samples[0].tokens).state
         rep.memory_bytes[len(samples[0].text)] = end.nbytes
@@ -257,7 +258,8 @@ def render_run(reports: list[Report], cfg: EvalConfig) -> str:
               f"Chunked: the recall sets of delays {list(cfg.chunked_delays)} fed in random chunkings (1 to 8 cuts "
               f"per sample). Reset: the state reset between the facts and the queries (delay {cfg.delays[0]}); "
               f"a model that never saw the facts scores in [{lo:.3f}, {hi:.3f}] (99.9%).", "",
-              "| model | predictions differing, chunked vs one-shot | accuracy before reset | after reset | in the chance band |",
+              "| model | predictions differing, chunked vs one-shot | accuracy before reset | after reset "
+              "| in the chance band |",
               "|---|---|---|---|---|"]
     for r in mamba:
         differ = sum(d for d, _ in r.chunked_identical.values())

@@ -40,7 +40,8 @@ class Drift:
     @property
     def logits_rel(self) -> float:
         """The largest normwise relative logits error: per position, |diff| / max|truth| of its row."""
-        return max((a / s for a, s in zip(self.logits_abs_by_position, self.logits_scale_by_position) if s),
+        return max((a / s for a, s in zip(self.logits_abs_by_position, self.logits_scale_by_position, strict=False)
+                    if s),
                    default=0.0)
 
     @property

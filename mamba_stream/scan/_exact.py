@@ -331,7 +331,7 @@ def selective_scan_twin(dt: Tensor, at: Tensor, x: Tensor, b: Tensor, cc: Tensor
 
 def ssd_twin(x: Tensor, dt: Tensor, a: Tensor, b: Tensor, c: Tensor, h0: Tensor) -> tuple[Tensor, Tensor]:
     """The kernel `ssd_scan`: x (B, L, H, P); dt (B, L, H); a (H,); b, c (B, L, G, N); h0 (B, H, P, N)."""
-    bsz, length, h, p = x.shape
+    _bsz, length, h, _p = x.shape
     g = b.shape[2]
     hg = h // g
     s, ys = h0, []
@@ -699,11 +699,12 @@ class _Kernels:
         versions = [_version(t) for t in tensors]
         hit = self._layers.get(m)
         # the entry holds the tensors it was made from: none of them can be freed and its id reused
-        if (hit is not None and None not in versions and all(a is b for a, b in zip(hit[0], tensors))
-                and hit[1] == versions):
+        if (hit is not None and None not in versions
+                and all(a is b for a, b in zip(hit[0], tensors, strict=False)) and hit[1] == versions):
             return hit[2]
         built = None
-        linears = [m.in_proj, m.x_proj, m.dt_proj, m.out_proj] if isinstance(m, Mamba1Mixer) else [m.in_proj, m.out_proj]
+        linears = ([m.in_proj, m.x_proj, m.dt_proj, m.out_proj] if isinstance(m, Mamba1Mixer)
+                   else [m.in_proj, m.out_proj])
         vectors = [t for t in tensors if isinstance(t, Tensor) and not any(t is lin.weight for lin in linears)]
         keep: list[Tensor] = []
         ws = [self._weight(lin, keep) for lin in linears]
@@ -828,7 +829,8 @@ class _Kernels:
                              bsz, length, c, w, _threads(bsz * length * c * w))
         return out, new
 
-    def selective_scan(self, dt: Tensor, at: Tensor, x: Tensor, b: Tensor, cc: Tensor, h0: Tensor) -> tuple[Tensor, Tensor]:
+    def selective_scan(self, dt: Tensor, at: Tensor, x: Tensor, b: Tensor, cc: Tensor,
+                       h0: Tensor) -> tuple[Tensor, Tensor]:
         return self._selective_scan(dt, at, x, b, cc, h0, into=None)
 
     def selective_scan_into(self, dt: Tensor, at: Tensor, x: Tensor, b: Tensor, cc: Tensor, h0: Tensor
@@ -1209,7 +1211,8 @@ def probe(lm: torch.nn.Module, dtype: torch.dtype, fused: bool = False) -> Probe
         "kernels equal their twins": torch.equal(k_logits, t_logits) and _states_equal(k_states, t_states),
         "a stream alone equals it in a batch": torch.equal(solo, k_logits[:1])
         and _states_equal(solo_states, _first(k_states)),
-        "token by token equals the chunk": torch.equal(torch.cat(steps, dim=1), solo) and _states_equal(st1, solo_states),
+        "token by token equals the chunk": torch.equal(torch.cat(steps, dim=1), solo)
+        and _states_equal(st1, solo_states),
     }
     failed = [name for name, ok in checks.items() if not ok]
     seconds = time.perf_counter() - t0
@@ -1219,7 +1222,8 @@ def probe(lm: torch.nn.Module, dtype: torch.dtype, fused: bool = False) -> Probe
 
 
 def _states_equal(a: list[States], b: list[States]) -> bool:
-    return all(torch.equal(x, y) for la, lb in zip(a, b) for x, y in zip(la, lb))
+    return all(torch.equal(x, y) for la, lb in zip(a, b, strict=False)
+               for x, y in zip(la, lb, strict=False))
 
 
 def _first(states: list[States]) -> list[States]:

@@ -78,7 +78,7 @@ def forward(lm: MambaLM, hidden: Tensor, layer_states: LayerStates, backend: Bac
     residual: Tensor | None = None
     new_states: LayerStates = []
     path = "empty"
-    for blk, st in zip(lm.backbone.layers, layer_states):
+    for blk, st in zip(lm.backbone.layers, layer_states, strict=False):
         residual = hidden if residual is None else hidden + residual
         normed = prims.norm(residual, blk.norm.weight, blk.norm.bias, cfg.norm_eps, cfg.rms_norm)
         hidden, st_new, path = backend.mix(blk.mixer, normed, st, round_state)

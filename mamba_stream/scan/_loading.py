@@ -431,7 +431,8 @@ def weights_revision(sd: dict[str, Any]) -> str:
 
 def _matrices(lm: MambaLM) -> set[str]:
     """The names of the parameters held in the weight format: every product's weight and the embedding."""
-    return {f"{name}.weight" for name, mod in lm.named_modules() if isinstance(mod, (torch.nn.Linear, torch.nn.Embedding))}
+    return {f"{name}.weight" for name, mod in lm.named_modules()
+            if isinstance(mod, (torch.nn.Linear, torch.nn.Embedding))}
 
 
 def _stored_format(t: Any) -> str:

@@ -188,7 +188,7 @@ def selective_scan_autograd(dt: Tensor, a: Tensor, dtx: Tensor, b: Tensor, cc: T
     d_a = torch.exp(dt.unsqueeze(-1) * a)
     d_bx = dtx.unsqueeze(-1) * b.unsqueeze(2)
     h, steps = h0, []
-    for d_bx_t, d_a_t in zip(d_bx.unbind(1), d_a.unbind(1)):
+    for d_bx_t, d_a_t in zip(d_bx.unbind(1), d_a.unbind(1), strict=False):
         h = torch.addcmul(d_bx_t, d_a_t, h)
         steps.append(h)
     hs = torch.stack(steps, dim=1)

@@ -74,7 +74,8 @@ def all_finite(t: torch.Tensor) -> bool:
     return math.isfinite(float(lo)) and math.isfinite(float(hi))
 
 
-def build_schema(cfg: ModelConfig, dtype: torch.dtype, lm: MambaLM, state_dtype: torch.dtype | None = None) -> StateSchema:
+def build_schema(cfg: ModelConfig, dtype: torch.dtype, lm: MambaLM,
+                 state_dtype: torch.dtype | None = None) -> StateSchema:
     """The StateSchema of a model built from `cfg`, computing in `dtype`, keeping state in
     `state_dtype`, its matrices read in `lm`'s weight dtype."""
     sname = STATE_DTYPES[state_dtype or dtype]
@@ -274,7 +275,7 @@ class Model:
             if not all_finite(logits):
                 raise NonFiniteOutput("the batched step produced non-finite logits; no state was written"
                                       if not in_place else "the batched step produced non-finite logits")
-            for name, old, new in zip(names, flat, (t for layer in new_states for t in layer)):
+            for name, old, new in zip(names, flat, (t for layer in new_states for t in layer), strict=False):
                 if span:
                     if new is not old:  # a state written in place is already in its rows
                         buffers[name].narrow(0, first, b).copy_(new)
@@ -498,7 +499,7 @@ class Model:
                 hidden = x if embedded else embed(lm, x)
                 logits, new_states, path = forward(lm, hidden, self._stack(group_states), impl, self._rounding())
                 out = self._finish(group_states, group_inputs, list(logits), new_states, path)
-                for i, r in zip(idx, out):
+                for i, r in zip(idx, out, strict=True):
                     results[i] = r
         for i, r in enumerate(results):
             if r is None:  # empty chunk: nothing to scan, the state is returned as it was
@@ -533,7 +534,7 @@ class Model:
     def _finish(self, states: list[State], inputs: list[Tensor], logits: list[Tensor],
                 layer_states: LayerStates, path: str) -> list[StepResult]:
         out = []
-        for b, (s, x, lg) in enumerate(zip(states, inputs, logits)):
+        for b, (s, x, lg) in enumerate(zip(states, inputs, logits, strict=True)):
             lg = lg.to(torch.float32)
             if not all_finite(lg):
                 raise NonFiniteOutput(

@@ -13,8 +13,8 @@ scalar paths agree. `tests/scan/test_ops.py` checks that this holds on the machi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F

@@ -152,10 +152,8 @@ def linear_q8_twin(x: Tensor, weight: Q8Weight, bias: Tensor | None = None, *, f
     for b in range(nb):
         isum = xb[:, None, b, :].mul(wb[None, :, b, :]).sum(dim=-1)  # (M, N), exact
         c = sx[:, b, None] * dw[None, :, b]
-        if fused:  # |isum| < 2^24 and c a float32: their product is exact in float64
-            acc = fma_product(isum.double() * c.double(), acc)
-        else:
-            acc = acc + isum.to(torch.float32) * c
+        # fused: |isum| < 2^24 and c a float32: their product is exact in float64
+        acc = fma_product(isum.double() * c.double(), acc) if fused else acc + isum.to(torch.float32) * c
     if bias is not None:
         acc = acc + bias
     return acc.reshape(*lead, n)

@@ -48,7 +48,7 @@ class State:
             return False
         return all(
             a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-            for a, b in zip(self.tensors.values(), other.tensors.values())
+            for a, b in zip(self.tensors.values(), other.tensors.values(), strict=True)
         )
 
     def max_abs_diff(self, other: State) -> float:
@@ -57,7 +57,7 @@ class State:
             raise ValueError("states have different tensor names")
         diffs = [
             (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
-            for a, b in zip(self.tensors.values(), other.tensors.values())
+            for a, b in zip(self.tensors.values(), other.tensors.values(), strict=True)
         ]
         return max(diffs, default=0.0)
 

@@ -63,10 +63,7 @@ class Tolerance:
         diff = (actual.double() - truth).abs()
         if atol == 0.0 and rtol == 0.0:
             return 0.0 if bool((diff == 0).all()) else float("inf")
-        if rows and truth.dim() > 0:
-            scale = truth.abs().amax(dim=-1, keepdim=True)
-        else:
-            scale = truth.abs().max()
+        scale = truth.abs().amax(dim=-1, keepdim=True) if rows and truth.dim() > 0 else truth.abs().max()
         return float((diff / (atol + rtol * scale)).max())
 
     def logits_excess(self, actual: torch.Tensor, expected: torch.Tensor) -> float:

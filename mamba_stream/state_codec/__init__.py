@@ -8,9 +8,6 @@ inside Temporal's sandbox. The checkpoint codec (msgpack, AES-256-GCM, torch) is
 from mamba_stream.state_codec._errors import (
     BadSignature,
     CheckpointNotFound,
-    RequestRejected,
-    UnknownSigner,
-    UnsignedRequest,
     ChecksumMismatch,
     ChunkSequenceMismatch,
     CorruptBlob,
@@ -21,13 +18,16 @@ from mamba_stream.state_codec._errors import (
     ModelRevisionMismatch,
     PositionMismatch,
     PrincipalMismatch,
+    RequestRejected,
     SchemaMismatch,
     SealerMismatch,
     StateRejected,
     StreamMismatch,
     TruncatedBlob,
     UnknownKeyId,
+    UnknownSigner,
     UnsealedRequest,
+    UnsignedRequest,
     UnsupportedEnvelopeVersion,
 )
 from mamba_stream.state_codec._receipt import (
@@ -42,6 +42,7 @@ from mamba_stream.state_codec._receipt import (
     schema_diff,
     validate_resume,
 )
+from mamba_stream.state_codec._schema import SCHEMA_VERSION, Discretization, StateSchema, TensorSpec
 from mamba_stream.state_codec._sealing import (
     CLEAR,
     MASTER,
@@ -54,7 +55,6 @@ from mamba_stream.state_codec._sealing import (
     sealer_of,
     stream_tag,
 )
-from mamba_stream.state_codec._schema import SCHEMA_VERSION, Discretization, StateSchema, TensorSpec
 
 __all__ = [
     "CLEAR",

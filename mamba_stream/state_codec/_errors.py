@@ -12,29 +12,29 @@ from typing import Any
 from mamba_stream.failures import Failure
 
 __all__ = [
+    "BadSignature",
     "CheckpointNotFound",
     "ChecksumMismatch",
     "ChunkSequenceMismatch",
     "CorruptBlob",
     "DTypeMismatch",
     "EpochMismatch",
+    "ForgedCarry",
     "InputTransformMismatch",
     "ModelRevisionMismatch",
     "PositionMismatch",
     "PrincipalMismatch",
+    "RequestRejected",
     "SchemaMismatch",
+    "SealerMismatch",
     "StateRejected",
     "StreamMismatch",
     "TruncatedBlob",
     "UnknownKeyId",
-    "UnsupportedEnvelopeVersion",
-    "RequestRejected",
-    "UnsignedRequest",
     "UnknownSigner",
-    "BadSignature",
     "UnsealedRequest",
-    "SealerMismatch",
-    "ForgedCarry",
+    "UnsignedRequest",
+    "UnsupportedEnvelopeVersion",
 ]
 
 

@@ -127,8 +127,9 @@ class Origin(_Frozen):
     """Where an epoch's first state came from, when it was not the model's initial state.
 
     `kind` "prefix": a prefix's state (`StreamClient.open(prefix=...)`): `digest` names the prefix's
-    tokens (`prefix_digest`, keyed per scope; `sha256:` in receipts from before it was keyed), `tokens` how many, and `stored_tokens` how many of them came from a
-    stored prefix state (the longest stored one; the rest were computed; 0: all computed), `scope`
+    tokens (`prefix_digest`, keyed per scope; `sha256:` in receipts from before it was keyed),
+    `tokens` how many, and `stored_tokens` how many of them came from a stored prefix state (the
+    longest stored one; the rest were computed; 0: all computed), `scope`
     whose store entry that was ("principal", "shared"; "" when none). The state's bits are the
     same either way on an exact arithmetic: the receipt's checksum equals that of a stream fed the
     prefix from position 0.
@@ -257,7 +258,7 @@ def _diff(a: Any, b: Any, path: str) -> tuple[str, Any, Any] | None:
                 return d
         return None
     if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             d = _diff(x, y, f"{path}[{i}]")
             if d:
                 return d

@@ -27,7 +27,8 @@ Plaintext: u32 little-endian header length, a msgpack header
 {byteorder, digest, tensors: [[name, dtype, shape, offset, nbytes], ...]}, each tensor's raw bytes
 at a 64-byte aligned offset, and last the 32-byte digest of everything before it, BLAKE3 (`digest`
 names it; a header without one is from before BLAKE3, and its digest is SHA-256): that digest is
-the receipt's `checksum`, tagged by its algorithm (`blake3:<hex>`, `sha256:<hex>`). Being inside the ciphertext, it is authenticated by the GCM tag, so decoding
+the receipt's `checksum`, tagged by its algorithm (`blake3:<hex>`, `sha256:<hex>`). Being inside
+the ciphertext, it is authenticated by the GCM tag, so decoding
 checks the receipt against it without hashing the state again (GCM already proves the bytes are
 the ones the writer hashed); `decode_checkpoint(..., rehash=True)` recomputes it for audits.
 
@@ -183,7 +184,7 @@ def _pieces(tensors: Mapping[str, torch.Tensor], digest: str) -> tuple[list[memo
         header = again
     pieces: list[memoryview | bytes] = [struct.pack("<I", len(header)) + header]
     pos = len(pieces[0])
-    for e, v in zip(entries, views):
+    for e, v in zip(entries, views, strict=True):
         if e[3] > pos:
             pieces.append(bytes(e[3] - pos))
         pieces.append(v)
@@ -271,7 +272,7 @@ def _open_head(key: bytes, kid: str, head: bytes) -> tuple[dict[str, Any], str]:
         fields = msgpack.unpackb(plain[4 : 4 + n], raw=False, strict_map_key=True)
         bound, schema_json = fields["bound"], fields["schema"]
         if not isinstance(bound, dict) or not isinstance(schema_json, str):
-            raise ValueError("malformed bound fields or schema")  # noqa: TRY004 - caught: a corrupt blob
+            raise ValueError("malformed bound fields or schema")  # caught: a corrupt blob
     except Exception as exc:  # noqa: BLE001 - anything malformed is a corrupt blob
         raise CorruptBlob(f"unreadable sealed header: {exc}", field="head") from None
     return bound, schema_json
@@ -585,7 +586,7 @@ def open_bytes(blob: bytes | bytearray | memoryview, *, binding: str, keyring: K
         env = msgpack.unpackb(bytes(blob), raw=False, strict_map_key=True)
         version, kid, nonce, ct = env["v"], env["kid"], env["nonce"], env["ct"]
         if not (isinstance(kid, str) and isinstance(nonce, bytes) and isinstance(ct, bytes)):
-            raise ValueError("malformed record")  # noqa: TRY004 - caught: a corrupt blob
+            raise ValueError("malformed record")  # caught: a corrupt blob
     except Exception as exc:  # noqa: BLE001 - anything malformed is a corrupt blob
         raise CorruptBlob(f"unreadable record: {exc}", field="record") from None
     if version != 1:

@@ -17,8 +17,8 @@ import json
 import logging
 import secrets
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from collections.abc import Mapping
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
 from google.protobuf import json_format
@@ -109,12 +109,12 @@ class CodecServer:
                     self.send_header("Access-Control-Allow-Headers",
                                      "Content-Type, X-Namespace, Authorization")
 
-            def do_OPTIONS(self) -> None:  # noqa: N802 - http.server's naming
+            def do_OPTIONS(self) -> None:  # http.server's naming
                 self.send_response(200)
                 self._cors()
                 self.end_headers()
 
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:
                 # the UI asks for /decode?preserveStorageRefs=true: route on the path alone
                 given, path = _presented(urlsplit(self.path).path.rstrip("/"), self.headers.get("Authorization", ""))
                 ok, who = _match(given, tokens)

@@ -23,6 +23,7 @@ update only, and the stream goes on serving the clients that hold the right keys
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -238,8 +239,8 @@ class StreamPayloadConverter(PydanticPayloadConverter):
         shared = type(self).__dict__.get("_shared")
         if shared is None:
             super().__init__()
-            shared = tuple(_TypedJSONPayloadConverter() if isinstance(c, PydanticJSONPlainPayloadConverter) else c
-                           for c in self.converters.values()) + (SealedPayloadConverter(),)
+            shared = (*(_TypedJSONPayloadConverter() if isinstance(c, PydanticJSONPlainPayloadConverter) else c
+                        for c in self.converters.values()), SealedPayloadConverter())
             type(self)._shared = shared
         self._set_converters(*shared)
 
@@ -268,10 +269,8 @@ class TypedFailureConverter(DefaultFailureConverterWithEncodedAttributes):
         # stream's activity that the workers did not seal was put there by someone else
         sealer = failure.encoded_attributes.metadata.get(SEALER_KEY) if failure.HasField("encoded_attributes") \
             else None
-        try:
+        with contextlib.suppress(AttributeError):  # an exception type that takes no attributes
             setattr(exc, FAILURE_SEALER_ATTR, sealer.decode(errors="replace") if sealer is not None else None)
-        except AttributeError:  # an exception type that takes no attributes
-            pass
         return exc
 
     def _from_failure(self, failure: Failure, payload_converter: Any) -> BaseException:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import uuid
@@ -43,6 +44,7 @@ from mamba_stream.workflows._failures import (
     StreamMoving,
     StreamOpening,
 )
+from mamba_stream.workflows._model_stream import check_prefix
 from mamba_stream.workflows._models import (
     ACTIVITY_GENERATE,
     ACTIVITY_OPEN,
@@ -58,10 +60,10 @@ from mamba_stream.workflows._models import (
     GenerateResult,
     OpenStreamInput,
     ReadTokensRequest,
-    ResetRequest,
-    RewindRequest,
     ReleaseRequest,
     ReleaseResult,
+    ResetRequest,
+    RewindRequest,
     StreamOptions,
     StreamStats,
     TokenBatch,
@@ -69,7 +71,6 @@ from mamba_stream.workflows._models import (
     TokenProgress,
     update_id,
 )
-from mamba_stream.workflows._model_stream import check_prefix
 from mamba_stream.workflows._stream import MambaStreamWorkflow
 
 if TYPE_CHECKING:
@@ -167,7 +168,7 @@ def id_key(client: Client, stream_id: str) -> bytes:
                           "a stream's updates, nor seal them")
     try:
         return ring.id_key(stream_tag(stream_id))
-    except Exception as exc:  # noqa: BLE001 - UnknownKeyId: another principal's stream
+    except Exception as exc:  # UnknownKeyId: another principal's stream
         raise LookupError(f"this client's keyring holds no key for stream {stream_id}: {exc}") from exc
 
 
@@ -220,11 +221,9 @@ class StreamClient:
         A query goes to that worker's own (sticky) queue while the stream sits idle; when that
         worker died, nothing polls it and every query fails "no poller seen" until the stream's
         next workflow task, which an idle stream may never have."""
-        try:
+        with contextlib.suppress(RPCError):  # the next attempt says what is wrong, if anything still is
             await self.client.workflow_service.reset_sticky_task_queue(ResetStickyTaskQueueRequest(
                 namespace=self.client.namespace, execution=WorkflowExecution(workflow_id=stream_id)))
-        except RPCError:
-            pass  # the next attempt says what is wrong, if anything still is
 
     async def _update(self, handle: WorkflowHandle, update: Any, *args: Any, id: str) -> Any:
         return await self._retrying(lambda: handle.execute_update(update, *args, id=id), handle.id)
@@ -232,7 +231,7 @@ class StreamClient:
     async def _query(self, stream_id: str, query: Any, *args: Any) -> Any:
         return await self._retrying(lambda: self.handle(stream_id).query(query, *args), stream_id)
 
-    def sign(self, kind: str, stream_id: str, request):  # noqa: ANN001, ANN201 - any signed request model
+    def sign(self, kind: str, stream_id: str, request):  # any signed request model
         """`request` with its signature, when this client signs (unchanged otherwise)."""
         if self.signer is None:
             return request
@@ -564,7 +563,8 @@ class StreamClient:
             ApplicationError: typed `UnknownKeyId` for a client without the stream's principal's
                 key (the details are encrypted under it, as every payload of the stream).
         """
-        from mamba_stream.state_codec.payload import sealed_for_stream  # the client's codec: not in the workflow sandbox
+        # the client's codec: not in the workflow sandbox
+        from mamba_stream.state_codec.payload import sealed_for_stream
 
         desc = desc or await self.handle(stream_id).describe()
         conv = None
@@ -688,7 +688,8 @@ class StreamClient:
                 args = accepted.args
                 if accepted.name in ("advance", "generate") and args.payloads:
                     [value] = await decode(args.payloads)
-                    if isinstance(value, dict) and isinstance(value.get("chunk_seq"), int) and value["chunk_seq"] > to_seq:
+                    if isinstance(value, dict) and isinstance(value.get("chunk_seq"), int) \
+                            and value["chunk_seq"] > to_seq:
                         raise RewindUnavailable(f"chunk {value['chunk_seq']} was admitted before chunk {to_seq} "
                                                 f"had a workflow task of its own", chunk_seq=to_seq)
             if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED:
@@ -762,10 +763,8 @@ class StreamClient:
         await self._retrying(lambda: h.signal(MambaStreamWorkflow.cancel, req), stream_id)
         await self._retrying(h.cancel, stream_id)
         if wait:
-            try:
+            with contextlib.suppress(Exception):  # a cancelled run ends in WorkflowFailureError
                 await h.result()
-            except Exception:  # noqa: BLE001 - a cancelled run ends in WorkflowFailureError
-                pass
 
 
 class GenerateStream:
@@ -912,7 +911,8 @@ class _Shown:
             self.behind = True  # what came in between is no longer in the progress
             return None
         k, tk = min(n, end), min(chars, text_end)
-        if self.tokens[p.start:k] != p.tokens[: k - p.start] or self.text[p.text_start:tk] != (p.text or "")[: tk - p.text_start]:
+        if self.tokens[p.start:k] != p.tokens[: k - p.start] \
+                or self.text[p.text_start:tk] != (p.text or "")[: tk - p.text_start]:
             self.behind = True
             return None
         new = p.tokens[n - p.start:]
@@ -1057,7 +1057,8 @@ class _Reader:
     async def _page(self, wait: bool) -> Any:
         return await self.c.client.workflow_service.get_workflow_execution_history(
             GetWorkflowExecutionHistoryRequest(
-                namespace=self.c.client.namespace, execution=WorkflowExecution(workflow_id=self.sid, run_id=self.run_id),
+                namespace=self.c.client.namespace,
+                execution=WorkflowExecution(workflow_id=self.sid, run_id=self.run_id),
                 next_page_token=self.token, wait_new_event=True, skip_archival=True),
             retry=not wait, timeout=_LONG_POLL if wait else None)
 

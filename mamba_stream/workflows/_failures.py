@@ -31,6 +31,7 @@ from mamba_stream.failures import (
 from mamba_stream.state_codec import CheckpointNotFound, CorruptBlob, TruncatedBlob
 
 __all__ = [
+    "NOT_THE_CHUNKS_FAULT",
     "ActivityFailed",
     "ChunkTooLarge",
     "ConflictingChunk",
@@ -38,7 +39,6 @@ __all__ = [
     "InternalError",
     "InvalidRequest",
     "LocalTooSlow",
-    "NOT_THE_CHUNKS_FAULT",
     "OpenFailed",
     "ReservedStreamId",
     "ResultExpired",
@@ -53,8 +53,8 @@ __all__ = [
     "UpdateIdMismatch",
     "WorkerUnhealthy",
     "application_error",
-    "invalid_request",
     "catalogue",
+    "invalid_request",
 ]
 
 

@@ -967,7 +967,7 @@ async def _converted(result_type: type[T], mine: str, work: Any) -> T:
         raise _Unconverted("no result")
     try:
         return workflow.payload_converter().from_payload(raw.payload, result_type)
-    except Exception as err:  # noqa: BLE001 - any refusal to convert: not the workers' result
+    except Exception as err:  # any refusal to convert: not the workers' result
         raise _Unconverted(getattr(err, "type", None) or type(err).__name__) from err
 
 

@@ -21,12 +21,16 @@ __all__ = [
     "ACTIVITY_DISPOSE",
     "ACTIVITY_GENERATE",
     "ACTIVITY_OPEN",
+    "ACTIVITY_OPEN_CARRY",
     "ACTIVITY_RECALL",
     "ACTIVITY_RESET",
-    "ACTIVITY_OPEN_CARRY",
     "ACTIVITY_REWIND",
     "ACTIVITY_SEAL_CARRY",
     "ACTIVITY_VERIFY",
+    "MAX_PREFIX_TOKENS",
+    "STREAM_MEMO",
+    "STREAM_WORKFLOW_TYPE",
+    "TIMEOUT_FLOORS",
     "AdvanceChunkRequest",
     "AdvanceChunkResult",
     "AdvanceRequest",
@@ -44,7 +48,6 @@ __all__ = [
     "GenerateChunkResult",
     "GenerateRequest",
     "GenerateResult",
-    "MAX_PREFIX_TOKENS",
     "ModelInfo",
     "OpenStreamInput",
     "OpenStreamRequest",
@@ -59,13 +62,10 @@ __all__ = [
     "RewindRequest",
     "RewindResult",
     "RewindStreamRequest",
-    "STREAM_MEMO",
-    "STREAM_WORKFLOW_TYPE",
     "StateResult",
     "StreamCarry",
     "StreamOptions",
     "StreamStats",
-    "TIMEOUT_FLOORS",
     "TokenLogprob",
     "VerifyRequest",
     "carry_digest",
@@ -228,7 +228,8 @@ class StreamOptions(SealedRequest):
         "transfer-queue hop (50-100 ms at the server's default dynamic config) and a poll, and a loaded "
         "worker that is merely slow to poll would otherwise lose its streams to the shared queue (each "
         "move reloads the state from the store)")
-    retry_max_attempts: int = Field(default=0, ge=0, le=10000, description="0: retry transient failures until they pass")
+    retry_max_attempts: int = Field(default=0, ge=0, le=10000,
+                                    description="0: retry transient failures until they pass")
     local_chunks: bool = Field(default=True, description="run short chunks as local activities: on the worker "
                                "whose cache holds the workflow (and the stream's hot state), with no task queue "
                                "or server hop in between; a longer chunk, or a failed local attempt, takes the "
@@ -405,8 +406,8 @@ class ResetRequest(_Signed):
     """Payload of the `reset` signal: `{"principal": "..."}`."""
 
     principal: str
-    epoch: int | None = Field(default=None, ge=1, le=MAX_INDEX, description="the epoch this reset begins; when given, a "
-                              "reset arriving for any other epoch is refused (a signed reset gives it, so "
+    epoch: int | None = Field(default=None, ge=1, le=MAX_INDEX, description="the epoch this reset begins; when "
+                              "given, a reset arriving for any other epoch is refused (a signed reset gives it, so "
                               "replaying its signal resets nothing)")
     revoke: bool = Field(default=False, description="also delete every checkpoint of the earlier epochs, pinned "
                          "ones included, so that no receipt handed out before the reset resumes them; default: "
@@ -468,7 +469,8 @@ class RecentResult(_Model):
     update_id: str
     advance: AdvanceResult | None = None
     generate: GenerateResult | None = None
-    digest: str | None = Field(default=None, description="the request's `chunk_digest` (None: recorded before it existed)")
+    digest: str | None = Field(default=None,
+                               description="the request's `chunk_digest` (None: recorded before it existed)")
     kind: Literal["advance", "generate"] | None = Field(default=None, description="set on a digest-only entry")
     chunk_seq: int | None = Field(default=None, description="set on a digest-only entry")
     state_key: str | None = Field(default=None, description="set on a digest-only entry: where its result is recorded")

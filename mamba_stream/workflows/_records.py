@@ -88,7 +88,7 @@ class TokenLog:
     def _entries(self, req: ReadTokensRequest, limit: int) -> list[tuple[TokenEvent, int]]:
         start = max(req.from_offset - self._base, 0)
         out = []
-        for ev, n in zip(self._events[start:], self._sizes[start:]):
+        for ev, n in zip(self._events[start:], self._sizes[start:], strict=True):
             if (req.chunk_seq is None or ev.chunk_seq == req.chunk_seq) and \
                     (req.update_id is None or ev.update_id == req.update_id):
                 out.append((ev, n))
@@ -100,7 +100,7 @@ class TokenLog:
         """The newest entries whose JSON fits `room` bytes, oldest first, and the offset of the first
         (what continue-as-new carries: `StreamCarry.token_log`, `token_base`)."""
         out: list[TokenEvent] = []
-        for ev, size in zip(reversed(self._events), reversed(self._sizes)):
+        for ev, size in zip(reversed(self._events), reversed(self._sizes), strict=True):
             room -= size
             if room < 0:
                 break

@@ -68,9 +68,9 @@ with workflow.unsafe.imports_passed_through():
         OpenStreamInput,
         OpenStreamRequest,
         RecentResult,
-        ResetRequest,
         ReleaseRequest,
         ReleaseResult,
+        ResetRequest,
         RewindRequest,
         RewindResult,
         StreamStats,
@@ -282,7 +282,8 @@ class MambaStreamWorkflow(StreamOwner):  # its queries (receipt, stats, the toke
             # caller sends it again to the next run (StreamMoving); a reset signal, which
             # nobody would send again, is let finish
             self.stream.moving = True
-            self.stream.stats = self.stream.stats.model_copy(update={"forced_moves": self.stream.stats.forced_moves + 1})
+            self.stream.stats = self.stream.stats.model_copy(
+                update={"forced_moves": self.stream.stats.forced_moves + 1})
             workflow.logger.warning("history at %d events, %d bytes: moving to a new run now",
                                     workflow.info().get_current_history_length(),
                                     workflow.info().get_current_history_size())
@@ -310,12 +311,13 @@ class MambaStreamWorkflow(StreamOwner):  # its queries (receipt, stats, the toke
         if not self._cancel_requested:
             try:
                 await workflow.wait_condition(lambda: False, timeout=timedelta(seconds=CANCEL_GRACE_S))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             except asyncio.CancelledError:
                 self._cancel_requested = True
         self.stream.cancelled = True
-        self.stream.stats = self.stream.stats.model_copy(update={"cancelled": True, "cancelled_by": self._cancel_by or ""})
+        self.stream.stats = self.stream.stats.model_copy(
+            update={"cancelled": True, "cancelled_by": self._cancel_by or ""})
         for task in list(self._tasks):  # a handler stuck in a retrying activity must not hold up the end
             task.cancel()
         while True:  # the Temporal cancel request may come in the middle: it changes nothing here
@@ -369,24 +371,27 @@ class MambaStreamWorkflow(StreamOwner):  # its queries (receipt, stats, the toke
             # the id's content digest is keyed (`workflows.update_id`): the workers check it, here
             # the kind and the chunk
             if (named[0], named[1]) != (kind, seq):
-                raise application_error(UpdateIdMismatch(f"update id {info.id!r} does not name this {kind} of chunk {seq}",
-                                               update_id=info.id))
+                raise application_error(UpdateIdMismatch(
+                    f"update id {info.id!r} does not name this {kind} of chunk {seq}", update_id=info.id))
             if named[2] != self.stream.receipt.epoch:
                 # refused, not stored: the client asks for the epoch and sends the chunk again
-                raise application_error(EpochMismatch(f"update id {info.id!r} is for epoch {named[2]}; the stream is at "
-                                            f"epoch {self.stream.receipt.epoch}", field="epoch",
-                                            expected=self.stream.receipt.epoch, actual=named[2]))
+                raise application_error(EpochMismatch(
+                    f"update id {info.id!r} is for epoch {named[2]}; the stream is at "
+                    f"epoch {self.stream.receipt.epoch}", field="epoch",
+                    expected=self.stream.receipt.epoch, actual=named[2]))
         other = self._in_flight.get(seq)
         if other is None and seq <= self.stream.stats.chunk_seq:
             known = self.stream.recent.by_seq(seq)
             other = known.digest if known is not None else None
             if other is None:
-                raise application_error(ChunkSequenceMismatch(f"chunk_seq {seq} is already committed", field="chunk_seq",
-                                                    expected=self._next_seq(), actual=seq))
+                raise application_error(ChunkSequenceMismatch(
+                    f"chunk_seq {seq} is already committed", field="chunk_seq",
+                    expected=self._next_seq(), actual=seq))
         if other is not None:
             if other != digest:
-                raise application_error(ConflictingChunk(f"chunk {seq} is already {'in flight' if seq in self._in_flight else 'committed'} "
-                                               f"with other content", chunk_seq=seq))
+                raise application_error(ConflictingChunk(
+                    f"chunk {seq} is already {'in flight' if seq in self._in_flight else 'committed'} "
+                    f"with other content", chunk_seq=seq))
             return  # the same chunk again: its handler answers it
         expected = self._next_seq()
         if seq != expected:
@@ -394,7 +399,8 @@ class MambaStreamWorkflow(StreamOwner):  # its queries (receipt, stats, the toke
                                                 field="chunk_seq", expected=expected, actual=seq))
 
     def _next_seq(self) -> int:
-        return max(self.stream.stats.chunk_seq, *self._in_flight) + 1 if self._in_flight else self.stream.stats.chunk_seq + 1
+        return (max(self.stream.stats.chunk_seq, *self._in_flight) + 1 if self._in_flight
+                else self.stream.stats.chunk_seq + 1)
 
     def _next_chunk_seq(self) -> int:  # the `stats` query's next_seq: after the chunks in flight too
         return self._next_seq()
@@ -507,8 +513,9 @@ class MambaStreamWorkflow(StreamOwner):  # its queries (receipt, stats, the toke
             return  # already cancelled
         self._cancel_checks += 1
         try:
-            await self.stream.quick(ACTIVITY_VERIFY, VerifyRequest(stream_id=self.stream.stream_id, principal=req.principal,
-                                                             kind="cancel", request=req), VerifyRequest)
+            await self.stream.quick(ACTIVITY_VERIFY, VerifyRequest(stream_id=self.stream.stream_id,
+                                                                   principal=req.principal, kind="cancel",
+                                                                   request=req), VerifyRequest)
         except ApplicationError as err:
             self._refuse("cancel", err)
             return

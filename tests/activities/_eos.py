@@ -9,9 +9,9 @@ from pathlib import Path
 from mamba_stream.activities import MemoryStateStore, ModelRegistry, StreamActivities
 from mamba_stream.scan import State, load_model, save_checkpoint
 from mamba_stream.state_codec.codec import Keyring
-from tests.activities._env import stream_env
 from mamba_stream.workflows import AdvanceRequest, GenerateRequest, GenerateResult
 from mamba_stream.workflows._models import AdvanceChunkRequest, GenerateChunkRequest, OpenStreamRequest
+from tests.activities._env import stream_env
 
 PROMPT = [72, 101, 108, 108, 111, 32]  # "Hello "
 SEED = 11

@@ -9,8 +9,6 @@ import pytest
 import torch
 from temporalio.exceptions import ApplicationError
 
-
-
 from mamba_stream.activities import MemoryStateStore, ModelRegistry, StreamActivities
 from mamba_stream.activities._commit import ChunkCommit
 from mamba_stream.scan import State, load_model
@@ -65,7 +63,7 @@ def test_a_chunk_commits_its_state_and_record_and_a_retry_finds_the_record(commi
     assert AdvanceResult.model_validate(prior.result) == res
     assert torch.equal(prior.logits, out.logits[-1].to(torch.float32))
     assert commits.prior(key, "mallory") is None  # a record is its principal's alone
-    state, logits, size = commits.fetch(model, res.receipt, "alice")
+    state, _logits, size = commits.fetch(model, res.receipt, "alice")
     assert all(torch.equal(state.tensors[k], out.state.tensors[k]) for k in out.state.tensors) and size > 0
 
 

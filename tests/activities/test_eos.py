@@ -16,8 +16,8 @@ import torch
 
 from mamba_stream.scan import load_model, save_checkpoint
 from mamba_stream.state_codec.codec import plaintext_checksum
-from tests.activities._eos import PROMPT, N, checkpoint, first_new, run, scanned
 from mamba_stream.workflows import GenerateResult
+from tests.activities._eos import PROMPT, N, checkpoint, first_new, run, scanned
 
 
 @pytest.fixture(scope="module")

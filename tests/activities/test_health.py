@@ -12,18 +12,17 @@ from temporalio.exceptions import ApplicationError, CancelledError
 from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 from temporalio.testing import ActivityEnvironment
 
-
 import mamba_stream.activities._registry as registry_module
-from mamba_stream.state_codec import record_key
 from mamba_stream.activities import MemoryStateStore, ModelRegistry, StreamActivities, StreamMetrics, WorkerHealth
 from mamba_stream.activities._health import FAILURES_TO_TRIP
 from mamba_stream.activities._stream import UNTYPED_ATTEMPTS, WORKER_FAULT_ATTEMPTS
 from mamba_stream.scan import load_model
+from mamba_stream.state_codec import record_key
 from mamba_stream.state_codec.codec import Keyring, plaintext_checksum
-from tests.workflows.test_metrics import free_port, scrape, total
 from mamba_stream.workflows import AdvanceRequest
 from mamba_stream.workflows._models import AdvanceChunkRequest, OpenStreamRequest
 from tests.activities._env import stream_env
+from tests.workflows.test_metrics import free_port, scrape, total
 
 MODEL = "tiny-mamba2"
 BUG = AttributeError("module 'sympy' has no attribute 'core'")
@@ -64,7 +63,7 @@ def test_failures_across_streams_trip_it_once_naming_them_and_a_success_between_
 class Breakable(StreamActivities):
     broken = False
 
-    def engine(self, model):  # noqa: ANN001, ANN201
+    def engine(self, model):
         if self.broken:
             raise BUG
         return super().engine(model)
@@ -93,7 +92,7 @@ def test_a_cancellation_never_interrupts_a_models_first_load(monkeypatch):
     The SDK used to raise CancelledError inside the load (into an import, on a real first load)."""
     loads = []
 
-    def slow_load(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def slow_load(*args, **kwargs):
         loads.append(args[0])
         for _ in range(150):  # many bytecodes: an exception raised into this thread lands in here
             time.sleep(0.01)
@@ -130,7 +129,7 @@ def test_a_cancelled_chunk_ends_at_its_next_safe_point_commits_nothing_and_the_n
 
         pieces = []
 
-        def slow(state, tokens):  # noqa: ANN001, ANN202 - the engine thread's long piece
+        def slow(state, tokens):  # the engine thread's long piece
             pieces.append(list(tokens))
             time.sleep(2.5)
             return real(state, tokens)
@@ -143,7 +142,8 @@ def test_a_cancelled_chunk_ends_at_its_next_safe_point_commits_nothing_and_the_n
             _advance(env, acts, "s1", opened, [3, 4, 5, 6, 7, 8])
         assert time.monotonic() - t0 < 2.4  # at the next wait on the engine, not when the piece is done
         timer.join()
-        assert acts.store.list_stream(stream_id="s1") == [opened.receipt.state_key, record_key(opened.receipt.state_key)]
+        assert acts.store.list_stream(stream_id="s1") == [opened.receipt.state_key,
+                                                          record_key(opened.receipt.state_key)]
         engine = acts.engine(served)
         deadline = time.monotonic() + 10
         while engine.slots.handle("s1") is not None and time.monotonic() < deadline:
@@ -167,7 +167,7 @@ def test_a_failure_judged_the_workers_is_retried_and_a_tripped_worker_refuses_wo
                                                                            model_id=MODEL)) for s in ("s1", "s2")}
         acts.broken = True
 
-        def attempt(sid: str, n: int):  # noqa: ANN202
+        def attempt(sid: str, n: int):
             env.info = dataclasses.replace(env.info, attempt=n, workflow_id=sid)
             return _advance(env, acts, sid, opened[sid], [1])
 

@@ -9,8 +9,8 @@ import torch
 
 from mamba_stream.activities._engine import WAIT_S, SeededSampler, StreamEngine
 from mamba_stream.activities._live import LiveTokens
-from tests.scan._helpers import model_for, tokens
 from mamba_stream.workflows import TokenProgress
+from tests.scan._helpers import model_for, tokens
 
 BASE = TokenProgress(chunk_seq=3, epoch=1, update_id="generate-3-e1-abc", offset=7, attempt=2)
 

@@ -23,10 +23,10 @@ from mamba_stream.activities._prefix import SCOPES_KIND, SHARED_PRINCIPAL, is_pr
 from mamba_stream.activities._store import StateStore
 from mamba_stream.scan import load_model
 from mamba_stream.state_codec.codec import Keyring, open_bytes, plaintext_checksum
+from mamba_stream.workflows import AdvanceChunkRequest, AdvanceRequest, OpenStreamRequest
 from tests.activities._env import stream_env
 from tests.activities.test_stores import PG_URL
 from tests.workflows.test_stream_workflow import digest
-from mamba_stream.workflows import AdvanceChunkRequest, AdvanceRequest, OpenStreamRequest
 
 MODEL = "tiny-mamba2"
 
@@ -125,7 +125,8 @@ def test_a_stored_prefix_opens_with_the_bits_of_the_prefix_fed_from_position_0_a
     p = tokens(700)
     first = open_(acts, "s1", p[:600]).receipt  # computed in the engine's prefill pieces
     assert first.position == 600 and first.checksum == truth(p[:600])
-    assert first.origin.kind == "prefix" and first.origin.digest == acts.prefixes.digest(acts.prefixes.scope("alice"), p[:600])
+    assert first.origin.kind == "prefix" \
+        and first.origin.digest == acts.prefixes.digest(acts.prefixes.scope("alice"), p[:600])
     assert (first.origin.tokens, first.origin.stored_tokens, first.origin.scope) == (600, 0, "")
     again = open_(acts, "s2", p[:600]).receipt
     assert (again.origin.stored_tokens, again.origin.scope) == (600, "principal")
@@ -139,12 +140,12 @@ def test_a_stored_prefix_opens_with_the_bits_of_the_prefix_fed_from_position_0_a
     # streams opened from stored states go on as the stream fed everything does, outputs included
     plain = open_(acts, "s5", None).receipt
     assert plain.origin is None
-    want = feed(acts, "s5", plain, p + [7, 8, 9])
-    got = feed(acts, "s2", again, p[600:] + [7, 8, 9])
+    want = feed(acts, "s5", plain, [*p, 7, 8, 9])
+    got = feed(acts, "s2", again, [*p[600:], 7, 8, 9])
     assert got.receipt.checksum == want.receipt.checksum and got.receipt.position == want.receipt.position == 703
     assert got.top_k == want.top_k
     m = load_model(MODEL)
-    every = m.advance(m.initial_state(), p + [7, 8, 9]).logits  # every position's logits, one local scan
+    every = m.advance(m.initial_state(), [*p, 7, 8, 9]).logits  # every position's logits, one local scan
     assert want.output_digest == digest(every) and got.output_digest == digest(every[600:])
     assert got.receipt.origin == again.origin  # every receipt of the epoch names where it began
 
@@ -271,7 +272,8 @@ def test_retention_is_bounded_per_scope_least_recently_used_first_and_the_sweep_
     assert len(store.read_meta(kind=SCOPES_KIND)) == 2
     record = store.read_meta(kind=SCOPES_KIND)[scope.tag]  # sealed: whose scope it is, for the keys only
     assert b"alice" not in record
-    assert json.loads(open_bytes(record, binding=f"prefix-scope|{scope.tag}", keyring=acts.keyring))["principal"] == "alice"
+    assert json.loads(open_bytes(record, binding=f"prefix-scope|{scope.tag}",
+                                 keyring=acts.keyring))["principal"] == "alice"
 
 
 def test_concurrent_opens_of_one_new_prefix_compute_it_once(store):
@@ -436,7 +438,8 @@ def test_a_holder_stalled_past_its_lease_has_its_writes_refused_and_the_entry_is
     assert taker.checksum == out["a"].checksum == truth(p)  # ... the same bits, exact
     assert meters[0].total("mamba_stream_prefix_leases_lost") == 1  # A's writes were refused
     assert meters[1].total("mamba_stream_prefix_leases_lost") == 0
-    assert meters[0].total("mamba_stream_prefix_bytes_written") == 0 < meters[1].total("mamba_stream_prefix_bytes_written")
+    assert (meters[0].total("mamba_stream_prefix_bytes_written") == 0
+            < meters[1].total("mamba_stream_prefix_bytes_written"))
     index = b.prefixes._index(scope)
     assert len(index) == 1
     (entry,) = index.values()
@@ -469,5 +472,5 @@ def test_a_prefix_digest_is_keyed_per_scope(store):
     sa, sb = open_(acts, "s1", q, "alice").receipt, open_(acts, "s2", q, "bob").receipt
     assert sa.origin.digest == sb.origin.digest == acts.prefixes.digest(acts.prefixes.scope(None), q)
     assert sb.origin.scope == "shared"
-    longer = open_(acts, "s3", q + [5], "bob").receipt  # past the shared prefix: bob's own
-    assert longer.origin.digest == acts.prefixes.digest(acts.prefixes.scope("bob"), q + [5])
+    longer = open_(acts, "s3", [*q, 5], "bob").receipt  # past the shared prefix: bob's own
+    assert longer.origin.digest == acts.prefixes.digest(acts.prefixes.scope("bob"), [*q, 5])

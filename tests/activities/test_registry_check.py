@@ -66,7 +66,8 @@ def _no_weights(tmp: Path, good: Path) -> str:
 
 def _missing_shard(tmp: Path, good: Path) -> str:
     d = _copy(good, tmp / "c", drop=("model.safetensors",))
-    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors"}}))
+    (d / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors"}}))
     return str(d)
 
 

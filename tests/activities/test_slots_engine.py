@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from mamba_stream.activities._engine import NeedsLoad, SeededSampler, StreamEngine, sample_rows
-from mamba_stream.activities._slots import SlotTable, StaleSlot
 from mamba_stream.activities._engine import _sample_one as _sample  # the per-row path, which batching must match
+from mamba_stream.activities._slots import SlotTable, StaleSlot
 from mamba_stream.scan import InvalidState, NonFiniteOutput, load_model
 from tests.scan._helpers import model_for, tokens
 
@@ -58,7 +58,7 @@ def test_a_batched_step_answers_in_handle_order_whatever_the_slot_order():
                for name, t in fed.items()}
     order = ["c", "a", "b"]  # slots 2, 0, 1: stepped as one span, answered in this order
     logits, _ = table.step([handles[n] for n in order], [7, 8, 9])
-    for i, (name, tok) in enumerate(zip(order, [7, 8, 9])):
+    for i, (name, tok) in enumerate(zip(order, [7, 8, 9], strict=True)):
         solo = model.advance(model.initial_state(), fed[name] + [tok])
         assert torch.equal(logits[i], solo.logits[-1])
         assert torch.equal(table.next_logits(handles[name]), solo.logits[-1])
@@ -102,7 +102,7 @@ class SlotsAgainstSoloRuns(RuleBasedStateMachine):
         sids = data.draw(st.lists(st.sampled_from(sorted(self.solo)), min_size=1, max_size=3, unique=True))
         handles = [self.table.handle(s) for s in sids]
         results = self.model.advance_batch([self.table.view(h) for h in handles], [toks] * len(sids))
-        for s, h, r in zip(sids, handles, results):
+        for s, h, r in zip(sids, handles, results, strict=True):
             self.table.write(h, r.state, r.logits[-1] if toks else None, state_key=None)
             self.solo[s] = self.model.advance(self.solo[s], toks).state
 
@@ -137,7 +137,8 @@ def test_engine_batches_concurrent_decode_steps_and_equals_solo_runs():
         def stream(sid: str) -> None:
             key, got = f"{sid}-0", []
             for i, tok in enumerate(tokens(6, hash(sid) % 1000)):
-                out = engine.advance(sid, [tok], expected_key=key, epoch=0, load=lambda: (_ for _ in ()).throw(AssertionError))
+                out = engine.advance(sid, [tok], expected_key=key, epoch=0,
+                                     load=lambda: (_ for _ in ()).throw(AssertionError))
                 key = f"{sid}-{i + 1}"
                 engine.mark_committed(sid, key)
                 got.append((tok, out))
@@ -382,7 +383,7 @@ def test_an_in_place_step_changes_only_its_own_slots(rows):
     stepped = [f"s{r}" for r in rows]
     logits, path = table.step([handles[s] for s in stepped], [5, 6, 7])
     assert path == "exact"
-    for i, (sid, tok) in enumerate(zip(stepped, [5, 6, 7])):
+    for i, (sid, tok) in enumerate(zip(stepped, [5, 6, 7], strict=True)):
         solo = model.advance(model.advance(model.initial_state(), fed[sid]).state, [tok])
         assert torch.equal(logits[i], solo.logits[0]) and table.view(handles[sid]).equal(solo.state)
     for sid in sorted(set(fed) - set(stepped)):
@@ -441,12 +442,13 @@ def test_sample_rows_gives_each_row_its_own_samplers_token_and_generator_state()
     logits[3, 17] = logits[3, 90] = 50.0  # a tie for the greedy and top-k rows to break the same way
     for seed in range(20):
         params = [SAMPLING[(seed + i) % len(SAMPLING)] for i in range(24)]
-        batch = [SeededSampler(t, k, torch.Generator().manual_seed(seed * 100 + i)) for i, (t, k, _) in enumerate(params)]
+        batch = [SeededSampler(t, k, torch.Generator().manual_seed(seed * 100 + i))
+                 for i, (t, k, _) in enumerate(params)]
         alone = [torch.Generator().manual_seed(seed * 100 + i) for i in range(24)]
         got = sample_rows(logits, batch)
         want = [_sample(logits[i], t, k, alone[i]) for i, (t, k, _) in enumerate(params)]
         assert got == want, seed
-        assert all(torch.equal(s.generator.get_state(), a.get_state()) for s, a in zip(batch, alone))
+        assert all(torch.equal(s.generator.get_state(), a.get_state()) for s, a in zip(batch, alone, strict=True))
 
 
 def test_a_row_that_cannot_be_sampled_fails_its_own_stream_only():
@@ -482,7 +484,7 @@ def test_a_row_that_cannot_be_sampled_fails_its_own_stream_only():
         for t in threads:
             t.join()
         assert isinstance(results["b"], NonFiniteOutput)
-        toks, logits, state, _ = _decode_alone(model, start.state, start.logits[-1], (1.0, 0, 1), 4)
+        toks, _logits, state, _ = _decode_alone(model, start.state, start.logits[-1], (1.0, 0, 1), 4)
         assert results["a"].tokens == toks and results["a"].state.equal(state)
         assert len(calls) == 2 and engine.slots.handle("b") is None  # the failed stream's slot was dropped
     finally:

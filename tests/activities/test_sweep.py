@@ -29,9 +29,9 @@ from mamba_stream.activities import (
     sweep_orphans,
 )
 from mamba_stream.activities._sweep import MISSING_KIND, store_owner
-from tests.activities.test_stores import store  # noqa: F401 - the file and PostgreSQL stores, as a fixture
 from mamba_stream.state_codec.codec import Keyring
 from mamba_stream.worker import WorkerConfig, run_worker, start_dev_server
+from tests.activities.test_stores import store  # noqa: F401 - the file and PostgreSQL stores, as a fixture
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -138,8 +138,8 @@ async def test_prefix_entries_are_never_orphans_and_a_workers_sweep_bounds_them(
     sweep must not take them for forgotten streams, whatever the grace; given the worker's
     activities it sweeps them by their own rule (the scope's bytes bound)."""
     from mamba_stream.activities import ModelRegistry, StreamActivities
-    from tests.activities._env import stream_env
     from mamba_stream.workflows import OpenStreamRequest
+    from tests.activities._env import stream_env
 
     await claim_store(server_a.client, store)
     acts = StreamActivities(models=ModelRegistry(["tiny-mamba2"], backend="exact"), store=store,

@@ -65,7 +65,8 @@ def test_serving_tables_on_a_small_cpu_run(tmp_path):
     eng = [[c.strip() for c in line.split("|")] for line in mod.table_b_engine([1, 2], 4, tmp_path)
            if line.startswith("| ") and line.split("|")[3].strip().isdigit()]
     assert [(r[1], r[2], int(r[3])) for r in eng] == [
-        (backend, sampling, n) for backend in ("exact", "chunked") for sampling in ("batched", "per row") for n in (1, 2)]
+        (backend, sampling, n) for backend in ("exact", "chunked") for sampling in ("batched", "per row")
+        for n in (1, 2)]
     assert all(0 < float(r[7]) <= float(r[6]) for r in eng)  # the batched step is part of the round
 
     c = mod.table_c(6_000)
@@ -141,5 +142,6 @@ def test_prefix_states_table_on_a_small_run():
     assert on[14].startswith(tuple("123456789")) and on[14].endswith("(1 entry)")  # one entry, its bytes
     assert off[14] == "0 (0 entries)"
     assert all(float(c) > 0 for r in (on, off) for c in r[1:4])  # TTFTs
-    assert f"(0, -) 1 agents, ({prefix}, principal) {agents} agents" in text  # agent 1 computed; 2..3 and the solo one loaded
+    # agent 1 computed; 2..3 and the solo one loaded
+    assert f"(0, -) 1 agents, ({prefix}, principal) {agents} agents" in text
     assert "generated the same 3 tokens: yes" in text

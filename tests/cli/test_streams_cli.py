@@ -22,10 +22,10 @@ from temporalio.client import WorkflowExecutionStatus
 
 from mamba_stream.activities import StreamActivities
 from mamba_stream.cli._streams import add_stream_commands
-from tests.workflows import conftest as workflow_fixtures
-from tests.workflows.conftest import Stack, eventually, make_stack
 from mamba_stream.worker import WorkerConfig
 from mamba_stream.workflows import ClientConfig, OpenFailed, StreamClient, StreamOptions
+from tests.workflows import conftest as workflow_fixtures
+from tests.workflows.conftest import Stack, eventually, make_stack
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 # the real dev server and a worker stack per test, as tests/workflows/ has them (a conftest there only)
@@ -91,7 +91,8 @@ async def test_open_with_no_worker_prints_the_id_fails_fast_and_leaves_no_stream
     stack = await make_stack(temporal_env, tmp_path, start_worker=False)  # nobody polls its queue
     async with stack.exits:
         env = _env(stack, _keyfile(stack, tmp_path))
-        out, seconds = await _run(env, "open", "--principal", "alice", "--model", "tiny-mamba2", "--worker-timeout", "2")
+        out, seconds = await _run(env, "open", "--principal", "alice", "--model", "tiny-mamba2",
+                                  "--worker-timeout", "2")
         line = _one_error_line(out)
         sid = out.stdout.strip()
         assert STREAM_ID.fullmatch(sid), out.stdout  # the id, alone on stdout
@@ -252,8 +253,9 @@ async def test_ctrl_c_during_a_streamed_generate_says_where_the_result_will_be(t
         sid = await stack.streams.open("alice", "tiny-mamba2")
         await stack.streams.advance(sid, "alice", text="Once upon a time")
         proc = await asyncio.to_thread(
-            subprocess.Popen, [*WITH_SIGINT, "-m", "mamba_stream.cli", "generate", sid, "--principal", "alice", "-n", "40",
-                               "--seed", "3"], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            subprocess.Popen, [*WITH_SIGINT, "-m", "mamba_stream.cli", "generate", sid, "--principal", "alice",
+                               "-n", "40", "--seed", "3"],
+            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
             first = await asyncio.to_thread(proc.stdout.read, 1)  # its first tokens are on the screen
             assert first, proc.stderr.read().decode()
@@ -278,7 +280,8 @@ async def test_ctrl_c_during_a_streamed_generate_says_where_the_result_will_be(t
         # one line: which chunk is in flight, what becomes of it, what waits behind it, where its result is
         assert err.strip().splitlines() == [(
             f"interrupted: chunk 2 is still in flight: it commits on the worker unless the stream is cancelled, "
-            f"and a feed or generate without --seq waits behind it; its result: mamba-stream tokens {sid} --seq 2")], err
+            f"and a feed or generate without --seq waits behind it; its result: "
+            f"mamba-stream tokens {sid} --seq 2")], err
         # it did: the chunk commits, whole, and the command named gets its result
         await eventually(lambda: _committed(stack, sid, 2), timeout=90)
         [entry] = [json.loads(line) for line in (await _ok(env, "tokens", sid, "--seq", "2", "--json")).splitlines()]
@@ -440,7 +443,8 @@ async def test_list_shows_the_streams_agents_own_and_no_other_workflow(stack: St
 
     memos = [e.workflow_properties_modified_event_attributes.upserted_memo.fields async for e in
              agent.fetch_history_events() if e.event_type == EventType.EVENT_TYPE_WORKFLOW_PROPERTIES_MODIFIED]
-    assert [(list(m), m["mamba_stream"].metadata["encoding"]) for m in memos] == [(["mamba_stream"], ENCRYPTED_ENCODING)]
+    assert [(list(m), m["mamba_stream"].metadata["encoding"]) for m in memos] \
+        == [(["mamba_stream"], ENCRYPTED_ENCODING)]
     assert b"tiny-mamba2" not in memos[0]["mamba_stream"].data
     await agent.execute_update(ChatAgent.say, ChatMessage(principal="alice"))  # the end: disposed
     await agent.result()
@@ -706,7 +710,8 @@ async def test_bad_flag_values_are_refused_in_one_line_naming_the_flag_before_an
         ("feed", sid, "--principal", " ", "--text", "x"):
             "error: InvalidRequest: --principal: names no principal: ' '; give the name of the stream's owner",
         (*feed, "--tokens", "1,x"): "error: InvalidRequest: --tokens: element 1 is not a token id (an integer): x",
-        (*feed, "--tokens", ""): "error: InvalidRequest: --tokens: no token ids in '': give them comma-separated, 1,2,3",
+        (*feed, "--tokens", ""):
+            "error: InvalidRequest: --tokens: no token ids in '': give them comma-separated, 1,2,3",
         (*feed, "--tokens", "104, 105,-3"):
             "error: InvalidRequest: --tokens: element 2 is not a token id (0 <= id < 2**31): -3",
         (*feed, "--tokens", "7,2147483648"):
@@ -723,13 +728,15 @@ async def test_bad_flag_values_are_refused_in_one_line_naming_the_flag_before_an
             "error: InvalidRequest: --temperature: must be a number from 0 to 1000, not -1",
         (*gen, "-n", "2", "--temperature", "nan"):
             "error: InvalidRequest: --temperature: must be a number from 0 to 1000, not nan",
-        (*gen, "-n", "2", "--top-k", "-1"): "error: InvalidRequest: --top-k: must be an integer from 0 to 2**31, not -1",
+        (*gen, "-n", "2", "--top-k", "-1"):
+            "error: InvalidRequest: --top-k: must be an integer from 0 to 2**31, not -1",
         (*gen, "-n", "2", "--seed", "-1"):
             "error: InvalidRequest: --seed: must be an integer from 0 to 2**63 - 1, not -1",
         (*gen, "-n", "2", "--seq", "0"): "error: InvalidRequest: --seq: must be an integer from 1 to 2**53, not 0",
         (*gen, "-n", "2", "--attempt", "-1"): "error: InvalidRequest: --attempt: must be an integer >= 0, not -1",
         ("list", "--limit", "0"): "error: InvalidRequest: --limit: must be an integer >= 1, not 0",
-        ("rewind", sid, "--to-seq", "-1"): "error: InvalidRequest: --to-seq: must be an integer from 0 to 2**53, not -1",
+        ("rewind", sid, "--to-seq", "-1"):
+            "error: InvalidRequest: --to-seq: must be an integer from 0 to 2**53, not -1",
         ("tokens", sid, "--from-offset", "-1"):
             "error: InvalidRequest: --from-offset: must be an integer from 0 to 2**53, not -1",
         ("tokens", sid, "--seq", "0"): "error: InvalidRequest: --seq: must be an integer from 1 to 2**53, not 0",
@@ -773,7 +780,8 @@ async def test_a_checkpoint_file_that_is_not_a_receipt_of_the_principal_is_refus
         (*resume, str(tmp_path / "a-dir.json")): line("a-dir.json", "cannot read it: Is a directory"),
         (*resume, str(tmp_path / "garbage.bin")):
             line("garbage.bin", "not UTF-8 text (byte 1): a receipt is the JSON `checkpoint --out` writes"),
-        (*resume, str(tmp_path / "notes.txt")): line("notes.txt", "not JSON (Expecting value: line 1 column 1 (char 0))"),
+        (*resume, str(tmp_path / "notes.txt")):
+            line("notes.txt", "not JSON (Expecting value: line 1 column 1 (char 0))"),
         # a receipt's 21 fields bar the one given and the one with a default: 19 problems, the first one's path
         (*resume, str(tmp_path / "partial.json")):
             line("partial.json", "not a checkpoint receipt: 19 problems, the first: principal: Field required"),

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from mamba_stream.quality.evaluate import EvalConfig, append_run, chance_band, evaluate_attention, evaluate_preset, render_run
+from mamba_stream.quality.evaluate import (
+    EvalConfig,
+    append_run,
+    chance_band,
+    evaluate_attention,
+    evaluate_preset,
+    render_run,
+)
 
 
 def test_a_small_run_renders_and_appends_without_replacing(tmp_path):
@@ -29,6 +36,6 @@ def test_a_small_run_renders_and_appends_without_replacing(tmp_path):
 
 def test_the_chance_band_is_centred_on_one_in_ten_and_narrows():
     lo, hi = chance_band(400)
-    assert lo < 0.1 < hi and 0.05 < lo and hi < 0.15
+    assert lo < 0.1 < hi and lo > 0.05 and hi < 0.15
     lo2, hi2 = chance_band(4000)
     assert lo < lo2 and hi2 < hi

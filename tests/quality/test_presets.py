@@ -21,7 +21,7 @@ CFG = EvalConfig(n=100)
 
 
 def _accuracy(samples, preds) -> float:
-    hits = [p == a for s, ps in zip(samples, preds) for p, a in zip(ps, s.answers())]
+    hits = [p == a for s, ps in zip(samples, preds, strict=False) for p, a in zip(ps, s.answers(), strict=False)]
     return sum(hits) / len(hits)
 
 

@@ -22,7 +22,7 @@ def test_recall_targets_are_the_facts_values_after_the_delay(pairs, delay):
     for i in range(20):
         s = recall_sample(5, i, pairs=pairs, delay=delay)
         facts = s.meta["facts"]
-        head, distractor, queries = s.text.split("|")
+        head, distractor, _queries = s.text.split("|")
         assert len(distractor) == delay and set(distractor) <= set("".join(DISTRACTOR_WORDS) + " ")
         assert [f"{k}{v}" for k, v in facts.items()] == head.split(" ")
         assert len(set(facts)) == pairs and set(facts) <= set(KEYS) and set(facts.values()) <= set(VALUES)

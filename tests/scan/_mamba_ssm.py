@@ -10,6 +10,7 @@ so the comparisons run mamba-ssm's math and none of ours.
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
 import importlib.util
 import math
@@ -40,10 +41,8 @@ def import_mamba_ssm() -> types.ModuleType:
     # transformers binds mamba-ssm's kernels when its modeling modules are first imported;
     # importing them while mamba-ssm is still unimportable makes them keep their own fallbacks.
     for mod in ("transformers.models.mamba.modeling_mamba", "transformers.models.mamba2.modeling_mamba2"):
-        try:
+        with contextlib.suppress(ImportError):
             importlib.import_module(mod)
-        except ImportError:
-            pass
     sys.modules.setdefault("selective_scan_cuda", types.ModuleType("selective_scan_cuda"))
     return require("mamba_ssm")
 
@@ -54,7 +53,8 @@ def _fused_step_ref() -> Any:
     assert spec is not None and spec.submodule_search_locations
     path = Path(spec.submodule_search_locations[0]) / "ops/cute/mamba3/mamba3_step_fn.py"
     tree = ast.parse(path.read_text())
-    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "selective_state_update_fused_ref_v2")
+    fn = next(n for n in tree.body
+              if isinstance(n, ast.FunctionDef) and n.name == "selective_state_update_fused_ref_v2")
     ns: dict[str, Any] = {"torch": torch, "F": F, "math": math}
     exec(compile(ast.Module(body=[fn], type_ignores=[]), str(path), "exec"), ns)
     return ns[fn.name]
@@ -70,7 +70,7 @@ def ssd_minimal_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, d
     if dt_softplus:
         dt = F.softplus(dt)
     dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
-    bsz, length, h, p = x.shape
+    _bsz, length, h, _p = x.shape
     g = B.shape[2]
     pad = (-length) % chunk_size
     xs, a = x * dt.unsqueeze(-1), A * dt

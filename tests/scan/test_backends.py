@@ -26,7 +26,7 @@ def test_exact_backends_advance_batch_bit_exact_per_stream(preset, dtype, backen
     model = model_for(preset, backend, dtype)
     states, chunks = _streams(model)
     batch = model.advance_batch(states, chunks)
-    for s, c, got in zip(states, chunks, batch):
+    for s, c, got in zip(states, chunks, batch, strict=True):
         solo = model.advance(s, c)
         assert torch.equal(got.logits, solo.logits)
         assert got.state.equal(solo.state)
@@ -39,7 +39,7 @@ def test_chunked_advance_batch_within_tolerance_per_stream(preset):
     tol = one + one  # batched and solo, each within its bound of the truth
     states, chunks = _streams(model)
     batch = model.advance_batch(states, chunks)
-    for s, c, got in zip(states, chunks, batch):
+    for s, c, got in zip(states, chunks, batch, strict=True):
         solo = model.advance(s, c)
         assert tol.logits_excess(got.logits, solo.logits) <= 1.0
         for name, t in got.state.tensors.items():
@@ -53,9 +53,9 @@ def test_one_bad_stream_fails_the_whole_batch_before_any_work(preset):
     model = model_for(preset)
     states, chunks = _streams(model, 3)
     snapshots = [s.clone() for s in states]
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 - whichever refusal: the point is that no state moved
         model.advance_batch(states, [chunks[0], [999], chunks[2]])
-    assert all(s.equal(snap) for s, snap in zip(states, snapshots))
+    assert all(s.equal(snap) for s, snap in zip(states, snapshots, strict=True))
 
 
 @pytest.mark.parametrize("backend", ["reference", "chunked", "exact", "exact-fma"])
@@ -162,7 +162,7 @@ def test_step_rows_equals_advance_batch_and_touches_only_its_rows(preset, backen
     logits, path = model.step_rows(buffers, torch.tensor(rows), torch.tensor(toks))
     solo = model.advance_batch([states[r] for r in rows], [[t] for t in toks])
     tol = tolerance(model.config.architecture, backend, "float32")
-    for i, (r, res) in enumerate(zip(rows, solo)):
+    for i, (r, res) in enumerate(zip(rows, solo, strict=True)):
         got_state = {k: v[r] for k, v in buffers.items()}
         if backend in ("reference", "exact", "exact-fma"):  # the same arithmetic, bit for bit
             assert torch.equal(logits[i : i + 1], res.logits)

@@ -4,12 +4,13 @@ Partitions are drawn by hypothesis from pieces that have broken peers: empty chu
 chunks, chunks shorter than d_conv - 1, prime sizes, long runs, and a final short chunk. The
 scan starts from a warmed-up state so that the conv carry and the SSM state are non-trivial.
 Reference and exact backends: bit-exact (torch.equal), float32 and float64 (exact-fma: float32),
-200 examples per (architecture, dtype, backend); the exact backend also with bfloat16 and float16 states. Chunked backend: within its declared bound of the float64 truth.
+200 examples per (architecture, dtype, backend); the exact backend also with bfloat16 and float16
+states. Chunked backend: within its declared bound of the float64 truth.
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import pytest
 import torch
@@ -47,7 +48,7 @@ def partitions(draw: st.DrawFn, n: int = N) -> list[int]:
     return out
 
 
-@lru_cache(maxsize=None)
+@cache
 def _truth(preset: str, backend: str, dtype: str):
     model = model_for(preset, backend, dtype)
     start = model.advance(model.initial_state(), tokens(11, 100)).state  # warmed up
@@ -69,7 +70,7 @@ def test_exact_backends_partitions_are_bit_exact(preset, dtype, backend, chunks)
     assert state.position == start.position + N
 
 
-@lru_cache(maxsize=None)
+@cache
 def _narrow(preset: str, state_dtype: str):
     model = load_model(preset, backend="exact", state_dtype=getattr(torch, state_dtype))
     start = model.advance(model.initial_state(), tokens(11, 100)).state
@@ -89,7 +90,7 @@ def test_the_exact_backend_with_a_narrow_state_is_bit_exact_under_partitions(pre
     assert all(str(t.dtype) == f"torch.{state_dtype}" for t in state.tensors.values())
 
 
-@lru_cache(maxsize=None)
+@cache
 def _truth64(preset: str):
     """The float64 reference over warm-up + tokens: the truth the chunked backend is bounded against."""
     truth = model_for(preset, "reference", "float64")

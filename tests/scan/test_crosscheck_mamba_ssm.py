@@ -96,7 +96,7 @@ def test_mamba1_layer_matches_selective_scan_ref_and_state_update_ref(refs, chan
             ip.seqlen_offset += 1
         conv, ssm = ip.key_value_memory_dict[0]
         ref_y, ref_states, ch_y, ch_states = _our_runs(mixer, zeros, u)
-    stepped = torch.cat([pre] + steps, dim=1)
+    stepped = torch.cat([pre, *steps], dim=1)
     _report(f"mamba1 layer {changes} vs selective_scan_ref (full)", reference=_maxdiff(ref_y, full),
             chunked=_maxdiff(ch_y, full))
     _report(f"mamba1 layer {changes} vs prefill + selective_state_update_ref", outputs=_maxdiff(ref_y, stepped),
@@ -144,7 +144,7 @@ def test_mamba2_layer_matches_ssd_minimal_and_state_update_ref(refs, changes, th
             steps.append(theirs(u[:, t : t + 1], inference_params=ip))
             ip.seqlen_offset += 1
         conv, ssm = ip.key_value_memory_dict[0]
-    stepped = torch.cat([pre] + steps, dim=1)
+    stepped = torch.cat([pre, *steps], dim=1)
     _report(f"mamba2 layer {changes} vs prefill + selective_state_update_ref", outputs=_maxdiff(ref_y, stepped),
             conv=_maxdiff(ref_states[0], conv), ssm=_maxdiff(ref_states[1], ssm),
             chunked_conv=_maxdiff(ch_states[0], conv), chunked_ssm=_maxdiff(ch_states[1], ssm))
@@ -228,5 +228,6 @@ def test_language_model_matches_mamba_lm_head_model(refs, tmp_path, preset, laye
         rows.append(step.logits)
         s = step.state
     chunked = loaded.with_backend("chunked").advance(loaded.initial_state(), toks).logits
-    _report(f"{preset} {changes} LM vs MambaLMHeadModel logits", reference_chunked=_maxdiff(torch.cat(rows), their_logits),
+    _report(f"{preset} {changes} LM vs MambaLMHeadModel logits",
+            reference_chunked=_maxdiff(torch.cat(rows), their_logits),
             chunked_backend=_maxdiff(chunked, their_logits))

@@ -36,13 +36,13 @@ def _r(g: torch.Generator, *shape: int, dtype: torch.dtype, scale: float = 1.0) 
     return (torch.randn(*shape, generator=g, dtype=torch.float64) * scale).to(dtype)
 
 
-def _both(name: str, *args):  # noqa: ANN202
+def _both(name: str, *args):
     return getattr(E._kernel_ops(), name)(*args), getattr(E.TWIN_OPS, name)(*args)
 
 
-def _equal(a, b) -> bool:  # noqa: ANN001
+def _equal(a, b) -> bool:
     if isinstance(a, tuple):
-        return all(_equal(x, y) for x, y in zip(a, b))
+        return all(_equal(x, y) for x, y in zip(a, b, strict=False))
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
@@ -96,7 +96,7 @@ def test_the_in_place_scans_and_conv_give_the_out_of_place_bits_in_the_state_the
     cases = [("selective_scan", lambda h: (*sel, h), state(3, 70, 16), -1),
              ("ssd", lambda h: (*ssd, h), state(3, 4, 11, 16), -1),
              ("conv", lambda h: (h, *conv), state(3, 7, 4), 0)]
-    for name, args, h0, where in cases:
+    for name, args, h0, _where in cases:
         want = getattr(E._kernel_ops(), name)(*args(h0))
         for ops in (E._kernel_ops(), E.TWIN_OPS):
             h = h0.clone() if contiguous else state(*h0.shape).copy_(h0)
@@ -268,7 +268,7 @@ def _threaded_shapes() -> list[tuple[int, int, int]]:
     return shapes
 
 
-def _record_threads(monkeypatch: pytest.MonkeyPatch, lib) -> list[int]:  # noqa: ANN001
+def _record_threads(monkeypatch: pytest.MonkeyPatch, lib) -> list[int]:
     """The thread count each product hands the C pool (`linear_threads`, `linear_q8_threads`)."""
     seen: list[int] = []
     for name in ("linear_threads", "linear_q8_threads"):
@@ -281,7 +281,7 @@ _LINEAR_FN = ctypes.CFUNCTYPE(None, *E._LINEAR)
 
 
 @contextlib.contextmanager
-def _record_spans(ops, dtype: torch.dtype, wdtype: torch.dtype  # noqa: ANN001
+def _record_spans(ops, dtype: torch.dtype, wdtype: torch.dtype
                   ) -> Iterator[list[tuple[int, int]]]:
     """The outputs [n0, n1) each part of a float product's job is called on (the pool's split,
     seen from inside C), while the context lasts: the product's kernel is called through a
@@ -289,7 +289,7 @@ def _record_spans(ops, dtype: torch.dtype, wdtype: torch.dtype  # noqa: ANN001
     fmt = {v: k for k, v in E._WEIGHT_FORMATS.items()}[None if wdtype == dtype else wdtype]
     kernel, spans = getattr(ops.lib, f"linear_{fmt}{E._SUFFIX[dtype]}"), []
 
-    def part(x, m, k, w, n, bias, out, n0, n1):  # noqa: ANN001, ANN202
+    def part(x, m, k, w, n, bias, out, n0, n1):
         spans.append((n0, n1))
         kernel(x, m, k, w, n, bias, out, n0, n1)
 
@@ -507,7 +507,8 @@ def test_quantizing_is_deterministic_and_its_bytes_are_pinned():
     assert digest == Q8_PINNED
     assert torch.equal(quantize_q8(w.to(torch.bfloat16).float()).q, quantize_q8(w.to(torch.bfloat16)).q)
     deq = qw.dequantize()
-    assert deq.shape == w.shape and ((deq - w).abs() <= qw.d.float().repeat_interleave(32, 1)[:, :75] * 0.5 + 1e-12).all()
+    assert deq.shape == w.shape \
+        and ((deq - w).abs() <= qw.d.float().repeat_interleave(32, 1)[:, :75] * 0.5 + 1e-12).all()
 
 
 Q8_PINNED = "3d0520c75772c3b7b0e7640c4f7c181729779fa9756be3cd5d43287565938653"
@@ -528,7 +529,8 @@ def test_the_scans_give_their_twins_bits(dtype, length):
         assert _equal(*_both("ssd", *args))
     assert _equal(*_both("angle", _r(g, 2, L, 4, 3, dtype=dtype, scale=3.0), _r(g, 2, 4, 3, dtype=dtype)))
     for r in (1, 2):
-        args = (_r(g, 2, L, r, 4, 16, dtype=dtype), _r(g, 2, L, r, 4, 16, dtype=dtype), _r(g, 2, L, r, 4, 8, dtype=dtype),
+        args = (_r(g, 2, L, r, 4, 16, dtype=dtype), _r(g, 2, L, r, 4, 16, dtype=dtype),
+                _r(g, 2, L, r, 4, 8, dtype=dtype),
                 torch.rand(2, L, 4, generator=g, dtype=torch.float64).to(dtype), _r(g, 2, L, 4, dtype=dtype),
                 _r(g, 2, L, 4, dtype=dtype), _r(g, 4, dtype=dtype), _r(g, 2, 4, 8, 16, dtype=dtype),
                 _r(g, 2, r, 4, 16, dtype=dtype), _r(g, 2, r, 4, 8, dtype=dtype))
@@ -578,7 +580,7 @@ def test_any_co_scheduled_batch_gives_each_stream_its_solo_bits(preset, backend,
     model = model_for(preset, backend, dtype)
     states = [model.advance(model.initial_state(), tokens(w, 10 + i)).state for i, (w, _) in enumerate(schedule)]
     chunks = [tokens(c, 50 + i) for i, (_, c) in enumerate(schedule)]
-    for s, c, got in zip(states, chunks, model.advance_batch(states, chunks)):
+    for s, c, got in zip(states, chunks, model.advance_batch(states, chunks), strict=True):
         solo = model.advance(s, c)
         assert torch.equal(got.logits, solo.logits) and got.state.equal(solo.state)
     # the slot table's decode step over the same streams, one token each, any subset of rows
@@ -614,7 +616,7 @@ def test_the_in_place_step_gives_the_steps_bits_and_touches_only_its_rows(preset
             assert all(torch.equal(fast[k][r], stacked[k][r]) for k in fast)
 
 
-def _states(lm, batch: int, seed: int) -> list:  # noqa: ANN001
+def _states(lm, batch: int, seed: int) -> list:
     g = torch.Generator().manual_seed(seed)
     return [tuple(torch.randn((batch, *shape), generator=g) * 0.5 for _, shape in blk.mixer.state_shapes())
             for blk in lm.backbone.layers]
@@ -654,7 +656,8 @@ def test_a_decode_step_in_one_kernel_call_gives_the_primitives_bits(monkeypatch,
         assert not torch.equal(other, got)  # the one call computes the arithmetic it was asked for
         assert E._states_equal(got_states, plain_states) and E._states_equal(got_states, twin_states)
         assert E._states_equal(in_place_states, got_states)
-        assert all(a is b for st, st_w in zip(in_place_states, work) for a, b in zip(st, st_w))  # written in place
+        assert all(a is b for st, st_w in zip(in_place_states, work, strict=True)
+                   for a, b in zip(st, st_w, strict=True))  # written in place
         assert not E._states_equal(got_states, states)  # and the step did move them
 
 
@@ -825,7 +828,7 @@ def test_a_product_that_depends_on_its_batch_is_caught_and_the_twins_run(monkeyp
     ops = E._kernel_ops()
     honest = type(ops).linear
 
-    def batch_dependent(self, x, weight, bias=None):  # noqa: ANN001, ANN202 - a BLAS that changes kernels with M
+    def batch_dependent(self, x, weight, bias=None):  # a BLAS that changes kernels with M
         out = honest(self, x, weight, bias)
         rows = out.numel() // out.shape[-1]
         return torch.nextafter(out, out + 1) if rows > 1 else out
@@ -875,10 +878,10 @@ def test_a_forward_on_the_kernels_turns_torchs_threads_off_for_its_thread_only(m
     real_lib = ops.lib
 
     class Lib:
-        def __getattr__(self, name: str):  # noqa: ANN204
+        def __getattr__(self, name: str):
             return getattr(real_lib, name)
 
-        def linear_threads(self, *a):  # noqa: ANN002, ANN202
+        def linear_threads(self, *a):
             seen.append(torch.get_num_threads())
             probe = threading.Thread(target=lambda: other.append(torch.get_num_threads()))
             probe.start()

@@ -19,7 +19,7 @@ N = 20_000
 
 
 def _fmaf(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    out = [_LIBM.fmaf(x, y, z) for x, y, z in zip(a.tolist(), b.tolist(), c.tolist())]
+    out = [_LIBM.fmaf(x, y, z) for x, y, z in zip(a.tolist(), b.tolist(), c.tolist(), strict=True)]
     return torch.tensor(out, dtype=torch.float32)
 
 

@@ -31,7 +31,7 @@ def test_presets_are_deterministic_and_do_not_touch_the_global_rng():
     assert torch.equal(before, after)
     b = load_model("tiny-mamba2")
     assert a.revision == b.revision and a.revision.startswith("sha256:") and len(a.revision) == 71
-    for (ka, va), (kb, vb) in zip(a.module.state_dict().items(), b.module.state_dict().items()):
+    for (ka, va), (kb, vb) in zip(a.module.state_dict().items(), b.module.state_dict().items(), strict=True):
         assert ka == kb and torch.equal(va, vb)
     assert len({load_model(p).revision for p in PRESETS}) == len(PRESETS)
 
@@ -139,7 +139,7 @@ def test_checkpoint_errors_name_the_tensor(tmp_path):
     sd = load_file(tmp_path / "model.safetensors")
     missing = {k: v for k, v in sd.items() if k != "backbone.layers.1.mixer.dt_bias"}
     save_file(missing, str(tmp_path / "model.safetensors"))
-    with pytest.raises(CheckpointError, match="backbone.layers.1.mixer.dt_bias"):
+    with pytest.raises(CheckpointError, match=r"backbone.layers.1.mixer.dt_bias"):
         load_model(tmp_path)
     wrong = dict(sd, **{"backbone.layers.0.mixer.A_log": torch.zeros(3)})
     save_file(wrong, str(tmp_path / "model.safetensors"))
@@ -194,7 +194,7 @@ def test_transforms(tmp_path):
 # --- weights as stored ----------------------------------------------------------------------------
 
 
-def _narrow_checkpoint(directory, preset: str, dtype: torch.dtype):  # noqa: ANN001, ANN202
+def _narrow_checkpoint(directory, preset: str, dtype: torch.dtype):
     """`preset` written with every tensor in `dtype` (as Hugging Face ships bfloat16 checkpoints)."""
     save_checkpoint(load_model(preset, backend="reference"), directory)
     sd = {k: v.to(dtype) for k, v in load_file(str(directory / "model.safetensors")).items()}
@@ -202,12 +202,13 @@ def _narrow_checkpoint(directory, preset: str, dtype: torch.dtype):  # noqa: ANN
     return directory
 
 
-def _mapped_ranges(path) -> list[tuple[int, int]]:  # noqa: ANN001
+def _mapped_ranges(path) -> list[tuple[int, int]]:
     out = []
-    for line in open("/proc/self/maps"):
-        if line.rstrip().endswith(str(path)):
-            lo, hi = line.split()[0].split("-")
-            out.append((int(lo, 16), int(hi, 16)))
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if line.rstrip().endswith(str(path)):
+                lo, hi = line.split()[0].split("-")
+                out.append((int(lo, 16), int(hi, 16)))
     return out
 
 
@@ -218,7 +219,8 @@ def test_a_narrow_checkpoint_is_read_as_stored_from_its_mapping_with_the_bits_of
     d = _narrow_checkpoint(tmp_path, preset, stored)
     kept = load_model(d, backend="exact")
     wide = load_model(d, backend="exact", weights="float32")
-    assert kept.weight_format == str(stored).removeprefix('torch.') and kept.dtype == torch.float32 and wide.weight_format == 'float32'
+    assert kept.weight_format == str(stored).removeprefix('torch.') and kept.dtype == torch.float32 \
+        and wide.weight_format == 'float32'
     lm = kept.module
     # the matrices are views of the file's own pages; the small parameters are float32 copies
     ranges = _mapped_ranges(d / "model.safetensors")
@@ -293,7 +295,8 @@ def test_a_q8_checkpoint_holds_the_blocks_and_is_read_back_as_q8_with_the_same_b
     assert quantized.weight_format == "q8" and quantized.schema.weights == "q8"
     save_checkpoint(quantized, tmp_path)
     names = set(load_file(str(tmp_path / "model.safetensors")))
-    assert "backbone.layers.0.mixer.in_proj.weight_q8" in names and "backbone.layers.0.mixer.in_proj.weight_scale" in names
+    assert "backbone.layers.0.mixer.in_proj.weight_q8" in names \
+        and "backbone.layers.0.mixer.in_proj.weight_scale" in names
     assert not any(n.endswith("proj.weight") for n in names) and "lm_head.weight_q8" not in names  # tied: once
     back = load_model(tmp_path, backend="exact")
     assert back.weight_format == "q8" and back.schema == quantized.schema
@@ -318,7 +321,7 @@ def test_a_q8_file_missing_its_scales_or_a_q8_model_in_float64_is_refused(tmp_pa
     sd = load_file(str(f))
     sd.pop("backbone.layers.0.mixer.in_proj.weight_scale")
     save_file(sd, str(f))
-    with pytest.raises(CheckpointError, match="in_proj.weight_scale"):
+    with pytest.raises(CheckpointError, match=r"in_proj.weight_scale"):
         load_model(tmp_path)
     with pytest.raises(UnsupportedBackend, match="float32"):
         load_model("tiny-mamba2", dtype=torch.float64, weights="q8")

@@ -39,7 +39,7 @@ def test_outputs_and_every_gradient_match_autograd_through_the_loop(dtype):
     gy, gh = torch.randn(y.shape, generator=g, dtype=dtype), torch.randn(h.shape, generator=g, dtype=dtype)
     ((y * gy).sum() + (h * gh).sum()).backward()
     ((y_ref * gy).sum() + (h_ref * gh).sum()).backward()
-    for name, p, q in zip(("dt", "A", "dtx", "B", "C", "h0"), fast, ref):
+    for name, p, q in zip(("dt", "A", "dtx", "B", "C", "h0"), fast, ref, strict=True):
         scale = q.grad.abs().max().item()
         assert (p.grad - q.grad).abs().max().item() <= _TOL[dtype] * max(1.0, scale), name
 
@@ -54,7 +54,7 @@ def test_a_segment_split_carries_the_gradient_through_the_state():
     torch.testing.assert_close(torch.cat([y1, y2], 1), y, rtol=0, atol=1e-12)
     (y.square().sum() + h.sum()).backward()
     (torch.cat([y1, y2], 1).square().sum() + h2.sum()).backward()
-    for p, q in zip(whole, split):
+    for p, q in zip(whole, split, strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-11)
 
 

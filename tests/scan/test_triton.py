@@ -18,7 +18,7 @@ gpu = pytest.mark.skipif(REASON is not None, reason=f"triton backend unavailable
 def test_triton_is_refused_with_its_reason_where_it_cannot_run():
     if REASON is None:
         pytest.skip("CUDA and the kernels are available here")
-    with pytest.raises(UnsupportedBackend, match="CUDA|Triton"):
+    with pytest.raises(UnsupportedBackend, match=r"CUDA|Triton"):
         load_model("tiny-mamba2", backend="triton")
     assert load_model("tiny-mamba2").backend == "exact"  # auto falls back to the CPU default
 

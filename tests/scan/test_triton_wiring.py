@@ -19,8 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mamba_stream.scan import load_model, tolerance
-from mamba_stream.scan import _triton
+from mamba_stream.scan import _triton, load_model, tolerance
 from tests.scan._helpers import model_for, scan_chunks, tokens
 from tests.scan._mamba_ssm import import_mamba_ssm, ssd_minimal_scan
 
@@ -118,7 +117,7 @@ def test_triton_step_never_writes_its_input_state(twins):
 
 def test_triton_kernels_get_the_clamped_dt(twins):
     """The clamp is the mixer's, before the scan: the step kernel runs, and agrees with the reference."""
-    from mamba_stream.scan import ModelConfig, PRESETS, init_model
+    from mamba_stream.scan import PRESETS, ModelConfig, init_model
 
     fields, seed = PRESETS["tiny-mamba2"]
     cfg = ModelConfig.create(**fields, dt_max_clamp=0.002)

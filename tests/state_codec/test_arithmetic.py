@@ -91,7 +91,7 @@ def test_the_same_arithmetic_carries_a_change_counts_and_moves_since(receipts):
 
 
 def test_the_arithmetic_fields_are_optional_and_checked(receipts):
-    model, s1, _, make = receipts
+    _model, s1, _, make = receipts
     r = make(s1, 1, None, exact())
     old = {k: v for k, v in r.model_dump().items() if not k.startswith("arithmetic")}
     legacy = Receipt.model_validate(old)  # a receipt written before these fields existed

@@ -81,7 +81,7 @@ def test_encode_checkpoint_requires_the_receipt_checksum():
 
 
 def test_every_write_uses_a_fresh_nonce():
-    _, state, r1, b1 = _sealed()
+    _, _state, r1, b1 = _sealed()
     _, _, r2, b2 = _sealed()
     assert r1.checksum == r2.checksum and r1.state_key == r2.state_key  # content-derived key
     assert bytes(b1) != bytes(b2)
@@ -171,7 +171,7 @@ def mutations(draw: st.DrawFn) -> bytes:
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(bad=mutations())
 def test_fuzz_mutated_envelopes_only_raise_state_rejected(bad):
-    _, state, receipt, blob = _cached()
+    _, _state, receipt, blob = _cached()
     FUZZ["mutated"] += 1
     if bad == bytes(blob):
         return  # a mutation that changed nothing (set a byte to its own value)

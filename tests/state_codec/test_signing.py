@@ -29,7 +29,8 @@ def test_a_signed_request_verifies_and_its_signature_is_deterministic():
     assert signed(REQ).signature == s.signature  # re-sending signs to the same bytes
 
 
-@pytest.mark.parametrize("change", [{"tokens": [1, 2, 4]}, {"chunk_seq": 4}, {"top_k": 6}, {"tokens": None, "text": "x"}])
+@pytest.mark.parametrize("change", [{"tokens": [1, 2, 4]}, {"chunk_seq": 4}, {"top_k": 6},
+                                    {"tokens": None, "text": "x"}])
 def test_a_tampered_field_fails(change):
     s = signed(REQ)
     tampered = s.model_copy(update=change)
@@ -50,8 +51,10 @@ def test_unsigned_unknown_principal_and_another_principals_key_are_told_apart():
         KEYS.verify("advance", "ms-a", REQ.claims(), None)
     carol = AdvanceRequest(principal="carol", chunk_seq=1, tokens=[1])
     with pytest.raises(UnknownSigner):
-        KEYS.verify("advance", "ms-a", carol.claims(), RequestSigner.generate("carol").sign("advance", "ms-a", carol.claims()))
-    forged = REQ.model_copy(update={"signature": RequestSigner("alice", BOB._key).sign("advance", "ms-a", REQ.claims())})
+        KEYS.verify("advance", "ms-a", carol.claims(),
+                    RequestSigner.generate("carol").sign("advance", "ms-a", carol.claims()))
+    forged = REQ.model_copy(
+        update={"signature": RequestSigner("alice", BOB._key).sign("advance", "ms-a", REQ.claims())})
     with pytest.raises(BadSignature) as err:
         KEYS.verify("advance", "ms-a", forged.claims(), forged.signature)
     assert err.value.reason == "BadSignature" and isinstance(err.value, RequestRejected)

@@ -47,7 +47,7 @@ class NoteImports(importlib.abc.MetaPathFinder):
     def __init__(self, imports: Path) -> None:
         self.imports = imports
 
-    def find_spec(self, name, path=None, target=None):  # noqa: ANN001, ANN201 - the finder protocol
+    def find_spec(self, name, path=None, target=None):  # the finder protocol
         if name in SLOW:
             with open(self.imports, "a") as f:
                 f.write(name + "\n")

@@ -95,8 +95,10 @@ async def main() -> None:
         return
     else:
         client = await Client.connect(address, data_converter=data_converter(ring))
-        shared = Worker(client, task_queue=queue, activities=acts.activities(), **worker_slots(workflows=False, activities=8))
-        mine = Worker(client, task_queue=own, activities=acts.activities(), **worker_slots(workflows=False, activities=8))
+        shared = Worker(client, task_queue=queue, activities=acts.activities(),
+                        **worker_slots(workflows=False, activities=8))
+        mine = Worker(client, task_queue=own, activities=acts.activities(),
+                      **worker_slots(workflows=False, activities=8))
     async with shared, mine:
         Path(ready).write_text(own)
         await asyncio.Event().wait()

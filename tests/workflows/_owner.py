@@ -9,7 +9,14 @@ import asyncio
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
-    from mamba_stream.workflows import CarriedStream, ModelStream, SealedRequest, StreamOptions, StreamOwner, check_sender
+    from mamba_stream.workflows import (
+        CarriedStream,
+        ModelStream,
+        SealedRequest,
+        StreamOptions,
+        StreamOwner,
+        check_sender,
+    )
 
 
 class OwnerInput(SealedRequest):

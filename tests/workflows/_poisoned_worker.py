@@ -32,7 +32,7 @@ class Poisoned(StreamActivities):
         self.poisoned = True  # from here on, as after an import that a cancellation broke
         return took
 
-    def engine(self, model: Model):  # noqa: ANN201
+    def engine(self, model: Model):
         if self.poisoned:
             raise AttributeError(POISON)
         return super().engine(model)

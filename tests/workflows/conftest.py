@@ -84,8 +84,8 @@ class Stack:
         """
         acts = acts or self.new_activities()
         if workflows and activities:  # the plugin serves the own queue beside it, unless not `own_queue`
-            client = await Client.connect(self.address, plugins=[MambaStreamPlugin(keyring=self.keyring, activities=acts,
-                                                                                   own_queue=own_queue)])
+            client = await Client.connect(self.address, plugins=[
+                MambaStreamPlugin(keyring=self.keyring, activities=acts, own_queue=own_queue)])
             kw: dict = {"workflows": list(self.owners)} if workflows and self.owners else {}
         else:
             client = await Client.connect(self.address, data_converter=data_converter(self.keyring))

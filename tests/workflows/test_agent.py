@@ -16,9 +16,9 @@ from temporalio.exceptions import ApplicationError
 
 from mamba_stream.plugin import MambaStreamPlugin
 from mamba_stream.state_codec.codec import plaintext_checksum
+from mamba_stream.workflows import ChatAgent, ChatInput, ChatMessage, StreamClient, TokenEvent
 from tests.workflows.conftest import FAST, Stack, eventually, make_stack
 from tests.workflows.test_stream_workflow import local
-from mamba_stream.workflows import ChatAgent, ChatInput, ChatMessage, StreamClient, TokenEvent
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -113,7 +113,7 @@ async def test_only_the_agents_principal_talks_to_it(stack: Stack):
         assert isinstance(err.value.cause, ApplicationError) and err.value.cause.type == "SealerMismatch"
     # no keys at all: its payloads are in clear (and it cannot read the refusal, which is sealed)
     plain = await Client.connect(stack.address, data_converter=pydantic_data_converter)
-    with pytest.raises(Exception):  # noqa: B017, PT011 - refused; the failure's details are sealed for alice
+    with pytest.raises(Exception):  # noqa: B017 - refused; the failure's details are sealed for alice
         await plain.get_workflow_handle(sid).execute_update("say", ChatMessage(principal="alice", text="hi"))
     history = await handle.fetch_history()
     accepted = [e for e in history.events if e.HasField("workflow_execution_update_accepted_event_attributes")]
@@ -129,7 +129,7 @@ async def test_only_the_agents_principal_talks_to_it(stack: Stack):
     # signals and updates of no known name: dropped and counted, refused; the agent goes on
     for i in range(3):
         await plain.get_workflow_handle(sid).signal(f"nonsense-{i}", "x")
-    with pytest.raises(Exception):  # noqa: B017, PT011 - refused (UnknownRequest, sealed for alice)
+    with pytest.raises(Exception):  # noqa: B017 - refused (UnknownRequest, sealed for alice)
         await plain.get_workflow_handle(sid).execute_update("nonsense", "x")
     history = await handle.fetch_history()
     assert not [e for e in history.events if e.HasField("workflow_execution_update_accepted_event_attributes")

@@ -12,8 +12,8 @@ import pytest_asyncio
 from temporalio.client import WorkflowUpdateFailedError
 from temporalio.testing import WorkflowEnvironment
 
-from tests.workflows.conftest import FAST, _start, eventually, make_stack
 from mamba_stream.workflows import StreamOptions
+from tests.workflows.conftest import FAST, _start, eventually, make_stack
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import pytest
@@ -120,10 +120,8 @@ def _embedded_worker(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, dict[st
         left.update(_mentioning(*needles))  # what outlived it, now under init
         for pid, start in left.items():
             if _proc_start(pid) == start:
-                try:
+                with suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
 
 
 def _server_pid(home: Path, worker: int) -> int | None:

@@ -17,11 +17,11 @@ from mamba_stream.activities import ModelRegistry, StreamActivities, StreamMetri
 from mamba_stream.plugin import MambaStreamPlugin
 from mamba_stream.scan import load_model
 from mamba_stream.state_codec.codec import Keyring, plaintext_checksum
+from mamba_stream.workflows import StreamOptions
 from tests.scan._helpers import tokens
 from tests.workflows.conftest import FAST, make_stack
 from tests.workflows.test_metrics import Meter, free_port
 from tests.workflows.test_stream_workflow import chunking, digest, feed
-from mamba_stream.workflows import StreamOptions
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -80,7 +80,8 @@ async def test_weights_read_as_stored_give_one_checksum_for_every_chunking_and_d
         assert plaintext_checksum(one.state.tensors) == r0.receipt.checksum
         assert digest(one.logits[-len(tail):]) == r0.output_digest
         wide = load_model("tiny-mamba2")
-        assert plaintext_checksum(wide.advance(wide.initial_state(), prompt + tail).state.tensors) != r0.receipt.checksum
+        assert plaintext_checksum(wide.advance(wide.initial_state(), prompt + tail).state.tensors) \
+            != r0.receipt.checksum
         cp = await stack.streams.checkpoint(sid0, "alice")
         with pytest.raises(WorkflowFailureError) as exc:
             await stack.streams.open("alice", "wide", resume=cp.receipt)
@@ -220,7 +221,7 @@ async def test_a_model_whose_kernels_fail_the_probe_says_so_in_its_path_arithmet
     ops = E._kernel_ops()
     honest = type(ops).linear
 
-    def batch_dependent(self, x, weight, bias=None):  # noqa: ANN001, ANN202
+    def batch_dependent(self, x, weight, bias=None):
         out = honest(self, x, weight, bias)
         return torch.nextafter(out, out + 1) if out.numel() // out.shape[-1] > 1 else out
 

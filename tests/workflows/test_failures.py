@@ -15,14 +15,16 @@ from mamba_stream.state_codec import CheckpointNotFound, PrincipalMismatch
 from mamba_stream.workflows import NOT_THE_CHUNKS_FAULT, StreamFailure, application_error, catalogue
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = [f"mamba_stream/{s}" for s in ("activities", "workflows", "cli", "state_codec", "scan", "plugin.py", "worker.py")]
+SOURCES = [f"mamba_stream/{s}"
+           for s in ("activities", "workflows", "cli", "state_codec", "scan", "plugin.py", "worker.py")]
 
 
 def _calls_with_literal_type(path: Path) -> list[str]:
     """ApplicationError(..., type="SomeString") calls: a reason spelled as a string."""
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "ApplicationError":
+        if isinstance(node, ast.Call) \
+                and getattr(node.func, "id", getattr(node.func, "attr", "")) == "ApplicationError":
             for kw in node.keywords:
                 if kw.arg == "type" and isinstance(kw.value, ast.Constant):
                     found.append(f"{path.relative_to(ROOT)}:{node.lineno} type={kw.value.value!r}")

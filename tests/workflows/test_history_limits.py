@@ -21,9 +21,9 @@ from temporalio.exceptions import CancelledError
 
 from mamba_stream.activities._stream import StreamActivities
 from mamba_stream.state_codec.codec import plaintext_checksum
+from mamba_stream.workflows._stream import HISTORY_CRITICAL_BYTES
 from tests.workflows.conftest import FAST, histories, make_stack
 from tests.workflows.test_stream_workflow import local
-from mamba_stream.workflows._stream import HISTORY_CRITICAL_BYTES
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

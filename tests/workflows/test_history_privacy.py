@@ -16,7 +16,8 @@ async def test_failure_messages_reach_history_encrypted_and_the_owner_reads_them
     sid = await stack.streams.open("alice", "tiny-mamba2")
     first = await stack.streams.advance(sid, "alice", tokens=[1, 2])
     key = first.receipt.state_key
-    stack.acts.store.delete(key=key, stream_id=sid, owner=stack.acts.commits.owner("alice"))  # lost: the next chunk's activity fails, naming the key and the store
+    # lost: the next chunk's activity fails, naming the key and the store
+    stack.acts.store.delete(key=key, stream_id=sid, owner=stack.acts.commits.owner("alice"))
     stack.acts.release_stream(sid)
     with pytest.raises(WorkflowUpdateFailedError) as err:
         await stack.streams.advance(sid, "alice", tokens=[3])
@@ -39,7 +40,7 @@ async def _epoch(stack: Stack, sid: str, epoch: int):
     return s if s.epoch == epoch else None
 
 
-async def _resumes_at(stack: Stack, receipt) -> int | None:  # noqa: ANN001
+async def _resumes_at(stack: Stack, receipt) -> int | None:
     """The position a stream opened from `receipt` starts at; None when the checkpoint is gone."""
     from temporalio.client import WorkflowFailureError
 
@@ -133,7 +134,8 @@ async def test_a_principal_keyring_reads_its_own_streams_and_no_one_elses(stack:
                                stack.queue) for p, r in rings.items()}
     sid = await clients["alice"].open("alice", "tiny-mamba2")
     tag = stack.keyring.principal_tag("alice")
-    assert sid.startswith(f"ms.{tag}.") and rings["alice"].principal_tag("alice") == tag != stack.keyring.principal_tag("bob")
+    assert sid.startswith(f"ms.{tag}.") \
+        and rings["alice"].principal_tag("alice") == tag != stack.keyring.principal_tag("bob")
     secret = "alice's password is hunter2; "
     res = await clients["alice"].advance(sid, "alice", text=secret)
     assert (await clients["alice"].stats(sid)).position == res.position == len(secret.encode())
@@ -244,8 +246,9 @@ async def test_export_keys_writes_one_principals_keyring(stack: Stack, tmp_path)
     stack.keyring.rotate().save(master)  # two key ids: both exported, so rotation keeps history readable
     out = tmp_path / "alice.json"
     env = dict(os.environ, MAMBA_STREAM_KEYRING=str(master))
-    run = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "mamba_stream.cli", "export-keys", "alice", "--out",
-                                                   str(out)], env=env, capture_output=True, text=True, timeout=60)
+    run = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "mamba_stream.cli", "export-keys", "alice",
+                                                   "--out", str(out)],
+                                  env=env, capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     ring = Keyring.from_file(out)
     assert stat.S_IMODE(out.stat().st_mode) == 0o600 and ring.principal == "alice" and len(ring.ids) == 2
@@ -253,11 +256,12 @@ async def test_export_keys_writes_one_principals_keyring(stack: Stack, tmp_path)
     tag = full.principal_tag("alice")
     assert ring.tag == tag == stack.keyring.principal_tag("alice")  # rotation keeps the tag
     assert all(ring.key(k) == full.history_key(k, tag) != full.key(k) for k in full.ids)
-    again = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "mamba_stream.cli", "export-keys", "bob", "--out",
-                                                     str(out)], env=env, capture_output=True, text=True, timeout=60)
+    again = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "mamba_stream.cli", "export-keys", "bob",
+                                                     "--out", str(out)],
+                                    env=env, capture_output=True, text=True, timeout=60)
     assert again.returncode == 1  # never overwrites
     # a principal's keyring cannot derive another's, nor serve as a worker's
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 - refused, whichever way
         ring.for_principal("bob")
     from mamba_stream.worker import WorkerConfig, load_keyring
 

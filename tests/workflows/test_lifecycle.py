@@ -12,9 +12,9 @@ from temporalio.client import WorkflowFailureError, WorkflowUpdateFailedError
 
 from mamba_stream.state_codec.codec import plaintext_checksum
 from mamba_stream.state_codec.payload import ENCRYPTED_ENCODING
+from mamba_stream.worker import temporal_binary
 from tests.workflows.conftest import Stack, eventually, sdk_bookkeeping
 from tests.workflows.test_stream_workflow import digest, local, reason
-from mamba_stream.worker import temporal_binary
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -81,7 +81,7 @@ async def test_reset_and_cancel_from_the_temporal_cli(stack: Stack):
         codec.stop()
     assert stack.acts.store.list_stream(stream_id=sid) == []
     assert all(eng.slots.handle(sid) is None for eng in stack.acts.engines.values())
-    with pytest.raises(Exception):
+    with pytest.raises(Exception):  # noqa: B017 - refused, whichever way
         await stack.streams.advance(sid, "alice", text="after cancel", chunk_seq=3)
     # the query still answers: cancelled, by the operator, as the receipt left it
     s = await stack.streams.stats(sid)

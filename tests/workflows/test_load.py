@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from mamba_stream.state_codec.codec import plaintext_checksum
+from mamba_stream.workflows import StreamOptions
 from tests.workflows.conftest import eventually, failed_tasks, histories, make_stack
 from tests.workflows.test_stream_workflow import local
-from mamba_stream.workflows import StreamOptions
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

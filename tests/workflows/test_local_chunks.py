@@ -154,7 +154,7 @@ async def test_a_busy_engine_declines_local_attempts_and_the_chunk_goes_the_regu
         sid = await stack.streams.open("alice", "tiny-mamba2", options=FAST)
         r = await stack.streams.advance(sid, "alice", tokens=[4, 5, 6])
         g = await stack.streams.generate(sid, "alice", 3, seed=9)
-        truth = model.advance(model.initial_state(), [4, 5, 6] + g.tokens)
+        truth = model.advance(model.initial_state(), [4, 5, 6, *g.tokens])
         assert r.output_digest == digest(truth.logits[:3])
         assert g.receipt.checksum == plaintext_checksum(truth.state.tensors)
         stats = await stack.streams.stats(sid)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 
 import pytest
@@ -25,7 +26,7 @@ def _text(i: int) -> str:
 def _cuts(text: str, rng: random.Random) -> list[str]:
     points = sorted(rng.sample(range(1, len(text)), k=min(3, len(text) - 1)))
     bounds = [0, *points, len(text)]
-    return [text[a:b] for a, b in zip(bounds, bounds[1:])]
+    return [text[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 async def test_two_hundred_concurrent_streams_each_end_with_their_solo_checksum(stack: Stack):

@@ -14,12 +14,11 @@ from temporalio.client import Client, WorkflowFailureError
 from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 from temporalio.worker import Worker
 
-from mamba_stream.activities import StreamMetrics, sweep_orphans
-from mamba_stream.activities import HISTOGRAM_BUCKETS
+from mamba_stream.activities import HISTOGRAM_BUCKETS, StreamMetrics, sweep_orphans
 from mamba_stream.plugin import MambaStreamPlugin
+from mamba_stream.workflows import StreamClient, StreamOptions
 from tests.workflows.conftest import FAST, eventually, make_stack
 from tests.workflows.test_stream_workflow import FailOnce
-from mamba_stream.workflows import StreamClient, StreamOptions
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

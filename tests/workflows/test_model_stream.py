@@ -10,10 +10,10 @@ import pytest
 from temporalio.client import WorkflowFailureError
 
 from mamba_stream.state_codec.codec import plaintext_checksum
+from mamba_stream.workflows import TokenEvent
 from tests.workflows._owner import OwnerInput, TestOwner
 from tests.workflows.conftest import FAST, eventually, histories, make_stack
 from tests.workflows.test_stream_workflow import local
-from mamba_stream.workflows import TokenEvent
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -29,7 +29,7 @@ async def test_a_stream_owned_by_a_workflow_moves_resets_and_is_disposed(can_env
                                         options=FAST.model_copy(update={"local_chunks": False}),
                                         reset_before=4, generate=5), id=sid, task_queue=s.queue)
 
-        async def asked(query) -> bool:  # noqa: ANN001
+        async def asked(query) -> bool:
             try:
                 return await handle.query(query)
             except Exception:  # noqa: BLE001 - between runs (continue-as-new)
@@ -42,7 +42,7 @@ async def test_a_stream_owned_by_a_workflow_moves_resets_and_is_disposed(can_env
         reads = 0
         real_read = s.streams.read_tokens
 
-        async def counted(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+        async def counted(*a, **kw):
             nonlocal reads
             reads += 1
             return await real_read(*a, **kw)
@@ -94,8 +94,8 @@ async def test_a_stream_owned_by_a_workflow_moves_resets_and_is_disposed(can_env
 
 
 def test_every_patch_is_decided_by_one_start_marker_and_their_ids_are_the_recorded_ones():
-    from tests.workflows.conftest import PATCH_IDS
     from mamba_stream.workflows._model_stream import START_MARKERS
+    from tests.workflows.conftest import PATCH_IDS
 
     listed = [p for patches in START_MARKERS.values() for p in patches]
     assert len(listed) == len(set(listed)) and not set(listed) & set(START_MARKERS)

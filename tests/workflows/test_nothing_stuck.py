@@ -14,8 +14,8 @@ from mamba_stream.activities import StoreUnavailable
 from mamba_stream.activities._stream import UNTYPED_ATTEMPTS, StreamActivities
 from mamba_stream.scan import load_model
 from mamba_stream.state_codec.codec import plaintext_checksum
-from tests.workflows.conftest import FAST, Stack, eventually, make_stack
 from mamba_stream.workflows import GenerateRequest
+from tests.workflows.conftest import FAST, Stack, eventually, make_stack
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

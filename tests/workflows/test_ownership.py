@@ -26,8 +26,6 @@ from temporalio.service import RPCError
 from mamba_stream.plugin import MambaStreamPlugin
 from mamba_stream.state_codec import SEALER_KEY
 from mamba_stream.state_codec.codec import plaintext_checksum
-from tests.workflows.conftest import Stack, eventually
-from tests.workflows.test_stream_workflow import local
 from mamba_stream.workflows import (
     AdvanceRequest,
     CheckpointRequest,
@@ -49,6 +47,8 @@ from mamba_stream.workflows._models import (
     StreamCarry,
     StreamStats,
 )
+from tests.workflows.conftest import Stack, eventually
+from tests.workflows.test_stream_workflow import local
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -218,7 +218,7 @@ def _clear_strings(msg, out: list[str]) -> list[str]:
             out.extend(value if repeated else [value])
         elif field.type == field.TYPE_MESSAGE:
             if repeated and field.message_type.GetOptions().map_entry:
-                out.extend(str(k) for k in value.keys())
+                out.extend(str(k) for k in value)
                 items = list(value.values())
             else:
                 items = list(value) if repeated else [value]
@@ -395,7 +395,7 @@ async def test_a_carry_from_a_version_that_did_not_seal_carries_is_taken_on_the_
 
     sealing, marking = ModelStream.seal_carry, model_stream.mark_patches
 
-    async def unsealed(self, carry):  # noqa: ANN001, ANN202
+    async def unsealed(self, carry):
         # the first run is the old version's: it continues as new without a seal (and without
         # marking history: the real code replays it as such); the runs after it are this version's
         return None if workflow.info().continued_run_id is None else await sealing(self, carry)

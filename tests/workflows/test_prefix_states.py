@@ -21,13 +21,13 @@ from mamba_stream.activities import StreamMetrics, open_store
 from mamba_stream.scan import load_model
 from mamba_stream.state_codec import parse_state_key
 from mamba_stream.state_codec.codec import plaintext_checksum
+from mamba_stream.workflows import MambaStreamWorkflow, OpenStreamInput, StreamClient, StreamOptions
 from tests.activities.test_prefix import CountingMeter
 from tests.activities.test_stores import PG_URL
 from tests.workflows._owner import OwnerInput
 from tests.workflows._owner import TestOwner as Owner  # (not a test class)
 from tests.workflows.conftest import FAST, Stack, eventually, make_stack, replay
 from tests.workflows.test_stream_workflow import digest
-from mamba_stream.workflows import MambaStreamWorkflow, OpenStreamInput, StreamClient, StreamOptions
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -113,7 +113,7 @@ async def test_a_fork_fed_its_parents_continuation_ends_as_the_parent_and_names_
             "checkpoint", parent, 2, results[1].receipt.checksum)
         assert (await s.stats(child)).principal == "alice" and (await s.receipt(child)).position == 40
         again = [await s.advance(child, "alice", tokens=c) for c in chunks[2:]]
-        for got, want in zip(again, results[2:]):
+        for got, want in zip(again, results[2:], strict=True):
             assert (got.output_digest, got.receipt.checksum, got.receipt.position) == (
                 want.output_digest, want.receipt.checksum, want.receipt.position)
         assert again[-1].receipt.origin == origin  # every receipt of the child's epoch names it
@@ -184,14 +184,14 @@ async def test_concurrent_opens_of_one_new_prefix_compute_it_once_and_every_stre
         pieces: list[int] = []
         models = [acts.models.get("tiny-mamba2") for acts in workers]
         reals = [m.advance for m in models]
-        for m, real in zip(models, reals):
+        for m, real in zip(models, reals, strict=True):
             m.advance = lambda state, t, real=real: pieces.append(len(t)) or real(state, t)  # type: ignore[method-assign]
         try:
             p = toks(1100, 30)
             sids = await asyncio.gather(*(stack.streams.open("alice", "tiny-mamba2", prefix=p, options=OPTS)
                                           for _ in range(8)))
         finally:
-            for m, real in zip(models, reals):
+            for m, real in zip(models, reals, strict=True):
                 m.advance = real  # type: ignore[method-assign]
         piece = stack.acts.engine(models[0]).prefill_piece
         assert sorted(pieces) == sorted([piece] * (1100 // piece) + [1100 % piece])  # one computation
@@ -241,7 +241,8 @@ async def test_a_prefix_computed_under_one_arithmetic_is_never_served_to_a_worke
     stack = await pg_stack(temporal_env, tmp_path)
     async with stack.exits:
         # a second queue served by exact-2 (fused multiply-add) workers on the same store and keys
-        fma = dataclasses.replace(stack, queue=f"{stack.queue}-fma", streams=StreamClient(stack.client, f"{stack.queue}-fma"))
+        fma = dataclasses.replace(stack, queue=f"{stack.queue}-fma",
+                                  streams=StreamClient(stack.client, f"{stack.queue}-fma"))
         await fma.worker(fma.new_activities(backend="exact-fma"))
         stack.exits.push_async_callback(lambda: replay(stack.client, fma.queue, stack.keyring))
         p = toks(90, 50)
@@ -294,7 +295,7 @@ async def test_agents_that_share_a_system_prompt_open_from_its_state(temporal_en
         # each state is that of one local scan of the prompt, the turn and the reply (sampled: seeded by
         # the stream, so the two replies differ), whichever way the prompt's state came
         m = load_model("tiny-mamba2")
-        for reply, receipt in zip(replies, receipts):
+        for reply, receipt in zip(replies, receipts, strict=True):
             fed = list(m.transform.encode(system + "User: hi\nAssistant:")) + reply.tokens
             assert receipt.position == len(fed)
             assert receipt.checksum == plaintext_checksum(m.advance(m.initial_state(), fed).state.tensors)

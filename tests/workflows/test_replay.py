@@ -11,10 +11,10 @@ from temporalio.api.enums.v1 import EventType
 
 from mamba_stream.activities._stream import StreamActivities
 from mamba_stream.state_codec.codec import plaintext_checksum
-from tests.workflows.conftest import FAST, Stack, failed_tasks, histories, make_stack, replay
-from tests.workflows.test_stream_workflow import local
 from mamba_stream.workflows import ModelStream
 from mamba_stream.workflows._model_stream import LOCAL_PAUSE_CHUNKS
+from tests.workflows.conftest import FAST, Stack, failed_tasks, histories, make_stack, replay
+from tests.workflows.test_stream_workflow import local
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -34,7 +34,7 @@ async def test_the_replay_pass_fails_when_the_code_takes_another_path_than_histo
         return await original(self, name, arg, result_type, size, chunk_seq, local=False)
 
     monkeypatch.setattr(ModelStream, "_run_chunk", regular)
-    with pytest.raises(AssertionError, match="does not replay.*[Nn]ondetermin"):
+    with pytest.raises(AssertionError, match=r"does not replay.*[Nn]ondetermin"):
         await replay(stack.client, stack.queue, stack.keyring)
     monkeypatch.undo()  # the stack's own replay at exit runs the real code
 

@@ -28,9 +28,9 @@ from mamba_stream.activities import HISTOGRAM_BUCKETS, StreamMetrics
 from mamba_stream.activities._prefix import PREFIX_STREAM_PREFIX
 from mamba_stream.plugin import MambaStreamPlugin
 from mamba_stream.state_codec.codec import Keyring
+from mamba_stream.workflows import ChatInput, OpenStreamInput, catalogue, new_stream_id
 from tests.workflows.conftest import Stack, make_stack
 from tests.workflows.test_metrics import Meter, free_port
-from mamba_stream.workflows import ChatInput, OpenStreamInput, catalogue, new_stream_id
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

@@ -16,9 +16,9 @@ from temporalio.api.history.v1 import HistoryEvent
 from temporalio.client import Client, WorkflowHandle
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
-from tests.workflows.conftest import Stack, eventually
 from mamba_stream.workflows._models import ACTIVITY_RESET, ResetRequest
 from mamba_stream.workflows._stream import MambaStreamWorkflow
+from tests.workflows.conftest import Stack, eventually
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

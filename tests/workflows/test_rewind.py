@@ -17,9 +17,9 @@ from temporalio.client import WorkflowUpdateFailedError
 
 from mamba_stream.scan import load_model
 from mamba_stream.state_codec.codec import plaintext_checksum
-from tests.workflows.conftest import FAST, Stack, address, eventually
 from mamba_stream.worker import temporal_binary
 from mamba_stream.workflows import RewindPastWindow, StreamOptions
+from tests.workflows.conftest import FAST, Stack, address, eventually
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -111,7 +111,8 @@ async def _settled(stack: Stack, sid: str):
         desc = await stack.streams.handle(sid).describe()
     except Exception:  # noqa: BLE001
         return None
-    pending = desc.raw_description.pending_activities or desc.raw_description.pending_workflow_task.scheduled_time.seconds
+    pending = (desc.raw_description.pending_activities
+               or desc.raw_description.pending_workflow_task.scheduled_time.seconds)
     return None if pending else s
 
 

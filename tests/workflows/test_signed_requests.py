@@ -12,10 +12,10 @@ from temporalio.client import WorkflowFailureError, WorkflowUpdateFailedError
 from mamba_stream.scan import load_model
 from mamba_stream.state_codec.codec import plaintext_checksum
 from mamba_stream.state_codec.signing import PrincipalKeys, RequestSigner
-from tests.workflows.conftest import FAST, eventually, make_stack
 from mamba_stream.workflows import OpenStreamInput, StreamClient
 from mamba_stream.workflows._models import AdvanceRequest, GenerateRequest, ResetRequest
 from mamba_stream.workflows._stream import MambaStreamWorkflow
+from tests.workflows.conftest import FAST, eventually, make_stack
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -97,7 +97,8 @@ async def test_signed_requests_run_and_forged_ones_change_nothing(temporal_env, 
         # re-sending it signs to the same bytes, so the same update id: the first result, once
         again = await signing.advance(a, "alice", tokens=[8, 9], chunk_seq=2)
         assert again.receipt == second.receipt
-        assert signing.update_id("advance", a, good, 0) == signing.update_id("advance", a, signing.sign("advance", a, good), 0)
+        assert signing.update_id("advance", a, good, 0) \
+            == signing.update_id("advance", a, signing.sign("advance", a, good), 0)
 
         gen = signing.sign("generate", a, GenerateRequest(principal="alice", chunk_seq=3, max_tokens=2, seed=1))
         with pytest.raises(WorkflowUpdateFailedError) as err:
@@ -181,7 +182,8 @@ async def test_a_prefix_is_signed_with_its_open_and_a_fork_with_its_checkpoint(t
         other = signing.new_id("alice")
         good = signing.sign("open", other, OpenStreamInput(principal="alice", model_id="tiny-mamba2",
                                                            prefix=[5, 6, 7], options=FAST))
-        handle = await stack.client.start_workflow(MambaStreamWorkflow.run, good.model_copy(update={"prefix": [5, 6, 8]}),
+        handle = await stack.client.start_workflow(MambaStreamWorkflow.run,
+                                                   good.model_copy(update={"prefix": [5, 6, 8]}),
                                                    id=other, task_queue=stack.queue)
         with pytest.raises(WorkflowFailureError) as err:
             await handle.result()

@@ -27,10 +27,10 @@ from mamba_stream.activities import open_store
 from mamba_stream.activities._prefix import _tokens_hash
 from mamba_stream.scan import load_model
 from mamba_stream.state_codec.codec import plaintext_checksum
+from mamba_stream.workflows import StreamOptions
 from tests._legacy import downgrade_file_store, downgrade_meta
 from tests.activities.test_stores import PG_URL
 from tests.workflows.conftest import FAST, Stack, make_stack
-from mamba_stream.workflows import StreamOptions
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

@@ -61,7 +61,7 @@ async def test_a_corrupted_checkpoint_fails_typed_and_the_next_attempt_passes_on
         sid = await stack.streams.open("alice", "tiny-mamba2", options=FAST)
         first = await stack.streams.advance(sid, "alice", tokens=[1, 2, 3])
         stack.acts.release_stream(sid)  # not hot: the next chunk must read the checkpoint
-        blob = stack.acts.store._object(first.receipt.state_key)  # noqa: SLF001 - the file itself, to corrupt
+        blob = stack.acts.store._object(first.receipt.state_key)  # the file itself, to corrupt
         good = blob.read_bytes()
         blob.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
         with pytest.raises(WorkflowUpdateFailedError) as err:
@@ -102,7 +102,8 @@ async def test_a_cancel_while_postgres_is_read_only_completes_once_it_is_back_wi
         stack.acts = stack.new_activities()
         await stack.worker(stack.acts)
         # the client bounds its chunks' attempts: that bound is not the dispose's
-        sid = await stack.streams.open("alice", "tiny-mamba2", options=FAST.model_copy(update={"retry_max_attempts": 2}))
+        sid = await stack.streams.open("alice", "tiny-mamba2",
+                                       options=FAST.model_copy(update={"retry_max_attempts": 2}))
         for chunk in ([1, 2, 3], [4, 5]):
             await stack.streams.advance(sid, "alice", tokens=chunk)
         held = stack.acts.store.list_stream(stream_id=sid)

@@ -13,10 +13,10 @@ from temporalio.client import WorkflowUpdateFailedError
 from mamba_stream.activities._stream import StreamActivities
 from mamba_stream.scan import load_model, tolerance
 from mamba_stream.state_codec.codec import plaintext_checksum, unseal
-from tests.workflows.conftest import FAST, Stack, eventually, make_stack
 from mamba_stream.workflows import StreamOptions
 from mamba_stream.workflows._models import AdvanceRequest
 from mamba_stream.workflows._stream import MambaStreamWorkflow
+from tests.workflows.conftest import FAST, Stack, eventually, make_stack
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -61,12 +61,12 @@ async def test_random_chunkings_through_temporal_equal_one_advance(stack: Stack,
     rng = random.Random(model_id)
     tokens = [rng.randrange(256) for _ in range(61)]
     truth = local(model_id).advance(local(model_id).initial_state(), tokens)
-    for trial in range(2):
+    for _ in range(2):
         chunks = chunking(rng, len(tokens))
         sid = await stack.streams.open("alice", model_id)
         results = await feed(stack, sid, "alice", tokens, chunks)
         pos = 0
-        for c, r in zip(chunks, results):
+        for c, r in zip(chunks, results, strict=True):
             assert r.output_digest == digest(truth.logits[pos : pos + c]), (chunks, r.chunk_seq)
             pos += c
         final = results[-1].receipt
@@ -296,7 +296,8 @@ async def test_worker_killed_at_a_commit_edge_another_worker_finishes(temporal_e
             model = local("tiny-mamba2")
             tokens = list(range(100, 130))
             # the regular path: a workflows-only worker cannot run a chunk as a local activity
-            sid = await stack.streams.open("alice", "tiny-mamba2", options=FAST.model_copy(update={"local_chunks": False}))
+            sid = await stack.streams.open("alice", "tiny-mamba2",
+                                           options=FAST.model_copy(update={"local_chunks": False}))
             await stack.streams.advance(sid, "alice", tokens=tokens[:10])  # on the doomed worker
             assert (await stack.streams.stats(sid)).migrations == 0
             await stack.worker(workflows=False, activities=True)  # the rescuer

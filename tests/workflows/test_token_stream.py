@@ -22,9 +22,9 @@ from mamba_stream.activities._stream import StreamActivities
 from mamba_stream.plugin import MambaStreamPlugin
 from mamba_stream.state_codec.codec import plaintext_checksum
 from mamba_stream.state_codec.payload import ENCRYPTED_ENCODING, sealed_for_stream
+from mamba_stream.workflows import StreamClient, StreamOptions, TokenEvent, TokenProgress
 from tests.workflows.conftest import FAST, Stack, eventually, make_stack
 from tests.workflows.test_stream_workflow import local, reason
-from mamba_stream.workflows import StreamClient, StreamOptions, TokenEvent, TokenProgress
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -403,7 +403,8 @@ async def test_no_one_but_the_workers_adds_tokens_and_no_one_but_the_principal_r
         genuine = await eventually(lambda: stack.streams.progress(sid), timeout=30)
         fake = genuine.model_copy(update={"start": 0, "tokens": forged["tokens"], "text_start": 0, "text": "FORGED"})
         for client, details in ((bob.client, fake), (keyless, json.loads(fake.model_dump_json()))):
-            await eventually(lambda: _forge(stack, sid, client, details), timeout=30, interval=0)
+            # awaited within this iteration
+            await eventually(lambda: _forge(stack, sid, client, details), timeout=30, interval=0)  # noqa: B023
         await asyncio.wait_for(streamed, 60)
         result = gen.result
         assert b"FORGED" not in "".join(e.text or "" for e in shown).encode() and not any(e.restart for e in shown)
@@ -444,7 +445,8 @@ async def test_a_4000_token_streamed_generate_adds_no_history_events(temporal_en
         gen = stack.streams.generate_stream(streamed_sid, "alice", 4000, seed=11)
         shown: list[TokenEvent] = []
         # both at once: the engine steps them in one batch
-        _, plain = await asyncio.gather(_collect(gen, shown, 1), stack.streams.generate(plain_sid, "alice", 4000, seed=11))
+        _, plain = await asyncio.gather(_collect(gen, shown, 1),
+                                        stack.streams.generate(plain_sid, "alice", 4000, seed=11))
         streamed = gen.result
         assert len(streamed.tokens) == 4000 and streamed.tokens == plain.tokens
         assert streamed.receipt.checksum == plain.receipt.checksum and streamed.output_digest == plain.output_digest
@@ -452,9 +454,12 @@ async def test_a_4000_token_streamed_generate_adds_no_history_events(temporal_en
         spans = {}
         for sid in (streamed_sid, plain_sid):
             events = await _events(stack, sid)
-            [accepted] = [i for i, e in enumerate(events) if e.HasField("workflow_execution_update_accepted_event_attributes")
-                          and e.workflow_execution_update_accepted_event_attributes.accepted_request.input.name == "generate"]
-            [completed] = [i for i, e in enumerate(events) if e.HasField("workflow_execution_update_completed_event_attributes")
+            [accepted] = [i for i, e in enumerate(events)
+                          if e.HasField("workflow_execution_update_accepted_event_attributes")
+                          and e.workflow_execution_update_accepted_event_attributes.accepted_request.input.name
+                          == "generate"]
+            [completed] = [i for i, e in enumerate(events)
+                           if e.HasField("workflow_execution_update_completed_event_attributes")
                            and e.workflow_execution_update_completed_event_attributes.meta.update_id == events[accepted]
                            .workflow_execution_update_accepted_event_attributes.accepted_request.meta.update_id]
             spans[sid] = (events[accepted + 1 : completed], len(events), _accepted(events))
@@ -462,11 +467,14 @@ async def test_a_4000_token_streamed_generate_adds_no_history_events(temporal_en
         # token plumbing adds at most 10 events (the acceptance), and in fact none: between the
         # update's acceptance and its completion there is the chunk's activity and the workflow
         # task that commits it, as for the chunk that did not stream
-        assert len(span) - len(plain_span) <= 10 and total - plain_total <= 10, (len(span), len(plain_span), total, plain_total)
+        assert len(span) - len(plain_span) <= 10 and total - plain_total <= 10, \
+            (len(span), len(plain_span), total, plain_total)
         plumbing = [e.event_type for e in span if EventType.Name(e.event_type).split("EVENT_TYPE_")[1].split("_")[0]
                     not in ("ACTIVITY", "WORKFLOW")]
-        assert plumbing == [] and [EventType.Name(e.event_type) for e in span if "ACTIVITY" in EventType.Name(e.event_type)] \
-            == ["EVENT_TYPE_ACTIVITY_TASK_SCHEDULED", "EVENT_TYPE_ACTIVITY_TASK_STARTED", "EVENT_TYPE_ACTIVITY_TASK_COMPLETED"]
+        assert plumbing == [] \
+            and [EventType.Name(e.event_type) for e in span if "ACTIVITY" in EventType.Name(e.event_type)] \
+            == ["EVENT_TYPE_ACTIVITY_TASK_SCHEDULED", "EVENT_TYPE_ACTIVITY_TASK_STARTED",
+                "EVENT_TYPE_ACTIVITY_TASK_COMPLETED"]
         assert not any(e.event_type in (EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED,
                                         EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED) for e in span)
         assert len(ids) == len(plain_ids) == 3  # ready, advance, generate

@@ -17,8 +17,8 @@ from temporalio.workflow import _Definition
 from mamba_stream.scan import load_model
 from mamba_stream.state_codec.codec import plaintext_checksum
 from mamba_stream.state_codec.payload import ENCODED_FAILURE
-from tests.workflows.conftest import FAST, Stack, eventually
 from mamba_stream.workflows import MambaStreamWorkflow, ResetRequest, catalogue
+from tests.workflows.conftest import FAST, Stack, eventually
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

@@ -225,7 +225,8 @@ async def test_worker_py_runs_the_embedded_stack_and_stops_cleanly(tmp_path):
         assert status == 200 and b"alice" in base64.b64decode(opened["payloads"][0]["data"])
         # bob's token is valid, for bob's streams: alice's input stays closed to it
         status, closed, _ = await asyncio.to_thread(_post, codec + "/decode", sealed, {"Authorization": "Bearer t-bob"})
-        assert status == 200 and base64.b64decode(closed["payloads"][0]["metadata"]["encoding"]) == UNDECRYPTABLE_ENCODING
+        assert status == 200 \
+            and base64.b64decode(closed["payloads"][0]["metadata"]["encoding"]) == UNDECRYPTABLE_ENCODING
         # the real CLI, from another directory, with nothing configured but the same user: it finds
         # the worker's keyring and the stream runs (it used to make a keyring of its own there)
         cli_dir = tmp_path / "cli-dir"
@@ -448,7 +449,8 @@ async def _alive(stack: Stack, sid: str) -> bool:
 MAMBA_STREAM = str(Path(sys.executable).parent / "mamba-stream")
 
 
-async def _cli_elsewhere(stack: Stack, cwd: Path, env: dict[str, str], *args: str) -> tuple[subprocess.CompletedProcess, float]:
+async def _cli_elsewhere(stack: Stack, cwd: Path, env: dict[str, str],
+                         *args: str) -> tuple[subprocess.CompletedProcess, float]:
     base = {k: v for k, v in os.environ.items()
             if k not in ("MAMBA_STREAM_KEYRING", "MAMBA_STREAM_HOME", "XDG_DATA_HOME")}
     base.update(TEMPORAL_ADDRESS=stack.address, MAMBA_STREAM_TASK_QUEUE=stack.queue, **env)

@@ -18,10 +18,10 @@ from temporalio.worker import Worker
 
 from mamba_stream.plugin import MambaStreamPlugin
 from mamba_stream.state_codec.codec import plaintext_checksum
-from tests.workflows.conftest import FAST, Stack, eventually, make_stack
-from tests.workflows.test_stream_workflow import digest, local
 from mamba_stream.workflows import MambaStreamWorkflow, OpenStreamInput, StreamOptions, new_stream_id
 from mamba_stream.workflows._models import TIMEOUT_FLOORS
+from tests.workflows.conftest import FAST, Stack, eventually, make_stack
+from tests.workflows.test_stream_workflow import digest, local
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -62,11 +62,12 @@ async def _open_elsewhere(stack: Stack, options: StreamOptions) -> str:
 
 async def test_a_cold_worker_whose_first_local_chunk_times_out_at_the_floor_is_not_poisoned(temporal_env, tmp_path):
     """A fresh worker process whose first work is a local chunk: the model's first load (a slow
-    import, as torch._dynamo and sympy once were on a loaded disk) outlasts `local_timeout_s` at its floor, the attempt times out, and the
-    worker stays healthy: the load runs once, to its end; the chunk goes the regular way on the
-    same worker and commits what one scan gives, and later chunks and opens on it succeed. It used
-    to raise CancelledError into the import, which Python then ran again over what the first one
-    left (depending on where it landed: `module 'sympy' has no attribute 'core'` from then on)."""
+    import, as torch._dynamo and sympy once were on a loaded disk) outlasts `local_timeout_s` at its
+    floor, the attempt times out, and the worker stays healthy: the load runs once, to its end; the
+    chunk goes the regular way on the same worker and commits what one scan gives, and later chunks
+    and opens on it succeed. It used to raise CancelledError into the import, which Python then ran
+    again over what the first one left (depending on where it landed: `module 'sympy' has no
+    attribute 'core'` from then on)."""
     floor = TIMEOUT_FLOORS["local_timeout_s"]
     opts = StreamOptions(**{**FAST.model_dump(), "local_timeout_s": floor})
     stack = await make_stack(temporal_env, tmp_path, start_worker=False)
@@ -151,7 +152,7 @@ async def test_a_worker_failing_every_chunk_stops_taking_work_and_a_healthy_one_
             await stack.worker()
             sids = await asyncio.wait_for(asyncio.gather(*opening), 90)
             model = local("tiny-mamba2")
-            for i, (p, sid) in enumerate(zip(principals, sids)):
+            for i, (p, sid) in enumerate(zip(principals, sids, strict=True)):
                 tokens = list(range(10 * i, 10 * i + 7))
                 r = await stack.streams.advance(sid, p, tokens=tokens)
                 truth = model.advance(model.initial_state(), tokens)
