@@ -24,8 +24,8 @@ def _compose() -> list[str] | None:
 
 
 COMPOSE = _compose()
-pytestmark = pytest.mark.skipif(COMPOSE is None, reason="neither `docker compose` nor docker-compose is installed "
-                                "(.ci/run installs Debian's docker-compose)")
+pytestmark = pytest.mark.skipif(COMPOSE is None, reason="neither `docker compose` nor docker-compose is installed: "
+                                "`apt-get install docker-compose` (what .ci/run does)")
 
 
 def config(*args: str, **env: str) -> subprocess.CompletedProcess:

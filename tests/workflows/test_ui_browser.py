@@ -46,7 +46,8 @@ def free_port() -> int:
 
 
 @pytest.mark.skipif(CHROMIUM is None or pw is None,
-                    reason="needs Debian's chromium (installed by .ci/run) and playwright (a test dependency)")
+                    reason="needs a chromium binary: `apt-get install chromium` (what .ci/run does); and playwright, "
+                           "a test dependency (`pip install -e '.[test]'`)")
 async def test_the_ui_shows_the_decrypted_receipts_of_a_stream(tmp_path):
     ring = Keyring.generate()
     port, ui_port = free_port(), free_port()
