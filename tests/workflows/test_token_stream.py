@@ -489,7 +489,7 @@ def _progress(start: int, tokens: list[int], text_start: int = 0, text: str | No
 
 
 async def test_a_reader_shows_each_token_once_and_the_commit_brings_the_rest():
-    from mamba_stream.workflows._client import _Shown
+    from mamba_stream.workflows._reader import _Shown
 
     first = _progress(0, [1, 2, 3], 0, "abc")
     shown = _Shown(first)
@@ -506,7 +506,7 @@ async def test_a_reader_shows_each_token_once_and_the_commit_brings_the_rest():
 
 
 async def test_a_reader_that_fell_behind_or_saw_a_retry_sample_others_waits_for_the_commit():
-    from mamba_stream.workflows._client import _Shown
+    from mamba_stream.workflows._reader import _Shown
 
     entry = TokenEvent(offset=5, chunk_seq=2, update_id="generate-2-e0-x", tokens=[1, 2, 9, 9], text="ab!!",
                        done=True, finish_reason="length")
