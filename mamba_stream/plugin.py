@@ -85,7 +85,7 @@ log = logging.getLogger(__name__)
 
 #: modules the workflow sandbox imports once, from outside: the request/receipt models
 PASSTHROUGH = ("pydantic", "mamba_stream.failures", "mamba_stream.state_codec", "mamba_stream.workflows._models",
-               "mamba_stream.workflows._failures")
+               "mamba_stream.workflows.contract", "mamba_stream.workflows._failures")
 
 
 class _Codecs(PayloadCodec, WithSerializationContext):

@@ -76,6 +76,15 @@ EXPECTED = {
         "OpenStreamRequest", "OpenStreamResult", "RecallResultRequest", "RecallResultResult", "ResetStreamRequest",
         "RewindStreamRequest", "StateResult", "VerifyRequest", "id_digest",
     ],
+    "mamba_stream.workflows.contract": [
+        "ACTIVITY_ADVANCE", "ACTIVITY_CHECKPOINT", "ACTIVITY_DISPOSE", "ACTIVITY_GENERATE", "ACTIVITY_OPEN",
+        "ACTIVITY_OPEN_CARRY", "ACTIVITY_RECALL", "ACTIVITY_RESET", "ACTIVITY_REWIND", "ACTIVITY_SEAL_CARRY",
+        "ACTIVITY_VERIFY", "AdvanceChunkRequest", "AdvanceChunkResult", "CarrySealRequest",
+        "CheckpointStreamRequest", "DisposeStreamRequest", "DisposeStreamResult", "GenerateChunkRequest",
+        "GenerateChunkResult", "OpenStreamRequest", "OpenStreamResult", "RecallResultRequest", "RecallResultResult",
+        "ResetStreamRequest", "RewindStreamRequest", "StateResult", "VerifyRequest", "carry_digest", "chunk_digest",
+        "id_digest", "parse_update_id", "update_id",
+    ],
     "mamba_stream.cli": ["main"],
     "mamba_stream.quality": ["DISTRACTOR_WORDS", "KEYS", "VALUES", "Sample", "parity_sample", "recall_sample"],
 }

@@ -45,8 +45,6 @@ from mamba_stream.workflows._failures import (
 )
 from mamba_stream.workflows._model_stream import check_prefix
 from mamba_stream.workflows._models import (
-    ACTIVITY_GENERATE,
-    ACTIVITY_OPEN,
     READ_EVENTS,
     AdvanceRequest,
     AdvanceResult,
@@ -66,10 +64,10 @@ from mamba_stream.workflows._models import (
     TokenBatch,
     TokenEvent,
     TokenProgress,
-    update_id,
 )
 from mamba_stream.workflows._reader import GenerateStream, _drop, _Reader
 from mamba_stream.workflows._stream import MambaStreamWorkflow
+from mamba_stream.workflows.contract import ACTIVITY_GENERATE, ACTIVITY_OPEN, update_id
 
 if TYPE_CHECKING:
     from mamba_stream.state_codec.signing import RequestSigner

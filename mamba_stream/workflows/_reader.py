@@ -28,7 +28,6 @@ from mamba_stream.workflows._failures import (
     ConflictingChunk,
 )
 from mamba_stream.workflows._models import (
-    ACTIVITY_GENERATE,
     PROGRESS_INTERVAL_S,
     READ_EVENTS,
     STREAM_WORKFLOW_TYPE,
@@ -38,6 +37,7 @@ from mamba_stream.workflows._models import (
     TokenProgress,
 )
 from mamba_stream.workflows._stream import MambaStreamWorkflow
+from mamba_stream.workflows.contract import ACTIVITY_GENERATE
 
 if TYPE_CHECKING:
     from mamba_stream.workflows._client import StreamClient

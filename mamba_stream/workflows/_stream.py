@@ -56,7 +56,6 @@ with workflow.unsafe.imports_passed_through():
         takes,
     )
     from mamba_stream.workflows._models import (
-        ACTIVITY_VERIFY,
         STREAM_WORKFLOW_TYPE,
         AdvanceRequest,
         AdvanceResult,
@@ -66,7 +65,6 @@ with workflow.unsafe.imports_passed_through():
         GenerateRequest,
         GenerateResult,
         OpenStreamInput,
-        OpenStreamRequest,
         RecentResult,
         ReleaseRequest,
         ReleaseResult,
@@ -74,6 +72,10 @@ with workflow.unsafe.imports_passed_through():
         RewindRequest,
         RewindResult,
         StreamStats,
+    )
+    from mamba_stream.workflows.contract import (
+        ACTIVITY_VERIFY,
+        OpenStreamRequest,
         VerifyRequest,
         chunk_digest,
         parse_update_id,

@@ -10,7 +10,7 @@ from mamba_stream.activities import MemoryStateStore, ModelRegistry, StreamActiv
 from mamba_stream.scan import State, load_model, save_checkpoint
 from mamba_stream.state_codec.codec import Keyring
 from mamba_stream.workflows import AdvanceRequest, GenerateRequest, GenerateResult
-from mamba_stream.workflows._models import AdvanceChunkRequest, GenerateChunkRequest, OpenStreamRequest
+from mamba_stream.workflows.contract import AdvanceChunkRequest, GenerateChunkRequest, OpenStreamRequest
 from tests.activities._env import stream_env
 
 PROMPT = [72, 101, 108, 108, 111, 32]  # "Hello "

@@ -15,9 +15,9 @@ from mamba_stream.scan import State, load_model
 from mamba_stream.state_codec import CheckpointNotFound, format_state_key, parse_state_key, record_key
 from mamba_stream.state_codec.codec import Keyring, default_state_key, plaintext_checksum
 from mamba_stream.workflows import AdvanceRequest, GenerateRequest
-from mamba_stream.workflows._models import (
+from mamba_stream.workflows._models import AdvanceResult
+from mamba_stream.workflows.contract import (
     AdvanceChunkRequest,
-    AdvanceResult,
     GenerateChunkRequest,
     OpenStreamRequest,
     RecallResultRequest,

@@ -20,7 +20,7 @@ from mamba_stream.scan import load_model
 from mamba_stream.state_codec import record_key
 from mamba_stream.state_codec.codec import Keyring, plaintext_checksum
 from mamba_stream.workflows import AdvanceRequest
-from mamba_stream.workflows._models import AdvanceChunkRequest, OpenStreamRequest
+from mamba_stream.workflows.contract import AdvanceChunkRequest, OpenStreamRequest
 from tests.activities._env import stream_env
 from tests.workflows.test_metrics import free_port, scrape, total
 

@@ -9,7 +9,8 @@ import pytest
 
 from mamba_stream.state_codec import BadSignature, RequestRejected, UnknownSigner, UnsignedRequest
 from mamba_stream.state_codec.signing import PrincipalKeys, RequestSigner, signing_bytes
-from mamba_stream.workflows._models import AdvanceRequest, GenerateRequest, OpenStreamInput, OpenStreamRequest
+from mamba_stream.workflows._models import AdvanceRequest, GenerateRequest, OpenStreamInput
+from mamba_stream.workflows.contract import OpenStreamRequest
 
 ALICE = RequestSigner.generate("alice")
 BOB = RequestSigner.generate("bob")

@@ -17,7 +17,7 @@ from mamba_stream.scan import load_model
 from mamba_stream.state_codec.codec import Keyring, seal
 from mamba_stream.state_codec.payload import StreamPayloadConverter
 from mamba_stream.workflows import AdvanceRequest, InvalidRequest
-from mamba_stream.workflows._models import AdvanceChunkRequest
+from mamba_stream.workflows.contract import AdvanceChunkRequest
 
 ONE_INPUT = "give exactly one of tokens and text"
 

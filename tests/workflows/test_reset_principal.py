@@ -16,8 +16,9 @@ from temporalio.api.history.v1 import HistoryEvent
 from temporalio.client import Client, WorkflowHandle
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
-from mamba_stream.workflows._models import ACTIVITY_RESET, ResetRequest
+from mamba_stream.workflows._models import ResetRequest
 from mamba_stream.workflows._stream import MambaStreamWorkflow
+from mamba_stream.workflows.contract import ACTIVITY_RESET
 from tests.workflows.conftest import Stack, eventually
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
