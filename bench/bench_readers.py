@@ -168,9 +168,8 @@ async def _row(streams: StreamClient, n: int, args: argparse.Namespace, server: 
 async def _measure(args: argparse.Namespace, tmp: Path) -> list[list]:
     from temporalio.worker import Worker
 
-    from mamba_stream.activities import open_store
+    from mamba_stream.activities import StreamActivities, open_store
     from mamba_stream.activities._registry import ModelRegistry
-    from mamba_stream.activities._stream import StreamActivities
     from mamba_stream.worker import start_dev_server
 
     env = await start_dev_server()

@@ -144,9 +144,8 @@ async def _throughput(levels: list[int], steps: int, gen_tokens: int, tmp: Path,
     from temporalio.client import Client
     from temporalio.worker import Worker
 
-    from mamba_stream.activities import open_store
+    from mamba_stream.activities import StreamActivities, open_store
     from mamba_stream.activities._registry import ModelRegistry
-    from mamba_stream.activities._stream import StreamActivities
     from mamba_stream.plugin import MambaStreamPlugin
     from mamba_stream.state_codec.codec import Keyring
     from mamba_stream.worker import start_dev_server
@@ -220,7 +219,7 @@ def table_b_engine(levels: list[int], gen_tokens: int, tmp: Path,
                    backends: tuple[str, ...] = ("exact", "chunked")) -> list[str]:
     """The same decode load on the engine alone (no Temporal): what batching buys before the RPCs,
     on each backend side by side, with the streams' sampling batched by the engine (a
-    `SeededSampler`) and, beside it, one callback per row (what activities/_stream.py passes today)."""
+    `SeededSampler`) and, beside it, one callback per row (what activities/_chunk.py passes today)."""
     _bench_model(tmp)
     rows = ["### (b, beside it) the engine alone: the same model and decode load, one thread per stream", "",
             "sampling: `batched` = a SeededSampler per stream, sampled with the batch (`sample_rows`); `per row` = "

@@ -29,13 +29,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _noop_workflow import NoopWorkflow
+from _noop_workflow import NoopLocalWorkflow, NoopWorkflow, noop_local
 from temporalio.client import Client
 from temporalio.worker import Worker
 
-from mamba_stream.activities import open_store
+from mamba_stream.activities import StreamActivities, open_store
 from mamba_stream.activities._registry import ModelRegistry
-from mamba_stream.activities._stream import StreamActivities
 from mamba_stream.plugin import MambaStreamPlugin
 from mamba_stream.scan import ModelConfig, init_model, save_checkpoint
 from mamba_stream.state_codec.codec import Keyring
@@ -96,7 +95,8 @@ async def _measure(rps: int, args: argparse.Namespace, tmp: Path) -> dict[str, C
     pool = concurrent.futures.ThreadPoolExecutor(8)
     n, warm = args.n, args.warmup
     try:
-        async with Worker(client, task_queue=queue, activity_executor=pool, workflows=[NoopWorkflow]), \
+        async with Worker(client, task_queue=queue, activity_executor=pool, workflows=[NoopWorkflow, NoopLocalWorkflow],
+                          activities=[noop_local]), \
                 Worker(client, task_queue=f"{queue}@w", activity_executor=pool):
             streams = StreamClient(client, queue)
             noop = await client.start_workflow(NoopWorkflow.run, id=f"noop-{queue}", task_queue=queue)
@@ -106,6 +106,15 @@ async def _measure(rps: int, args: argparse.Namespace, tmp: Path) -> dict[str, C
                 await noop.execute_update(NoopWorkflow.ping, i)
                 if i >= warm:
                     cell.xs.append(time.perf_counter() - t)
+            # the floor of the local path: the same update, plus a local activity that does nothing
+            floor = await client.start_workflow(NoopLocalWorkflow.run, id=f"noop-local-{queue}", task_queue=queue)
+            cell = cells["no-op update + no-op local activity"] = Cell()
+            for i in range(n + warm):
+                t = time.perf_counter()
+                await floor.execute_update(NoopLocalWorkflow.ping, i)
+                if i >= warm:
+                    cell.xs.append(time.perf_counter() - t)
+            await floor.signal(NoopLocalWorkflow.finish)
             served = acts.models.get("bench-mamba2")
             for size in args.sizes:
                 raw = cells[f"advance, {size}-token chunk: raw model.advance"] = Cell()
@@ -204,7 +213,9 @@ def run(args: argparse.Namespace) -> str:
         dm = f"{d.median * 1e3:.2f} | {_pct(d.xs, 0.99) * 1e3:.2f}" if d else "- | -"
         lines.append(f"| {name} | {dm} | {r.median * 1e3:.2f} | {_pct(r.xs, 0.99) * 1e3:.2f} |")
     noop = raised["no-op update round trip"].median
-    lines += ["", f"Targets, on ={rps} (medians):"]
+    local_floor = raised["no-op update + no-op local activity"].median
+    lines += ["", f"Targets, on ={rps} (medians). The local path's floor (an update that runs a local activity "
+              f"doing nothing) is {local_floor / noop:.2f}x the no-op round trip:"]
     for size in args.sizes:
         raw = raised[f"advance, {size}-token chunk: raw model.advance"].median
         local = raised[f"advance, {size}-token chunk: local activity"].median

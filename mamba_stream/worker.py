@@ -13,8 +13,8 @@ Environment (all optional):
                              worker makes keys, clients only find them)
     MAMBA_STREAM_MODELS      models served: presets or id=/checkpoint/dir, comma-separated
                              (default: the tiny-mamba1/2/3 presets and the trained
-                             recall-mamba1/2/3), each loaded and run once at start, before the
-                             worker takes work
+                             recall-mamba1/2/3 and kjv-mamba2), each loaded and run once at
+                             start, before the worker takes work
     MAMBA_STREAM_TASK_QUEUE  the shared task queue (default mamba-stream); the worker also serves
                              its own queue, <shared>@<worker id>, for affinity
     MAMBA_STREAM_CODEC_PORT  port of the codec server started with the embedded stack (default 8081)
@@ -131,7 +131,7 @@ async def run_worker(cfg: WorkerConfig, stop: asyncio.Event, *, ready: asyncio.E
     acts = activities or build_activities(cfg, keyring, own_queue, metrics)
     acts.worker_queue = own_queue
     if activities is not None and metrics is not None:
-        acts.metrics = metrics
+        acts.use_metrics(metrics)
     client = await Client.connect(cfg.target, runtime=runtime, **cfg.connect_args(),
                                   plugins=[MambaStreamPlugin(keyring=keyring, activities=acts)])
     await _claim_store(client, acts, close=activities is None)

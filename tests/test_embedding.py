@@ -102,7 +102,7 @@ asyncio.run(main())
 '''
 
 
-def _env(temporal_env, tmp_path: Path, queue: str) -> dict[str, str]:
+def _env(temporal_env, tmp_path: Path, queue: str, model: str = "tiny-mamba2") -> dict[str, str]:
     """A worker's and a client's environment: the test's server, a keyring, a store and a home of
     their own, the one model served; nothing of this checkout on the path (the installed package)."""
     ring = Keyring.generate()
@@ -111,7 +111,7 @@ def _env(temporal_env, tmp_path: Path, queue: str) -> dict[str, str]:
     env.pop("PYTHONPATH", None)
     env.update(TEMPORAL_ADDRESS=address(temporal_env), QUEUE=queue, MAMBA_STREAM_KEYRING=str(tmp_path / "keyring.json"),
                MAMBA_STREAM_STORE=f"file://{tmp_path / 'states'}", MAMBA_STREAM_HOME=str(tmp_path / "home"),
-               MAMBA_STREAM_MODELS="tiny-mamba2", MAMBA_STREAM_SWEEP_S="0")
+               MAMBA_STREAM_MODELS=model, MAMBA_STREAM_SWEEP_S="0")
     return env
 
 
@@ -173,15 +173,20 @@ async def test_the_readmes_own_agent_runs_and_answers_as_a_stream_fed_the_same(t
     queue, wid = f"readme-{uuid.uuid4().hex[:8]}", f"assistant-{uuid.uuid4().hex[:8]}"
     files = {name: body.replace('"my-agents"', repr(queue)).replace('"assistant-1"', repr(wid))
              for name, body in _readme_files().items()}
-    env = _env(temporal_env, tmp_path, queue)
+    # what the README's agent does: its model, prompt and generate, as the README has them
+    [model] = re.findall(r'ModelStream\.open\("alice", "([\w-]+)"\)', files["workflows.py"])
+    [prompt] = re.findall(r'Assistant\.run, "([^"]*)"', files["starter.py"])
+    [(n, seed)] = re.findall(r"stream\.generate\((\d+), seed=(\d+)\)", files["workflows.py"])
+    env = _env(temporal_env, tmp_path, queue, model)
     _, out = await _run_project(tmp_path / "readme-agent", files, env, ["starter.py"], ready=False)
     # the same chunks on the library's own stream workflow, on the same model and backend
-    stack = await make_stack(temporal_env, tmp_path / "stack", backend="auto")
+    stack = await make_stack(temporal_env, tmp_path / "stack", backend="auto", start_worker=False)
     async with stack.exits:
+        await stack.worker(stack.new_activities(models=[model], backend="auto"))
         s = stack.streams
-        sid = await s.open("alice", "tiny-mamba2")
-        await s.advance(sid, "alice", text="Hello! ")
-        same = await s.generate(sid, "alice", 16, seed=1)
+        sid = await s.open("alice", model)
+        await s.advance(sid, "alice", text=prompt)
+        same = await s.generate(sid, "alice", int(n), seed=int(seed))
     assert out == same.text + "\n"
     # its state was destroyed with it: the project's store holds nothing
     assert [p for p in (tmp_path / "states" / "objects").rglob("*") if p.is_file()] == []

@@ -13,17 +13,25 @@ EXPECTED = {
         "BACKENDS", "EXACT_BACKENDS", "PRESETS", "TOLERANCES", "TRAINED_PRESETS", "WEIGHT_FORMATS", "ByteTransform",
         "CheckpointError",
         "ConfigError", "HFTokenizerTransform", "InputTransform", "InvalidInput", "InvalidState", "MambaLM", "Model",
-        "ModelConfig", "NonFiniteInput", "NonFiniteOutput", "NonIntegerInput", "PartitionResult", "Q8Weight",
+        "ModelConfig", "NonFiniteInput", "NonFiniteOutput", "NonIntegerInput", "PartitionResult", "PositionLimit",
+        "Q8Weight",
         "ScanError", "State", "StepResult", "TokenOutOfRange", "Tolerance", "UnsupportedBackend", "VerifyReport",
-        "checkpoint_problem", "config_from_json", "embed", "forward", "init_model", "init_weights", "load_model",
+        "checkpoint_problem", "config_from_json", "embed", "forward", "hybrid_problem", "init_model", "init_weights",
+        "load_model",
         "parameter_shapes",
         "quantize_q8", "save_checkpoint", "standard_partitions", "tolerance", "verify_chunking", "weights_revision",
         "zero_states",
+    ],
+    "mamba_stream.scan.exact": [
+        "ARITHMETIC", "ARITHMETIC_FMA", "TWIN_OPS", "TWIN_OPS_FMA", "TWIN_PRIMITIVES", "TWIN_STEP_PRIMITIVES", "Probe",
+        "build_kernels", "cache_dir", "exact_backend", "exact_primitives", "exact_step_backend", "linear_fma_ref",
+        "probe", "twin_primitives",
     ],
     "mamba_stream.state_codec": [
         "CLEAR", "MASTER", "RECEIPT_VERSION", "SCHEMA_VERSION", "SEALED_ATTR", "SEALER_KEY", "Arithmetic",
         "BadSignature", "CheckpointNotFound", "ChecksumMismatch",
         "ChunkSequenceMismatch", "CorruptBlob", "DTypeMismatch", "Discretization", "EpochMismatch", "ForgedCarry",
+        "HybridLayers",
         "InputTransformMismatch",
         "ModelIdentity", "ModelRevisionMismatch", "Origin", "PositionMismatch", "PrincipalMismatch", "Receipt",
         "RequestRejected", "SchemaMismatch", "SealerMismatch", "StateKey", "StateRejected", "StateSchema",
@@ -86,7 +94,8 @@ EXPECTED = {
         "id_digest", "parse_update_id", "update_id",
     ],
     "mamba_stream.cli": ["main"],
-    "mamba_stream.quality": ["DISTRACTOR_WORDS", "KEYS", "VALUES", "Sample", "parity_sample", "recall_sample"],
+    "mamba_stream.quality": ["DISTRACTOR_WORDS", "KEYS", "VALUES", "Corpus", "CorpusUnavailable", "Sample",
+                             "fetch_corpus", "parity_sample", "recall_sample"],
 }
 
 

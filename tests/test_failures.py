@@ -27,7 +27,7 @@ LAYERS = {
     "state_codec": {"failures"},
     "scan": {"failures", "state_codec"},
     "workflows": {"failures", "state_codec"},
-    "quality": {"scan"},
+    "quality": {"failures", "scan"},
     "activities": {"failures", "state_codec", "scan", "workflows"},
     "devserver": {"failures"},
     "serving": {"failures", "state_codec", "scan", "workflows", "activities"},

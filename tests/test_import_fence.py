@@ -11,8 +11,8 @@ import pytest
 HEAVY = ("torch", "mamba_ssm", "triton", "msgpack", "cryptography", "numpy", "safetensors")
 #: what a client process must not pay for: the payload codec's cryptography is all it needs
 WORKER_ONLY = ("torch", "mamba_ssm", "triton", "msgpack", "numpy", "safetensors", "mamba_stream.scan",
-               "mamba_stream.state_codec.codec", "mamba_stream.activities._stream", "mamba_stream.activities._engine",
-               "mamba_stream.worker", "psycopg")
+               "mamba_stream.state_codec.codec", "mamba_stream.activities._activities",
+               "mamba_stream.activities._engine", "mamba_stream.worker", "psycopg")
 
 
 def _loaded(statement: str, watch: tuple[str, ...]) -> list[str]:

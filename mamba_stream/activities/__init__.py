@@ -65,7 +65,7 @@ def __getattr__(name: str):
         from mamba_stream.activities._pg_store import PostgresStateStore
 
         return PostgresStateStore
-    homes = {"StreamActivities": "_stream", "ModelRegistry": "_registry", "StreamEngine": "_engine",
+    homes = {"StreamActivities": "_activities", "ModelRegistry": "_registry", "StreamEngine": "_engine",
              "SlotTable": "_slots", "StreamMetrics": "_metrics", "HISTOGRAM_BUCKETS": "_metrics",
              "SweepReport": "_sweep", "sweep_orphans": "_sweep",
              "claim_store": "_sweep", "PrefixStore": "_prefix", "PrefixSweep": "_prefix",

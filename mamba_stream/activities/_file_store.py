@@ -86,6 +86,16 @@ def _quiet_close(fd: int) -> None:
         log.debug("cleanup: cannot close descriptor %d: %s", fd, exc)
 
 
+def _link_making_parent(src: Path, dst: Path) -> None:
+    """`os.link(src, dst)`, making `dst`'s directory when it is missing (a shard's first object)
+    rather than asking for it before every link. FileExistsError when `dst` exists."""
+    try:
+        os.link(src, dst)
+    except FileNotFoundError:
+        dst.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.link(src, dst)
+
+
 def _fsync_dir(path: Path) -> None:
     dfd = os.open(path, os.O_RDONLY)
     try:
@@ -167,18 +177,30 @@ class FileStateStore(StateStore):
         The caller removes `tmp` afterwards, whatever happened.
         """
         self._write_synced(tmp, chunks)
-        final.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         try:
             if fence is None:
-                os.link(tmp, final)  # the commit point
+                _link_making_parent(tmp, final)  # the commit point
             else:
                 with self._locked():
                     self._check_fence(fence)
-                    os.link(tmp, final)
+                    _link_making_parent(tmp, final)
         except FileExistsError:
             return False
         _fsync_dir(final.parent)
         return True
+
+    @staticmethod
+    def _touch_marker(marker: Path) -> None:
+        """The stream's marker of an object, made if missing (its directory too): one system call
+        when both exist, as they do for every chunk of a stream after its first."""
+        for attempt in (0, 1):
+            try:
+                os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+                return
+            except FileNotFoundError:
+                if attempt:
+                    raise
+                marker.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
 
     @staticmethod
     def _head(stream_id: str, owner: str, size: int) -> memoryview:
@@ -197,9 +219,7 @@ class FileStateStore(StateStore):
         view = memoryview(data).cast("B")
         tmp = self.root / "tmp" / f"{key}.{uuid.uuid4().hex}.part"
         try:
-            marker = self._marker(stream_id, key)
-            marker.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            marker.touch(mode=0o600, exist_ok=True)
+            self._touch_marker(self._marker(stream_id, key))
             return self._write_then_rename(tmp, final, [self._head(stream_id, owner, len(view)), view], fence)
         except OSError as exc:
             raise _os_error(exc, f"cannot write {key}") from exc

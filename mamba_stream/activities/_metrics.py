@@ -13,6 +13,7 @@ signed requests refused, states left behind by streams that ended without dispos
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 
@@ -128,6 +129,8 @@ class StreamMetrics:
             "mamba_stream_prefix_leases_lost", "prefix fills whose lease was taken over while they computed (the "
             "worker stalled past the stale time): their writes refused by the lease's fence, nothing stored by them")
         self._committed_at: OrderedDict[str, float] = OrderedDict()
+        self._migration_count = 0
+        self._count_lock = threading.Lock()
 
     # --- helpers the activities call ------------------------------------------------------------
 
@@ -156,3 +159,18 @@ class StreamMetrics:
 
     def committed_at(self, state_key: str) -> float | None:
         return self._committed_at.get(state_key)
+
+    def migrated(self, size: int, model_id: str) -> None:
+        """A state loaded from the store because this worker did not hold it (another worker's
+        stream, an eviction, a resume), `size` sealed bytes: a migration."""
+        self.migrations.add(1, {"model": model_id})
+        self.migration_bytes.add(size, {"model": model_id})
+        with self._count_lock:
+            self._migration_count += 1
+
+    # --- read back in-process (a meter is write-only: its values are the exporter's) ----------
+
+    @property
+    def migration_count(self) -> int:
+        """Migrations counted by this instance, every model's (`mamba_stream_migrations`)."""
+        return self._migration_count

@@ -15,7 +15,8 @@ from typing import Any
 __all__ = ["VERIFY_RUNS", "add_release_commands", "render_schema_reference", "render_verification"]
 
 #: the models the packet documents: the random-weight presets and the trained ones
-PACKET_MODELS = ("tiny-mamba1", "tiny-mamba2", "tiny-mamba3", "recall-mamba1", "recall-mamba2", "recall-mamba3")
+PACKET_MODELS = ("tiny-mamba1", "tiny-mamba2", "tiny-mamba3", "recall-mamba1", "recall-mamba2", "recall-mamba3",
+                 "kjv-mamba2")
 #: (model, backend) runs the packet verifies: every documented model on every CPU backend
 VERIFY_RUNS = tuple((m, b) for m in PACKET_MODELS for b in ("exact", "reference", "chunked"))
 

@@ -1,7 +1,13 @@
-"""Train a small model on the memory tasks of `quality.tasks`, on CPU, deterministically.
+"""Train a small model on the memory tasks of `quality.tasks`, or on English text, on CPU, deterministically.
 
     python -m quality.train --arch mamba2 --out scan/presets/recall-mamba2
     python -m quality.train --arch attention --out build/attention-baseline
+    python -m mamba_stream.quality.train --arch mamba2 --task text --out mamba_stream/scan/presets/kjv-mamba2
+
+`--task text` trains a next-byte model on the King James Version (`quality.corpus`, fetched with
+apt-get into `--corpus-cache`): seeded random windows of the training text, validation bits per
+byte on the held-out book. Its card adds the text's source, licence and sha256, and a greedy
+sample through the served (default) path.
 
 Writes config.json + model.safetensors (the mamba-ssm layout `load_model` reads; the attention
 baseline writes its own config) and card.json + card.md: the configs, seed, steps, wall time,
@@ -26,9 +32,25 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mamba_stream.quality.corpus import Corpus, CorpusUnavailable, fetch_corpus
 from mamba_stream.quality.tasks import Sample, parity_sample, recall_sample
 
-__all__ = ["ARCH_CONFIGS", "RECIPES", "TrainConfig", "make_batch", "train"]
+__all__ = [
+    "ARCH_CONFIGS",
+    "RECIPES",
+    "SAMPLE_BYTES",
+    "SAMPLE_PROMPT",
+    "TEXT_ARCH_CONFIGS",
+    "TEXT_RECIPES",
+    "TrainConfig",
+    "bits_per_byte",
+    "greedy_text",
+    "make_batch",
+    "make_text_batch",
+    "model_config",
+    "text_tokens",
+    "train",
+]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +88,29 @@ RECIPES: dict[str, dict[str, Any]] = {
     "attention": {"batch": 32, "lr": 1e-3, "steps": 3000, "repeat_share": 0.5},
 }
 
+#: `--task text`: the model (kjv-mamba2) and its recipe, sized for 30 minutes on 2 CPU cores. On
+#: 2 cores a batch of 32 windows of 256 bytes takes about 2.1 s at 4 x 256 (1.8M parameters, 7.2
+#: MB of float32), 1.2 s at 2 x 256; d_state 32 saves a fifth, chunks of 128 double it. In
+#: 7-minute trials (lr 3e-3, the same schedule shape) 4 x 256 was at 1.91 validation bits/byte by
+#: step 100 against 2 x 256's 1.96, ended at 1.67 held out, and its greedy text read as verses
+#: where 2 x 256's repeated "and his hands"; depth pays for its cost here. Steps: 1.7 s each on an
+#: idle machine, but a 700-step run beside a test suite averaged 3.6 s and the 28-minute cap (the
+#: fetch and the final evaluation count) stopped it at step 472, its learning rate not yet decayed
+#: (1.57 held-out bits/byte); 450 steps finish within the cap at that load, in 13 minutes idle.
+TEXT_ARCH_CONFIGS: dict[str, dict[str, Any]] = {
+    "mamba2": {"architecture": "mamba2", "d_model": 256, "n_layer": 4, "vocab_size": 256, "d_state": 64,
+               "headdim": 32, "chunk_size": 32},
+}
+TEXT_RECIPES: dict[str, dict[str, Any]] = {
+    "mamba2": {"batch": 32, "lr": 3e-3, "steps": 450, "window": 256, "max_minutes": 28.0, "eval_every": 50},
+}
+#: the card's sample: greedy bytes after this prompt, through `load_model`'s default path
+SAMPLE_PROMPT = "And God said"
+SAMPLE_BYTES = 200
+#: the curve's validation: this many bytes from the held-out book's start (the card's final
+#: figure reads all of it)
+_VAL_PROBE_BYTES = 8192
+
 
 @dataclass
 class TrainConfig:
@@ -84,6 +129,9 @@ class TrainConfig:
     parity_bits: tuple[int, int] = (1, 16)
     max_minutes: float = 20.0
     eval_every: int = 250
+    task: str = "memory"  # or "text": next-byte prediction on quality.corpus
+    window: int = 256  # text: bytes per training sample
+    corpus_cache: str = "build/corpus"  # text: where quality.corpus keeps the packages
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -114,8 +162,67 @@ def make_batch(cfg: TrainConfig, step: int) -> tuple[torch.Tensor, torch.Tensor,
     return x, tgt, samples
 
 
-def build(arch: str, seed: int, dt_max: float = 0.1) -> torch.nn.Module:
-    """A freshly initialized model of `arch` (deterministic in `seed`; `dt_max`: see init_weights)."""
+def make_text_batch(data: torch.Tensor, cfg: TrainConfig, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The text batch of `step`: `cfg.batch` windows of `cfg.window` bytes of `data` (1-D token
+    ids) at starts drawn from the seed and step, and their targets, the same windows one byte on."""
+    if len(data) <= cfg.window:
+        raise ValueError(f"the text ({len(data)} bytes) is not longer than a window ({cfg.window})")
+    rng = random.Random(f"text/{cfg.seed}/{step}")
+    starts = torch.tensor([rng.randrange(len(data) - cfg.window) for _ in range(cfg.batch)])
+    windows = data[starts[:, None] + torch.arange(cfg.window + 1)]
+    return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+
+def text_tokens(text: str) -> torch.Tensor:
+    """The byte ids of `text` (UTF-8), 1-D."""
+    return torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8).long()
+
+
+def bits_per_byte(model: torch.nn.Module, data: torch.Tensor, *, window: int = 1024, batch: int = 16) -> float:
+    """Mean next-byte cross-entropy over `data` in bits: every byte after the first predicted once,
+    in consecutive windows of `window` bytes, each read from the zero state (so a window's first
+    bytes have less context than a stream would: slightly pessimistic)."""
+    starts = list(range(0, len(data) - 1, window))
+    was = model.training
+    model.eval()
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, len(starts), batch):
+            group = starts[i : i + batch]
+            # the last window may be short: it goes alone, so no padding enters the mean
+            for run in ([s for s in group if s + window < len(data)], [s for s in group if s + window >= len(data)]):
+                if not run:
+                    continue
+                n = min(window, len(data) - 1 - run[0])
+                x = torch.stack([data[s : s + n] for s in run])
+                y = torch.stack([data[s + 1 : s + n + 1] for s in run])
+                logits = forward(model, x)
+                nll += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum").item()
+                count += y.numel()
+    model.train(was)
+    return nll / count / math.log(2)
+
+
+def greedy_text(model: Any, prompt: str, n: int) -> str:
+    """`n` bytes after `prompt`, each the served model's most likely (a `scan.Model`: its own
+    backend and arithmetic), decoded as UTF-8 with replacement characters for broken sequences."""
+    step = model.advance(model.initial_state(), model.transform.encode(prompt))
+    out: list[int] = []
+    for _ in range(n):
+        token = int(torch.argmax(step.logits[-1]))
+        out.append(token)
+        step = model.advance(step.state, [token])
+    return bytes(t for t in out if t < 256).decode("utf-8", errors="replace")
+
+
+def model_config(cfg: TrainConfig) -> dict[str, Any]:
+    """The model fields `cfg` trains: the text model's for `--task text`, else the architecture's."""
+    return TEXT_ARCH_CONFIGS[cfg.arch] if cfg.task == "text" else ARCH_CONFIGS[cfg.arch]
+
+
+def build(arch: str, seed: int, dt_max: float = 0.1, fields: dict[str, Any] | None = None) -> torch.nn.Module:
+    """A freshly initialized model of `arch` (deterministic in `seed`; `dt_max`: see init_weights;
+    `fields`: the model config, by default ARCH_CONFIGS[arch])."""
     if arch == "attention":
         from mamba_stream.quality.attention import AttentionConfig, TinyTransformer
 
@@ -125,7 +232,7 @@ def build(arch: str, seed: int, dt_max: float = 0.1) -> torch.nn.Module:
             return TinyTransformer(AttentionConfig(**fields))
     from mamba_stream.scan import MambaLM, ModelConfig, init_weights
 
-    cfg = ModelConfig.create(**ARCH_CONFIGS[arch])
+    cfg = ModelConfig.create(**(fields or ARCH_CONFIGS[arch]))
     with torch.random.fork_rng(devices=[]):
         lm = MambaLM(cfg)
     init_weights(lm, seed, dt_max=dt_max)
@@ -174,14 +281,22 @@ def quick_accuracy(model: torch.nn.Module, *, n: int = 128, pairs: int = 4, dela
     return sum(hits) / len(hits)
 
 
-def train(cfg: TrainConfig) -> tuple[torch.nn.Module, dict[str, Any]]:
-    """Train from scratch; returns the model (eval mode) and its training card."""
+def train(cfg: TrainConfig, corpus: Corpus | None = None) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """Train from scratch; returns the model (eval mode) and its training card. `--task text`
+    reads `corpus` (by default `quality.corpus.fetch_corpus(cfg.corpus_cache)`)."""
+    if cfg.task not in ("memory", "text"):
+        raise ValueError(f"unknown task {cfg.task!r}; expected 'memory' or 'text'")
+    t0 = time.perf_counter()  # the budget counts fetching the text too
+    data = held = probe = torch.empty(0, dtype=torch.long)
+    if cfg.task == "text":
+        corpus = corpus or fetch_corpus(Path(cfg.corpus_cache))
+        data, held = text_tokens(corpus.train), text_tokens(corpus.held_out)
+        probe = held[: _VAL_PROBE_BYTES + 1]
     torch.manual_seed(cfg.seed)
-    model = build(cfg.arch, cfg.seed, cfg.dt_max)
+    model = build(cfg.arch, cfg.seed, cfg.dt_max, model_config(cfg))
     model.train()
     opt = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(0.9, 0.95))
     curve: list[dict[str, float]] = []
-    t0 = time.perf_counter()
     window: list[float] = []
     done = 0
     for step in range(cfg.steps):
@@ -190,7 +305,10 @@ def train(cfg: TrainConfig) -> tuple[torch.nn.Module, dict[str, Any]]:
             break
         for group in opt.param_groups:
             group["lr"] = _lr(cfg, step)
-        x, tgt, _ = make_batch(cfg, step)
+        if cfg.task == "text":
+            x, tgt = make_text_batch(data, cfg, step)
+        else:
+            x, tgt, _ = make_batch(cfg, step)
         logits = forward(model, x)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=-100)
         if not torch.isfinite(loss):
@@ -205,11 +323,32 @@ def train(cfg: TrainConfig) -> tuple[torch.nn.Module, dict[str, Any]]:
             point = {"step": done, "loss": round(sum(window) / len(window), 4),
                      "seconds": round(time.perf_counter() - t0, 1)}
             if cfg.eval_every and (done % cfg.eval_every == 0 or done == cfg.steps):
-                point["recall_acc"] = round(quick_accuracy(model), 4)
+                if cfg.task == "text":
+                    point["val_bpb"] = round(bits_per_byte(model, probe), 4)
+                else:
+                    point["recall_acc"] = round(quick_accuracy(model), 4)
             curve.append(point)
             window = []
-            log.info("step %d loss %.4f %s", done, point["loss"], point.get("recall_acc", ""))
+            log.info("step %d loss %.4f %s", done, point["loss"], point.get("recall_acc", point.get("val_bpb", "")))
     model.eval()
+    if cfg.task == "text":
+        assert corpus is not None
+        held_out_bpb = bits_per_byte(model, held)
+        return model, {
+            "arch": cfg.arch,
+            "task": "text",
+            "model_config": model_config(cfg),
+            "train_config": asdict(cfg),
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "steps": done,
+            "seconds": round(time.perf_counter() - t0, 1),
+            "loss_curve": curve,
+            "corpus": corpus.describe(),
+            "held_out_bits_per_byte": round(held_out_bpb, 4),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "machine": platform.machine(),
+        }
     card = {
         "arch": cfg.arch,
         "model_config": ARCH_CONFIGS[cfg.arch],
@@ -241,11 +380,17 @@ def write(model: torch.nn.Module, card: dict[str, Any], out: Path) -> None:
         # the revision a worker will report: that of the weights as saved and loaded (a tied
         # head is stored once)
         card["revision"] = load_model(out, backend="reference").revision
+        if card.get("task") == "text":
+            served = load_model(out)  # the default path a worker serves (exact on a CPU)
+            card["sample"] = {"prompt": SAMPLE_PROMPT, "bytes": SAMPLE_BYTES, "backend": served.backend,
+                              "text": greedy_text(served, SAMPLE_PROMPT, SAMPLE_BYTES)}
     (out / "card.json").write_text(json.dumps(card, indent=2) + "\n")
     (out / "card.md").write_text(card_markdown(card, out.name))
 
 
 def card_markdown(card: dict[str, Any], name: str) -> str:
+    if card.get("task") == "text":
+        return _text_card_markdown(card, name)
     tc = card["train_config"]
     lines = [
         f"# Training card: {name}", "",
@@ -275,10 +420,55 @@ def card_markdown(card: dict[str, Any], name: str) -> str:
     return "\n".join(lines)
 
 
+def _text_card_markdown(card: dict[str, Any], name: str) -> str:
+    tc, c = card["train_config"], card["corpus"]
+    packages = ", ".join(f"`{p}` {v}" for p, v in c["packages"].items())
+    lines = [
+        f"# Training card: {name}", "",
+        "A byte-level Mamba-2 language model that writes English in the style of the King James Version.", "",
+        f"- architecture: {card['arch']}, {card['parameters']:,} parameters",
+        f"- model config: `{json.dumps(card['model_config'])}`",
+        f"- text: the King James Version of the Bible, from the Debian packages {packages} "
+        "(decoded by the package's `bible` program; `mamba_stream/quality/corpus.py`)",
+        f"- licence: {c['licence']}",
+        f"- normalized ({c['normalization']}): sha256 `{c['sha256']}`; {c['train_bytes']:,} bytes of training "
+        f"text (Genesis to Jude), {c['held_out_bytes']:,} held out (the book of {c['held_out_book']})",
+        f"- seed {tc['seed']}, {card['steps']} of {tc['steps']} steps, batch {tc['batch']} windows of {tc['window']} "
+        f"bytes (seeded random starts), AdamW lr {tc['lr']} (warmup {tc['warmup']}, cosine to 10%), weight decay "
+        f"{tc['weight_decay']} on matrices; {card['steps'] * tc['batch'] * tc['window']:,} bytes read "
+        f"({card['steps'] * tc['batch'] * tc['window'] / c['train_bytes']:.1f} passes over the training text)",
+        f"- wall time {card['seconds']:.0f} s on {card['threads']} CPU threads "
+        f"({card['machine']}, torch {card['torch']}), fetching the text included",
+        f"- held-out bits per byte ({c['held_out_book']}, all of it, in windows of 1,024 bytes from the zero "
+        f"state): {card['held_out_bits_per_byte']:.3f}",
+    ]
+    if "revision" in card:
+        lines.append(f"- weights revision: `{card['revision']}`")
+    if card.get("note"):
+        lines.append(f"- note: {card['note']}")
+    if "sample" in card:
+        s = card["sample"]
+        lines += ["", f"Greedy sample, {s['bytes']} bytes after the prompt `{s['prompt']}` (backend `{s['backend']}`, "
+                  "the default path; `tests/quality/test_text_preset.py` checks it):", "", "```",
+                  s["prompt"] + s["text"], "```"]
+    lines += ["", f"| step | loss (nats/byte) | validation bits/byte (first {_VAL_PROBE_BYTES:,} held-out bytes) "
+              "| seconds |", "|---|---|---|---|"]
+    for p in card["loss_curve"]:
+        if "val_bpb" in p:
+            lines.append(f"| {p['step']} | {p['loss']:.4f} | {p['val_bpb']:.3f} | {p['seconds']:.0f} |")
+    lines += ["", f"Regenerate: `python -m mamba_stream.quality.train --arch {card['arch']} --task text "
+              f"--seed {tc['seed']} --steps {tc['steps']} --batch {tc['batch']} --lr {tc['lr']} "
+              f"--window {tc['window']} --max-minutes {tc['max_minutes']:g} --out <dir>` "
+              f"(the recipe: `--arch {card['arch']} --task text` alone)", ""]
+    return "\n".join(lines)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m quality.train", description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", choices=sorted(ARCH_CONFIGS), required=True)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--task", choices=("memory", "text"), default="memory",
+                    help="memory: quality.tasks' recall and parity (default); text: next byte of quality.corpus")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, help="default: the architecture's recipe (RECIPES)")
     ap.add_argument("--batch", type=int, help="default: the architecture's recipe")
@@ -286,14 +476,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeat-share", type=float, help="share of recall samples whose queries repeat keys "
                     "(default: the architecture's recipe)")
     ap.add_argument("--dt-max", type=float, default=TrainConfig.dt_max, help="top of the initial dt range")
-    ap.add_argument("--max-minutes", type=float, default=TrainConfig.max_minutes)
-    ap.add_argument("--eval-every", type=int, default=TrainConfig.eval_every)
+    ap.add_argument("--max-minutes", type=float, help=f"stop there (default: the recipe's, else "
+                    f"{TrainConfig.max_minutes:g})")
+    ap.add_argument("--eval-every", type=int, help=f"steps between evaluations (default: the recipe's, else "
+                    f"{TrainConfig.eval_every})")
+    ap.add_argument("--window", type=int, help="text: bytes per sample (default: the recipe's)")
+    ap.add_argument("--corpus-cache", type=Path, default=Path(TrainConfig.corpus_cache),
+                    help="text: where quality.corpus keeps the downloaded packages")
     args = ap.parse_args(argv)
-    for name, value in RECIPES[args.arch].items():
+    if args.task == "text" and args.arch not in TEXT_RECIPES:
+        ap.error(f"--task text trains {', '.join(sorted(TEXT_RECIPES))} only")
+    recipe = TEXT_RECIPES[args.arch] if args.task == "text" else RECIPES[args.arch]
+    defaults = {"repeat_share": 0.0, "window": TrainConfig.window, "max_minutes": TrainConfig.max_minutes,
+                "eval_every": TrainConfig.eval_every}
+    for name, value in {**defaults, **recipe}.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
-    if args.steps < 1 or args.batch < 1 or args.lr <= 0:
-        ap.error("--steps and --batch must be >= 1 and --lr > 0")
+    if args.steps < 1 or args.batch < 1 or args.lr <= 0 or args.window < 1:
+        ap.error("--steps, --batch and --window must be >= 1 and --lr > 0")
     if not args.dt_max > 1e-3:
         ap.error("--dt-max must exceed 1e-3 (the bottom of the range)")
     if not 0.0 <= args.repeat_share <= 1.0:
@@ -305,11 +505,19 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     a = parse_args(argv)
     cfg = TrainConfig(arch=a.arch, seed=a.seed, steps=a.steps, batch=a.batch, lr=a.lr, max_minutes=a.max_minutes,
-                      eval_every=a.eval_every, repeat_share=a.repeat_share, dt_max=a.dt_max)
-    model, card = train(cfg)
+                      eval_every=a.eval_every, repeat_share=a.repeat_share, dt_max=a.dt_max, task=a.task,
+                      window=a.window, corpus_cache=str(a.corpus_cache))
+    try:
+        model, card = train(cfg)
+    except CorpusUnavailable as exc:  # no apt here: one line that says what to install or run
+        raise SystemExit(f"error: {exc}") from None
     write(model, card, a.out)
-    print(f"{a.out}: {card['steps']} steps in {card['seconds']:.0f} s, held-out recall "
-          f"{card['final_recall_acc_4_pairs_delay_0']:.3f}")
+    if cfg.task == "text":
+        print(f"{a.out}: {card['steps']} steps in {card['seconds']:.0f} s, held-out "
+              f"{card['held_out_bits_per_byte']:.3f} bits/byte")
+    else:
+        print(f"{a.out}: {card['steps']} steps in {card['seconds']:.0f} s, held-out recall "
+              f"{card['final_recall_acc_4_pairs_delay_0']:.3f}")
 
 
 if __name__ == "__main__":

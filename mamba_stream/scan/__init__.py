@@ -1,4 +1,5 @@
-"""The scan engine: Mamba-1, Mamba-2 and Mamba-3 language models with explicit state.
+"""The scan engine: Mamba-1, Mamba-2 and Mamba-3 language models with explicit state, and hybrids of
+them with attention (GraniteMoeHybrid dense).
 
     from mamba_stream.scan import load_model
     model = load_model("tiny-mamba2")
@@ -16,6 +17,7 @@ from mamba_stream.scan._errors import (
     NonFiniteInput,
     NonFiniteOutput,
     NonIntegerInput,
+    PositionLimit,
     ScanError,
     TokenOutOfRange,
     UnsupportedBackend,
@@ -27,6 +29,7 @@ from mamba_stream.scan._loading import (
     WEIGHT_FORMATS,
     checkpoint_problem,
     config_from_json,
+    hybrid_problem,
     init_model,
     load_model,
     parameter_shapes,
@@ -62,6 +65,7 @@ __all__ = [
     "NonFiniteOutput",
     "NonIntegerInput",
     "PartitionResult",
+    "PositionLimit",
     "Q8Weight",
     "ScanError",
     "State",
@@ -74,6 +78,7 @@ __all__ = [
     "config_from_json",
     "embed",
     "forward",
+    "hybrid_problem",
     "init_model",
     "init_weights",
     "load_model",

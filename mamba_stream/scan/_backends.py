@@ -12,7 +12,7 @@ in the mixers' `forward` and in `scan._forward`.
                longer chunks: GEMMs over the chunk, F.conv1d, the chunked SSD (Mamba-2/3, path
                "ssd") or the segmented selective scan (Mamba-1, path "scan").
     triton     the chunked primitives with mamba-ssm's Triton kernels as the scans (`scan._triton`).
-    exact      one set of primitives for every chunk length (`scan._exact`); with a narrow state
+    exact      one set of primitives for every chunk length (`scan.exact`); with a narrow state
                dtype, a layer advances one token at a time and rounds the state after each, as the
                reference does.
 """
@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mamba_stream.scan._attention import attention_native, rope_native
 from mamba_stream.scan._mamba1 import selective_scan_chunked, selective_scan_steps
 from mamba_stream.scan._mamba2 import ssd_chunked, ssd_steps
 from mamba_stream.scan._mamba3 import mamba3_chunked, mamba3_steps
@@ -38,9 +39,9 @@ __all__ = ["CHUNKED", "CHUNK_PRIMITIVES", "EXACT_BACKENDS", "REFERENCE", "Backen
            "ReferenceBackend", "labelled", "step_primitives"]
 
 Tensor = torch.Tensor
-#: The exact backends (`scan._exact`) by name, and the version of the arithmetic each computes,
+#: The exact backends (`scan.exact`) by name, and the version of the arithmetic each computes,
 #: recorded in every receipt (`state_codec.Arithmetic`). Anything that changes a bit of any result
-#: (an operation's order, a polynomial, a constant) is a new version; tests/scan/test_exact.py pins
+#: (an operation's order, a polynomial, a constant) is a new version; tests/scan/exact/test_backend.py pins
 #: the bits of each. "exact": exact-1; "exact-fma": exact-2, exact-1 with every step of a
 #: product's sums one fused multiply-add.
 EXACT_BACKENDS = {"exact": "exact-1", "exact-fma": "exact-2"}
@@ -66,6 +67,7 @@ def step_primitives(ops: Ops, path: str) -> Primitives:
         selective_scan=labelled(partial(selective_scan_steps, ops=ops), path),
         ssd=labelled(partial(ssd_steps, ops=ops), path),
         mamba3_scan=labelled(partial(mamba3_steps, ops=ops), path),
+        attention=ops.attention, rope=ops.rope,
     )
 
 
@@ -82,6 +84,7 @@ CHUNK_PRIMITIVES = Primitives(
     selective_scan=labelled(selective_scan_chunked, "scan"),
     ssd=labelled(ssd_chunked, "ssd"),
     mamba3_scan=labelled(mamba3_chunked, "ssd"),
+    attention=attention_native, rope=rope_native,
 )
 
 

@@ -18,6 +18,7 @@ __all__ = [
     "NonFiniteInput",
     "NonFiniteOutput",
     "NonIntegerInput",
+    "PositionLimit",
     "ScanError",
     "TokenOutOfRange",
     "UnsupportedBackend",
@@ -65,3 +66,17 @@ class CheckpointError(ScanError, ValueError):
 
 class UnsupportedBackend(ScanError, ValueError):
     """The requested backend does not exist or cannot run here."""
+
+
+class PositionLimit(ScanError, ValueError):
+    """A chunk would take a stream past its model's `max_positions` (the rows its attention
+    layers' KV is preallocated with); refused before anything advances.
+
+    `field`: "max_positions"; `limit`: the bound; `actual`: the position the chunk would reach.
+    """
+
+    def __init__(self, message: str, *, field: str = "max_positions", limit: int, actual: int) -> None:
+        super().__init__(message, field=field, limit=limit, actual=actual)
+        self.field = field
+        self.limit = limit
+        self.actual = actual

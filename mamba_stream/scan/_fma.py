@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["fma_product", "fma_twin"]
+__all__ = ["fma_product", "fma_ref"]
 
 #: s's low 29 bits (53 - 24) when s is halfway between two float32 neighbours of normal range
 _LOW = (1 << 29) - 1
@@ -29,14 +29,14 @@ _HALF = 1 << 28
 _SMALL = 2.0**-125
 
 
-def fma_twin(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+def fma_ref(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """a * b + c of float32 tensors (broadcast), rounded once to float32."""
     return fma_product(a.double() * b.double(), c)
 
 
 def fma_product(p: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """p + c rounded once to float32, for p an exact float64 product of two float32 values and c
-    float32 (broadcast): `fma_twin` with the product already taken (a product's lane steps
+    float32 (broadcast): `fma_ref` with the product already taken (a product's lane steps
     widen their operands once, not once a step)."""
     cd = c.double()
     s = p + cd

@@ -4,6 +4,15 @@ Every backend (`scan._backends`), the slot table's batched step, and the trainin
 `quality` run this loop; a backend only supplies how each layer advances (`Backend.mix`) and the
 head's product.
 
+A hybrid's blocks (`scan._lm._Block`) are typed: a Mamba block's mixer advances through
+`Backend.mix`; an attention block's mixer (`scan._layers.AttentionMixer`) is called with the chunk's
+primitives and the streams' positions (its primitive is chunk-invariant by itself, so it needs no
+token-by-token loop); a block with an MLP sublayer adds (add, norm, mlp) after its mixer. Granite's
+multipliers scale the embeddings, each sublayer's output and the logits where the config sets them;
+where it does not (every plain Mamba model), no operation is done at all, so those models' bits are
+what they were (and a multiplier of exactly 1.0 would change none either: x * 1.0 == x in IEEE
+arithmetic for every x, -0.0 and the infinities included).
+
 Dimension letters: B streams, L tokens, D d_model, V padded vocabulary.
 """
 
@@ -47,7 +56,7 @@ def backend_named(name: str, lm: MambaLM | None = None, dtype: torch.dtype | Non
 
         return TRITON
     if name in EXACT_BACKENDS:
-        from mamba_stream.scan._exact import exact_backend
+        from mamba_stream.scan.exact import exact_backend
 
         if lm is None or dtype is None:
             raise UnsupportedBackend(f"the {name} backend is probed on its model: pass lm and dtype")
@@ -59,33 +68,54 @@ def backend_named(name: str, lm: MambaLM | None = None, dtype: torch.dtype | Non
 
 
 def forward(lm: MambaLM, hidden: Tensor, layer_states: LayerStates, backend: Backend | str,
-            round_state: RoundState = None) -> tuple[Tensor, LayerStates, str]:
+            round_state: RoundState = None, positions: Tensor | None = None) -> tuple[Tensor, LayerStates, str]:
     """Logits for `hidden` (B, L, D), continuing `layer_states` (one tuple per layer, leading B).
 
     Args:
         backend: a `scan._backends.Backend` or its name.
         round_state: rounds a layer's states after every token (a narrow state dtype; the
             reference backend only), or None.
+        positions: (B,) int64, each stream's position before the chunk: required by a model
+            with attention layers (their KV rows are written and read by position), ignored by
+            the others.
 
     Returns:
         logits (B, L, V) in the compute dtype, the new states of every layer, and the path of the
-        last layer's scan.
+        last Mamba layer's scan ("attention" for a model with none).
     """
     if isinstance(backend, str):
         backend = backend_named(backend, lm, hidden.dtype)
     cfg = lm.cfg
     prims = backend.primitives(hidden.shape[1])
+    rm = cfg.residual_multiplier  # None: no multiply at all (every plain Mamba model)
+    if cfg.embedding_multiplier is not None:
+        hidden = hidden * cfg.embedding_multiplier
     residual: Tensor | None = None
     new_states: LayerStates = []
     path = "empty"
     for blk, st in zip(lm.backbone.layers, layer_states, strict=False):
         residual = hidden if residual is None else hidden + residual
         normed = prims.norm(residual, blk.norm.weight, blk.norm.bias, cfg.norm_eps, cfg.rms_norm)
-        hidden, st_new, path = backend.mix(blk.mixer, normed, st, round_state)
+        if blk.kind == "attention":
+            hidden, st_new, attn_path = blk.mixer.forward(normed, st, prims, positions, round_state)
+            path = attn_path if path == "empty" else path
+        else:
+            hidden, st_new, path = backend.mix(blk.mixer, normed, st, round_state)
+        if rm is not None:
+            hidden = hidden * rm
+        if blk.mlp is not None:
+            # Granite's residual + out: the same bits as out + residual (IEEE addition commutes)
+            residual = hidden + residual
+            normed = prims.norm(residual, blk.mlp_norm.weight, blk.mlp_norm.bias, cfg.norm_eps, cfg.rms_norm)
+            hidden = blk.mlp(normed, prims)
+            if rm is not None:
+                hidden = hidden * rm
         new_states.append(st_new)
     assert residual is not None
     residual = hidden + residual
     nf = lm.backbone.norm_f
     normed = prims.norm(residual, nf.weight, nf.bias, cfg.norm_eps, cfg.rms_norm)
     logits = prims.linear(normed, lm.lm_head.weight)
+    if cfg.logits_scaling is not None:
+        logits = logits / cfg.logits_scaling
     return logits, new_states, path

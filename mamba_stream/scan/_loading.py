@@ -25,6 +25,7 @@ from mamba_stream.scan._transforms import ByteTransform, HFTokenizerTransform
 __all__ = [
     "WEIGHT_FORMATS",
     "config_from_json",
+    "hybrid_problem",
     "init_model",
     "load_model",
     "mamba_ssm_config",
@@ -46,7 +47,7 @@ _INIT_ONLY = {
 }
 _UNDERSTOOD = {
     "Mamba1": {"d_state": "d_state", "d_conv": "d_conv", "expand": "expand", "dt_rank": "dt_rank",
-               "conv_bias": "conv_bias", "bias": "bias"},
+               "conv_bias": "conv_bias", "bias": "bias", "bcdt_rms_eps": "bcdt_rms_eps"},
     "Mamba2": {"d_state": "d_state", "d_conv": "d_conv", "expand": "expand", "headdim": "headdim",
                "d_ssm": "d_ssm", "ngroups": "ngroups", "D_has_hdim": "D_has_hdim", "rmsnorm": "rmsnorm",
                "norm_before_gate": "norm_before_gate", "bias": "bias", "conv_bias": "conv_bias"},
@@ -121,8 +122,109 @@ def _from_mamba_ssm(cfg: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
+#: GraniteMoeHybrid's layer kinds under both spellings: the hub's checkpoints say "mamba" /
+#: "attention", transformers >= 5.13 saves "linear_attention" / "full_attention"
+_GRANITE_KINDS = {"mamba": "mamba2", "linear_attention": "mamba2", "attention": "attention",
+                  "full_attention": "attention"}
+#: GraniteMoeHybrid config.json fields that change no inference arithmetic (training, generation,
+#: bookkeeping): accepted as they are
+_GRANITE_INERT = {"architectures", "attention_dropout", "bos_token_id", "dtype", "torch_dtype", "eos_token_id",
+                  "pad_token_id", "initializer_range", "model_type", "output_router_logits", "router_aux_loss_coef",
+                  "transformers_version", "use_cache", "num_experts_per_tok", "mamba_chunk_size", "intermediate_size",
+                  "return_dict", "output_hidden_states", "output_attentions", "tie_encoder_decoder", "is_decoder",
+                  "_name_or_path", "normalization_function", "init_method", "problem_type", "chunk_size_feed_forward"}
+
+
+def _from_granite(cfg: dict[str, Any]) -> dict[str, Any]:
+    """GraniteMoeHybrid (dense): Mamba-2 and attention layers, each followed by the shared MLP,
+    with Granite's multipliers. A field it cannot map is refused, named (`ConfigError.field`)."""
+    def refuse(field: str, msg: str) -> ConfigError:
+        return ConfigError(f"{msg} (GraniteMoeHybrid)", field=field)
+
+    experts = cfg.get("num_local_experts", 8)  # GraniteMoeHybridConfig's default: MoE
+    if experts:
+        raise refuse("num_local_experts", f"{experts} experts: mixture-of-experts layers are not supported yet, "
+                     "only dense checkpoints (num_local_experts 0)")
+    n_layer = cfg["num_hidden_layers"]
+    raw_kinds = cfg.get("layer_types", cfg.get("layers_block_type")) or ["linear_attention"] * n_layer
+    unknown = sorted({str(k) for k in raw_kinds if k not in _GRANITE_KINDS})
+    if not isinstance(raw_kinds, list) or unknown:
+        raise refuse("layer_types", f"unknown layer kinds {unknown}; expected {sorted(_GRANITE_KINDS)}")
+    kinds = tuple(_GRANITE_KINDS[k] for k in raw_kinds)
+    d_model = cfg["hidden_size"]
+    n_heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim", d_model // n_heads)
+    pe = cfg.get("position_embedding_type")
+    if pe not in (None, "nope", "rope"):
+        raise refuse("position_embedding_type", f"{pe!r}; expected 'rope', 'nope' or null")
+    fields: dict[str, Any] = {
+        "architecture": "mamba2",
+        "d_model": d_model,
+        "n_layer": n_layer,
+        "vocab_size": cfg["vocab_size"],
+        "pad_vocab_size_multiple": 1,
+        "tie_embeddings": cfg.get("tie_word_embeddings", False),
+        "norm_eps": cfg.get("rms_norm_eps", 1e-6),
+        "mixer_norm_eps": cfg.get("rms_norm_eps", 1e-6),
+        "d_state": cfg.get("mamba_d_state", 256),
+        "d_conv": cfg.get("mamba_d_conv", 4),
+        "expand": cfg.get("mamba_expand", 2),
+        "ngroups": cfg.get("mamba_n_groups", 1),
+        "bias": cfg.get("mamba_proj_bias", False),
+        "conv_bias": cfg.get("mamba_conv_bias", True),
+        "norm_before_gate": False,
+        "layer_types": kinds,
+        "mlp_intermediate_size": cfg.get("shared_intermediate_size", 1024),
+        "mlp_activation": "silu",
+        "embedding_multiplier": float(cfg.get("embedding_multiplier", 1.0)),
+        "residual_multiplier": float(cfg.get("residual_multiplier", 1.0)),
+        "logits_scaling": float(cfg.get("logits_scaling", 1.0)),
+    }
+    d_inner = int(fields["expand"] * d_model)
+    mamba_heads = cfg.get("mamba_n_heads", 128)
+    mamba_head = cfg.get("mamba_d_head", "auto")
+    mamba_head = d_inner // mamba_heads if mamba_head == "auto" else mamba_head
+    if mamba_heads * mamba_head != d_inner:
+        raise refuse("mamba_n_heads", f"mamba_n_heads={mamba_heads} * mamba_d_head={mamba_head} != "
+                     f"mamba_expand * hidden_size={d_inner}")
+    fields["headdim"] = mamba_head
+    lo, hi = cfg.get("time_step_limit") or (0.0, float("inf"))
+    fields["dt_min_clamp"] = float(lo)
+    fields["dt_max_clamp"] = None if _is_inf(hi) else float(hi)
+    if "attention" in kinds:
+        fields.update(
+            n_q_heads=n_heads, n_kv_heads=cfg.get("num_key_value_heads") or n_heads, attn_head_dim=head_dim,
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            attention_multiplier=float(cfg.get("attention_multiplier", 1.0)),
+            position_embedding="rope" if pe == "rope" else "nope",
+            max_positions=cfg.get("max_position_embeddings", 2048),
+        )
+        if pe == "rope":
+            rope = cfg.get("rope_parameters") or {}
+            if rope.get("rope_type", "default") != "default":
+                raise refuse("rope_parameters.rope_type",
+                             f"{rope.get('rope_type')!r}: only 'default' rope is supported")
+            if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+                raise refuse("rope_parameters.partial_rotary_factor", "only a full rotation is supported")
+            fields["rope_theta"] = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise refuse("hidden_act", f"activation {cfg['hidden_act']!r} is not supported")
+    understood = {"num_local_experts", "num_hidden_layers", "layer_types", "layers_block_type", "hidden_size",
+                  "num_attention_heads", "head_dim", "position_embedding_type", "vocab_size", "tie_word_embeddings",
+                  "rms_norm_eps", "mamba_d_state", "mamba_d_conv", "mamba_expand", "mamba_n_groups", "mamba_proj_bias",
+                  "mamba_conv_bias", "shared_intermediate_size", "embedding_multiplier", "residual_multiplier",
+                  "logits_scaling", "mamba_n_heads", "mamba_d_head", "time_step_limit", "num_key_value_heads",
+                  "attention_bias", "attention_multiplier", "max_position_embeddings", "rope_parameters", "rope_theta",
+                  "hidden_act"}
+    for key in sorted(set(cfg) - understood - _GRANITE_INERT):
+        raise refuse(key, f"a field this loader cannot map (value {cfg[key]!r})")
+    return fields
+
+
 def _from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
     mt = cfg["model_type"]
+    if mt == "granitemoehybrid":
+        return _from_granite(cfg)
     if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
         raise ConfigError(f"activation {cfg['hidden_act']!r} is not supported", field="hidden_act")
     eps = cfg.get("layer_norm_epsilon", 1e-5)
@@ -131,7 +233,7 @@ def _from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
         "n_layer": cfg["num_hidden_layers"],
         "vocab_size": cfg["vocab_size"],
         "pad_vocab_size_multiple": 1,
-        "d_state": cfg.get("state_size", 16 if mt == "mamba" else 128),
+        "d_state": cfg.get("state_size", 16 if mt in ("mamba", "falcon_mamba") else 128),
         "d_conv": cfg.get("conv_kernel", 4),
         "expand": cfg.get("expand", 2),
         "bias": cfg.get("use_bias", False),
@@ -139,11 +241,15 @@ def _from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
         "norm_eps": eps,
         "residual_in_fp32": cfg.get("residual_in_fp32", True),
     }
-    if mt == "mamba":
+    if mt in ("mamba", "falcon_mamba"):
+        # FalconMamba is HF's Mamba with the same tensor names and config fields, plus the
+        # weightless dt/B/C norms (`mixer_rms_eps`, FalconMambaConfig's default 1e-6)
         fields["architecture"] = "mamba1"
         fields["tie_embeddings"] = cfg.get("tie_word_embeddings", True)
         rank = cfg.get("time_step_rank", "auto")
         fields["dt_rank"] = None if rank == "auto" else int(rank)
+        if mt == "falcon_mamba":
+            fields["bcdt_rms_eps"] = cfg.get("mixer_rms_eps", 1e-6)
     elif mt == "mamba2":
         fields["architecture"] = "mamba2"
         fields["tie_embeddings"] = cfg.get("tie_word_embeddings", False)
@@ -161,7 +267,8 @@ def _from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
                 field="num_heads",
             )
     else:
-        raise ConfigError(f"unsupported model_type {mt!r}; expected 'mamba' or 'mamba2'", field="model_type")
+        raise ConfigError(f"unsupported model_type {mt!r}; expected 'mamba', 'falcon_mamba', 'mamba2' or "
+                          "'granitemoehybrid'", field="model_type")
     return fields
 
 
@@ -249,7 +356,7 @@ def _revision_of(directory: Path, sd: dict[str, Any]) -> str:
     directory: hashing a 14 GB checkpoint takes seconds on every load otherwise. A file written
     again changes its modification time and so its key; the cache is the worker's own, beside its
     compiled kernels ($MAMBA_STREAM_CACHE)."""
-    from mamba_stream.scan._exact import cache_dir
+    from mamba_stream.scan.exact import cache_dir
 
     key = _files_key(directory)
     entry = cache_dir() / "revisions" / f"{key}.txt" if key else None
@@ -305,11 +412,26 @@ def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
     return sd
 
 
-def checkpoint_problem(source: str | Path, weights: str | None = None) -> str | None:
+def hybrid_problem(cfg: ModelConfig) -> str | None:
+    """Why a model of `cfg` cannot be served through streams (the worker's slot table and codec hold
+    Mamba states only, and step without positions): one line for a hybrid, None otherwise.
+    `load_model` loads it all the same; the scan runs it."""
+    if not cfg.is_hybrid:
+        return None
+    attention = [i for i, kind in enumerate(cfg.kinds) if kind == "attention"]
+    parts = [f"attention layers {attention}" if attention else "",
+             "MLP sublayers" if cfg.mlp_intermediate_size is not None else ""]
+    what = " and ".join(p for p in parts if p) or "Granite multipliers"
+    return (f"hybrid models are not served through streams yet: this one has {what} "
+            "(scan.load_model runs it; the worker's slot table and state codec do not)")
+
+
+def checkpoint_problem(source: str | Path, weights: str | None = None, *, streamed: bool = False) -> str | None:
     """What keeps `load_model(source, weights=weights)` from loading, as far as the names, the
     config.json and the weight files' presence tell, without reading a weight (a worker checks
     its models with it before it starts); None where nothing is found. A file whose bytes are
-    damaged is found only by the load."""
+    damaged is found only by the load. `streamed`: also what keeps it from being served through
+    streams (`hybrid_problem`)."""
     if weights is not None and weights not in WEIGHT_FORMATS:
         return f"unknown weight format {weights!r}; expected one of {sorted(WEIGHT_FORMATS)}"
     name = str(source)
@@ -334,10 +456,12 @@ def checkpoint_problem(source: str | Path, weights: str | None = None) -> str | 
     if not isinstance(raw, dict):
         return "config.json is not a JSON object"
     try:
-        config_from_json(raw)
+        cfg, _ = config_from_json(raw)
         files = _weight_files(directory)
     except (ConfigError, CheckpointError) as exc:
         return f"config.json: {exc}" if isinstance(exc, ConfigError) else str(exc)
+    if streamed and (why := hybrid_problem(cfg)) is not None:
+        return why
     missing = [f.name for f in files if not f.is_file()]
     if missing:
         return f"model.safetensors.index.json names shards that are not there: {missing[:4]}"
@@ -376,9 +500,31 @@ def _fold_q8(sd: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]]) 
     return out
 
 
+#: GraniteMoeHybrid's tensor names (transformers') -> ours, by prefix within a layer
+_GRANITE_LAYER_NAMES = (("input_layernorm.", "norm."), ("post_attention_layernorm.", "mlp_norm."),
+                        ("shared_mlp.", "mlp."), ("mamba.", "mixer."), ("self_attn.", "mixer."))
+
+
+def _granite_name(name: str) -> str:
+    """A GraniteMoeHybrid tensor's name as our module holds it (Mamba-2 layers: mamba-ssm's names,
+    which transformers' `mamba.*` already are: in_proj, conv1d, dt_bias, A_log, D, norm, out_proj)."""
+    if name == "model.embed_tokens.weight":
+        return "backbone.embedding.weight"
+    if name == "model.norm.weight":
+        return "backbone.norm_f.weight"
+    if name.startswith("model.layers."):
+        index, _, rest = name[len("model.layers."):].partition(".")
+        for theirs, ours in _GRANITE_LAYER_NAMES:
+            if rest.startswith(theirs):
+                return f"backbone.layers.{index}.{ours}{rest[len(theirs):]}"
+    return name
+
+
 def _canonical_weights(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, Any]:
     """Rename to mamba-ssm names, fold q8 pairs and the tied head, check names and shapes against `cfg`."""
     sd = {k.replace("backbone.embeddings.weight", "backbone.embedding.weight"): v for k, v in sd.items()}
+    if "model.embed_tokens.weight" in sd or any(k.startswith("model.layers.") for k in sd):
+        sd = {_granite_name(k): v for k, v in sd.items()}
     full = parameter_shapes(cfg)
     if cfg.tie_embeddings:
         full["lm_head.weight"] = full["backbone.embedding.weight"]
@@ -654,7 +800,11 @@ def init_model(
     weights: str | None = None,
 ) -> Model:
     """A freshly initialized model (mamba-ssm-style init, deterministic in `seed`); `weights` as
-    for `load_model` (the initial weights are float32: "bfloat16" rounds them)."""
+    for `load_model` (the initial weights are float32: "bfloat16" rounds them). A hybrid config is
+    refused (ConfigError): the initialization knows the Mamba layers only."""
+    if config.is_hybrid:
+        raise ConfigError("hybrid models (attention layers, MLP sublayers, multipliers) have no initialization "
+                          "here yet: load a checkpoint", field="layer_types")
     sd = initial_weights(config, seed)
     device = torch.device(device)
     reads_stored = backend in EXACT_BACKENDS or (backend == "auto" and device.type == "cpu")
@@ -665,11 +815,20 @@ def init_model(
 
 
 def mamba_ssm_config(cfg: ModelConfig) -> dict[str, Any]:
-    """The config.json mamba-ssm's MambaLMHeadModel reads for the same model."""
+    """The config.json mamba-ssm's MambaLMHeadModel reads for the same model (a hybrid has none:
+    CheckpointError)."""
+    if cfg.is_hybrid:
+        raise CheckpointError("a hybrid model (attention layers, MLP sublayers, multipliers) has no mamba-ssm "
+                              "config.json; save_checkpoint does not write hybrids yet: keep its Hugging Face "
+                              "directory")
     layer = {"mamba1": "Mamba1", "mamba2": "Mamba2", "mamba3": "Mamba3"}[cfg.architecture]
     ssm: dict[str, Any] = {"layer": layer, "d_state": cfg.d_state, "expand": cfg.expand}
     if cfg.architecture == "mamba1":
         ssm.update(d_conv=cfg.d_conv, dt_rank=cfg.resolved_dt_rank, conv_bias=cfg.conv_bias, bias=cfg.bias)
+        if cfg.bcdt_rms_eps is not None:
+            # not a mamba-ssm option: its Mamba(**ssm_cfg) refuses the key, where leaving it out
+            # would have it load a FalconMamba as a plain Mamba-1 (another function)
+            ssm["bcdt_rms_eps"] = cfg.bcdt_rms_eps
     elif cfg.architecture == "mamba2":
         ssm.update(
             d_conv=cfg.d_conv, headdim=cfg.headdim, ngroups=cfg.ngroups, d_ssm=cfg.d_ssm,
@@ -697,16 +856,17 @@ def mamba_ssm_config(cfg: ModelConfig) -> dict[str, Any]:
 
 def save_checkpoint(model: Model, directory: str | Path) -> Path:
     """Write `model` in mamba-ssm layout: config.json + model.safetensors (tied head omitted; q8
-    matrices as `<name>_q8` and `<name>_scale`, read back as q8)."""
+    matrices as `<name>_q8` and `<name>_scale`, read back as q8). A hybrid is refused
+    (CheckpointError) before anything is written."""
     from safetensors.torch import save_file
 
+    cfg = mamba_ssm_config(model.config)
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     sd = {k: v.detach().to("cpu").contiguous() for k, v in model.module.state_dict().items()}
     if model.config.tie_embeddings:
         for name in ("lm_head.weight", "lm_head.weight_q8", "lm_head.weight_scale"):
             sd.pop(name, None)
-    cfg = mamba_ssm_config(model.config)
     if model.eos_token_ids:  # only where there is one: mamba-ssm's own MambaConfig takes no such field
         cfg["eos_token_id"] = model.eos_token_ids[0] if len(model.eos_token_ids) == 1 else list(model.eos_token_ids)
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

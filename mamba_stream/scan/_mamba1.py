@@ -12,6 +12,10 @@ Dimension letters:
 State per stream: conv (C, W) holding the last W conv inputs, newest last; ssm (C, N).
 Recurrence per token: dt = softplus(W_dt r + b_dt); h = exp(dt A) h + dt x B; y = C.h + D x.
 Reference for the math: mamba-ssm `selective_scan_ref` and `Mamba.step`.
+
+FalconMamba (`ModelConfig.bcdt_rms_eps` set) is the same layer with r, B and C each replaced by
+its RMS norm without a weight, r / sqrt(mean(r^2) + eps), right after x_proj splits them (before
+dt_proj): transformers' `FalconMambaMixer` (`dt_layernorm`, `b_layernorm`, `c_layernorm`).
 """
 
 from __future__ import annotations
@@ -53,6 +57,23 @@ class Mamba1Mixer(Mixer):
     def _A(self, be: Primitives) -> Tensor:
         return -be.exp(self.A_log)  # (C, N)
 
+    @staticmethod
+    def _weightless_rms(be: Primitives, t: Tensor, eps: float) -> Tensor:
+        """t / sqrt(mean(t^2) + eps) over the last dimension, by the backend's norm.
+
+        Args:
+            t: (B, L, K) the dt inputs (K = R) or B or C (K = N), a view of x_proj's output.
+
+        Returns:
+            (B, L, K), a fresh tensor.
+        """
+        # The backends' norms all take a weight; a weight of ones computes the weightless norm
+        # bit for bit: their last operation is the product by the weight (the exact kernels'
+        # `(x * rsqrt(...)) * w` too), and x * 1.0 == x exactly in IEEE arithmetic (signed zeros,
+        # infinities and NaNs included).
+        ones = torch.ones(t.shape[-1], dtype=t.dtype, device=t.device)
+        return be.norm(t, ones, None, eps, True)
+
     def forward(self, u: Tensor, states: States, be: Primitives) -> tuple[Tensor, States, str]:
         conv, ssm = states  # (B, C, W), (B, C, N)
         c, n, r = self.cfg.d_inner, self.cfg.d_state, self.cfg.resolved_dt_rank
@@ -62,6 +83,9 @@ class Mamba1Mixer(Mixer):
         xc = be.silu(xc)  # (B, L, C)
         x_dbl = be.linear(xc, self.x_proj.weight)  # (B, L, R + 2N)
         dt_r, b, cc = x_dbl[..., :r], x_dbl[..., r : r + n], x_dbl[..., r + n :]
+        eps = self.cfg.bcdt_rms_eps
+        if eps is not None:  # FalconMamba
+            dt_r, b, cc = (self._weightless_rms(be, t, eps) for t in (dt_r, b, cc))
         dt = be.softplus(be.linear(dt_r, self.dt_proj.weight, self.dt_proj.bias))  # (B, L, C)
         y, h, path = be.selective_scan(dt, self._A(be), xc, b, cc, ssm)
         y = (y + self.D * xc) * be.silu(z)

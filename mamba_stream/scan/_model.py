@@ -9,7 +9,7 @@ backend is a set of primitives (`scan._backends`):
                partition of a token sequence gives bit-identical logits and state; batching
                streams gives bit-identical results too.
     exact      the CPU default: C kernels with one fixed IEEE operation order per output, or their
-               torch twins (`scan._exact`); bit-identical under any chunking, batching, thread
+               torch twins (`scan.exact`); bit-identical under any chunking, batching, thread
                count and instruction set.
     chunked    parallel over the chunk: GEMMs over all L tokens, the chunked SSD form for
                Mamba-2/3 and the selective scan for Mamba-1 (projections over all L, the
@@ -41,13 +41,21 @@ from mamba_stream.scan._errors import (
     NonFiniteInput,
     NonFiniteOutput,
     NonIntegerInput,
+    PositionLimit,
     TokenOutOfRange,
     UnsupportedBackend,
 )
 from mamba_stream.scan._forward import LayerStates, backend_named, embed, forward
 from mamba_stream.scan._lm import MambaLM
 from mamba_stream.scan._state import State, StepResult
-from mamba_stream.state_codec import Arithmetic, Discretization, ModelIdentity, StateSchema, TensorSpec
+from mamba_stream.state_codec import (
+    Arithmetic,
+    Discretization,
+    HybridLayers,
+    ModelIdentity,
+    StateSchema,
+    TensorSpec,
+)
 
 __all__ = ["BACKENDS", "Model", "build_schema"]
 
@@ -91,11 +99,24 @@ def build_schema(cfg: ModelConfig, dtype: torch.dtype, lm: MambaLM,
         )
     else:
         clamp = cfg.architecture == "mamba2"
+        # FalconMamba's norms change what enters the recurrence, not the state's shapes: without
+        # them in the schema its state would pass for a plain Mamba-1's of the same sizes
+        norms = cfg.bcdt_rms_eps if cfg.architecture == "mamba1" else None
         disc = Discretization(
             a_activation="neg_exp_log", rule="zoh_euler",
             dt_min=cfg.dt_min_clamp if clamp else 0.0, dt_max=cfg.dt_max_clamp if clamp else None,
+            bcdt_rms_eps=None if norms is None else float(norms),
         )
     is_ssd = cfg.architecture != "mamba1"
+    layers = None
+    if cfg.is_hybrid:  # a plain Mamba model's schema has no such field: its fingerprint is unchanged
+        layers = HybridLayers(
+            kinds=tuple(cfg.kinds), n_q_heads=cfg.n_q_heads, n_kv_heads=cfg.n_kv_heads,
+            attn_head_dim=cfg.attn_head_dim, position_embedding=cfg.position_embedding,
+            rope_theta=_float(cfg.rope_theta), max_positions=cfg.max_positions,
+            mlp_intermediate_size=cfg.mlp_intermediate_size, mlp_activation=cfg.mlp_activation,
+            embedding_multiplier=_float(cfg.embedding_multiplier), residual_multiplier=_float(cfg.residual_multiplier),
+            attention_multiplier=_float(cfg.attention_multiplier), logits_scaling=_float(cfg.logits_scaling))
     return StateSchema(
         architecture=cfg.architecture,
         dtype=COMPUTE_DTYPES[dtype],
@@ -116,7 +137,13 @@ def build_schema(cfg: ModelConfig, dtype: torch.dtype, lm: MambaLM,
         discretization=disc,
         layer_order=tuple(range(cfg.n_layer)),
         tensors=tuple(specs),
+        layers=layers,
     )
+
+
+def _float(v: float | None) -> float | None:
+    """A config's number as the schema's float (strict: an int is refused there)."""
+    return None if v is None else float(v)
 
 
 def _eos_ids(ids: Sequence[int], vocab: int) -> tuple[int, ...]:
@@ -132,7 +159,8 @@ def _eos_ids(ids: Sequence[int], vocab: int) -> tuple[int, ...]:
 
 
 class Model:
-    """A Mamba-1/2/3 language model with explicit, immutable per-stream state.
+    """A Mamba-1/2/3 language model (or a hybrid of Mamba-2 and attention layers) with explicit,
+    immutable per-stream state.
 
     Build one with `scan.load_model`. Attributes:
         model_id: preset name or checkpoint directory it was loaded from.
@@ -183,15 +211,14 @@ class Model:
         self.schema: StateSchema = build_schema(self.config, self.dtype, lm, self.state_dtype)
         self._fingerprint = self.schema.fingerprint()
         self._names = [t.name for t in self.schema.tensors]
-        self._per_layer = len(self._names) // self.config.n_layer
+        # each layer's state tensors, in schema order (a hybrid's layers hold different numbers)
+        counts = [len(blk.mixer.state_shapes()) for blk in lm.backbone.layers]
+        self._layer_spans = [(sum(counts[:i]), sum(counts[: i + 1])) for i in range(len(counts))]
         self.backend = self._resolve_backend(backend)
+        #: rows of the embedding (the padded vocabulary); logits have this many columns
+        self.vocab_size: int = self.config.padded_vocab_size
 
     # --- public API --------------------------------------------------------------------------
-
-    @property
-    def vocab_size(self) -> int:
-        """Rows of the embedding (the padded vocabulary); logits have this many columns."""
-        return self.config.padded_vocab_size
 
     @property
     def module(self) -> MambaLM:
@@ -254,7 +281,11 @@ class Model:
         Returns:
             float32 logits (B, V) and the path that ran.
         """
-        lm, cfg, names, k = self._lm, self.config, self._names, self._per_layer
+        lm, names = self._lm, self._names
+        if "attention" in self.config.kinds:
+            # the table's buffers carry no positions, which attention's KV rows are written by
+            raise UnsupportedBackend("hybrid models are not served through the slot table yet: "
+                                     f"{self.model_id} has attention layers; advance it with advance_batch")
         # Adjacent slots of the table are a run of rows: read them as a view and write them
         # back as a slice, saving the gather's copy of every state (decode is bound by that traffic).
         b = int(rows.numel())
@@ -268,7 +299,7 @@ class Model:
                 flat = [buffers[n].narrow(0, first, b).to(self.dtype) for n in names]
             else:
                 flat = [buffers[n].index_select(0, rows).to(self.dtype) for n in names]
-            layer_states = [tuple(flat[i * k : (i + 1) * k]) for i in range(cfg.n_layer)]
+            layer_states = self._split_layers(flat)
             hidden = embed(lm, tokens.unsqueeze(1))  # (B, 1, D)
             logits, new_states, path = forward(lm, hidden, layer_states, impl, self._rounding())
             logits = logits[:, 0].to(torch.float32)
@@ -287,7 +318,7 @@ class Model:
         """The backend of an in-place step: the exact one's in-place primitives where states are
         kept in the compute dtype (a narrow state is rounded into new tensors anyway)."""
         if self.backend in EXACT_BACKENDS and self.state_dtype == self.dtype:
-            from mamba_stream.scan._exact import exact_step_backend
+            from mamba_stream.scan.exact import exact_step_backend
 
             return exact_step_backend(self._lm, self.dtype, self.backend)
         return self._impl()
@@ -341,6 +372,7 @@ class Model:
         """Continue `state` with input embeddings (L, D) instead of token ids."""
         self._check_state(state, 0)
         emb = self._check_embeddings(embeddings)
+        self._check_room(state, len(emb), 0)
         return self._run([state], [emb], embedded=True)[0]
 
     def advance_batch(self, states: Sequence[State], tokens: Sequence[Any]) -> list[StepResult]:
@@ -354,7 +386,18 @@ class Model:
         for i, s in enumerate(states):
             self._check_state(s, i)
         ids = [self._check_tokens(t) for t in tokens]
+        for i, (s, t) in enumerate(zip(states, ids, strict=True)):
+            self._check_room(s, len(t), i)
         return self._run(list(states), ids, embedded=False)
+
+    def _check_room(self, state: State, length: int, index: int) -> None:
+        """PositionLimit where `length` more tokens would take the stream past `max_positions`
+        (the rows its attention layers' KV holds): refused before anything runs."""
+        limit = self.config.max_positions
+        if limit is not None and state.position + length > limit:
+            raise PositionLimit(f"state[{index}] at position {state.position} cannot take {length} more tokens: "
+                                f"the model holds at most max_positions={limit} per stream",
+                                limit=limit, actual=state.position + length)
 
     # --- validation --------------------------------------------------------------------------
 
@@ -370,7 +413,9 @@ class Model:
             elif lossy:
                 return "reference"
             else:
-                backend = "triton" if _triton.unavailable_reason(self.device) is None else "chunked"
+                # no Triton attention kernel is wired: a hybrid takes the chunked backend on CUDA
+                triton_ok = _triton.unavailable_reason(self.device) is None and "attention" not in self.config.kinds
+                backend = "triton" if triton_ok else "chunked"
         if self.weight_format != COMPUTE_DTYPES.get(self.dtype) and backend not in EXACT_BACKENDS:
             raise UnsupportedBackend(f"{self.weight_format} weights are read as they are by the exact backend only; "
                                      f"load with weights={COMPUTE_DTYPES[self.dtype]!r} for the {backend} backend")
@@ -383,6 +428,9 @@ class Model:
             # chunked scans round the state once per call, not once per token: chunking would show
             raise UnsupportedBackend(f"the {backend} backend keeps state in {self.dtype}; "
                                      f"a {self.state_dtype} state needs the exact or reference backend")
+        if backend == "triton" and "attention" in self.config.kinds:
+            raise UnsupportedBackend("the triton backend has no attention kernel; run a hybrid model on the exact, "
+                                     "chunked or reference backend")
         if backend == "triton":
             reason = _triton.unavailable_reason(self.device)
             if reason is not None:
@@ -434,7 +482,7 @@ class Model:
                 raise NonIntegerInput(f"tokens must be a sequence of ints, got {type(tokens).__name__}",
                                       value=tokens) from None
             for i, v in enumerate(items):
-                if isinstance(v, bool) or not _is_int(v):
+                if type(v) is not int and (isinstance(v, bool) or not _is_int(v)):  # a plain int: no call
                     if isinstance(v, float) and not math.isfinite(v):
                         raise NonFiniteInput(f"token {i} is {v}", position=i, value=v)
                     raise NonIntegerInput(f"token {i} is {v!r} ({type(v).__name__}), not an int",
@@ -478,10 +526,10 @@ class Model:
 
     @property
     def exact_probe(self) -> Any:
-        """What the exact backend's load-time probe found (`scan._exact.Probe`), or None on another backend."""
+        """What the exact backend's load-time probe found (`scan.exact.Probe`), or None on another backend."""
         if self.backend not in EXACT_BACKENDS:
             return None
-        from mamba_stream.scan._exact import exact_backend
+        from mamba_stream.scan.exact import exact_backend
 
         return exact_backend(self._lm, self.dtype, self.backend)[1]
 
@@ -497,7 +545,9 @@ class Model:
                 group_states, group_inputs = [states[i] for i in idx], [inputs[i] for i in idx]
                 x = torch.stack(group_inputs)  # (B, L) ids or (B, L, D) embeddings
                 hidden = x if embedded else embed(lm, x)
-                logits, new_states, path = forward(lm, hidden, self._stack(group_states), impl, self._rounding())
+                positions = torch.tensor([s.position for s in group_states], dtype=torch.long, device=self.device)
+                logits, new_states, path = forward(lm, hidden, self._stack(group_states), impl, self._rounding(),
+                                                   positions)
                 out = self._finish(group_states, group_inputs, list(logits), new_states, path)
                 for i, r in zip(idx, out, strict=True):
                     results[i] = r
@@ -507,15 +557,19 @@ class Model:
                 results[i] = StepResult(logits, states[i], self.backend, "empty")
         return results  # type: ignore[return-value]
 
+    def _split_layers(self, flat: Sequence[Tensor]) -> LayerStates:
+        """Schema-ordered tensors -> one tuple per layer."""
+        return [tuple(flat[a:b]) for a, b in self._layer_spans]
+
     def _stack(self, states: list[State]) -> LayerStates:
-        names, k = self._names, self._per_layer
+        names = self._names
         if len(states) == 1:  # mixers never write into their inputs: a view is enough
             stacked = [states[0].tensors[n].unsqueeze(0) for n in names]
         else:
             stacked = [torch.stack([s.tensors[n] for s in states]) for n in names]
         if self.state_dtype != self.dtype:
             stacked = [t.to(self.dtype) for t in stacked]
-        return [tuple(stacked[i * k : (i + 1) * k]) for i in range(self.config.n_layer)]
+        return self._split_layers(stacked)
 
     def _rounding(self) -> RoundState:
         """Rounds a layer's states to the state dtype, kept in the compute dtype (None: no rounding)."""

@@ -9,6 +9,9 @@ product whatever the batch), and the activations are built from exp/log1p, whose
 scalar paths agree. `tests/scan/test_ops.py` checks that this holds on the machine at hand.
 
 `NATIVE_OPS` uses PyTorch's own kernels: faster, with last-ulp differences between batch sizes.
+
+Attention and RoPE (`scan._attention`): the reference computes one query at a time over exactly
+its keys; the native runs torch's scaled_dot_product_attention over the chunk.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from mamba_stream.scan._attention import attention_native, attention_reference, rope_native, rope_reference
 
 __all__ = ["NATIVE_OPS", "REFERENCE_OPS", "Ops", "Primitives", "chunk_decays"]
 
@@ -89,6 +94,7 @@ class Ops:
 
     decay_add(h, decay, update) = h * decay + update; contract(h, c) = (h * c).sum(-1) for h
     (..., P, N) and c (..., 1, N). The native versions fuse them, which changes rounding.
+    attention and rope as `Primitives`' (`scan._attention`).
     """
 
     name: str
@@ -98,6 +104,8 @@ class Ops:
     softplus: Callable[[Tensor], Tensor]
     decay_add: Callable[[Tensor, Tensor, Tensor], Tensor]
     contract: Callable[[Tensor, Tensor], Tensor]
+    attention: Callable[..., Tensor]
+    rope: Callable[..., Tensor]
 
 
 @dataclass(frozen=True)
@@ -115,9 +123,13 @@ class Primitives:
         selective_scan(dt, a, x, b, cc, h0) -> y, h, path                    (Mamba-1)
         ssd(x, dt, a, b, c, h0, chunk_size) -> y, h, path                     (Mamba-2)
         mamba3_scan(mixer, qn, kn, v, a, dt, trap, ang, states) -> y, states, path  (Mamba-3)
+        attention(q (B, L, Hq, D), k (B, T, Hkv, D), v (B, T, Hkv, D), lengths (B,), scale)
+            -> (B, L, Hq, D): causal grouped-query attention, the chunk's rows already in k, v
+        rope(x (B, L, H, D), positions (B, L), theta, rotary_dim) -> (B, L, H, D)
 
     Shapes of the scans' arguments are in `scan._mamba1.selective_scan_steps`,
-    `scan._mamba2.ssd_steps` and `scan._mamba3.mamba3_steps`, the reference twins.
+    `scan._mamba2.ssd_steps` and `scan._mamba3.mamba3_steps`, the reference twins; attention's
+    and rope's contract is `scan._attention`'s docstring.
     """
 
     name: str
@@ -132,11 +144,14 @@ class Primitives:
     selective_scan: Callable[..., tuple[Tensor, Tensor, str]]
     ssd: Callable[..., tuple[Tensor, Tensor, str]]
     mamba3_scan: Callable[..., tuple[Tensor, tuple[Tensor, ...], str]]
+    attention: Callable[..., Tensor]
+    rope: Callable[..., Tensor]
 
 
-REFERENCE_OPS = Ops("reference", _linear_rows, _silu_ref, _sigmoid_ref, _softplus_ref, _decay_add_ref, _contract_ref)
+REFERENCE_OPS = Ops("reference", _linear_rows, _silu_ref, _sigmoid_ref, _softplus_ref, _decay_add_ref, _contract_ref,
+                    attention_reference, rope_reference)
 NATIVE_OPS = Ops("native", _linear_native, F.silu, torch.sigmoid, _softplus_native, _decay_add_native,
-                 _contract_native)
+                 _contract_native, attention_native, rope_native)
 
 
 def conv_taps(window: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

@@ -9,7 +9,7 @@ Quantizing is deterministic (the same bytes on every CPU): per block, amax = max
 d = fp16(amax / 127) (one division, one round to nearest even), q = rint(w / d) clamped to
 [-127, 127] (0 where d is 0). Every operation is an IEEE basic operation on one element.
 
-The product (`linear_q8_twin`, the kernel `linear_q8_f32`) quantizes each row of the activations
+The product (`linear_q8_ref`, the kernel `linear_q8_f32`) quantizes each row of the activations
 the same way, with a float32 scale s = max |x| / 127, and computes
 
     out[m, n] = (((0 + t_0) + t_1) + ... + t_{NB-1}) [+ bias[n]],   t_b = (float)isum_b * (s_b * d_b)
@@ -29,7 +29,7 @@ import torch
 
 from mamba_stream.scan._fma import fma_product
 
-__all__ = ["QB", "Q8Weight", "linear_q8_twin", "quantize_q8", "quantize_rows_twin"]
+__all__ = ["QB", "Q8Weight", "linear_q8_ref", "quantize_q8", "quantize_rows_ref"]
 
 Tensor = torch.Tensor
 
@@ -125,7 +125,7 @@ def quantize_q8(w: Tensor) -> Q8Weight:
     return Q8Weight(q, d, k)
 
 
-def quantize_rows_twin(x: Tensor) -> tuple[Tensor, Tensor]:
+def quantize_rows_ref(x: Tensor) -> tuple[Tensor, Tensor]:
     """The kernel `quantize_rows_q8`: x (M, K) float32 -> qx int8 (M, KP), sx float32 (M, NB)."""
     blk = _blocks(x)
     s = blk.abs().amax(dim=-1) / 127.0  # (M, NB)
@@ -137,13 +137,13 @@ def quantize_rows_twin(x: Tensor) -> tuple[Tensor, Tensor]:
     return vals.flatten(-2).to(torch.int8), s
 
 
-def linear_q8_twin(x: Tensor, weight: Q8Weight, bias: Tensor | None = None, *, fused: bool = False) -> Tensor:
+def linear_q8_ref(x: Tensor, weight: Q8Weight, bias: Tensor | None = None, *, fused: bool = False) -> Tensor:
     """x (..., K) float32 @ weight^T in the kernel's arithmetic (module docstring); `fused`: each
     block's term joins the sum in one fused multiply-add (the exact-2 arithmetic)."""
     if x.dtype != torch.float32:
         raise TypeError(f"q8 products compute in float32, not {x.dtype}")
     lead, k = x.shape[:-1], x.shape[-1]
-    qx, sx = quantize_rows_twin(x.reshape(-1, k))
+    qx, sx = quantize_rows_ref(x.reshape(-1, k))
     m, n, nb = qx.shape[0], weight.q.shape[0], sx.shape[1]
     xb = qx.to(torch.int32).unflatten(-1, (nb, QB))  # (M, NB, 32)
     wb = weight.q.to(torch.int32).unflatten(-1, (nb, QB))  # (N, NB, 32)

@@ -12,6 +12,8 @@ What runs (recorded as the result's path):
     Mamba-1  token: `selective_state_update`                                           "step-kernel"
              chunk: the CUDA selective scan has no initial state, so the torch scan
              of the chunked backend runs on the GPU                                    "torch-scan"
+    attention  refused (`UnsupportedBackend`): no Triton attention kernel is wired; RoPE is the
+               chunked backend's (torch's cos/sin)
 
 Everything around the scans (projections, conv, dt and its clamp, D, gates, norms) is the
 mixers' own code with the chunked backend's primitives; the kernels get dt after softplus and
@@ -31,6 +33,7 @@ from typing import Any
 
 import torch
 
+from mamba_stream.scan._attention import attention_unsupported
 from mamba_stream.scan._backends import CHUNK_PRIMITIVES, ChunkedBackend, labelled, step_primitives
 from mamba_stream.scan._mamba1 import selective_scan_chunked
 from mamba_stream.scan._mamba3 import Mamba3Mixer, _wrap, mamba3_chunked, mamba3_steps
@@ -169,8 +172,9 @@ def _mamba3_step(m: Mamba3Mixer, qn: Tensor, kn: Tensor, v: Tensor, a: Tensor, d
 TRITON = ChunkedBackend(
     "triton",
     step=dataclasses.replace(step_primitives(NATIVE_OPS, "step"), name="triton", ssd=_ssd_step,
-                             selective_scan=_selective_step, mamba3_scan=_mamba3_step),
+                             selective_scan=_selective_step, mamba3_scan=_mamba3_step,
+                             attention=attention_unsupported("triton")),
     chunk=dataclasses.replace(CHUNK_PRIMITIVES, name="triton", ssd=_ssd_chunk,
                               selective_scan=labelled(selective_scan_chunked, "torch-scan"),
-                              mamba3_scan=_mamba3_chunk),
+                              mamba3_scan=_mamba3_chunk, attention=attention_unsupported("triton")),
 )

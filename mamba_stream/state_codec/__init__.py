@@ -42,7 +42,7 @@ from mamba_stream.state_codec._receipt import (
     schema_diff,
     validate_resume,
 )
-from mamba_stream.state_codec._schema import SCHEMA_VERSION, Discretization, StateSchema, TensorSpec
+from mamba_stream.state_codec._schema import SCHEMA_VERSION, Discretization, HybridLayers, StateSchema, TensorSpec
 from mamba_stream.state_codec._sealing import (
     CLEAR,
     MASTER,
@@ -73,6 +73,7 @@ __all__ = [
     "Discretization",
     "EpochMismatch",
     "ForgedCarry",
+    "HybridLayers",
     "InputTransformMismatch",
     "ModelIdentity",
     "ModelRevisionMismatch",

@@ -11,19 +11,24 @@ Dimension letters used in tensor specs:
     N   SSM state size, d_state
     R   MIMO rank (1 for SISO)
     S   rotary angles, n_angles
+    M   max_positions (a hybrid's attention layers: the KV rows a stream owns)
+    Hkv key/value heads, Dh their head dimension
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from typing import Literal
+from collections.abc import Mapping
+from functools import cached_property
+from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 __all__ = [
     "SCHEMA_VERSION",
     "Discretization",
+    "HybridLayers",
     "StateSchema",
     "TensorSpec",
 ]
@@ -47,6 +52,17 @@ def without_unset_weights(out: dict) -> dict:
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
 
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        """A copy; one with `update` computes its cached values afresh (pydantic copies them as they
+        were, which would give a changed schema its original's fingerprint)."""
+        out = super().model_copy(update=update, deep=deep)
+        if update:
+            for cls in type(self).__mro__:
+                for name, value in vars(cls).items():
+                    if isinstance(value, cached_property):
+                        out.__dict__.pop(name, None)
+        return out
+
 
 class TensorSpec(_Frozen):
     """One state tensor of one layer, per stream."""
@@ -57,14 +73,15 @@ class TensorSpec(_Frozen):
     shape: tuple[int, ...]
     dtype: DType
 
-    @property
+    # cached: a spec is frozen, and every seal and open reads them
+    @cached_property
     def numel(self) -> int:
         n = 1
         for d in self.shape:
             n *= d
         return n
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         return self.numel * _DTYPE_BYTES[self.dtype]
 
@@ -92,6 +109,40 @@ class Discretization(_Frozen):
     )
     rope: Literal["none", "pairwise", "halved"] = "none"
     angle_wrap: Literal["none", "mod_2pi"] = "none"
+    bcdt_rms_eps: float | None = Field(
+        default=None, description="FalconMamba: dt's inputs, B and C each divided by their root mean square "
+        "(eps added to the mean square) before they enter the recurrence; None: no such norms (None is left "
+        "out of the JSON, so schemas from before the field keep their fingerprints)")
+
+    @model_serializer(mode="wrap")
+    def _without_unset_norms(self, handler: SerializerFunctionWrapHandler) -> dict:
+        out = handler(self)
+        if out.get("bcdt_rms_eps") is None:
+            out.pop("bcdt_rms_eps", None)
+        return out
+
+
+class HybridLayers(_Frozen):
+    """What a hybrid model (Mamba layers among attention layers, MLP sublayers, Granite's
+    multipliers) computes beyond its Mamba layers: none of it is in the weights' revision, and a
+    state made under other values is another function's. The KV tensors themselves are `tensors`
+    with roles "k" and "v", (M, Hkv, Dh) each: row p the key (value) of position p, rows at or past
+    the stream's position zero."""
+
+    kinds: tuple[Literal["mamba1", "mamba2", "mamba3", "attention"], ...] = Field(
+        description="each layer's kind, in layer order")
+    n_q_heads: int | None = None
+    n_kv_heads: int | None = None
+    attn_head_dim: int | None = None
+    position_embedding: Literal["nope", "rope"] | None = None
+    rope_theta: float | None = None
+    max_positions: int | None = Field(default=None, description="the KV rows a stream owns: the per-stream bound")
+    mlp_intermediate_size: int | None = None
+    mlp_activation: Literal["silu"] | None = None
+    embedding_multiplier: float | None = None
+    residual_multiplier: float | None = None
+    attention_multiplier: float | None = None
+    logits_scaling: float | None = None
 
 
 class StateSchema(_Frozen):
@@ -125,6 +176,9 @@ class StateSchema(_Frozen):
         "hold the last d_conv conv inputs, newest in the last column",
     )
     tensors: tuple[TensorSpec, ...]
+    layers: HybridLayers | None = Field(
+        default=None, description="a hybrid model's layer kinds, attention, MLP and multipliers (None, left out "
+        "of the JSON, for a plain Mamba model: its fingerprint is what it was)")
 
     @model_validator(mode="after")
     def _check_consistency(self) -> StateSchema:
@@ -139,17 +193,29 @@ class StateSchema(_Frozen):
 
     @model_serializer(mode="wrap")
     def _without_unset_weights(self, handler: SerializerFunctionWrapHandler) -> dict:
-        return without_unset_weights(handler(self))
+        out = without_unset_weights(handler(self))
+        if out.get("layers", 0) is None:
+            out.pop("layers")
+        return out
 
     def canonical_json(self) -> str:
         """JSON with sorted keys and no whitespace: the input of `fingerprint`."""
-        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        return self._canonical
 
     def fingerprint(self) -> str:
         """`sha256:<hex>` of the canonical JSON; equal schemas, equal fingerprints."""
-        return "sha256:" + hashlib.sha256(self.canonical_json().encode()).hexdigest()
+        return self._fingerprint
 
-    @property
+    # computed once: a schema is frozen, and every chunk's seal writes its JSON and checks its fingerprint
+    @cached_property
+    def _canonical(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+    @cached_property
+    def _fingerprint(self) -> str:
+        return "sha256:" + hashlib.sha256(self._canonical.encode()).hexdigest()
+
+    @cached_property
     def state_bytes(self) -> int:
         """Bytes of one stream's state, whatever its position."""
         return sum(t.nbytes for t in self.tensors)

@@ -20,6 +20,7 @@ Standard library only: the workflow sandbox imports this.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,7 @@ FAILURE_SEALER_ATTR = "mamba_stream_sealer"
 TAG = re.compile(r"^[0-9a-f]{32}$")
 
 
+@functools.lru_cache(maxsize=4096)  # the codec asks for every payload of a stream, with the same id
 def stream_tag(workflow_id: str) -> str | None:
     """The principal tag a stream id names (`ms.<tag>.<32 hex>`, `workflows.new_stream_id`), or None
     (an id of another form: its payloads are under the master key)."""

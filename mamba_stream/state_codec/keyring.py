@@ -100,6 +100,10 @@ class Keyring:
                 raise KeyringError(f"key {kid!r} must be {_KEY_BYTES} bytes")
         self._keys = {k: bytes(v) for k, v in keys.items()}
         self._active = active
+        # derived once per principal / stream tag: a chunk names its principal's tag and its
+        # stream's id key several times (two HMACs each); the keys they come from never change
+        self._tags: dict[str, str] = {}
+        self._id_keys: dict[str | None, bytes] = {}
 
     @staticmethod
     def _new_id() -> str:
@@ -118,9 +122,14 @@ class Keyring:
                 raise KeyringError(f"this keyring is {self.principal!r}'s; it knows no other principal's tag")
             assert self.tag is not None
             return self.tag
-        oldest = next(iter(self._keys.values()))
-        secret = hmac.new(_TAG_SALT, oldest, hashlib.sha256).digest()
-        return hmac.new(secret, principal.encode(), hashlib.sha256).hexdigest()[:32]
+        tag = self._tags.get(principal)
+        if tag is None:
+            oldest = next(iter(self._keys.values()))
+            secret = hmac.new(_TAG_SALT, oldest, hashlib.sha256).digest()
+            tag = hmac.new(secret, principal.encode(), hashlib.sha256).hexdigest()[:32]
+            if len(self._tags) < 4096:  # bounded: a worker sees many principals over its life
+                self._tags[principal] = tag
+        return tag
 
     def subkey(self, label: str) -> bytes:
         """A 32-byte key for one purpose (`label`), derived from the master keyring's oldest key:
@@ -136,6 +145,9 @@ class Keyring:
         """The key of the update ids of a stream whose id names `tag` (None: a stream under the
         master key): from that principal's history key under the oldest key id, so the principal's
         own keyring and the master derive the same, before and after a rotation."""
+        found = self._id_keys.get(tag)
+        if found is not None:
+            return found
         kid = self.ids[0]
         if tag is None:
             if self.principal is not None:
@@ -144,7 +156,10 @@ class Keyring:
             base = self.key(kid)
         else:
             base = self.history_key(kid, tag)
-        return hmac.new(base, _ID_SALT, hashlib.sha256).digest()
+        found = hmac.new(base, _ID_SALT, hashlib.sha256).digest()
+        if len(self._id_keys) < 4096:
+            self._id_keys[tag] = found
+        return found
 
     def for_principal(self, principal: str) -> Keyring:
         """The keyring of one principal: its history key under every master key id, nothing else."""

@@ -32,7 +32,7 @@ __all__ = ["DEFAULT_TASK_QUEUE", "ClientConfig"]
 
 DEFAULT_TASK_QUEUE = "mamba-stream"
 #: the models a worker serves when MAMBA_STREAM_MODELS is unset: built-in presets, no checkpoint to find
-_DEFAULT_MODELS = "tiny-mamba1,tiny-mamba2,tiny-mamba3,recall-mamba1,recall-mamba2,recall-mamba3"
+_DEFAULT_MODELS = "tiny-mamba1,tiny-mamba2,tiny-mamba3,recall-mamba1,recall-mamba2,recall-mamba3,kjv-mamba2"
 
 
 def _env(name: str) -> str | None:

@@ -303,7 +303,7 @@ def test_a_retry_that_computes_other_bits_adopts_the_stored_state_and_the_stream
         want = reference.advance(want.state, [8])
         assert last.receipt.checksum == plaintext_checksum(want.state.tensors)
         assert last.output_digest == _digest(want.logits) and last.position == 6
-        assert retry.loads_from_store == 1
+        assert retry.metrics.migration_count == 1
     finally:
         other_cpu.close()
         retry.close()
@@ -379,3 +379,18 @@ def test_recall_and_drops_touch_only_the_streams_own_keys():
         assert acts.store.list_stream(stream_id="s-bob") == before
     finally:
         acts.close()
+
+
+def test_metrics_swapped_in_reach_the_commits_and_the_prefix_store():
+    """A worker that serves given activities counts into its own endpoint (`use_metrics`): a
+    checkpoint committed after the swap is counted there, not on the meter made at construction."""
+    from mamba_stream.activities import StreamMetrics
+
+    acts = StreamActivities(models=ModelRegistry([MODEL], backend="reference"), store=MemoryStateStore(),
+                            keyring=Keyring.generate())
+    mine = StreamMetrics()
+    acts.use_metrics(mine)
+    assert acts.metrics is mine and acts.commits.metrics is mine and acts.prefixes.metrics is mine
+    opened = stream_env().run(acts.open_stream, OpenStreamRequest(stream_id="s1", principal="alice", model_id=MODEL))
+    assert mine.committed_at(opened.receipt.state_key) is not None  # the open's checkpoint, counted here
+    acts.close()

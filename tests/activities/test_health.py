@@ -14,8 +14,8 @@ from temporalio.testing import ActivityEnvironment
 
 import mamba_stream.activities._registry as registry_module
 from mamba_stream.activities import MemoryStateStore, ModelRegistry, StreamActivities, StreamMetrics, WorkerHealth
+from mamba_stream.activities._guards import UNTYPED_ATTEMPTS, WORKER_FAULT_ATTEMPTS
 from mamba_stream.activities._health import FAILURES_TO_TRIP
-from mamba_stream.activities._stream import UNTYPED_ATTEMPTS, WORKER_FAULT_ATTEMPTS
 from mamba_stream.scan import load_model
 from mamba_stream.state_codec import record_key
 from mamba_stream.state_codec.codec import Keyring, plaintext_checksum

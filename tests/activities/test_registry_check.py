@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from mamba_stream.activities import ModelRegistry
 from mamba_stream.scan import CheckpointError, load_model, save_checkpoint
@@ -72,7 +73,7 @@ def _missing_shard(tmp: Path, good: Path) -> str:
 
 
 @pytest.mark.parametrize(("make", "reason"), [
-    (_missing, "no such preset (recall-mamba1, recall-mamba2, recall-mamba3, tiny-mamba1"),
+    (_missing, "no such preset (kjv-mamba2, recall-mamba1, recall-mamba2, recall-mamba3, tiny-mamba1"),
     (_a_file, "not a checkpoint directory"),
     (_no_config, "no config.json in the directory"),
     (_bad_json, "config.json is not valid JSON"),
@@ -97,7 +98,7 @@ def test_an_unknown_preset_or_weight_format_and_every_bad_model_are_named_at_onc
     assert str(err.value) == (
         f"model 'mine' ({good}): unknown weight format 'int4'; expected one of "
         "['bfloat16', 'float16', 'float32', 'float64', 'q8']; "
-        "model 'tiny-mamba9' (tiny-mamba9): no such preset (recall-mamba1, recall-mamba2, recall-mamba3, "
+        "model 'tiny-mamba9' (tiny-mamba9): no such preset (kjv-mamba2, recall-mamba1, recall-mamba2, recall-mamba3, "
         "tiny-mamba1, tiny-mamba2, tiny-mamba3, tiny-mamba3-mimo) or directory")
 
 
@@ -117,3 +118,47 @@ def test_weights_the_check_cannot_see_are_broken_fail_the_warm_up_naming_the_mod
         acts.close()
     assert str(err.value).startswith("model 'mine' cannot be loaded: CheckpointError: ")
     assert str(d / "model.safetensors") in str(err.value)
+
+
+#: a dense GraniteMoeHybrid's config.json as transformers 5.24 saves it (trimmed to what matters)
+_GRANITE = {"model_type": "granitemoehybrid", "hidden_size": 64, "num_hidden_layers": 4, "vocab_size": 256,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 0,
+            "shared_intermediate_size": 128, "position_embedding_type": "nope", "max_position_embeddings": 128,
+            "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+            "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_n_groups": 1,
+            "tie_word_embeddings": True, "embedding_multiplier": 2.0, "residual_multiplier": 0.5,
+            "attention_multiplier": 0.25, "logits_scaling": 4.0}
+
+
+def test_a_hybrid_model_is_refused_at_the_check_in_one_typed_line(tmp_path, monkeypatch):
+    """GraniteMoeHybrid loads at the scan level, but a worker does not serve it through streams yet:
+    the check says so before the worker starts, without loading anything."""
+    def refuse(*a, **k):
+        raise AssertionError("check must not load a model")
+
+    monkeypatch.setattr("mamba_stream.activities._registry.load_model", refuse)
+    d = tmp_path / "granite"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(_GRANITE))
+    (d / "model.safetensors").write_bytes(b"")  # the check looks for the file, never reads it
+    registry = ModelRegistry.from_spec(f"tiny-mamba1,granite={d}")
+    with pytest.raises(CheckpointError) as err:
+        registry.check()
+    assert str(err.value) == (
+        f"model 'granite' ({d}): hybrid models are not served through streams yet: this one has attention "
+        "layers [1, 3] and MLP sublayers (scan.load_model runs it; the worker's slot table and state codec do not)")
+
+
+def test_an_unchecked_registry_refuses_a_hybrid_at_its_load(tmp_path):
+    from tests.scan._mamba_ssm import require
+
+    require("transformers")
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    fields = {k: v for k, v in _GRANITE.items() if k != "model_type"}
+    torch.manual_seed(0)
+    GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(**fields)).save_pretrained(str(tmp_path / "g"))
+    registry = ModelRegistry.from_spec(f"granite={tmp_path / 'g'}")
+    with pytest.raises(CheckpointError, match="hybrid models are not served through streams yet"):
+        registry.get("granite")
+    load_model(tmp_path / "g")  # the scan loads it

@@ -84,7 +84,7 @@ def test_temporal_latency_table_on_a_small_run():
     text = mod.run(mod.parse_args(["--n", "2", "--warmup", "1", "--sizes", "1", "--generate", "4"]))
     rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| row")]
     names = [r.split("|")[1].strip() for r in rows]
-    assert names[0] == "no-op update round trip"
+    assert names[:2] == ["no-op update round trip", "no-op update + no-op local activity"]
     assert "advance, 1-token chunk: local activity" in names and "advance, 1-token chunk: worker queue" in names
     assert "generate 4, streamed: first token at the caller" in names
     for r in rows:  # both server settings measured, every cell a number

@@ -40,7 +40,8 @@ def require(module: str) -> Any:
 def import_mamba_ssm() -> types.ModuleType:
     # transformers binds mamba-ssm's kernels when its modeling modules are first imported;
     # importing them while mamba-ssm is still unimportable makes them keep their own fallbacks.
-    for mod in ("transformers.models.mamba.modeling_mamba", "transformers.models.mamba2.modeling_mamba2"):
+    for mod in ("transformers.models.mamba.modeling_mamba", "transformers.models.mamba2.modeling_mamba2",
+                "transformers.models.falcon_mamba.modeling_falcon_mamba"):
         with contextlib.suppress(ImportError):
             importlib.import_module(mod)
     sys.modules.setdefault("selective_scan_cuda", types.ModuleType("selective_scan_cuda"))

@@ -1,4 +1,4 @@
-"""The fused multiply-add twin (`scan._fma.fma_twin`) against C's fmaf, which glibc computes
+"""The fused multiply-add twin (`scan._fma.fma_ref`) against C's fmaf, which glibc computes
 correctly rounded on every machine (with the FMA instruction or in software)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import ctypes.util
 import pytest
 import torch
 
-from mamba_stream.scan._fma import fma_twin
+from mamba_stream.scan._fma import fma_ref
 
 _LIBM = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
 _LIBM.fmaf.argtypes = [ctypes.c_float] * 3
@@ -53,7 +53,7 @@ KINDS = ["normal", "cancelling", "any-bits", "subnormal", "overflowing", "ties"]
 def test_the_twin_rounds_once_as_fmaf_does(kind):
     g = torch.Generator().manual_seed(KINDS.index(kind))
     a, b, c = _cases(kind, g)
-    want, got = _fmaf(a, b, c), fma_twin(a, b, c)
+    want, got = _fmaf(a, b, c), fma_ref(a, b, c)
     same = (want.view(torch.int32) == got.view(torch.int32)) | (torch.isnan(want) & torch.isnan(got))
     assert bool(same.all()), f"{int((~same).sum())} of {N} differ, first at {int((~same).nonzero()[0])}"
 
@@ -61,11 +61,11 @@ def test_the_twin_rounds_once_as_fmaf_does(kind):
 def test_a_fused_multiply_add_is_not_a_multiply_then_an_add():
     """So the test above can fail: rounding twice gives other bits on most cancelling inputs."""
     a, b, c = _cases("cancelling", torch.Generator().manual_seed(1))
-    assert int((fma_twin(a, b, c).view(torch.int32) != (a * b + c).view(torch.int32)).sum()) > N // 2
+    assert int((fma_ref(a, b, c).view(torch.int32) != (a * b + c).view(torch.int32)).sum()) > N // 2
 
 
 def test_the_twin_broadcasts_and_returns_float32():
     a, b, c = torch.randn(3, 1, 4), torch.randn(1, 5, 4), torch.randn(3, 5, 4)
-    out = fma_twin(a, b, c)
+    out = fma_ref(a, b, c)
     assert out.dtype == torch.float32 and out.shape == (3, 5, 4)
-    assert torch.equal(out[2, 3], fma_twin(a[2, 0], b[0, 3], c[2, 3]))
+    assert torch.equal(out[2, 3], fma_ref(a[2, 0], b[0, 3], c[2, 3]))

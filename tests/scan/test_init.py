@@ -138,3 +138,15 @@ def test_draws_have_their_distribution_and_each_name_its_own_stream():
     assert not np.array_equal(normal(3, "w", (10,), 1.0), normal(3, "v", (10,), 1.0))
     assert not np.array_equal(normal(3, "w", (10,), 1.0), normal(4, "w", (10,), 1.0))
     assert np.array_equal(normal(3, "w", (4, 5), 1.0).reshape(-1)[:10], normal(3, "w", (10,), 1.0))
+
+
+def test_a_config_copied_with_changes_derives_its_sizes_afresh():
+    # the derived sizes are cached on the frozen config: a copy with an update must not keep them
+    from mamba_stream.scan import ModelConfig
+
+    cfg = ModelConfig.create(architecture="mamba2", d_model=64, n_layer=1, vocab_size=250, headdim=16, d_state=16,
+                             pad_vocab_size_multiple=8)
+    assert (cfg.d_inner, cfg.nheads, cfg.conv_dim, cfg.padded_vocab_size) == (128, 8, 160, 256)
+    wider = cfg.model_copy(update={"d_model": 128, "vocab_size": 260})
+    assert (wider.d_inner, wider.nheads, wider.conv_dim, wider.padded_vocab_size) == (256, 16, 288, 264)
+    assert cfg.model_copy().d_inner == 128

@@ -75,7 +75,7 @@ def test_a_trained_preset_on_the_chunked_backend_is_within_its_bound_and_a_misal
 # AVX-512, AVX2 and its scalar build; mamba1/chunked/float32's state error is 2.2x smaller under
 # AVX2 than under ATEN_CPU_CAPABILITY=default), so a ratio pinned on one CPU failed on another
 # (Issue 25: "state bound 28x the measured error" on an AVX2 Zen 3). The exact backend performs
-# the same IEEE operations in the same order on every CPU (mamba_stream/scan/_exact.py): its error on the same
+# the same IEEE operations in the same order on every CPU (mamba_stream/scan/exact/): its error on the same
 # tokens, held to the entry's bound, must reach `TIGHT[dtype]` of it. For an exact entry that is
 # its own error; for the others it says the bound is not far looser than a float32 (float64)
 # computation of the same model errs. A float32 bound must be met to 1/25 (the docs claim about

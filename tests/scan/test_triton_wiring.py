@@ -24,7 +24,7 @@ from tests.scan._helpers import model_for, scan_chunks, tokens
 from tests.scan._mamba_ssm import import_mamba_ssm, ssd_minimal_scan
 
 
-def siso_step_twin(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D=None, Z=None, Input_States=None):
+def siso_step_ref(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D=None, Z=None, Input_States=None):
     """mamba3_siso_step_kernel in torch. Q, K: (b, g, n); V: (b, h, p); ADT, DT, Trap: (b, h)."""
     angle, ssm, k_prev, v_prev = Input_States
     hg = V.shape[1] // Q.shape[1]
@@ -54,12 +54,12 @@ def siso_step_twin(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D=None, Z=Non
     return out, [theta, new, k, V]
 
 
-def siso_combined_twin(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D=None, Z=None, Input_States=None,
+def siso_combined_ref(Q, K, V, ADT, DT, Trap, Q_bias, K_bias, Angles, D=None, Z=None, Input_States=None,
                        chunk_size=64, return_final_states=False, cu_seqlens=None):
     """mamba3_siso_combined's contract, one step at a time. ADT, DT, Trap: (b, h, l)."""
     states, ys = Input_States, []
     for t in range(Q.shape[1]):
-        y, states = siso_step_twin(Q[:, t], K[:, t], V[:, t], ADT[..., t], DT[..., t], Trap[..., t], Q_bias, K_bias,
+        y, states = siso_step_ref(Q[:, t], K[:, t], V[:, t], ADT[..., t], DT[..., t], Trap[..., t], Q_bias, K_bias,
                                    Angles[:, t], D, None if Z is None else Z[:, t], states)
         ys.append(y)
     y = torch.stack(ys, dim=1)
@@ -75,7 +75,7 @@ def twins(monkeypatch):
         return selective_state_update_ref(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus)
 
     fake = types.SimpleNamespace(chunk_scan=ssd_minimal_scan, state_update=update_ref,
-                                 siso_combined=siso_combined_twin, siso_step=siso_step_twin)
+                                 siso_combined=siso_combined_ref, siso_step=siso_step_ref)
     monkeypatch.setattr(_triton, "_kernels", lambda: fake)
     monkeypatch.setattr(_triton, "TRITON_CHUNK", 16)  # ssd_minimal_discrete needs L padded to it
 

@@ -31,9 +31,8 @@ from temporalio.client import Client
 from temporalio.worker import Worker
 
 import mamba_stream.activities._registry as registry
-from mamba_stream.activities import open_store
+from mamba_stream.activities import StreamActivities, open_store
 from mamba_stream.activities._registry import ModelRegistry
-from mamba_stream.activities._stream import StreamActivities
 from mamba_stream.plugin import MambaStreamPlugin
 from mamba_stream.state_codec.codec import Keyring
 

@@ -31,9 +31,8 @@ from temporalio.worker import (
     WorkflowOutboundInterceptor,
 )
 
-from mamba_stream.activities import open_store
+from mamba_stream.activities import StreamActivities, open_store
 from mamba_stream.activities._registry import ModelRegistry
-from mamba_stream.activities._stream import StreamActivities
 from mamba_stream.plugin import MambaStreamPlugin, data_converter, worker_slots
 from mamba_stream.state_codec.codec import Keyring
 

@@ -15,9 +15,8 @@ import logging
 import sys
 from pathlib import Path
 
-from mamba_stream.activities import open_store
+from mamba_stream.activities import StreamActivities, open_store
 from mamba_stream.activities._registry import ModelRegistry
-from mamba_stream.activities._stream import StreamActivities
 from mamba_stream.scan import Model
 from mamba_stream.worker import WorkerConfig, load_keyring, serve
 

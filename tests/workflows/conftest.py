@@ -18,9 +18,8 @@ from temporalio.client import Client, WorkflowHistory
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Replayer, Worker
 
-from mamba_stream.activities import open_store
+from mamba_stream.activities import StreamActivities, open_store
 from mamba_stream.activities._registry import ModelRegistry
-from mamba_stream.activities._stream import StreamActivities
 from mamba_stream.plugin import MambaStreamPlugin, _runner, data_converter, heartbeat_throttle, worker_slots
 from mamba_stream.state_codec.codec import Keyring
 from mamba_stream.worker import start_dev_server

@@ -71,7 +71,7 @@ async def test_the_example_agent_feeds_every_turn_once_through_a_sigkill(tempora
             receipt = await stack.streams.receipt(sid)
             assert receipt.position == len(fed) and receipt.chunk_seq == 6
             assert receipt.checksum == plaintext_checksum(truth.state.tensors)
-            assert rescuer.loads_from_store >= 1  # the rescuer read the state the dead worker committed
+            assert rescuer.metrics.migration_count >= 1  # the rescuer read the state the dead worker committed
             keys = stack.acts.store.list_stream(stream_id=sid)
             assert sum(1 for k in keys if ".c3." in k and not k.endswith(".out")) == 1
 

@@ -198,27 +198,28 @@ async def test_an_exact_drift_sample_that_finds_other_bits_counts_a_mismatch(tmp
         start = model.advance(model.initial_state(), tokens(9, 1)).state
         toks = tokens(12, 2)
         served = model.advance(start, toks)
-        acts._drift_sample(model, start, toks, served.logits, served.state)
+        acts.drift.sample(acts.metrics, model, start, toks, served.logits, served.state)
         assert meter.delta("mamba_stream_exact_mismatches") == 0
         off = served.logits.clone()
         off[7, 3] = torch.nextafter(off[7, 3], off[7, 3] + 1)  # one logit one ulp away
-        acts._drift_sample(model, start, toks, off, served.state)
+        acts.drift.sample(acts.metrics, model, start, toks, off, served.state)
         assert meter.delta("mamba_stream_exact_mismatches") == 1
         bad = {k: v.clone() for k, v in served.state.tensors.items()}
         first = next(iter(bad))
         bad[first].view(-1)[0] = torch.nextafter(bad[first].view(-1)[0], bad[first].view(-1)[0] + 1)
-        acts._drift_sample(model, start, toks, served.logits, model.restore_state(served.state.position, bad))
+        acts.drift.sample(acts.metrics, model, start, toks, served.logits,
+                          model.restore_state(served.state.position, bad))
         assert meter.delta("mamba_stream_exact_mismatches") == 2  # a state one ulp away, too
     finally:
         acts.close()
 
 
 async def test_a_model_whose_kernels_fail_the_probe_says_so_in_its_path_arithmetic_and_metric(tmp_path, monkeypatch):
-    """A product that depends on its batch (as tests/scan/test_exact.py forces it): the probe at load
-    catches it, the twins run, and the worker's metric and the receipt's arithmetic say so."""
-    from mamba_stream.scan import _exact as E
+    """A product that depends on its batch (as tests/scan/exact/test_probe.py forces it): the probe at
+    load catches it, the twins run, and the worker's metric and the receipt's arithmetic say so."""
+    from mamba_stream.scan.exact import _kernels, _primitives
 
-    ops = E._kernel_ops()
+    ops = _kernels._kernel_ops()
     honest = type(ops).linear
 
     def batch_dependent(self, x, weight, bias=None):
@@ -226,7 +227,7 @@ async def test_a_model_whose_kernels_fail_the_probe_says_so_in_its_path_arithmet
         return torch.nextafter(out, out + 1) if out.numel() // out.shape[-1] > 1 else out
 
     monkeypatch.setattr(type(ops), "linear", batch_dependent)
-    monkeypatch.setattr(E, "_kernel_primitives", functools.cache(E._kernel_primitives.__wrapped__))
+    monkeypatch.setattr(_primitives, "_kernel_primitives", functools.cache(_primitives._kernel_primitives.__wrapped__))
     port = free_port()
     runtime = Runtime(telemetry=TelemetryConfig(metrics=PrometheusConfig(bind_address=f"127.0.0.1:{port}")))
     acts = StreamActivities(models=ModelRegistry(["tiny-mamba1"], backend="exact"),

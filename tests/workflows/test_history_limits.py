@@ -19,7 +19,7 @@ from temporalio.api.enums.v1 import EventType, WorkflowTaskFailedCause
 from temporalio.client import Client
 from temporalio.exceptions import CancelledError
 
-from mamba_stream.activities._stream import StreamActivities
+from mamba_stream.activities import StreamActivities
 from mamba_stream.state_codec.codec import plaintext_checksum
 from mamba_stream.workflows._stream import HISTORY_CRITICAL_BYTES
 from tests.workflows.conftest import FAST, histories, make_stack

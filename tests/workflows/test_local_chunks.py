@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from temporalio.api.enums.v1 import EventType
 
-from mamba_stream.activities._stream import StreamActivities
+from mamba_stream.activities import StreamActivities
 from mamba_stream.state_codec.codec import plaintext_checksum
 from tests.workflows.conftest import FAST, Stack, eventually, make_stack
 from tests.workflows.test_stream_workflow import FailOnce, digest, local
@@ -123,7 +123,7 @@ async def test_worker_killed_at_a_local_commit_edge_another_worker_finishes(temp
             assert r3.receipt.checksum == plaintext_checksum(truth.state.tensors)
             stats = await stack.streams.stats(sid)
             assert stats.chunks == 3 and stats.chunk_seq == 3 and stats.local_chunks == 3
-            assert rescuer.loads_from_store >= 1  # the rescuer did not hold the state: it read it
+            assert rescuer.metrics.migration_count >= 1  # the rescuer did not hold the state: it read it
             keys = stack.acts.store.list_stream(stream_id=sid)
             assert sum(1 for k in keys if ".c2." in k and not k.endswith(".out")) == 1
             events = await _events(stack, sid)

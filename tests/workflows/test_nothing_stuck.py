@@ -10,8 +10,8 @@ import pytest
 from pydantic import ValidationError
 from temporalio.client import WorkflowUpdateFailedError
 
-from mamba_stream.activities import StoreUnavailable
-from mamba_stream.activities._stream import UNTYPED_ATTEMPTS, StreamActivities
+from mamba_stream.activities import StoreUnavailable, StreamActivities
+from mamba_stream.activities._guards import UNTYPED_ATTEMPTS
 from mamba_stream.scan import load_model
 from mamba_stream.state_codec.codec import plaintext_checksum
 from mamba_stream.workflows import GenerateRequest

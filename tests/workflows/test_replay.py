@@ -9,7 +9,7 @@ import pytest
 from temporalio import activity
 from temporalio.api.enums.v1 import EventType
 
-from mamba_stream.activities._stream import StreamActivities
+from mamba_stream.activities import StreamActivities
 from mamba_stream.state_codec.codec import plaintext_checksum
 from mamba_stream.workflows import ModelStream
 from mamba_stream.workflows._model_stream import LOCAL_PAUSE_CHUNKS

@@ -54,7 +54,7 @@ async def test_signed_requests_run_and_forged_ones_change_nothing(temporal_env, 
         b = await signing.open("alice", "tiny-mamba2", options=FAST)
         first = await signing.advance(a, "alice", tokens=[5, 6, 7])
         before = await snapshot(stack, signing, a)
-        runs = stack.acts.loads_from_store
+        runs = stack.acts.metrics.migration_count
 
         # unsigned: a client without the key
         with pytest.raises(WorkflowUpdateFailedError) as err:
@@ -86,7 +86,7 @@ async def test_signed_requests_run_and_forged_ones_change_nothing(temporal_env, 
             await signing.handle(a).execute_update(MambaStreamWorkflow.advance, forged, id="forged-2")
         assert reason(err.value) == "BadSignature"
         assert await snapshot(stack, signing, a) == before
-        assert stack.acts.loads_from_store == runs
+        assert stack.acts.metrics.migration_count == runs
 
         # the genuine chunk 2 still runs, on the untouched state: outputs equal the local truth
         second = await signing.advance(a, "alice", tokens=[8, 9])

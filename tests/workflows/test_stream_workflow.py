@@ -10,7 +10,7 @@ import pytest
 import torch
 from temporalio.client import WorkflowUpdateFailedError
 
-from mamba_stream.activities._stream import StreamActivities
+from mamba_stream.activities import StreamActivities
 from mamba_stream.scan import load_model, tolerance
 from mamba_stream.state_codec.codec import plaintext_checksum, unseal
 from mamba_stream.workflows import StreamOptions

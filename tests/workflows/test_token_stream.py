@@ -18,7 +18,7 @@ from temporalio.common import RawValue
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
-from mamba_stream.activities._stream import StreamActivities
+from mamba_stream.activities import StreamActivities
 from mamba_stream.plugin import MambaStreamPlugin
 from mamba_stream.state_codec.codec import plaintext_checksum
 from mamba_stream.state_codec.payload import ENCRYPTED_ENCODING, sealed_for_stream

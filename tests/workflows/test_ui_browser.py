@@ -18,9 +18,8 @@ import pytest
 from temporalio.client import Client
 from temporalio.worker import Worker
 
-from mamba_stream.activities import open_store
+from mamba_stream.activities import StreamActivities, open_store
 from mamba_stream.activities._registry import ModelRegistry
-from mamba_stream.activities._stream import StreamActivities
 from mamba_stream.plugin import MambaStreamPlugin
 from mamba_stream.state_codec.codec import Keyring
 from mamba_stream.state_codec.codec_server import CodecServer, ui_origins

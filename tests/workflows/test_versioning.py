@@ -113,7 +113,7 @@ async def test_streams_are_pinned_and_move_to_the_new_version_at_a_chunk_boundar
         await eventually(lambda: _moved(stack, sid))
         assert await build_of(stack.client, sid) == "v2"
         r3 = await stack.streams.advance(sid, "alice", tokens=tokens[20:])
-        assert v2.loads_from_store == 1  # v2 resumed the committed state from the store, validated
+        assert v2.metrics.migration_count == 1  # v2 resumed the committed state from the store, validated
         assert [r.output_digest for r in (r1, r2, r3)] == [digest(truth.logits[i:i + 10]) for i in (0, 10, 20)]
         assert r3.receipt.checksum == plaintext_checksum(truth.state.tensors)
         stats = await stack.streams.stats(sid)
