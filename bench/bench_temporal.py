@@ -100,20 +100,16 @@ async def _measure(rps: int, args: argparse.Namespace, tmp: Path) -> dict[str, C
                 Worker(client, task_queue=f"{queue}@w", activity_executor=pool):
             streams = StreamClient(client, queue)
             noop = await client.start_workflow(NoopWorkflow.run, id=f"noop-{queue}", task_queue=queue)
-            cell = cells["no-op update round trip"] = Cell()
-            for i in range(n + warm):
-                t = time.perf_counter()
-                await noop.execute_update(NoopWorkflow.ping, i)
-                if i >= warm:
-                    cell.xs.append(time.perf_counter() - t)
             # the floor of the local path: the same update, plus a local activity that does nothing
             floor = await client.start_workflow(NoopLocalWorkflow.run, id=f"noop-local-{queue}", task_queue=queue)
-            cell = cells["no-op update + no-op local activity"] = Cell()
-            for i in range(n + warm):
-                t = time.perf_counter()
-                await floor.execute_update(NoopLocalWorkflow.ping, i)
-                if i >= warm:
-                    cell.xs.append(time.perf_counter() - t)
+            for row, handle, ping in (("no-op update round trip", noop, NoopWorkflow.ping),
+                                      ("no-op update + no-op local activity", floor, NoopLocalWorkflow.ping)):
+                cell = cells[row] = Cell()
+                for i in range(n + warm):
+                    t = time.perf_counter()
+                    await handle.execute_update(ping, i)
+                    if i >= warm:
+                        cell.xs.append(time.perf_counter() - t)
             await floor.signal(NoopLocalWorkflow.finish)
             served = acts.models.get("bench-mamba2")
             for size in args.sizes:
