@@ -33,6 +33,9 @@ class WorkerConfig(ClientConfig):
     ui_port: int = field(default_factory=lambda: int(os.environ.get("MAMBA_STREAM_UI_PORT", "8233")))
     backend: str = field(default_factory=lambda: os.environ.get("MAMBA_STREAM_BACKEND", "auto"))
     weights: str | None = field(default_factory=lambda: os.environ.get("MAMBA_STREAM_WEIGHTS") or None)
+    #: the most positions a stream of a model with attention layers reaches (its KV rows), where
+    #: the checkpoint allows more; None: each checkpoint's max_position_embeddings
+    max_positions: int | None = field(default_factory=lambda: _positive_int("MAMBA_STREAM_MAX_POSITIONS"))
     principal_keys: str | None = field(default_factory=lambda: os.environ.get("MAMBA_STREAM_PRINCIPAL_KEYS") or None)
     metrics: str = field(default_factory=lambda: os.environ.get("MAMBA_STREAM_METRICS", "127.0.0.1:9464"))
     drift_check_every: int = field(default_factory=lambda: int(os.environ.get("MAMBA_STREAM_DRIFT_CHECK_EVERY", "0")))
@@ -52,6 +55,16 @@ class WorkerConfig(ClientConfig):
     @property
     def store(self) -> str:
         return self.store_url or f"file://{(self.home / 'states').resolve()}"
+
+
+def _positive_int(name: str) -> int | None:
+    """An environment variable holding a positive integer, or None where it is unset or empty."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{name} must be a positive integer, got {raw!r}")
+    return int(raw)
 
 
 def load_keyring(cfg: WorkerConfig):
@@ -102,7 +115,8 @@ def model_registry(cfg: WorkerConfig) -> ModelRegistry:
     """
     from mamba_stream.activities import ModelRegistry
 
-    models = ModelRegistry.from_spec(cfg.models, backend=cfg.backend, weights=cfg.weights)
+    models = ModelRegistry.from_spec(cfg.models, backend=cfg.backend, weights=cfg.weights,
+                                     max_positions=cfg.max_positions)
     models.check()
     return models
 

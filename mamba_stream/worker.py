@@ -35,6 +35,11 @@ Environment (all optional):
     MAMBA_STREAM_WEIGHTS     the format models' weights are read in: float32, bfloat16 or float16
                              (default: as stored on the exact backend, else the compute dtype); one
                              model's own: a `#<format>` after its source in MAMBA_STREAM_MODELS
+    MAMBA_STREAM_MAX_POSITIONS
+                             the most positions a stream of a hybrid model (attention layers) reaches,
+                             where its checkpoint allows more (default: the checkpoint's
+                             max_position_embeddings): its KV rows, which a slot holds at the bound;
+                             a model whose one slot does not fit its slot memory is refused at start
     MAMBA_STREAM_PRINCIPAL_KEYS
                              principals' Ed25519 public keys, JSON {"alice": "<base64>"} or a file
                              holding it: when set, every request must be signed by its principal
@@ -275,7 +280,11 @@ def main() -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from mamba_stream.scan import ScanError
 
-    cfg = WorkerConfig()
+    try:
+        cfg = WorkerConfig()
+    except ValueError as exc:  # a setting that is not a number: one line, naming it
+        log.error("refusing to start: %s", exc)
+        sys.exit(EXIT_CONFIG)
     try:
         # first, before any server, keyring or store: a model that cannot load would otherwise
         # be found after all of them have started (warm), or by a stream's first open

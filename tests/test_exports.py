@@ -16,7 +16,7 @@ EXPECTED = {
         "ModelConfig", "NonFiniteInput", "NonFiniteOutput", "NonIntegerInput", "PartitionResult", "PositionLimit",
         "Q8Weight",
         "ScanError", "State", "StepResult", "TokenOutOfRange", "Tolerance", "UnsupportedBackend", "VerifyReport",
-        "checkpoint_problem", "config_from_json", "embed", "forward", "hybrid_problem", "init_model", "init_weights",
+        "checkpoint_problem", "config_from_json", "embed", "forward", "init_model", "init_weights",
         "load_model",
         "parameter_shapes",
         "quantize_q8", "save_checkpoint", "standard_partitions", "tolerance", "verify_chunking", "weights_revision",

@@ -29,7 +29,7 @@ from mamba_stream.activities._engine import SeededSampler
 from mamba_stream.activities._guards import beat, cancel_point, live_wait
 from mamba_stream.activities._live import LiveTokens
 from mamba_stream.activities._sampling import GenerateEnd, generate_seed, output_digest, top_k
-from mamba_stream.scan import Model, State
+from mamba_stream.scan import Model, PositionLimit, State
 from mamba_stream.state_codec import Receipt, stream_tag
 from mamba_stream.state_codec.codec import Keyring, unseal
 from mamba_stream.workflows import (
@@ -73,6 +73,7 @@ def advance(acts: StreamActivities, req: AdvanceChunkRequest, t0: float) -> Adva
         raise ChunkTooLarge(f"{len(tokens)} tokens exceed the chunk limit {req.max_chunk_tokens}",
                             limit=req.max_chunk_tokens, actual=len(tokens))
     model.check_tokens(tokens)  # typed InvalidInput before any work
+    _check_room(model, req.receipt.position, len(tokens))
     digest = hashlib.sha256(f"advance|{ask.top_k}|".encode() + torch.tensor(tokens, dtype=torch.int64)
                             .numpy().tobytes()).hexdigest()
     key, prior = _prior(acts, req, model, digest)
@@ -120,6 +121,9 @@ def generate(acts: StreamActivities, req: GenerateChunkRequest, t0: float) -> Ge
     """
     model = _prepare(acts, "generate", req)
     ask = req.request
+    # a hybrid's stream ends its generation at its position bound ("length"), as at max_tokens;
+    # a stream already there is refused, typed
+    room = _check_room(model, req.receipt.position, 1)
     seed = generate_seed(req.stream_id, ask.chunk_seq, ask.seed)
     digest = hashlib.sha256(  # how the chunk is shown (PRESENTATION) is not what it is
         json.dumps(ask.model_dump(mode="json", exclude={"principal", *PRESENTATION}) | {"seed": seed},
@@ -146,7 +150,7 @@ def generate(acts: StreamActivities, req: GenerateChunkRequest, t0: float) -> Ge
     sampler = SeededSampler(ask.temperature, ask.top_k, gen, proceed=end.proceed, taken=end.taken)
     try:
         out = acts.engine(model).generate(
-            req.stream_id, sampler, ask.max_tokens, expected_key=req.receipt.state_key,
+            req.stream_id, sampler, min(ask.max_tokens, room), expected_key=req.receipt.state_key,
             epoch=req.receipt.epoch, load=lambda: acts._fetch(model, req.receipt, req.principal),
             on_wait=beat if live is None else live_wait(live), wake=live.wake if live is not None else None)
     except ValueError as exc:
@@ -170,6 +174,20 @@ def generate(acts: StreamActivities, req: GenerateChunkRequest, t0: float) -> Ge
 
 
 # --- prepare --------------------------------------------------------------------------------
+
+
+def _check_room(model: Model, position: int, length: int) -> int:
+    """The positions left to a stream at `position` (its model's `max_positions`, where it has
+    attention layers: their KV rows); PositionLimit, before any work, where `length` more tokens
+    do not fit. A model without a bound has room for anything."""
+    limit = model.config.max_positions
+    if limit is None:
+        return 1 << 62
+    if position + length > limit:
+        raise PositionLimit(f"the stream at position {position} cannot take {length} more tokens: model "
+                            f"{model.model_id!r} holds at most max_positions={limit} per stream",
+                            limit=limit, actual=position + length)
+    return limit - position
 
 
 def _prepare(acts: StreamActivities, kind: str, req: AdvanceChunkRequest | GenerateChunkRequest) -> Model:

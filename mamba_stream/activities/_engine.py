@@ -40,7 +40,7 @@ import torch
 from mamba_stream.activities._alloc import tune_allocator
 from mamba_stream.activities._slots import SlotTable
 from mamba_stream.failures import Failure
-from mamba_stream.scan import Model, NonFiniteOutput, State
+from mamba_stream.scan import ConfigError, Model, NonFiniteOutput, State
 
 __all__ = ["ChunkOutput", "EngineDead", "EngineStats", "NeedsLoad", "SeededSampler", "StreamBusy", "StreamEngine",
            "sample_rows"]
@@ -324,6 +324,12 @@ class StreamEngine:
         tune_allocator()  # batched steps churn state-sized temporaries; see activities/_alloc.py
         self.model = model
         per_slot = model.schema.state_bytes + model.vocab_size * 4  # a state and its logits row
+        if per_slot > slot_memory and model.config.max_positions is not None:
+            # a hybrid's slot holds its KV at the bound: one that does not fit is refused, not half-served
+            raise ConfigError(f"model {model.model_id!r}: one stream's state at max_positions="
+                              f"{model.config.max_positions} is {per_slot / 2**30:.2f} GiB, more than the "
+                              f"{slot_memory / 2**30:.2f} GiB of slots a model gets; lower the bound "
+                              "(MAMBA_STREAM_MAX_POSITIONS)", field="max_positions")
         fits = max(1, slot_memory // per_slot)
         if fits < capacity:
             log.info("engine for %s: %d slots of %.1f MB fit %.1f GB (asked for %d)", model.model_id, fits,

@@ -12,14 +12,16 @@ between them (a heartbeat, and the point where a cancelled attempt stops waiting
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 
 import torch
 
 from mamba_stream.failures import Failure
-from mamba_stream.scan import CheckpointError, Model, checkpoint_problem, hybrid_problem, load_model
+from mamba_stream.scan import CheckpointError, Model, checkpoint_problem, config_from_json, load_model
 
 __all__ = ["ModelRegistry", "UnknownModel"]
 
@@ -38,15 +40,23 @@ class ModelRegistry:
 
     A source may end in `#<format>` (`mine=/models/mine#bfloat16`): the format its weights are read
     in (`scan.load_model(weights=...)`); `weights` is the default for the others (None: as stored).
+    `max_positions`: the most positions a stream of a model with attention layers may reach (its
+    KV rows), where that is below the checkpoint's own `max_position_embeddings`
+    (MAMBA_STREAM_MAX_POSITIONS; None: the checkpoint's); models without attention ignore it.
     """
 
     def __init__(self, sources: Mapping[str, str] | Iterable[str], *, backend: str = "auto",
-                 dtype: torch.dtype = torch.float32, device: str = "cpu", weights: str | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, device: str = "cpu", weights: str | None = None,
+                 max_positions: int | None = None) -> None:
         if isinstance(sources, Mapping):
             self._sources = dict(sources)
         else:
             self._sources = {s: s for s in sources}
+        if max_positions is not None and (isinstance(max_positions, bool) or not isinstance(max_positions, int)
+                                          or max_positions < 1):
+            raise ValueError(f"max_positions must be a positive integer, got {max_positions!r}")
         self._backend, self._dtype, self._device, self._weights = backend, dtype, device, weights
+        self._max_positions = max_positions
         self._models: dict[str, Model] = {}
         self._lock = threading.Lock()
 
@@ -82,10 +92,7 @@ class ModelRegistry:
                     raise UnknownModel(f"model {model_id!r} is not served here; known: {self.ids}")
                 source, _, fmt = self._sources[model_id].partition("#")
                 model = load_model(source, backend=self._backend, dtype=self._dtype, device=self._device,
-                                   weights=fmt or self._weights)
-                why = hybrid_problem(model.config)
-                if why is not None:  # a registry nobody checked: refused at its load, not at a stream's step
-                    raise CheckpointError(f"model {model_id!r} ({source}): {why}")
+                                   weights=fmt or self._weights, max_positions=self._bound(source))
                 model.model_id = model_id  # the id streams name it by, whatever its source
                 self._models[model_id] = model
                 log.info("loaded model %s (%s, %s)", model_id, model.revision[:19], model.backend)
@@ -93,12 +100,21 @@ class ModelRegistry:
         finally:
             self._lock.release()
 
+    def _bound(self, source: str) -> int | None:
+        """The position bound to load `source` with: the registry's, where the checkpoint has
+        attention layers and allows more (None: the checkpoint's own, or no attention)."""
+        if self._max_positions is None:
+            return None
+        path = Path(source) / "config.json"
+        if not path.is_file():  # a preset: no attention
+            return None
+        own = config_from_json(json.loads(path.read_text()))[0].max_positions
+        return None if own is None or own <= self._max_positions else self._max_positions
+
     def check(self) -> None:
         """Every configured model, looked at without loading its weights (`scan.checkpoint_problem`:
         a preset name, or a directory with a readable config.json that describes a supported
-        model, and its weight files; a `#<format>` that is a known weight format). A hybrid model
-        (attention layers, MLP sublayers: GraniteMoeHybrid) loads at the scan level but is not
-        served through streams yet: refused here, one line (`scan.hybrid_problem`).
+        model, and its weight files; a `#<format>` that is a known weight format).
 
         Raises:
             CheckpointError: one or more models cannot be loaded; its message names each (id and
@@ -107,7 +123,7 @@ class ModelRegistry:
         problems = []
         for model_id in self.ids:
             source, _, fmt = self._sources[model_id].partition("#")
-            why = checkpoint_problem(source, fmt or self._weights, streamed=True)
+            why = checkpoint_problem(source, fmt or self._weights)
             if why is not None:
                 problems.append(f"model {model_id!r} ({source}): {why}")
         if problems:

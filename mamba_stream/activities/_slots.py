@@ -54,6 +54,8 @@ class SlotTable:
         self.capacity = capacity
         dev, dt = model.device, model.state_dtype
         self.buffers = {t.name: torch.zeros((capacity, *t.shape), dtype=dt, device=dev) for t in model.schema.tensors}
+        # an attention layer's k and v: a slot holds max_positions rows, a State its position's
+        self._grows = {t.name for t in model.schema.tensors if t.rows == "position"}
         self.logits = torch.zeros((capacity, model.vocab_size), dtype=torch.float32, device=dev)
         self.has_logits = [False] * capacity
         self.meta = [SlotMeta() for _ in range(capacity)]
@@ -101,13 +103,24 @@ class SlotTable:
             if not self.free:
                 raise MemoryError("no free slot")
             slot = next(i for i, m in enumerate(self.meta) if m.stream_id is None)
-        for name, buf in self.buffers.items():
-            buf[slot].copy_(state.tensors[name])
+        self._put(slot, state, self.meta[slot].position if self.meta[slot].stream_id == stream_id else 0)
         self._set_logits(slot, logits)
         self._clock += 1
         self.meta[slot] = SlotMeta(stream_id, epoch, state.position, state_key, self._next_generation(), self._clock)
         self._by_stream[stream_id] = slot
         return SlotHandle(slot, self.meta[slot].generation)
+
+    def _put(self, slot: int, state: State, held: int) -> None:
+        """Copy a state into a slot that holds rows up to position `held` (0: a zeroed slot): a
+        growing tensor's rows past the state's position are zeroed where the slot held any."""
+        p = state.position
+        for name, buf in self.buffers.items():
+            if name in self._grows:
+                buf[slot, :p].copy_(state.tensors[name])
+                if held > p:
+                    buf[slot, p:held].zero_()
+            else:
+                buf[slot].copy_(state.tensors[name])
 
     def _set_logits(self, slot: int, logits: torch.Tensor | None) -> None:
         if logits is None:
@@ -122,7 +135,9 @@ class SlotTable:
         meta = self._check(h)
         self._clock += 1
         meta.last_used = self._clock
-        return State(meta.position, {n: b[h.slot] for n, b in self.buffers.items()}, self.fingerprint)
+        p = meta.position
+        return State(p, {n: b[h.slot, :p] if n in self._grows else b[h.slot] for n, b in self.buffers.items()},
+                     self.fingerprint)
 
     def next_logits(self, h: SlotHandle) -> torch.Tensor | None:
         self._check(h)
@@ -131,8 +146,7 @@ class SlotTable:
     def write(self, h: SlotHandle, state: State, logits: torch.Tensor | None, *, state_key: str | None) -> None:
         """Store a stream's new state in its slot (state and position move together)."""
         meta = self._check(h)
-        for name, buf in self.buffers.items():
-            buf[h.slot].copy_(state.tensors[name])
+        self._put(h.slot, state, meta.position)
         if logits is not None:
             self._set_logits(h.slot, logits)
         meta.position = state.position
@@ -156,8 +170,10 @@ class SlotTable:
         order = sorted(range(len(handles)), key=lambda i: handles[i].slot)
         rows = torch.tensor([handles[i].slot for i in order], dtype=torch.long, device=dev)
         toks = torch.tensor([tokens[i] for i in order], dtype=torch.long, device=dev)
+        # a hybrid's attention writes each token's KV row at its stream's position
+        positions = torch.tensor([metas[i].position for i in order], dtype=torch.long, device=dev)
         try:
-            sorted_logits, path = self.model.step_rows(self.buffers, rows, toks, in_place=True)
+            sorted_logits, path = self.model.step_rows(self.buffers, rows, toks, in_place=True, positions=positions)
         except BaseException:
             for m in metas:
                 if m.stream_id is not None:

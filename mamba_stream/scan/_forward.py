@@ -7,8 +7,12 @@ head's product.
 A hybrid's blocks (`scan._lm._Block`) are typed: a Mamba block's mixer advances through
 `Backend.mix`; an attention block's mixer (`scan._layers.AttentionMixer`) is called with the chunk's
 primitives and the streams' positions (its primitive is chunk-invariant by itself, so it needs no
-token-by-token loop); a block with an MLP sublayer adds (add, norm, mlp) after its mixer. Granite's
-multipliers scale the embeddings, each sublayer's output and the logits where the config sets them;
+token-by-token loop); an "mlp" block's mixer is an MLP (no state); a "parallel" block's (Falcon-H1's
+`scan._parallel.ParallelMixer`) runs both, its Mamba-2 through `Backend.mix`; a "shared" block's (Zamba2's
+`scan._shared.SharedMixer`) calls its weight-shared transformer block on the residual and the embeddings
+(`embedded`, handed to every such layer), then norms and runs its Mamba-2; a block with an ffn sublayer adds
+(add, norm, ffn) after its mixer, the ffn the MLP, or routed experts plus (Granite) the MLP. Granite's
+multipliers (and Falcon-H1's) scale the embeddings, sublayers' outputs and the logits where the config sets them;
 where it does not (every plain Mamba model), no operation is done at all, so those models' bits are
 what they were (and a multiplier of exactly 1.0 would change none either: x * 1.0 == x in IEEE
 arithmetic for every x, -0.0 and the infinities included).
@@ -90,24 +94,38 @@ def forward(lm: MambaLM, hidden: Tensor, layer_states: LayerStates, backend: Bac
     rm = cfg.residual_multiplier  # None: no multiply at all (every plain Mamba model)
     if cfg.embedding_multiplier is not None:
         hidden = hidden * cfg.embedding_multiplier
+    embedded = hidden  # Zamba2's shared blocks read the embeddings at every "shared" layer
     residual: Tensor | None = None
     new_states: LayerStates = []
     path = "empty"
     for blk, st in zip(lm.backbone.layers, layer_states, strict=False):
         residual = hidden if residual is None else hidden + residual
-        normed = prims.norm(residual, blk.norm.weight, blk.norm.bias, cfg.norm_eps, cfg.rms_norm)
-        if blk.kind == "attention":
-            hidden, st_new, attn_path = blk.mixer.forward(normed, st, prims, positions, round_state)
-            path = attn_path if path == "empty" else path
+        if blk.kind == "shared":  # Zamba2: its shared block on (residual, embeddings), its own norm, its Mamba-2
+            hidden, st_new, path = blk.mixer.forward(residual, embedded, lm.backbone.shared[blk.mixer.block],
+                                                     blk.norm, st, backend, prims, positions, round_state)
         else:
-            hidden, st_new, path = backend.mix(blk.mixer, normed, st, round_state)
+            normed = prims.norm(residual, blk.norm.weight, blk.norm.bias, cfg.norm_eps, cfg.rms_norm)
+            if blk.kind == "attention":
+                hidden, st_new, attn_path = blk.mixer.forward(normed, st, prims, positions, round_state)
+                path = attn_path if path == "empty" else path
+            elif blk.kind in ("mlp", "moe"):  # no state: an MLP, or experts (Nemotron-H)
+                hidden, st_new = blk.mixer(normed, prims), st
+            elif blk.kind == "parallel":  # Falcon-H1: its Mamba-2 through the backend, its attention beside it
+                hidden, st_new, path = blk.mixer.forward(normed, st, backend, prims, positions, round_state)
+            else:
+                hidden, st_new, path = backend.mix(blk.mixer, normed, st, round_state)
         if rm is not None:
             hidden = hidden * rm
-        if blk.mlp is not None:
+        if blk.mlp_norm is not None:
             # Granite's residual + out: the same bits as out + residual (IEEE addition commutes)
             residual = hidden + residual
             normed = prims.norm(residual, blk.mlp_norm.weight, blk.mlp_norm.bias, cfg.norm_eps, cfg.rms_norm)
-            hidden = blk.mlp(normed, prims)
+            if blk.moe is None:
+                hidden = blk.mlp(normed, prims)
+            else:
+                hidden = blk.moe(normed, prims)
+                if blk.mlp is not None:  # Granite: the shared MLP beside the experts
+                    hidden = hidden + blk.mlp(normed, prims)
             if rm is not None:
                 hidden = hidden * rm
         new_states.append(st_new)
@@ -118,4 +136,6 @@ def forward(lm: MambaLM, hidden: Tensor, layer_states: LayerStates, backend: Bac
     logits = prims.linear(normed, lm.lm_head.weight)
     if cfg.logits_scaling is not None:
         logits = logits / cfg.logits_scaling
+    if cfg.logits_multiplier is not None:  # Falcon-H1's lm_head_multiplier
+        logits = logits * cfg.logits_multiplier
     return logits, new_states, path

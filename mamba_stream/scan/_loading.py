@@ -16,6 +16,7 @@ import torch
 from mamba_stream.scan._backends import EXACT_BACKENDS
 from mamba_stream.scan._config import ModelConfig
 from mamba_stream.scan._errors import CheckpointError, ConfigError, UnsupportedBackend
+from mamba_stream.scan._hf import ARCHITECTURES, is_inf
 from mamba_stream.scan._lm import MambaLM
 from mamba_stream.scan._model import Model
 from mamba_stream.scan._presets import PRESETS, TRAINED_PRESETS, build_preset, initial_weights, trained_preset_dir
@@ -25,7 +26,6 @@ from mamba_stream.scan._transforms import ByteTransform, HFTokenizerTransform
 __all__ = [
     "WEIGHT_FORMATS",
     "config_from_json",
-    "hybrid_problem",
     "init_model",
     "load_model",
     "mamba_ssm_config",
@@ -47,7 +47,8 @@ _INIT_ONLY = {
 }
 _UNDERSTOOD = {
     "Mamba1": {"d_state": "d_state", "d_conv": "d_conv", "expand": "expand", "dt_rank": "dt_rank",
-               "conv_bias": "conv_bias", "bias": "bias", "bcdt_rms_eps": "bcdt_rms_eps"},
+               "conv_bias": "conv_bias", "bias": "bias", "bcdt_rms_eps": "bcdt_rms_eps",
+               "bcdt_norm_weights": "bcdt_norm_weights"},
     "Mamba2": {"d_state": "d_state", "d_conv": "d_conv", "expand": "expand", "headdim": "headdim",
                "d_ssm": "d_ssm", "ngroups": "ngroups", "D_has_hdim": "D_has_hdim", "rmsnorm": "rmsnorm",
                "norm_before_gate": "norm_before_gate", "bias": "bias", "conv_bias": "conv_bias"},
@@ -72,14 +73,6 @@ _DTYPE_NAMES = {v: k for k, v in WEIGHT_FORMATS.items() if v is not None}
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
               "BOOL": torch.bool}
-
-
-def _is_inf(v: Any) -> bool:
-    if isinstance(v, dict) and v.get("__float__") in ("Infinity", "inf"):  # transformers 5.x
-        return True
-    if isinstance(v, str):
-        return v.lower() in ("inf", "infinity")
-    return isinstance(v, float) and math.isinf(v) and v > 0
 
 
 def _from_mamba_ssm(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -107,7 +100,7 @@ def _from_mamba_ssm(cfg: dict[str, Any]) -> dict[str, Any]:
     if layer == "Mamba2" and "dt_limit" in ssm:
         lo, hi = ssm.pop("dt_limit")
         fields["dt_min_clamp"] = float(lo)
-        fields["dt_max_clamp"] = None if _is_inf(hi) else float(hi)
+        fields["dt_max_clamp"] = None if is_inf(hi) else float(hi)
     if layer == "Mamba3":
         is_mimo = ssm.pop("is_mimo", False)
         rank = ssm.pop("mimo_rank", 4)
@@ -122,109 +115,10 @@ def _from_mamba_ssm(cfg: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
-#: GraniteMoeHybrid's layer kinds under both spellings: the hub's checkpoints say "mamba" /
-#: "attention", transformers >= 5.13 saves "linear_attention" / "full_attention"
-_GRANITE_KINDS = {"mamba": "mamba2", "linear_attention": "mamba2", "attention": "attention",
-                  "full_attention": "attention"}
-#: GraniteMoeHybrid config.json fields that change no inference arithmetic (training, generation,
-#: bookkeeping): accepted as they are
-_GRANITE_INERT = {"architectures", "attention_dropout", "bos_token_id", "dtype", "torch_dtype", "eos_token_id",
-                  "pad_token_id", "initializer_range", "model_type", "output_router_logits", "router_aux_loss_coef",
-                  "transformers_version", "use_cache", "num_experts_per_tok", "mamba_chunk_size", "intermediate_size",
-                  "return_dict", "output_hidden_states", "output_attentions", "tie_encoder_decoder", "is_decoder",
-                  "_name_or_path", "normalization_function", "init_method", "problem_type", "chunk_size_feed_forward"}
-
-
-def _from_granite(cfg: dict[str, Any]) -> dict[str, Any]:
-    """GraniteMoeHybrid (dense): Mamba-2 and attention layers, each followed by the shared MLP,
-    with Granite's multipliers. A field it cannot map is refused, named (`ConfigError.field`)."""
-    def refuse(field: str, msg: str) -> ConfigError:
-        return ConfigError(f"{msg} (GraniteMoeHybrid)", field=field)
-
-    experts = cfg.get("num_local_experts", 8)  # GraniteMoeHybridConfig's default: MoE
-    if experts:
-        raise refuse("num_local_experts", f"{experts} experts: mixture-of-experts layers are not supported yet, "
-                     "only dense checkpoints (num_local_experts 0)")
-    n_layer = cfg["num_hidden_layers"]
-    raw_kinds = cfg.get("layer_types", cfg.get("layers_block_type")) or ["linear_attention"] * n_layer
-    unknown = sorted({str(k) for k in raw_kinds if k not in _GRANITE_KINDS})
-    if not isinstance(raw_kinds, list) or unknown:
-        raise refuse("layer_types", f"unknown layer kinds {unknown}; expected {sorted(_GRANITE_KINDS)}")
-    kinds = tuple(_GRANITE_KINDS[k] for k in raw_kinds)
-    d_model = cfg["hidden_size"]
-    n_heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim", d_model // n_heads)
-    pe = cfg.get("position_embedding_type")
-    if pe not in (None, "nope", "rope"):
-        raise refuse("position_embedding_type", f"{pe!r}; expected 'rope', 'nope' or null")
-    fields: dict[str, Any] = {
-        "architecture": "mamba2",
-        "d_model": d_model,
-        "n_layer": n_layer,
-        "vocab_size": cfg["vocab_size"],
-        "pad_vocab_size_multiple": 1,
-        "tie_embeddings": cfg.get("tie_word_embeddings", False),
-        "norm_eps": cfg.get("rms_norm_eps", 1e-6),
-        "mixer_norm_eps": cfg.get("rms_norm_eps", 1e-6),
-        "d_state": cfg.get("mamba_d_state", 256),
-        "d_conv": cfg.get("mamba_d_conv", 4),
-        "expand": cfg.get("mamba_expand", 2),
-        "ngroups": cfg.get("mamba_n_groups", 1),
-        "bias": cfg.get("mamba_proj_bias", False),
-        "conv_bias": cfg.get("mamba_conv_bias", True),
-        "norm_before_gate": False,
-        "layer_types": kinds,
-        "mlp_intermediate_size": cfg.get("shared_intermediate_size", 1024),
-        "mlp_activation": "silu",
-        "embedding_multiplier": float(cfg.get("embedding_multiplier", 1.0)),
-        "residual_multiplier": float(cfg.get("residual_multiplier", 1.0)),
-        "logits_scaling": float(cfg.get("logits_scaling", 1.0)),
-    }
-    d_inner = int(fields["expand"] * d_model)
-    mamba_heads = cfg.get("mamba_n_heads", 128)
-    mamba_head = cfg.get("mamba_d_head", "auto")
-    mamba_head = d_inner // mamba_heads if mamba_head == "auto" else mamba_head
-    if mamba_heads * mamba_head != d_inner:
-        raise refuse("mamba_n_heads", f"mamba_n_heads={mamba_heads} * mamba_d_head={mamba_head} != "
-                     f"mamba_expand * hidden_size={d_inner}")
-    fields["headdim"] = mamba_head
-    lo, hi = cfg.get("time_step_limit") or (0.0, float("inf"))
-    fields["dt_min_clamp"] = float(lo)
-    fields["dt_max_clamp"] = None if _is_inf(hi) else float(hi)
-    if "attention" in kinds:
-        fields.update(
-            n_q_heads=n_heads, n_kv_heads=cfg.get("num_key_value_heads") or n_heads, attn_head_dim=head_dim,
-            attention_bias=bool(cfg.get("attention_bias", False)),
-            attention_multiplier=float(cfg.get("attention_multiplier", 1.0)),
-            position_embedding="rope" if pe == "rope" else "nope",
-            max_positions=cfg.get("max_position_embeddings", 2048),
-        )
-        if pe == "rope":
-            rope = cfg.get("rope_parameters") or {}
-            if rope.get("rope_type", "default") != "default":
-                raise refuse("rope_parameters.rope_type",
-                             f"{rope.get('rope_type')!r}: only 'default' rope is supported")
-            if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
-                raise refuse("rope_parameters.partial_rotary_factor", "only a full rotation is supported")
-            fields["rope_theta"] = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
-        raise refuse("hidden_act", f"activation {cfg['hidden_act']!r} is not supported")
-    understood = {"num_local_experts", "num_hidden_layers", "layer_types", "layers_block_type", "hidden_size",
-                  "num_attention_heads", "head_dim", "position_embedding_type", "vocab_size", "tie_word_embeddings",
-                  "rms_norm_eps", "mamba_d_state", "mamba_d_conv", "mamba_expand", "mamba_n_groups", "mamba_proj_bias",
-                  "mamba_conv_bias", "shared_intermediate_size", "embedding_multiplier", "residual_multiplier",
-                  "logits_scaling", "mamba_n_heads", "mamba_d_head", "time_step_limit", "num_key_value_heads",
-                  "attention_bias", "attention_multiplier", "max_position_embeddings", "rope_parameters", "rope_theta",
-                  "hidden_act"}
-    for key in sorted(set(cfg) - understood - _GRANITE_INERT):
-        raise refuse(key, f"a field this loader cannot map (value {cfg[key]!r})")
-    return fields
-
-
 def _from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
     mt = cfg["model_type"]
-    if mt == "granitemoehybrid":
-        return _from_granite(cfg)
+    if mt in ARCHITECTURES:
+        return ARCHITECTURES[mt].fields(cfg)
     if cfg.get("hidden_act", "silu") not in ("silu", "swish"):
         raise ConfigError(f"activation {cfg['hidden_act']!r} is not supported", field="hidden_act")
     eps = cfg.get("layer_norm_epsilon", 1e-5)
@@ -259,7 +153,7 @@ def _from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
         fields["norm_before_gate"] = False
         lo, hi = cfg.get("time_step_limit", (0.0, float("inf")))
         fields["dt_min_clamp"] = float(lo)
-        fields["dt_max_clamp"] = None if _is_inf(hi) else float(hi)
+        fields["dt_max_clamp"] = None if is_inf(hi) else float(hi)
         d_inner = int(fields["expand"] * fields["d_model"])
         if "num_heads" in cfg and cfg["num_heads"] * fields["headdim"] != d_inner:
             raise ConfigError(
@@ -267,8 +161,8 @@ def _from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
                 field="num_heads",
             )
     else:
-        raise ConfigError(f"unsupported model_type {mt!r}; expected 'mamba', 'falcon_mamba', 'mamba2' or "
-                          "'granitemoehybrid'", field="model_type")
+        known = ", ".join(repr(t) for t in ("mamba", "falcon_mamba", "mamba2", *sorted(ARCHITECTURES)))
+        raise ConfigError(f"unsupported model_type {mt!r}; expected one of {known}", field="model_type")
     return fields
 
 
@@ -412,26 +306,11 @@ def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
     return sd
 
 
-def hybrid_problem(cfg: ModelConfig) -> str | None:
-    """Why a model of `cfg` cannot be served through streams (the worker's slot table and codec hold
-    Mamba states only, and step without positions): one line for a hybrid, None otherwise.
-    `load_model` loads it all the same; the scan runs it."""
-    if not cfg.is_hybrid:
-        return None
-    attention = [i for i, kind in enumerate(cfg.kinds) if kind == "attention"]
-    parts = [f"attention layers {attention}" if attention else "",
-             "MLP sublayers" if cfg.mlp_intermediate_size is not None else ""]
-    what = " and ".join(p for p in parts if p) or "Granite multipliers"
-    return (f"hybrid models are not served through streams yet: this one has {what} "
-            "(scan.load_model runs it; the worker's slot table and state codec do not)")
-
-
-def checkpoint_problem(source: str | Path, weights: str | None = None, *, streamed: bool = False) -> str | None:
+def checkpoint_problem(source: str | Path, weights: str | None = None) -> str | None:
     """What keeps `load_model(source, weights=weights)` from loading, as far as the names, the
     config.json and the weight files' presence tell, without reading a weight (a worker checks
     its models with it before it starts); None where nothing is found. A file whose bytes are
-    damaged is found only by the load. `streamed`: also what keeps it from being served through
-    streams (`hybrid_problem`)."""
+    damaged is found only by the load."""
     if weights is not None and weights not in WEIGHT_FORMATS:
         return f"unknown weight format {weights!r}; expected one of {sorted(WEIGHT_FORMATS)}"
     name = str(source)
@@ -456,12 +335,10 @@ def checkpoint_problem(source: str | Path, weights: str | None = None, *, stream
     if not isinstance(raw, dict):
         return "config.json is not a JSON object"
     try:
-        cfg, _ = config_from_json(raw)
+        config_from_json(raw)
         files = _weight_files(directory)
     except (ConfigError, CheckpointError) as exc:
         return f"config.json: {exc}" if isinstance(exc, ConfigError) else str(exc)
-    if streamed and (why := hybrid_problem(cfg)) is not None:
-        return why
     missing = [f.name for f in files if not f.is_file()]
     if missing:
         return f"model.safetensors.index.json names shards that are not there: {missing[:4]}"
@@ -500,31 +377,12 @@ def _fold_q8(sd: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]]) 
     return out
 
 
-#: GraniteMoeHybrid's tensor names (transformers') -> ours, by prefix within a layer
-_GRANITE_LAYER_NAMES = (("input_layernorm.", "norm."), ("post_attention_layernorm.", "mlp_norm."),
-                        ("shared_mlp.", "mlp."), ("mamba.", "mixer."), ("self_attn.", "mixer."))
-
-
-def _granite_name(name: str) -> str:
-    """A GraniteMoeHybrid tensor's name as our module holds it (Mamba-2 layers: mamba-ssm's names,
-    which transformers' `mamba.*` already are: in_proj, conv1d, dt_bias, A_log, D, norm, out_proj)."""
-    if name == "model.embed_tokens.weight":
-        return "backbone.embedding.weight"
-    if name == "model.norm.weight":
-        return "backbone.norm_f.weight"
-    if name.startswith("model.layers."):
-        index, _, rest = name[len("model.layers."):].partition(".")
-        for theirs, ours in _GRANITE_LAYER_NAMES:
-            if rest.startswith(theirs):
-                return f"backbone.layers.{index}.{ours}{rest[len(theirs):]}"
-    return name
-
-
-def _canonical_weights(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, Any]:
-    """Rename to mamba-ssm names, fold q8 pairs and the tied head, check names and shapes against `cfg`."""
+def _canonical_weights(sd: dict[str, torch.Tensor], cfg: ModelConfig, model_type: str | None = None) -> dict[str, Any]:
+    """Rename to mamba-ssm names (a hybrid's by its architecture, `scan._hf`), fold q8 pairs and the
+    tied head, check names and shapes against `cfg`."""
     sd = {k.replace("backbone.embeddings.weight", "backbone.embedding.weight"): v for k, v in sd.items()}
-    if "model.embed_tokens.weight" in sd or any(k.startswith("model.layers.") for k in sd):
-        sd = {_granite_name(k): v for k, v in sd.items()}
+    if model_type in ARCHITECTURES:
+        sd = ARCHITECTURES[model_type].tensors(sd, cfg)
     full = parameter_shapes(cfg)
     if cfg.tie_embeddings:
         full["lm_head.weight"] = full["backbone.embedding.weight"]
@@ -716,6 +574,7 @@ def load_model(
     device: str | torch.device = "cpu",
     state_dtype: torch.dtype | None = None,
     weights: str | None = None,
+    max_positions: int | None = None,
 ) -> Model:
     """Load a preset by name, or a checkpoint directory (mamba-ssm or Hugging Face layout).
 
@@ -736,6 +595,12 @@ def load_model(
             exact backend (memory-mapped, no copy) and widened for the others. A format narrower
             than the computation is recorded in the schema and the arithmetic: a receipt made
             under one format does not resume under another.
+        max_positions: a model with attention layers: the positions a stream may reach (its KV
+            rows), at most the checkpoint's `max_position_embeddings` (the default). A stream's
+            state holds this many KV rows per attention layer, so a long-context checkpoint
+            (Granite-4.0-H: 131,072 positions, 2.1 GB of float32 KV a stream at its Micro size)
+            is served with the bound its streams need. Part of the schema: a state made under one
+            bound does not resume under another.
 
     A checkpoint directory's text transform is its tokenizer.json; without one, UTF-8 bytes (a
     warning is logged, once per directory), or none for a vocabulary under 256 ids. Its
@@ -745,8 +610,9 @@ def load_model(
 
     Raises:
         ConfigError naming the offending config field (`eos_token_id` included: not an id of
-        the vocabulary); CheckpointError for missing or mismatched tensors; UnsupportedBackend
-        for an unknown backend or dtype.
+        the vocabulary; `max_positions`: not an attention model's, or past its checkpoint's);
+        CheckpointError for missing or mismatched tensors; UnsupportedBackend for an unknown
+        backend or dtype.
     """
     device = torch.device(device)
     name = str(source)
@@ -768,7 +634,7 @@ def load_model(
         except json.JSONDecodeError as exc:
             raise ConfigError(f"invalid JSON: {exc}", field="config.json") from exc
         cfg, layout = config_from_json(raw)
-        sd = _canonical_weights(_read_weights(directory), cfg)
+        sd = _canonical_weights(_read_weights(directory), cfg, raw.get("model_type") if layout == "hf" else None)
         tok = directory / "tokenizer.json"
         transform = HFTokenizerTransform(tok) if tok.exists() else (
             ByteTransform() if cfg.padded_vocab_size >= 256 else None
@@ -778,6 +644,8 @@ def load_model(
         eos = _eos_token_ids(directory, raw, transform)
         model_id = directory.resolve().name
         log.info("loaded %s checkpoint %s (%s)", layout, directory, cfg.architecture)
+    if max_positions is not None:
+        cfg = _bounded(cfg, max_positions)
     revision = weights_revision(sd) if name in PRESETS else _revision_of(directory, sd)
     reads_stored = backend in EXACT_BACKENDS or (backend == "auto" and device.type == "cpu")
     fmt = _weight_format(weights, sd, cfg, dtype, reads_stored)
@@ -786,6 +654,17 @@ def load_model(
     lm = _build(cfg, sd, dtype, device, fmt, mapped=name not in PRESETS and reads_stored)
     return Model(lm, model_id=model_id, revision=revision, backend=backend, transform=transform,
                  state_dtype=state_dtype, eos_token_ids=eos)
+
+
+def _bounded(cfg: ModelConfig, max_positions: int) -> ModelConfig:
+    """`cfg` with its streams' position bound lowered to `max_positions` (checked, typed)."""
+    if cfg.max_positions is None:
+        raise ConfigError("the model has no attention layer: there is no position bound to set", field="max_positions")
+    whole = isinstance(max_positions, int) and not isinstance(max_positions, bool)
+    if not whole or not 1 <= max_positions <= cfg.max_positions:
+        raise ConfigError(f"must be an integer in [1, {cfg.max_positions}] (the checkpoint's max_position_embeddings), "
+                          f"got {max_positions!r}", field="max_positions")
+    return cfg.model_copy(update={"max_positions": max_positions})
 
 
 def init_model(
@@ -829,6 +708,8 @@ def mamba_ssm_config(cfg: ModelConfig) -> dict[str, Any]:
             # not a mamba-ssm option: its Mamba(**ssm_cfg) refuses the key, where leaving it out
             # would have it load a FalconMamba as a plain Mamba-1 (another function)
             ssm["bcdt_rms_eps"] = cfg.bcdt_rms_eps
+        if cfg.bcdt_norm_weights:  # the norms' learned weights (Jamba's): their tensors need the key
+            ssm["bcdt_norm_weights"] = True
     elif cfg.architecture == "mamba2":
         ssm.update(
             d_conv=cfg.d_conv, headdim=cfg.headdim, ngroups=cfg.ngroups, d_ssm=cfg.d_ssm,

@@ -16,6 +16,9 @@ Reference for the math: mamba-ssm `selective_scan_ref` and `Mamba.step`.
 FalconMamba (`ModelConfig.bcdt_rms_eps` set) is the same layer with r, B and C each replaced by
 its RMS norm without a weight, r / sqrt(mean(r^2) + eps), right after x_proj splits them (before
 dt_proj): transformers' `FalconMambaMixer` (`dt_layernorm`, `b_layernorm`, `c_layernorm`).
+Jamba's Mamba layers (`bcdt_norm_weights` too) multiply each of those norms by a learned weight,
+(r / sqrt(mean(r^2) + eps)) * w: `dt_norm.weight` (R,), `b_norm.weight` (N,), `c_norm.weight` (N,),
+transformers' `JambaMambaMixer` (`dt_layernorm`, `b_layernorm`, `c_layernorm`, each a JambaRMSNorm).
 """
 
 from __future__ import annotations
@@ -36,6 +39,14 @@ Tensor = torch.Tensor
 _SEGMENT = 128
 
 
+class _NormWeight(nn.Module):
+    """The learned weight of one of Jamba's dt/B/C RMS norms (the norm itself is the backend's)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+
 class Mamba1Mixer(Mixer):
     chunk_path = "scan"
 
@@ -49,6 +60,12 @@ class Mamba1Mixer(Mixer):
         self.A_log = nn.Parameter(torch.empty(c, n))
         self.D = nn.Parameter(torch.empty(c))
         self.out_proj = nn.Linear(c, cfg.d_model, bias=cfg.bias)
+        # Jamba's weighted dt/B/C norms; absent otherwise, so other Mamba-1 models' parameters stay as they were
+        self.dt_norm: _NormWeight | None = None
+        self.b_norm: _NormWeight | None = None
+        self.c_norm: _NormWeight | None = None
+        if cfg.bcdt_norm_weights:
+            self.dt_norm, self.b_norm, self.c_norm = _NormWeight(r), _NormWeight(n), _NormWeight(n)
 
     def state_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         c = self.cfg.d_inner
@@ -84,7 +101,11 @@ class Mamba1Mixer(Mixer):
         x_dbl = be.linear(xc, self.x_proj.weight)  # (B, L, R + 2N)
         dt_r, b, cc = x_dbl[..., :r], x_dbl[..., r : r + n], x_dbl[..., r + n :]
         eps = self.cfg.bcdt_rms_eps
-        if eps is not None:  # FalconMamba
+        if eps is not None and self.dt_norm is not None:  # Jamba
+            assert self.b_norm is not None and self.c_norm is not None
+            dt_r, b, cc = (be.norm(t, w.weight, None, eps, True)
+                           for t, w in ((dt_r, self.dt_norm), (b, self.b_norm), (cc, self.c_norm)))
+        elif eps is not None:  # FalconMamba
             dt_r, b, cc = (self._weightless_rms(be, t, eps) for t in (dt_r, b, cc))
         dt = be.softplus(be.linear(dt_r, self.dt_proj.weight, self.dt_proj.bias))  # (B, L, C)
         y, h, path = be.selective_scan(dt, self._A(be), xc, b, cc, ssm)

@@ -61,6 +61,9 @@ class Mamba2Mixer(Mixer):
         if cfg.rmsnorm:
             self.norm = _GatedNorm(e)
         self.out_proj = nn.Linear(cfg.d_inner, cfg.d_model, bias=cfg.bias)
+        # Falcon-H1's in_proj multipliers as one vector per (dtype, device): a config value, not a
+        # tensor of the checkpoint (transformers derives its mup_vector and saves none)
+        self._mup_cache: dict[tuple[torch.dtype, torch.device], Tensor] = {}
 
     def state_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         cfg = self.cfg
@@ -83,6 +86,22 @@ class Mamba2Mixer(Mixer):
         if self.cfg.dt_min_clamp > 0.0 or self.cfg.dt_max_clamp is not None:
             dt = torch.clamp(dt, min=self.cfg.dt_min_clamp, max=self.cfg.dt_max_clamp)
         return dt
+
+    def _mup(self, like: Tensor) -> Tensor:
+        """Falcon-H1's mup_vector (`ssm_multipliers`: z, x, B, C, dt) over the in_proj output's
+        columns, in `like`'s dtype: each column's multiplier rounded to it, as transformers' float32
+        vector holds it; the gated-MLP columns (none in Falcon-H1) * 1.0."""
+        key = (like.dtype, like.device)
+        if key not in self._mup_cache:
+            cfg = self.cfg
+            assert cfg.ssm_multipliers is not None
+            mz, mx, mb, mc, mdt = cfg.ssm_multipliers
+            gn, d_mlp = cfg.ngroups * cfg.d_state, cfg.d_inner - cfg.resolved_d_ssm
+            parts = [(2 * d_mlp, 1.0), (cfg.resolved_d_ssm, mz), (cfg.resolved_d_ssm, mx), (gn, mb), (gn, mc),
+                     (cfg.nheads, mdt)]
+            self._mup_cache[key] = torch.cat([torch.full((n,), m, dtype=like.dtype, device=like.device)
+                                              for n, m in parts])
+        return self._mup_cache[key]
 
     def _D(self) -> Tensor:
         """D broadcastable against (..., H, P)."""
@@ -110,7 +129,10 @@ class Mamba2Mixer(Mixer):
         cfg = self.cfg
         e, g, n, h, p = cfg.resolved_d_ssm, cfg.ngroups, cfg.d_state, cfg.nheads, cfg.headdim
         bsz, length, _ = u.shape
-        z0, x0, z, xbc, dt_raw = self._split(be.linear(u, self.in_proj.weight, self.in_proj.bias))
+        zxbcdt = be.linear(u, self.in_proj.weight, self.in_proj.bias)
+        if cfg.ssm_multipliers is not None:  # Falcon-H1: one exact product per element, before the conv
+            zxbcdt = zxbcdt * self._mup(zxbcdt)
+        z0, x0, z, xbc, dt_raw = self._split(zxbcdt)
         xbc, new_conv = be.conv(conv, xbc, self.conv1d.weight, self.conv1d.bias)
         xbc = be.silu(xbc)
         x = xbc[..., :e].reshape(bsz, length, h, p)

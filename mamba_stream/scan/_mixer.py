@@ -28,7 +28,12 @@ class Mixer(nn.Module):
 
     Subclasses keep mamba-ssm's parameter names so checkpoints load unchanged. They never write
     into the state tensors they are given.
+
+    `growing_roles`: the roles of the state tensors that hold a row per position (an attention
+    layer's k and v: `TensorSpec.rows` "position"); a recurrent state's are fixed in size.
     """
+
+    growing_roles: frozenset[str] = frozenset()
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

@@ -87,8 +87,11 @@ def build_schema(cfg: ModelConfig, dtype: torch.dtype, lm: MambaLM,
     """The StateSchema of a model built from `cfg`, computing in `dtype`, keeping state in
     `state_dtype`, its matrices read in `lm`'s weight dtype."""
     sname = STATE_DTYPES[state_dtype or dtype]
+    # an attention layer's k and v hold a row per position (`TensorSpec.rows`; Mamba-3's k and v
+    # are its previous token's, fixed in size)
     specs = [
-        TensorSpec(name=f"layers.{i}.{role}", layer=i, role=role, shape=tuple(shape), dtype=sname)
+        TensorSpec(name=f"layers.{i}.{role}", layer=i, role=role, shape=tuple(shape), dtype=sname,
+                   rows="position" if role in getattr(mixer, "growing_roles", ()) else None)
         for i, mixer in enumerate(lm.mixers)
         for role, shape in mixer.state_shapes()
     ]
@@ -106,17 +109,15 @@ def build_schema(cfg: ModelConfig, dtype: torch.dtype, lm: MambaLM,
             a_activation="neg_exp_log", rule="zoh_euler",
             dt_min=cfg.dt_min_clamp if clamp else 0.0, dt_max=cfg.dt_max_clamp if clamp else None,
             bcdt_rms_eps=None if norms is None else float(norms),
+            bcdt_norm_weights=True if norms is not None and cfg.bcdt_norm_weights else None,
         )
     is_ssd = cfg.architecture != "mamba1"
     layers = None
     if cfg.is_hybrid:  # a plain Mamba model's schema has no such field: its fingerprint is unchanged
+        fields = {name: getattr(cfg, name) for name in HybridLayers.model_fields if name not in ("kinds", "ffns")}
         layers = HybridLayers(
-            kinds=tuple(cfg.kinds), n_q_heads=cfg.n_q_heads, n_kv_heads=cfg.n_kv_heads,
-            attn_head_dim=cfg.attn_head_dim, position_embedding=cfg.position_embedding,
-            rope_theta=_float(cfg.rope_theta), max_positions=cfg.max_positions,
-            mlp_intermediate_size=cfg.mlp_intermediate_size, mlp_activation=cfg.mlp_activation,
-            embedding_multiplier=_float(cfg.embedding_multiplier), residual_multiplier=_float(cfg.residual_multiplier),
-            attention_multiplier=_float(cfg.attention_multiplier), logits_scaling=_float(cfg.logits_scaling))
+            kinds=tuple(cfg.kinds), ffns=None if set(cfg.ffns) == {"none"} else tuple(cfg.ffns),
+            **{name: _float(v) if name in _FLOAT_FIELDS else v for name, v in fields.items()})
     return StateSchema(
         architecture=cfg.architecture,
         dtype=COMPUTE_DTYPES[dtype],
@@ -141,8 +142,17 @@ def build_schema(cfg: ModelConfig, dtype: torch.dtype, lm: MambaLM,
     )
 
 
-def _float(v: float | None) -> float | None:
+#: the hybrid fields the schema holds as floats (strict there: a config's int is converted)
+_FLOAT_FIELDS = ("rope_theta", "embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling",
+                 "ssm_in_multiplier", "ssm_multipliers", "ssm_out_multiplier", "attention_in_multiplier",
+                 "attention_out_multiplier", "key_multiplier", "mlp_gate_multiplier", "mlp_down_multiplier",
+                 "logits_multiplier", "moe_scaling")
+
+
+def _float(v: Any) -> Any:
     """A config's number as the schema's float (strict: an int is refused there)."""
+    if isinstance(v, tuple):  # Falcon-H1's ssm_multipliers: each entry
+        return tuple(float(x) for x in v)
     return None if v is None else float(v)
 
 
@@ -211,6 +221,8 @@ class Model:
         self.schema: StateSchema = build_schema(self.config, self.dtype, lm, self.state_dtype)
         self._fingerprint = self.schema.fingerprint()
         self._names = [t.name for t in self.schema.tensors]
+        # which of them hold a row per position (an attention layer's k and v)
+        self._grows = [t.rows == "position" for t in self.schema.tensors]
         # each layer's state tensors, in schema order (a hybrid's layers hold different numbers)
         counts = [len(blk.mixer.state_shapes()) for blk in lm.backbone.layers]
         self._layer_spans = [(sum(counts[:i]), sum(counts[: i + 1])) for i in range(len(counts))]
@@ -259,7 +271,7 @@ class Model:
                           threads=torch.get_num_threads(), device=self.device.type, weights=self.schema.weights)
 
     def step_rows(self, buffers: Mapping[str, Tensor], rows: Tensor, tokens: Tensor, *,
-                  in_place: bool = False) -> tuple[Tensor, str]:
+                  in_place: bool = False, positions: Tensor | None = None) -> tuple[Tensor, str]:
         """Advance the states at `rows` of per-name buffers (K, *shape) by one token each, in place.
 
         For a slot table, where the states live in preallocated buffers rather than in State
@@ -277,15 +289,23 @@ class Model:
                 adjacent rows is not copied back at all (at 32 streams of bench_serving's model,
                 16 MB a step). The bits are the same; the price is that a step that raises leaves
                 the rows partly advanced: the caller must drop them (the slot table does).
+            positions: (B,) int64, each row's position before the step: required by a model with
+                attention layers (the token's KV row is written at it, and its query reads the rows
+                before it), ignored by the others. A row at `max_positions` is refused
+                (PositionLimit) before anything runs.
 
         Returns:
             float32 logits (B, V) and the path that ran.
         """
         lm, names = self._lm, self._names
-        if "attention" in self.config.kinds:
-            # the table's buffers carry no positions, which attention's KV rows are written by
-            raise UnsupportedBackend("hybrid models are not served through the slot table yet: "
-                                     f"{self.model_id} has attention layers; advance it with advance_batch")
+        limit = self.config.max_positions
+        if limit is not None:
+            if positions is None or positions.shape != rows.shape:
+                raise InvalidInput("a model with attention layers steps rows at their positions: pass positions (B,)")
+            if rows.numel() and int(positions.max()) + 1 > limit:
+                raise PositionLimit(f"a row at position {int(positions.max())} cannot take a token: the model "
+                                    f"holds at most max_positions={limit} per stream",
+                                    limit=limit, actual=int(positions.max()) + 1)
         # Adjacent slots of the table are a run of rows: read them as a view and write them
         # back as a slice, saving the gather's copy of every state (decode is bound by that traffic).
         b = int(rows.numel())
@@ -294,20 +314,33 @@ class Model:
         first = int(rows[0])
         span = bool((rows == torch.arange(first, first + b, device=rows.device)).all())
         impl = self._step_impl() if in_place else self._impl()
+        # a growing tensor (an attention layer's k, v) is read up to the furthest row's position
+        # and written back at each row's position only: a step costs the rows the streams hold,
+        # never the bound's (the buffers hold max_positions rows)
+        top = int(positions.max()) if limit is not None and positions is not None else 0
         with torch.inference_mode(), impl.running():
-            if span:
-                flat = [buffers[n].narrow(0, first, b).to(self.dtype) for n in names]
-            else:
-                flat = [buffers[n].index_select(0, rows).to(self.dtype) for n in names]
+            flat = []
+            for n, grows in zip(names, self._grows, strict=True):
+                if span:
+                    t = buffers[n].narrow(0, first, b)
+                    flat.append((t[:, :top] if grows else t).to(self.dtype))
+                else:
+                    flat.append((buffers[n][rows, :top] if grows else buffers[n].index_select(0, rows)).to(self.dtype))
             layer_states = self._split_layers(flat)
             hidden = embed(lm, tokens.unsqueeze(1))  # (B, 1, D)
-            logits, new_states, path = forward(lm, hidden, layer_states, impl, self._rounding())
+            logits, new_states, path = forward(lm, hidden, layer_states, impl, self._rounding(),
+                                               None if positions is None else positions.to(self.device))
             logits = logits[:, 0].to(torch.float32)
             if not all_finite(logits):
                 raise NonFiniteOutput("the batched step produced non-finite logits; no state was written"
                                       if not in_place else "the batched step produced non-finite logits")
-            for name, old, new in zip(names, flat, (t for layer in new_states for t in layer), strict=False):
-                if span:
+            news = (t for layer in new_states for t in layer)
+            for name, old, new, grows in zip(names, flat, news, self._grows, strict=False):
+                if grows:  # the new row of each stream, at its position
+                    assert positions is not None
+                    at = positions.to(self.device)
+                    buffers[name][rows, at] = new[torch.arange(b, device=self.device), at].to(buffers[name].dtype)
+                elif span:
                     if new is not old:  # a state written in place is already in its rows
                         buffers[name].narrow(0, first, b).copy_(new)
                 else:
@@ -341,7 +374,7 @@ class Model:
     def initial_state(self) -> State:
         """The model-defined initial state (all zeros) at position 0."""
         tensors = {
-            t.name: torch.zeros(t.shape, dtype=self.state_dtype, device=self.device) for t in self.schema.tensors
+            t.name: torch.zeros(t.shape_at(0), dtype=self.state_dtype, device=self.device) for t in self.schema.tensors
         }
         return State(0, tensors, self._fingerprint)
 
@@ -414,7 +447,7 @@ class Model:
                 return "reference"
             else:
                 # no Triton attention kernel is wired: a hybrid takes the chunked backend on CUDA
-                triton_ok = _triton.unavailable_reason(self.device) is None and "attention" not in self.config.kinds
+                triton_ok = _triton.unavailable_reason(self.device) is None and not self.config.has_attention
                 backend = "triton" if triton_ok else "chunked"
         if self.weight_format != COMPUTE_DTYPES.get(self.dtype) and backend not in EXACT_BACKENDS:
             raise UnsupportedBackend(f"{self.weight_format} weights are read as they are by the exact backend only; "
@@ -428,7 +461,7 @@ class Model:
             # chunked scans round the state once per call, not once per token: chunking would show
             raise UnsupportedBackend(f"the {backend} backend keeps state in {self.dtype}; "
                                      f"a {self.state_dtype} state needs the exact or reference backend")
-        if backend == "triton" and "attention" in self.config.kinds:
+        if backend == "triton" and self.config.has_attention:
             raise UnsupportedBackend("the triton backend has no attention kernel; run a hybrid model on the exact, "
                                      "chunked or reference backend")
         if backend == "triton":
@@ -451,13 +484,19 @@ class Model:
         if names != self._names:
             raise InvalidState(f"{where} tensors {names} do not match the schema's {self._names}",
                                field="tensors", expected=self._names, actual=names)
+        limit = self.config.max_positions
+        if limit is not None and pos > limit:
+            raise InvalidState(f"{where}.position {pos} is past max_positions={limit}", field="position",
+                               expected=limit, actual=pos)
         for spec in self.schema.tensors:
             t = state.tensors[spec.name]
             if not isinstance(t, torch.Tensor):
                 raise InvalidState(f"{where}.{spec.name} is not a tensor", field=spec.name)
-            if tuple(t.shape) != spec.shape:
-                raise InvalidState(f"{where}.{spec.name} has shape {tuple(t.shape)}, schema says {spec.shape}",
-                                   field=f"{spec.name}.shape", expected=spec.shape, actual=tuple(t.shape))
+            shape = spec.shape_at(pos)
+            if tuple(t.shape) != shape:
+                raise InvalidState(f"{where}.{spec.name} has shape {tuple(t.shape)}, schema says {shape} at "
+                                   f"position {pos}", field=f"{spec.name}.shape", expected=shape,
+                                   actual=tuple(t.shape))
             if t.dtype != self.state_dtype:
                 raise InvalidState(f"{where}.{spec.name} has dtype {t.dtype}, schema says {self.state_dtype}",
                                    field=f"{spec.name}.dtype", expected=str(self.state_dtype), actual=str(t.dtype))
@@ -566,7 +605,8 @@ class Model:
         if len(states) == 1:  # mixers never write into their inputs: a view is enough
             stacked = [states[0].tensors[n].unsqueeze(0) for n in names]
         else:
-            stacked = [torch.stack([s.tensors[n] for s in states]) for n in names]
+            stacked = [self._rows_padded([s.tensors[n] for s in states]) if grows else
+                       torch.stack([s.tensors[n] for s in states]) for n, grows in zip(names, self._grows, strict=True)]
         if self.state_dtype != self.dtype:
             stacked = [t.to(self.dtype) for t in stacked]
         return self._split_layers(stacked)
@@ -578,12 +618,24 @@ class Model:
         narrow, wide = self.state_dtype, self.dtype
         return lambda states: tuple(t.to(narrow).to(wide) for t in states)
 
-    def _unstack(self, layer_states: LayerStates, b: int) -> dict[str, Tensor]:
+    @staticmethod
+    def _rows_padded(ts: list[Tensor]) -> Tensor:
+        """Streams' KV tensors (P_b, Hkv, Dh) at different positions as one (B, max P_b, Hkv, Dh),
+        zeros past each stream's rows (which its attention never reads)."""
+        out = ts[0].new_zeros((len(ts), max(t.shape[0] for t in ts), *ts[0].shape[1:]))
+        for b, t in enumerate(ts):
+            out[b, : t.shape[0]] = t
+        return out
+
+    def _unstack(self, layer_states: LayerStates, b: int, position: int) -> dict[str, Tensor]:
+        """Stream b's new tensors (its KV: its first `position` rows)."""
         flat = [t.to(self.state_dtype) for layer in layer_states for t in layer]
+        rows = [t[b, :position] if grows else t[b] for t, grows in zip(flat, self._grows, strict=True)]
         if flat and flat[0].shape[0] == 1:  # fresh outputs of one stream: no copy needed
-            return {n: flat[j][0] for j, n in enumerate(self._names)}
+            return {n: rows[j] if not self._grows[j] or rows[j].shape[0] == flat[j].shape[1] else rows[j].clone()
+                    for j, n in enumerate(self._names)}
         # a stream's own storage, so that it does not keep the whole batch alive
-        return {n: flat[j][b].clone() for j, n in enumerate(self._names)}
+        return {n: rows[j].clone() for j, n in enumerate(self._names)}
 
     def _finish(self, states: list[State], inputs: list[Tensor], logits: list[Tensor],
                 layer_states: LayerStates, path: str) -> list[StepResult]:
@@ -595,7 +647,7 @@ class Model:
                     f"the scan produced non-finite logits at position {s.position}..{s.position + len(x)}; "
                     "the state was not advanced"
                 )
-            new = State(s.position + len(x), self._unstack(layer_states, b), self._fingerprint)
+            new = State(s.position + len(x), self._unstack(layer_states, b, s.position + len(x)), self._fingerprint)
             out.append(StepResult(lg, new, self.backend, path))
         return out
 

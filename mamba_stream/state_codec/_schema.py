@@ -65,13 +65,32 @@ class _Frozen(BaseModel):
 
 
 class TensorSpec(_Frozen):
-    """One state tensor of one layer, per stream."""
+    """One state tensor of one layer, per stream.
+
+    A tensor whose `rows` is "position" (an attention layer's k and v) grows with the stream: at
+    position p it holds p rows, `shape[1:]` each, row i the key (value) of the token at position i;
+    `shape[0]` is the bound (max_positions) its rows never pass. Its bytes at rest and in a State
+    are those p rows (`shape_at`), never the bound's."""
 
     name: str = Field(description="key in State.tensors, e.g. 'layers.0.ssm'")
     layer: int = Field(ge=0)
     role: Literal["conv", "ssm", "angle", "k", "v"]
     shape: tuple[int, ...]
     dtype: DType
+    rows: Literal["position"] | None = Field(
+        default=None, description="'position': the leading dimension is the stream's position, up to shape[0] "
+        "(None, left out of the JSON: the tensor is `shape` whatever the position)")
+
+    @model_serializer(mode="wrap")
+    def _without_fixed_rows(self, handler: SerializerFunctionWrapHandler) -> dict:
+        out = handler(self)
+        if out.get("rows", 0) is None:
+            out.pop("rows")
+        return out
+
+    def shape_at(self, position: int) -> tuple[int, ...]:
+        """The tensor's shape in a state at `position`."""
+        return (position, *self.shape[1:]) if self.rows == "position" else self.shape
 
     # cached: a spec is frozen, and every seal and open reads them
     @cached_property
@@ -113,36 +132,82 @@ class Discretization(_Frozen):
         default=None, description="FalconMamba: dt's inputs, B and C each divided by their root mean square "
         "(eps added to the mean square) before they enter the recurrence; None: no such norms (None is left "
         "out of the JSON, so schemas from before the field keep their fingerprints)")
+    bcdt_norm_weights: bool | None = Field(
+        default=None, description="Jamba: those norms each multiplied by a learned weight (the weights' values "
+        "are in the revision); None: weightless or no norms (left out of the JSON, as bcdt_rms_eps is)")
 
     @model_serializer(mode="wrap")
     def _without_unset_norms(self, handler: SerializerFunctionWrapHandler) -> dict:
         out = handler(self)
-        if out.get("bcdt_rms_eps") is None:
-            out.pop("bcdt_rms_eps", None)
+        for name in ("bcdt_rms_eps", "bcdt_norm_weights"):
+            if out.get(name) is None:
+                out.pop(name, None)
         return out
 
 
 class HybridLayers(_Frozen):
-    """What a hybrid model (Mamba layers among attention layers, MLP sublayers, Granite's
-    multipliers) computes beyond its Mamba layers: none of it is in the weights' revision, and a
-    state made under other values is another function's. The KV tensors themselves are `tensors`
-    with roles "k" and "v", (M, Hkv, Dh) each: row p the key (value) of position p, rows at or past
-    the stream's position zero."""
+    """What a hybrid model (Mamba layers among attention and MLP layers, MLP or expert sublayers,
+    Granite's multipliers) computes beyond its Mamba layers: none of it is in the weights' revision,
+    and a state made under other values is another function's. The fields are the model config's
+    hybrid fields under the same names (`kinds` its `layer_types`, `ffns` its `ffn_types`, both
+    resolved for every layer). The KV tensors themselves are `tensors` with roles "k" and "v",
+    (M, Hkv, Dh) each: row p the key (value) of position p, rows at or past the stream's position
+    zero; an "mlp" or "moe" layer holds no state."""
 
-    kinds: tuple[Literal["mamba1", "mamba2", "mamba3", "attention"], ...] = Field(
+    kinds: tuple[Literal["mamba1", "mamba2", "mamba3", "attention", "mlp", "parallel", "moe", "shared"], ...] = Field(
         description="each layer's kind, in layer order")
+    ffns: tuple[Literal["none", "mlp", "moe"], ...] | None = Field(
+        default=None, description="what follows each layer's mixer (None: nothing, on every layer)")
     n_q_heads: int | None = None
     n_kv_heads: int | None = None
     attn_head_dim: int | None = None
+    attention_bias: bool | None = None
     position_embedding: Literal["nope", "rope"] | None = None
     rope_theta: float | None = None
+    rotary_dim: int | None = None
     max_positions: int | None = Field(default=None, description="the KV rows a stream owns: the per-stream bound")
     mlp_intermediate_size: int | None = None
-    mlp_activation: Literal["silu"] | None = None
+    mlp_activation: Literal["silu", "relu2", "gelu"] | None = None
+    mlp_gated: bool | None = None
+    mlp_bias: bool | None = None
+    moe_experts: int | None = None
+    moe_top_k: int | None = None
+    moe_intermediate_size: int | None = None
+    moe_router: Literal["topk_softmax", "softmax_topk", "sigmoid_group_topk"] | None = None
+    moe_shared_mlp: bool | None = None
+    # Nemotron-H's routing (`scan.ModelConfig`): its correction bias is a tensor of the checkpoint
+    moe_groups: int | None = None
+    moe_topk_groups: int | None = None
+    moe_norm_topk: bool | None = None
+    moe_scaling: float | None = None
+    moe_shared_intermediate_size: int | None = None
+    moe_latent_size: int | None = None
     embedding_multiplier: float | None = None
     residual_multiplier: float | None = None
     attention_multiplier: float | None = None
     logits_scaling: float | None = None
+    # Falcon-H1's (`scan.ModelConfig`): config values, not tensors of the checkpoint (transformers
+    # derives its mup_vector from ssm_multipliers and saves none of them)
+    ssm_in_multiplier: float | None = None
+    ssm_multipliers: tuple[float, float, float, float, float] | None = None
+    ssm_out_multiplier: float | None = None
+    attention_in_multiplier: float | None = None
+    attention_out_multiplier: float | None = None
+    key_multiplier: float | None = None
+    mlp_gate_multiplier: float | None = None
+    mlp_down_multiplier: float | None = None
+    logits_multiplier: float | None = None
+    # Zamba2's (`scan.ModelConfig`): how many weight-shared transformer blocks the "shared" layers
+    # call in rotation, their per-site adapters' rank, and whether q/k/v have adapters too
+    shared_blocks: int | None = None
+    shared_adapter_rank: int | None = None
+    shared_attention_adapter: bool | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_unset(self, handler: SerializerFunctionWrapHandler) -> dict:
+        # an unset field is left out: a field added later leaves the fingerprints of the schemas
+        # that do not use it as they were
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class StateSchema(_Frozen):
@@ -187,8 +252,10 @@ class StateSchema(_Frozen):
         names = [t.name for t in self.tensors]
         if len(set(names)) != len(names):
             raise ValueError("tensor names must be unique")
-        if {t.layer for t in self.tensors} != set(range(self.n_layer)):
-            raise ValueError("every layer must own at least one state tensor")
+        stateless = set() if self.layers is None else {
+            i for i, k in enumerate(self.layers.kinds) if k in ("mlp", "moe")}
+        if {t.layer for t in self.tensors} != set(range(self.n_layer)) - stateless:
+            raise ValueError("every layer but an MLP or MoE layer must own at least one state tensor, those none")
         return self
 
     @model_serializer(mode="wrap")
@@ -217,8 +284,13 @@ class StateSchema(_Frozen):
 
     @cached_property
     def state_bytes(self) -> int:
-        """Bytes of one stream's state, whatever its position."""
+        """Bytes of one stream's state at most: its KV (tensors with `rows` "position") at the
+        bound; a plain Mamba model's, whatever its position."""
         return sum(t.nbytes for t in self.tensors)
+
+    def bytes_at(self, position: int) -> int:
+        """Bytes of one stream's state at `position`."""
+        return sum(t.nbytes if t.rows is None else t.nbytes // t.shape[0] * position for t in self.tensors)
 
     def spec(self, name: str) -> TensorSpec:
         for t in self.tensors:

@@ -674,7 +674,7 @@ def unseal(
             raise mismatch(SchemaMismatch, *diff) from None
         raise
     tensors = decode_checkpoint(blob, receipt, keyring)
-    expected = [(t.name, t.shape, t.dtype) for t in identity.state_schema.tensors]
+    expected = [(t.name, t.shape_at(receipt.position), t.dtype) for t in identity.state_schema.tensors]
     actual = [(n, tuple(t.shape), _NAMES[t.dtype]) for n, t in tensors.items()]
     if expected != actual:
         raise mismatch(SchemaMismatch, "schema.tensors", expected, actual)

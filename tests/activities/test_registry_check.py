@@ -130,26 +130,9 @@ _GRANITE = {"model_type": "granitemoehybrid", "hidden_size": 64, "num_hidden_lay
             "attention_multiplier": 0.25, "logits_scaling": 4.0}
 
 
-def test_a_hybrid_model_is_refused_at_the_check_in_one_typed_line(tmp_path, monkeypatch):
-    """GraniteMoeHybrid loads at the scan level, but a worker does not serve it through streams yet:
-    the check says so before the worker starts, without loading anything."""
-    def refuse(*a, **k):
-        raise AssertionError("check must not load a model")
-
-    monkeypatch.setattr("mamba_stream.activities._registry.load_model", refuse)
-    d = tmp_path / "granite"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps(_GRANITE))
-    (d / "model.safetensors").write_bytes(b"")  # the check looks for the file, never reads it
-    registry = ModelRegistry.from_spec(f"tiny-mamba1,granite={d}")
-    with pytest.raises(CheckpointError) as err:
-        registry.check()
-    assert str(err.value) == (
-        f"model 'granite' ({d}): hybrid models are not served through streams yet: this one has attention "
-        "layers [1, 3] and MLP sublayers (scan.load_model runs it; the worker's slot table and state codec do not)")
-
-
-def test_an_unchecked_registry_refuses_a_hybrid_at_its_load(tmp_path):
+def test_a_hybrid_model_passes_the_check_without_loading_and_loads_at_its_first_use(tmp_path, monkeypatch):
+    """GraniteMoeHybrid is served like any model: the check reads its config.json only (an
+    unmappable field is named there, one line), and `get` loads it, its KV bound the checkpoint's."""
     from tests.scan._mamba_ssm import require
 
     require("transformers")
@@ -158,7 +141,56 @@ def test_an_unchecked_registry_refuses_a_hybrid_at_its_load(tmp_path):
     fields = {k: v for k, v in _GRANITE.items() if k != "model_type"}
     torch.manual_seed(0)
     GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(**fields)).save_pretrained(str(tmp_path / "g"))
-    registry = ModelRegistry.from_spec(f"granite={tmp_path / 'g'}")
-    with pytest.raises(CheckpointError, match="hybrid models are not served through streams yet"):
-        registry.get("granite")
-    load_model(tmp_path / "g")  # the scan loads it
+    registry = ModelRegistry.from_spec(f"tiny-mamba1,granite={tmp_path / 'g'}")
+    with monkeypatch.context() as mp:
+        mp.setattr("mamba_stream.activities._registry.load_model", lambda *a, **k: pytest.fail("check loaded"))
+        registry.check()
+    model = registry.get("granite")
+    assert model.model_id == "granite" and model.config.kinds == ("mamba2", "attention", "mamba2", "attention")
+    assert model.config.max_positions == 128
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({**_GRANITE, "layer_types": ["mamba", "sliding_attention"] * 2}))
+    (bad / "model.safetensors").write_bytes(b"")
+    with pytest.raises(CheckpointError) as err:
+        ModelRegistry.from_spec(f"granite={bad}").check()
+    assert str(err.value).startswith(f"model 'granite' ({bad}): config.json: layer_types: unknown layer kinds")
+    assert "\n" not in str(err.value)
+
+
+def test_the_workers_position_bound_caps_a_hybrids_kv_and_a_slot_that_does_not_fit_is_refused(tmp_path, monkeypatch):
+    """MAMBA_STREAM_MAX_POSITIONS lowers a hybrid's bound below its checkpoint's (never raises it;
+    a plain model ignores it); a bad value is refused naming the variable; an engine whose one slot
+    would not fit its slot memory is refused typed, naming max_positions."""
+    from tests.scan._mamba_ssm import require
+
+    require("transformers")
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    from mamba_stream.activities._engine import StreamEngine
+    from mamba_stream.scan import ConfigError
+    from mamba_stream.serving import WorkerConfig, model_registry
+
+    fields = {k: v for k, v in _GRANITE.items() if k != "model_type"}
+    torch.manual_seed(0)
+    GraniteMoeHybridForCausalLM(GraniteMoeHybridConfig(**fields)).save_pretrained(str(tmp_path / "g"))
+    monkeypatch.setenv("MAMBA_STREAM_MODELS", f"tiny-mamba2,granite={tmp_path / 'g'}")
+    for cap, want in (("40", 40), ("1000", 128), ("", 128)):
+        monkeypatch.setenv("MAMBA_STREAM_MAX_POSITIONS", cap)
+        registry = model_registry(WorkerConfig())
+        assert registry.get("granite").config.max_positions == want, cap
+        assert registry.get("tiny-mamba2").config.max_positions is None
+    for bad in ("0", "-3", "lots"):
+        monkeypatch.setenv("MAMBA_STREAM_MAX_POSITIONS", bad)
+        with pytest.raises(ValueError, match="MAMBA_STREAM_MAX_POSITIONS must be a positive integer"):
+            WorkerConfig()
+    model = ModelRegistry({"granite": str(tmp_path / "g")}).get("granite")
+    per_slot = model.schema.state_bytes + model.vocab_size * 4
+    with pytest.raises(ConfigError) as err:
+        StreamEngine(model, slot_memory=per_slot - 1)
+    assert err.value.field == "max_positions" and "MAMBA_STREAM_MAX_POSITIONS" in str(err.value)
+    engine = StreamEngine(model, slot_memory=per_slot, capacity=4)  # exactly one slot fits
+    try:
+        assert engine.slots.capacity == 1
+    finally:
+        engine.close()

@@ -11,57 +11,44 @@ backend, and refuse typed what it does not compute: MoE, unknown layer kinds, po
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import json
-import shutil
-from collections.abc import Iterator
 
 import pytest
 import torch
 
 from mamba_stream.scan import PositionLimit, load_model, save_checkpoint
-from mamba_stream.scan._errors import CheckpointError, ConfigError, UnsupportedBackend
+from mamba_stream.scan._errors import CheckpointError, ConfigError, InvalidInput, UnsupportedBackend
 from tests.scan._helpers import scan_chunks
+from tests.scan._hybrid import (
+    BOUND,
+    CHUNKINGS,
+    N_TOKENS,
+    assert_batching_keeps_bits,
+    assert_exact_chunking,
+    assert_exact_chunking_and_batching,
+    assert_matches,
+    assert_q8_chunks_exactly,
+    assert_refused,
+    assert_schema_round_trips,
+    assert_step_rows_bits,
+    edited,
+    hf_logits,
+    load_bfloat16_as_stored,
+    perturb,
+    rel,
+    save_bfloat16,
+    saved_with_truth,
+    state_equal,
+)
 from tests.scan._mamba_ssm import require
 
 pytestmark = pytest.mark.crosscheck
 
-N_TOKENS = 96
-CHUNKINGS = [[N_TOKENS], [1, 7, 30, 58], [1] * N_TOKENS]
-BOUND = 1e-4  # row-wise max |diff| / max |logit| against transformers, float32
 KINDS_NEW = ["linear_attention", "full_attention", "linear_attention", "full_attention"]  # transformers >= 5.13
 KINDS_HUB = ["mamba", "attention", "mamba", "attention"]  # the hub's Granite-4.0-H checkpoints
 MULTIPLIERS = {"embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.25,
                "logits_scaling": 4.0}
 MAX_POSITIONS = 128
-
-
-#: transformers' GraniteMoeHybrid functions that dispatch to mamba-ssm or causal-conv1d where they
-#: import: chosen once, when its modeling module is first imported, so a test run that imported
-#: mamba-ssm earlier (tests/scan/_mamba_ssm.py stubs its CUDA modules) would send the truth to
-#: mamba-ssm's Triton kernels, which need CUDA
-_DISPATCHED = ("mamba2_chunk_scan", "mamba2_selective_state_update", "mamba2_split_conv1d_scan_combined",
-               "causal_conv1d_fn", "causal_conv1d_update")
-
-
-@contextlib.contextmanager
-def _torch_path() -> Iterator[None]:
-    """transformers' GraniteMoeHybrid on its pure-PyTorch path whatever else is installed: each
-    dispatching function replaced by the torch function it wraps, called as its wrapper calls it
-    (keyword arguments it does not take dropped)."""
-    from transformers.models.granitemoehybrid import modeling_granitemoehybrid as mod
-
-    def plain(fn):
-        torch_fn = inspect.unwrap(fn)
-        params = set(inspect.signature(torch_fn).parameters)
-        return lambda *a, **k: torch_fn(*a, **{n: v for n, v in k.items() if n in params})
-
-    with pytest.MonkeyPatch.context() as mp:
-        for name in _DISPATCHED:
-            if hasattr(mod, name):
-                mp.setattr(mod, name, plain(getattr(mod, name)))
-        yield
 
 
 def _hf_granite():
@@ -91,35 +78,11 @@ def _hf_granite():
 @pytest.fixture(scope="module")
 def granite(tmp_path_factory):
     """(transformers' model, its float32 directory, the token ids, transformers' logits (L, V))."""
-    hf = _hf_granite()
-    d = tmp_path_factory.mktemp("granite-f32")
-    hf.save_pretrained(str(d))  # config.json (layer_types in the new spelling) + model.safetensors
-    ids = torch.randint(0, 256, (1, N_TOKENS), generator=torch.Generator().manual_seed(5))
-    with torch.no_grad(), _torch_path():
-        truth = hf(ids).logits[0].float()
-    return hf, d, ids[0].tolist(), truth
+    # config.json (layer_types in the new spelling) + model.safetensors
+    return saved_with_truth(_hf_granite(), tmp_path_factory.mktemp("granite-f32"))
 
 
-def _rel(got: torch.Tensor, truth: torch.Tensor) -> float:
-    """max over rows of max |got - truth| / max |truth|: (L, V) logits against the truth."""
-    return float(((got - truth).abs().amax(-1) / truth.abs().amax(-1)).max())
-
-
-def _edited(src, dst, **changes):
-    """A copy of the checkpoint with config.json fields changed (a value None: the field dropped)."""
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    for key, value in changes.items():
-        if value is None:
-            cfg.pop(key, None)
-        else:
-            cfg[key] = value
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
-
-
-def _state_equal(a, b) -> bool:
-    return a.tensors.keys() == b.tensors.keys() and all(torch.equal(a.tensors[k], b.tensors[k]) for k in a.tensors)
+_rel, _edited, _state_equal = rel, edited, state_equal
 
 
 def test_the_checkpoint_loads_as_typed_layers(granite):
@@ -139,8 +102,7 @@ def test_the_checkpoint_loads_as_typed_layers(granite):
     assert layers is not None and layers.kinds == cfg.kinds and layers.max_positions == MAX_POSITIONS
     assert layers.residual_multiplier == 0.5 and layers.position_embedding == "nope"
     assert '"layers":' in model.schema.canonical_json()
-    back = type(model.schema).model_validate_json(model.schema.model_dump_json())
-    assert back == model.schema and back.fingerprint() == model.schema.fingerprint()
+    assert_schema_round_trips(model)
 
 
 def test_a_plain_mamba_models_schema_and_config_have_no_hybrid_fields():
@@ -154,12 +116,7 @@ def test_a_plain_mamba_models_schema_and_config_have_no_hybrid_fields():
 @pytest.mark.parametrize("backend", ["reference", "chunked", "exact", "exact-fma"])
 def test_logits_match_transformers_granite_hybrid(granite, backend):
     _, d, toks, truth = granite
-    model = load_model(d, backend=backend)
-    for chunks in ([N_TOKENS], [1, 7, 30, 58]):
-        logits, _ = scan_chunks(model, model.initial_state(), toks, chunks)
-        rel = _rel(logits, truth)
-        print(f"CROSSCHECK HF granitemoehybrid vs ours ({backend}, chunks {chunks}): max rel {rel:.2e}")
-        assert rel <= BOUND, (backend, chunks, rel)
+    assert_matches(load_model(d, backend=backend), toks, truth, "granitemoehybrid")
 
 
 @pytest.mark.parametrize("dropped", sorted(MULTIPLIERS))
@@ -178,14 +135,11 @@ def test_exact_chunking_gives_the_same_bits(granite, backend):
     bit for bit; the KV rows past the position stay zero."""
     _, d, toks, truth = granite
     model = load_model(d, backend=backend)
-    runs = [scan_chunks(model, model.initial_state(), toks, chunks) for chunks in CHUNKINGS]
-    for (logits, state), chunks in zip(runs[1:], CHUNKINGS[1:], strict=True):
-        assert torch.equal(logits, runs[0][0]), chunks[:4]
-        assert _state_equal(state, runs[0][1]), chunks[:4]
+    runs = assert_exact_chunking(model, toks)
     state = runs[0][1]
     assert state.position == N_TOKENS
     for name in ("layers.1.k", "layers.1.v", "layers.3.k", "layers.3.v"):
-        assert bool(state.tensors[name][N_TOKENS:].eq(0).all()) and bool(state.tensors[name][:N_TOKENS].ne(0).any())
+        assert state.tensors[name].shape[0] == N_TOKENS and bool(state.tensors[name].ne(0).any())
     assert _rel(runs[-1][0], truth) <= BOUND
     assert model.advance(model.initial_state(), toks[:1]).path == model.exact_probe.path
 
@@ -194,14 +148,8 @@ def test_streams_at_different_positions_advanced_together_keep_their_own_bits(gr
     """advance_batch of two streams at positions 5 and 40 (one forward, one chunk length): each the
     bits of its own advance."""
     _, d, toks, _ = granite
-    model = load_model(d, backend="exact")
-    a = model.advance(model.initial_state(), toks[:5]).state
-    b = model.advance(model.initial_state(), toks[:40]).state
-    ra, rb = model.advance_batch([a, b], [toks[50:60], toks[60:70]])
-    sa, sb = model.advance(a, toks[50:60]), model.advance(b, toks[60:70])
-    assert torch.equal(ra.logits, sa.logits) and _state_equal(ra.state, sa.state)
-    assert torch.equal(rb.logits, sb.logits) and _state_equal(rb.state, sb.state)
-    assert (ra.state.position, rb.state.position) == (15, 50)
+    sa, sb = assert_batching_keeps_bits(load_model(d, backend="exact"), toks)
+    assert (sa.position, sb.position) == (15, 50)
 
 
 def test_max_positions_is_refused_typed_and_nothing_advances(granite):
@@ -229,25 +177,47 @@ def test_both_layer_type_spellings_load_to_the_same_logits(granite, tmp_path):
 
 @pytest.mark.parametrize(("changes", "field"), [
     ({"layer_types": ["mamba", "attention", "mamba", "sliding_attention"]}, "layer_types"),
-    ({"num_local_experts": 4}, "num_local_experts"),
+    ({"num_local_experts": -1}, "num_local_experts"),
     ({"position_embedding_type": "alibi"}, "position_embedding_type"),
     ({"mamba_n_heads": 5}, "mamba_n_heads"),
+    ({"mamba_n_heads": 0}, "mamba_n_heads"),
+    ({"mamba_d_head": 1.5}, "mamba_d_head"),
+    ({"position_embedding_type": "rope", "rope_parameters": [10000]}, "rope_parameters"),
+    ({"position_embedding_type": "rope", "rope_parameters": {"rope_theta": 1e4, "beta_fast": 32}},
+     "rope_parameters.beta_fast"),
+    ({"position_embedding_type": "rope", "rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling"),
     ({"some_new_field": 1}, "some_new_field"),
 ])
 def test_what_is_not_computed_is_refused_typed_naming_the_field(granite, tmp_path, changes, field):
-    _, d, _, _ = granite
-    with pytest.raises(ConfigError) as err:
-        load_model(_edited(d, tmp_path / "bad", **changes))
-    assert err.value.field == field and "GraniteMoeHybrid" in str(err.value)
+    assert_refused(granite[1], tmp_path / "bad", changes, field, "GraniteMoeHybrid")
 
 
-def test_the_slot_tables_step_and_mamba_ssm_checkpoints_refuse_a_hybrid(granite, tmp_path):
+@pytest.mark.parametrize("in_place", [False, True])
+def test_the_slot_tables_step_writes_each_rows_kv_at_its_position(granite, in_place):
+    """`step_rows` on buffers of three streams at positions 3, 17 and 40 (rows 0, 2, 1: not a span,
+    then a span): each row the bits of its own `advance` by that token, logits and every state tensor
+    (conv, SSM, and the KV row written at its position)."""
     _, d, toks, _ = granite
     model = load_model(d, backend="exact")
-    state = model.advance(model.initial_state(), toks[:3]).state
-    buffers = {k: v.unsqueeze(0).clone() for k, v in state.tensors.items()}
-    with pytest.raises(UnsupportedBackend, match="slot table"):
+    buffers = assert_step_rows_bits(model, toks, in_place)
+    with pytest.raises(InvalidInput, match="positions"):
         model.step_rows(buffers, torch.tensor([0]), torch.tensor([7]))
+
+
+def test_the_slot_tables_step_refuses_a_row_at_the_bound_before_anything_runs(granite):
+    _, d, toks, _ = granite
+    model = load_model(d, backend="exact", max_positions=8)
+    full = model.advance(model.initial_state(), toks[:8]).state
+    buffers = {k: v.unsqueeze(0).clone() for k, v in full.tensors.items()}
+    with pytest.raises(PositionLimit) as err:
+        model.step_rows(buffers, torch.tensor([0]), torch.tensor([7]), in_place=True, positions=torch.tensor([8]))
+    assert (err.value.limit, err.value.actual) == (8, 9)
+    assert all(torch.equal(buffers[k][0], full.tensors[k]) for k in buffers)
+
+
+def test_mamba_ssm_checkpoints_refuse_a_hybrid(granite, tmp_path):
+    _, d, _, _ = granite
+    model = load_model(d, backend="exact")
     with pytest.raises(CheckpointError, match="hybrid"):
         save_checkpoint(model, tmp_path / "ours")
     assert not (tmp_path / "ours").exists()
@@ -258,25 +228,11 @@ def test_bfloat16_and_q8_matrices_compute_their_own_function(granite, tmp_path):
     the bits of its float32 widening; q8 holds every matrix as block-int8 and still chunks exactly."""
     hf, d, toks, truth = granite
     bf = tmp_path / "bf16"
-    rounded = _hf_granite()
-    rounded.load_state_dict(hf.state_dict())
-    rounded.to(torch.bfloat16).save_pretrained(str(bf))
-    kept = load_model(bf, backend="exact")
-    wide = load_model(bf, backend="exact", weights="float32")
-    assert kept.weight_format == "bfloat16"
+    rounded = save_bfloat16(_hf_granite, hf, bf)
+    kept, a = load_bfloat16_as_stored(bf, toks)
     assert kept.module.backbone.layers[1].mixer.q_proj.weight.dtype == torch.bfloat16
-    a, b = kept.advance(kept.initial_state(), toks), wide.advance(wide.initial_state(), toks)
-    assert torch.equal(a.logits, b.logits) and _state_equal(a.state, b.state)
-    with torch.no_grad(), _torch_path():
-        ref = rounded.float()(torch.tensor([toks])).logits[0]
-    assert _rel(a.logits, ref) <= BOUND
-    q8 = load_model(d, backend="exact", weights="q8")
-    assert q8.weight_format == "q8" and q8.schema.weights == "q8"
-    runs = [scan_chunks(q8, q8.initial_state(), toks, chunks) for chunks in CHUNKINGS[:2]]
-    assert torch.equal(runs[0][0], runs[1][0]) and _state_equal(runs[0][1], runs[1][1])
-    rel = _rel(runs[0][0], truth)
-    print(f"CROSSCHECK HF granitemoehybrid vs ours (exact, q8 matrices): max rel {rel:.2e}")
-    assert rel < 0.05
+    assert _rel(a.logits, hf_logits(rounded.float(), toks)) <= BOUND
+    assert_q8_chunks_exactly(d, toks, truth, "granitemoehybrid", 0.05)
 
 
 def test_the_one_call_decode_step_runs_the_mamba2_layers_only(granite, monkeypatch):
@@ -320,17 +276,11 @@ def test_a_rope_checkpoint_matches_and_read_as_nope_misses(tmp_path):
             for name, p in hf.named_parameters():
                 if name.endswith(("q_proj.weight", "k_proj.weight")):
                     p.mul_(20)
-    hf.save_pretrained(str(tmp_path / "rope"))
-    toks = torch.randint(0, 256, (N_TOKENS,), generator=torch.Generator().manual_seed(5)).tolist()
-    with torch.no_grad(), _torch_path():
-        truth = hf(torch.tensor([toks])).logits[0]
+    _, _, toks, truth = saved_with_truth(hf, tmp_path / "rope")
     for backend in ("reference", "exact"):
         model = load_model(tmp_path / "rope", backend=backend)
         assert (model.config.position_embedding, model.config.rope_theta) == ("rope", 10000.0)
-        logits, _ = scan_chunks(model, model.initial_state(), toks, [1, 7, 30, 58])
-        rel = _rel(logits, truth)
-        print(f"CROSSCHECK HF granitemoehybrid rope vs ours ({backend}): max rel {rel:.2e}")
-        assert rel <= BOUND
+        assert_matches(model, toks, truth, "granitemoehybrid rope", chunkings=([1, 7, 30, 58],))
     nope = load_model(_edited(tmp_path / "rope", tmp_path / "nope", position_embedding_type="nope"), backend="exact")
     assert _rel(nope.advance(nope.initial_state(), toks).logits, truth) > 100 * BOUND
 
@@ -375,3 +325,219 @@ def test_the_triton_backend_refuses_a_hybrid_at_load(granite):
     _, d, _, _ = granite
     with pytest.raises(UnsupportedBackend, match="no attention kernel"):
         load_model(d, backend="triton")
+
+
+# --- mixture of experts ---------------------------------------------------------------------------
+
+
+def _hf_granite_moe(**changes):
+    """A seeded tiny GraniteMoeHybrid with routed experts: 4 experts of 32, top 2, beside the shared
+    MLP of 64 on every layer; the dense fixture's shape otherwise."""
+    require("transformers")
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        cfg = GraniteMoeHybridConfig(**{
+            "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "layer_types": KINDS_HUB, "num_local_experts": 4, "num_experts_per_tok": 2,
+            "intermediate_size": 32, "shared_intermediate_size": 64, "position_embedding_type": "nope",
+            "mamba_n_heads": 8, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_n_groups": 1,
+            "max_position_embeddings": MAX_POSITIONS, "tie_word_embeddings": True, **MULTIPLIERS, **changes})
+        model = GraniteMoeHybridForCausalLM(cfg).eval()
+        perturb(model, ("A_log", "D", "dt_bias", "norm.weight", "layernorm.weight"))
+        with torch.no_grad():  # transformers' init leaves the router near zero: spread the choices
+            for name, p in model.named_parameters():
+                if name.endswith("router.weight"):
+                    p.normal_(0.0, 1.0)
+                elif "experts" in name:
+                    p.normal_(0.0, 0.1)
+    return model
+
+
+@pytest.fixture(scope="module")
+def granite_moe(tmp_path_factory):
+    """(transformers' MoE model, its float32 directory, the token ids, transformers' logits)."""
+    return saved_with_truth(_hf_granite_moe(), tmp_path_factory.mktemp("granite-moe"), seed=6)
+
+
+def test_moe_checkpoint_loads_experts_as_typed_ffns(granite_moe):
+    _, d, _, _ = granite_moe
+    model = load_model(d, backend="exact")
+    cfg = model.config
+    assert cfg.ffns == ("moe",) * 4 and (cfg.moe_experts, cfg.moe_top_k, cfg.moe_intermediate_size) == (4, 2, 32)
+    assert cfg.moe_router == "topk_softmax" and cfg.moe_shared_mlp and cfg.mlp_intermediate_size == 64
+    blk = model.module.backbone.layers[0]
+    assert blk.moe is not None and blk.mlp is not None and len(blk.moe.experts) == 4
+    assert tuple(blk.moe.experts[3].input_linear.weight.shape) == (64, 64)  # [gate; up] of 32 each
+    layers = model.schema.layers
+    assert layers is not None and layers.ffns == ("moe",) * 4 and layers.moe_router == "topk_softmax"
+    dense = load_model(_edited(d, d.parent / "as-top1", num_experts_per_tok=1), backend="exact")
+    assert dense.schema.fingerprint() != model.schema.fingerprint()  # the routing is part of the function
+
+
+@pytest.mark.parametrize("backend", ["reference", "chunked", "exact", "exact-fma"])
+def test_moe_logits_match_transformers(granite_moe, backend):
+    _, d, toks, truth = granite_moe
+    assert_matches(load_model(d, backend=backend), toks, truth, "granitemoehybrid MoE")
+
+
+def test_moe_exact_chunking_and_batching_give_the_same_bits(granite_moe):
+    _, d, toks, _ = granite_moe
+    model = load_model(d, backend="exact")
+    state = assert_exact_chunking_and_batching(model, toks)
+    assert state.position == N_TOKENS
+
+
+def test_moe_negative_controls_miss_the_bound(granite_moe, tmp_path):
+    """The comparison sees the routing: top-1 instead of top-2, the other weighting rule (softmax
+    over all experts, then the top k), and the shared MLP left out each miss by far."""
+    _, d, toks, truth = granite_moe
+    top1 = load_model(_edited(d, tmp_path / "top1", num_experts_per_tok=1), backend="exact")
+    assert _rel(top1.advance(top1.initial_state(), toks).logits, truth) > 10 * BOUND
+    model = load_model(d, backend="exact")
+    for blk in model.module.backbone.layers:
+        blk.moe.rule = "softmax_topk"
+    assert _rel(model.advance(model.initial_state(), toks).logits, truth) > 10 * BOUND
+    model = load_model(d, backend="exact")
+    for blk in model.module.backbone.layers:
+        blk.mlp = None
+    assert _rel(model.advance(model.initial_state(), toks).logits, truth) > 10 * BOUND
+
+
+def test_top_k_breaks_ties_by_the_lower_expert_index():
+    from mamba_stream.scan._layers import top_k
+
+    scores = torch.tensor([[0.5, 2.0, 2.0, -1.0, 2.0], [1.0, 1.0, 1.0, 1.0, 1.0], [3.0, -0.0, 0.0, 3.0, 1.0]])
+    values, idx = top_k(scores, 2)
+    assert idx.tolist() == [[1, 2], [0, 1], [0, 3]]
+    assert values.tolist() == [[2.0, 2.0], [1.0, 1.0], [3.0, 3.0]]
+    # the same rows in another batch composition choose the same experts
+    assert top_k(scores[[2, 0]], 2)[1].tolist() == [[0, 3], [1, 2]]
+
+
+def test_moe_tied_router_rows_route_identically_under_every_chunking(granite_moe, tmp_path):
+    """Experts 1 and 2 given the same router row tie on every token: the lower index is chosen
+    whatever the chunking or batch, so the bits still do not move (their MLPs differ, so a choice
+    that flipped would show)."""
+    hf, _, toks, _ = granite_moe
+    tied = _hf_granite_moe()
+    tied.load_state_dict(hf.state_dict())
+    with torch.no_grad():
+        for name, p in tied.named_parameters():
+            if name.endswith("router.weight"):
+                p[2].copy_(p[1])
+    tied.save_pretrained(str(tmp_path / "tied"))
+    model = load_model(tmp_path / "tied", backend="exact")
+    assert_exact_chunking_and_batching(model, toks)
+    from mamba_stream.scan._layers import top_k
+
+    blk = model.module.backbone.layers[0]
+    x = torch.randn(50, 64, generator=torch.Generator().manual_seed(0))
+    logits = x @ blk.moe.router.weight.float().T
+    assert torch.equal(logits[:, 1], logits[:, 2])
+    _, chosen = top_k(logits, 2)
+    for row in chosen.tolist():  # expert 2 only ever second, right after its twin 1
+        assert 2 not in row or row == [1, 2], row
+    assert [1, 2] in chosen.tolist()  # the tie did occur among these tokens
+
+
+def test_max_positions_lowered_at_load_keeps_the_bits_and_bounds_the_kv(granite):
+    """load_model(max_positions=40): 40 KV rows a stream instead of the checkpoint's 128, the same
+    logits and KV rows bit for bit (a query reads its rows only), another schema (a state made
+    under one bound does not resume under another), and the refusal past it."""
+    _, d, toks, _ = granite
+    full = load_model(d, backend="exact")
+    short = load_model(d, backend="exact", max_positions=40)
+    assert short.config.max_positions == 40 and short.schema.layers.max_positions == 40
+    assert short.schema.spec("layers.1.k").shape == (40, 2, 16)
+    assert short.schema.fingerprint() != full.schema.fingerprint()
+    a = scan_chunks(short, short.initial_state(), toks[:40], [3, 37])
+    b = full.advance(full.initial_state(), toks[:40])
+    assert torch.equal(a[0], b.logits)
+    for name, t in a[1].tensors.items():
+        assert torch.equal(t, b.state.tensors[name][: t.shape[0]] if name.endswith((".k", ".v")) else
+                           b.state.tensors[name]), name
+    with pytest.raises(PositionLimit):
+        short.advance(a[1], toks[40:41])
+    for bad in (0, MAX_POSITIONS + 1, True, "8"):
+        with pytest.raises(ConfigError) as err:
+            load_model(d, backend="exact", max_positions=bad)
+        assert err.value.field == "max_positions", bad
+    with pytest.raises(ConfigError) as err:
+        load_model("tiny-mamba2", max_positions=8)
+    assert err.value.field == "max_positions" and "no attention layer" in str(err.value)
+
+
+# --- the KV grows with the position -------------------------------------------------------------
+
+
+def test_a_states_kv_holds_a_row_per_position_and_nothing_past_it(granite):
+    """k and v of a state at position p are (p, Hkv, Dh): the schema marks them (`rows`
+    "position", shape[0] the bound), the conv and SSM tensors stay fixed; a state whose KV row count
+    is not its position is refused typed; bytes at rest follow the position."""
+    from mamba_stream.scan import InvalidState, State
+
+    _, d, toks, _ = granite
+    model = load_model(d, backend="exact")
+    rows = {t.name: t.rows for t in model.schema.tensors}
+    assert rows == {"layers.0.conv": None, "layers.0.ssm": None, "layers.1.k": "position", "layers.1.v": "position",
+                    "layers.2.conv": None, "layers.2.ssm": None, "layers.3.k": "position", "layers.3.v": "position"}
+    assert '"rows":"position"' in model.schema.canonical_json()
+    assert model.initial_state().tensors["layers.1.k"].shape == (0, 2, 16)
+    state = model.advance(model.initial_state(), toks[:10]).state
+    assert state.tensors["layers.3.v"].shape == (10, 2, 16) and state.tensors["layers.0.ssm"].shape == (8, 16, 16)
+    fixed = 4 * (2 * (160 * 4 + 8 * 16 * 16))
+    assert model.schema.bytes_at(10) == fixed + 4 * 4 * 10 * 2 * 16
+    assert model.schema.state_bytes == model.schema.bytes_at(MAX_POSITIONS)
+    bad = dict(state.tensors)
+    bad["layers.1.k"] = torch.cat([bad["layers.1.k"], torch.zeros(1, 2, 16)])
+    with pytest.raises(InvalidState) as err:
+        model.validate_state(State(10, bad, "sha256:other"))
+    assert err.value.field == "layers.1.k.shape" and err.value.actual == (11, 2, 16)
+    with pytest.raises(InvalidState) as err:  # a position past the bound, whatever the rows
+        model.validate_state(State(MAX_POSITIONS + 1, state.tensors, "sha256:other"))
+    assert err.value.field == "position"
+
+
+def test_a_sealed_hybrid_state_round_trips_with_its_rows_only(granite):
+    from mamba_stream.state_codec.codec import Keyring, plaintext_checksum, seal, unseal
+
+    _, d, toks, _ = granite
+    model = load_model(d, backend="exact")
+    ring = Keyring.generate()
+    sizes = {}
+    for n in (10, 90):
+        state = model.advance(model.initial_state(), toks[:n]).state
+        receipt, blob = seal(model, state, stream_id="s", principal="alice", chunk_seq=1, epoch=0, keyring=ring)
+        back = unseal(blob, receipt, ring, model=model, principal="alice")
+        assert back.position == n and state_equal(back, state)
+        assert receipt.checksum == plaintext_checksum(state.tensors)
+        sizes[n] = len(blob)
+        nxt = model.advance(back, toks[n : n + 3])
+        assert state_equal(nxt.state, model.advance(state, toks[n : n + 3]).state)
+    # 80 more rows of 4 KV tensors of 2 x 16 float32, and no more: the bound's rows are not stored
+    assert sizes[90] - sizes[10] == 80 * 4 * 2 * 16 * 4
+
+
+def test_the_slot_table_holds_the_bounds_rows_and_hands_out_the_positions(granite):
+    """A slot holds max_positions rows; its view is the state's rows; a shorter state written over a
+    longer one (a rewind's reload) leaves no row of the longer behind; a decode step through the
+    table writes the row at the stream's position."""
+    from mamba_stream.activities import SlotTable
+
+    _, d, toks, _ = granite
+    model = load_model(d, backend="exact")
+    long = model.advance(model.initial_state(), toks[:40]).state
+    short = model.advance(model.initial_state(), toks[:12]).state
+    table = SlotTable(model, 2)
+    h = table.insert("s", long, epoch=0, state_key=None)
+    assert table.buffers["layers.1.k"].shape == (2, MAX_POSITIONS, 2, 16)
+    assert state_equal(table.view(h), long)
+    h = table.insert("s", short, epoch=0, state_key=None)
+    assert state_equal(table.view(h), short)
+    assert bool(table.buffers["layers.1.k"][h.slot, 12:].eq(0).all())
+    logits, _ = table.step([h], [toks[12]])
+    want = model.advance(short, toks[12:13])
+    assert torch.equal(logits[0], want.logits[0]) and state_equal(table.view(h), want.state)
+    assert bool(table.buffers["layers.3.v"][h.slot, 13:].eq(0).all())

@@ -118,7 +118,7 @@ def _mamba2_cfg(**ssm):
         ({"d_model": 64, "vocab_size": 256}, "n_layer"),
         ({"model_type": "mamba2", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 256,
           "num_heads": 5, "head_dim": 16, "n_groups": 1}, "num_heads"),
-        ({"model_type": "jamba", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 256}, "model_type"),
+        ({"model_type": "plamo2", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 256}, "model_type"),
         ({"model_type": "mamba", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 256,
           "hidden_act": "gelu"}, "hidden_act"),
         ({"d_model": 64, "n_layer": 2, "vocab_size": 256,

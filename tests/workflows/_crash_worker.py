@@ -1,13 +1,14 @@
 """A worker process that kills itself (SIGKILL) at one commit edge of one chunk.
 
-    python -m tests.workflows._crash_worker ADDRESS QUEUE STORE_URL KEYRING_FILE EDGE CHUNK_SEQ READY_FILE [MODE]
+    python -m tests.workflows._crash_worker ADDRESS QUEUE STORE_URL KEYRING_FILE EDGE CHUNK_SEQ
+        READY_FILE [MODE [MODELS]]
 
 MODE `regular` (the default): it serves activities only (the shared queue and its own queue), so
 the workflow keeps running on the test's worker while this one dies mid-chunk, as a GPU worker
 would. MODE `local`: it serves the workflows too, as every worker of worker.py does, so the
 stream's chunks run here as local activities, inside this worker's workflow tasks; the edge
 `returned` is after the local activity's result reached the workflow, before the workflow task
-that records it completes.
+that records it completes. MODELS: what it serves (MAMBA_STREAM_MODELS' form; default tiny-mamba2).
 """
 
 from __future__ import annotations
@@ -78,10 +79,11 @@ async def main() -> None:
     global _CRASH
     address, queue, store_url, keyring_file, edge, seq, ready = sys.argv[1:8]
     mode = sys.argv[8] if len(sys.argv) > 8 else "regular"
+    models = ModelRegistry.from_spec(sys.argv[9] if len(sys.argv) > 9 else "tiny-mamba2", backend="reference")
     _CRASH = (edge, int(seq))
     ring = Keyring.from_file(keyring_file)
     own = f"{queue}@crash-{uuid.uuid4().hex[:6]}"
-    acts = Crashing(edge, int(seq), models=ModelRegistry(["tiny-mamba2"], backend="reference"),
+    acts = Crashing(edge, int(seq), models=models,
                     store=open_store(store_url), keyring=ring, worker_queue=own)
     if mode == "local":
         client = await Client.connect(address, plugins=[MambaStreamPlugin(keyring=ring, activities=acts)])

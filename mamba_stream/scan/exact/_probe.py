@@ -49,7 +49,8 @@ def _probe_view(lm: torch.nn.Module) -> Any:
 
     bb = lm.backbone
     return SimpleNamespace(cfg=lm.cfg, backbone=SimpleNamespace(layers=list(bb.layers)[:2], norm_f=bb.norm_f,
-                                                                embedding=bb.embedding),
+                                                                embedding=bb.embedding,
+                                                                shared=getattr(bb, "shared", None)),  # Zamba2's
                            lm_head=SimpleNamespace(weight=lm.lm_head.weight[:_PROBE_HEAD_ROWS]))
 
 

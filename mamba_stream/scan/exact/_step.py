@@ -9,9 +9,11 @@ It has no twin of its own: its twin is the primitives' path through the mixer (`
 which the tests (tests/scan/exact/test_step.py) and the load-time probe hold it to. A change to
 a mixer's forward must be made in `_step.c` too, or the layout taken off the one call (`_layer`
 returns None, and the primitives run), as a FalconMamba's is (a Mamba-1 with dt/B/C norms,
-`bcdt_rms_eps`, which the one call does not compute). A hybrid's (GraniteMoeHybrid's) Mamba-2
-layers are plain Mamba-2 mixers and take it; its attention layers and MLP sublayers never reach
-it (the forward pass runs them on the primitives, `scan._forward`).
+`bcdt_rms_eps`, which the one call does not compute; a Jamba's too, with learned weights), and a
+Falcon-H1's Mamba-2 (its in_proj multipliers, `ssm_multipliers`; its parallel layer's input and
+output multipliers are applied around the mixer, `scan._parallel`, so they never concern the
+call). A hybrid's (GraniteMoeHybrid's) Mamba-2 layers are plain Mamba-2 mixers and take it; its attention layers
+and MLP sublayers never reach it (the forward pass runs them on the primitives, `scan._forward`).
 
 Separate because it is the one kernel that knows a mixer's layout (its modules, its config),
 where the others know tensors only.
@@ -164,9 +166,15 @@ class _Step(_Library):
             conv_bias = None if m.conv1d.bias is None else m.conv1d.bias.data_ptr()
             keep += [taps, neg_a, dskip, *vectors]
             if isinstance(m, Mamba1Mixer) and cfg.bcdt_rms_eps is not None:
-                # `mamba1_step_f32` has no dt/B/C norms (FalconMamba): the primitives run, which
-                # do; taking the one call would compute a plain Mamba-1, another function
-                _log_refused("a Mamba-1 with dt/B/C RMS norms (bcdt_rms_eps)")
+                # `mamba1_step_f32` has no dt/B/C norms (FalconMamba's, or Jamba's with weights):
+                # the primitives run, which do; the one call would compute a plain Mamba-1, another
+                # function
+                _log_refused("a Mamba-1 with dt/B/C RMS norms (bcdt_rms_eps"
+                             + (", weighted)" if cfg.bcdt_norm_weights else ")"))
+            elif isinstance(m, Mamba2Mixer) and cfg.ssm_multipliers is not None:
+                # `mamba2_step_f32` has no in_proj multipliers (Falcon-H1's mup_vector): the
+                # primitives run, which do; the one call would compute a plain Mamba-2's function
+                _log_refused("a Mamba-2 with in_proj multipliers (ssm_multipliers, Falcon-H1)")
             elif isinstance(m, Mamba1Mixer):
                 at = neg_a.t().contiguous()
                 keep.append(at)
