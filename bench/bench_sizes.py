@@ -15,6 +15,15 @@ llama-cpp-python sdist) and GGUF files beside the checkpoints (`<ckpt>/model-<fo
 same rows run on llama.cpp, interleaved with ours (LLAMA_BENCH_ARGS: more arguments for it).
 
     python bench/bench_sizes.py [--sizes 130m,1.4b,7b] [--formats float32,bfloat16] [--dir DIR]
+
+The hybrids (sizes `3b-hybrid`: Granite-4.0-H-Micro's shape, `8b-hybrid`: Nemotron-H-8B's) are
+measured at a context: prefill of --prefill tokens (1024) from an empty state, then decode at each
+of --depths (default: the prefill's length; a deeper one reached by advancing --prefill tokens at a
+time), on `load_model(d)`'s default backend (exact), `max_positions` set to what the deepest
+context needs. llama.cpp beside them: `llama-bench -p <prefill> -n 0` and `-p 0 -n <steps> -d
+<depth>` (the depth's prefill is not timed), `-r` --llama-reps.
+
+    python bench/bench_sizes.py --sizes 3b-hybrid --depths 1024,8192
 """
 
 from __future__ import annotations
@@ -33,9 +42,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SIZES = {"130m": ("130m-mamba1", "130m-mamba2"), "1.4b": ("1.4b-mamba1", "1.3b-mamba2"),
-         "7b": ("7b-mamba1", "7b-mamba2")}
+         "7b": ("7b-mamba1", "7b-mamba2"), "3b-hybrid": ("granite-micro",), "8b-hybrid": ("nemotron-h-8b",)}
 #: formats a shape is measured in: a 7B model in float32 (29 GB) does not fit this machine kind
-FORMATS = {"130m": ("float32", "bfloat16", "q8"), "1.4b": ("float32", "bfloat16", "q8"), "7b": ("bfloat16", "q8")}
+FORMATS = {"130m": ("float32", "bfloat16", "q8"), "1.4b": ("float32", "bfloat16", "q8"), "7b": ("bfloat16", "q8"),
+           "3b-hybrid": ("bfloat16", "q8"), "8b-hybrid": ("bfloat16", "q8")}
+HYBRID_SIZES = ("3b-hybrid", "8b-hybrid")
 
 
 def _rss_now() -> float:
@@ -43,16 +54,20 @@ def _rss_now() -> float:
     return pages * os.sysconf("SC_PAGE_SIZE") / 1e9
 
 
-def child(ckpt: Path, weights: str, prefill: int, steps: int, runs: int, backend: str = "exact") -> dict:
-    """One process, one model: load, first token, prefill, decode."""
+def child(ckpt: Path, weights: str, prefill: int, steps: int, runs: int, backend: str = "exact",
+          depths: tuple[int, ...] = ()) -> dict:
+    """One process, one model: load, first token, prefill, decode (at each of `depths` after the
+    prefill's own length, a deeper context reached `prefill` tokens at a time)."""
     t0 = time.perf_counter()
     import torch
 
     from mamba_stream.scan import load_model
 
     t_import = time.perf_counter() - t0
+    # a model with attention holds max_positions KV rows a stream: as many as the deepest context needs
+    kw = {"max_positions": max(prefill, *depths) + steps + 4} if depths else {}
     t1 = time.perf_counter()
-    model = load_model(ckpt, backend=backend, weights=weights)
+    model = load_model(ckpt, backend=backend, weights=weights, **kw)
     first = model.advance(model.initial_state(), [1])
     t_first = time.perf_counter() - t1
     # again, as a worker that restarts finds it: the file in the page cache, its revision hash
@@ -60,23 +75,32 @@ def child(ckpt: Path, weights: str, prefill: int, steps: int, runs: int, backend
     del model, first
     gc.collect()  # the first model's mapping goes before the second is made (the peak RSS is one model's)
     t1 = time.perf_counter()
-    model = load_model(ckpt, backend=backend, weights=weights)
+    model = load_model(ckpt, backend=backend, weights=weights, **kw)
     first = model.advance(model.initial_state(), [1])
     t_again = time.perf_counter() - t1
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.vocab_size, (prefill + steps + 2,), generator=g).tolist()
+    ids = torch.randint(0, model.vocab_size, (max(prefill, *depths, 0) + steps + 2,), generator=g).tolist()
     s0 = model.initial_state()
     pre = []
     for _ in range(runs):
         t = time.perf_counter()
         r = model.advance(s0, ids[:prefill])
         pre.append(time.perf_counter() - t)
-    st, times = r.state, []
-    for i in range(steps + 2):
-        t = time.perf_counter()
-        st = model.advance(st, [ids[prefill + i]]).state
-        times.append(time.perf_counter() - t)
-    step = statistics.median(times[2:])
+    def decode(st, at: int) -> float:  # the median 1-token step from a state at position `at`
+        times = []
+        for i in range(steps + 2):
+            t = time.perf_counter()
+            st = model.advance(st, [ids[at + i]]).state
+            times.append(time.perf_counter() - t)
+        return statistics.median(times[2:])
+
+    step = decode(r.state, prefill)
+    decode_at, st, at = {}, r.state, prefill
+    for depth in depths:
+        while at < depth:
+            n = min(prefill, depth - at)
+            st, at = model.advance(st, ids[at:at + n]).state, at + n
+        decode_at[depth] = 1 / (step if depth == prefill else decode(st, depth))
     lm = model.module
     seen: set[int] = set()
     read = 0  # bytes a decode step reads: every parameter once (the embedding's one row aside, when untied)
@@ -92,20 +116,33 @@ def child(ckpt: Path, weights: str, prefill: int, steps: int, runs: int, backend
     return {"import_s": t_import, "first_token_s": t_first, "again_s": t_again, "probe_s": model.exact_probe.seconds,
             "path": first.path, "rss_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
             "rss_gb": _rss_now(), "prefill_tok_s": prefill / statistics.median(pre), "decode_tok_s": 1 / step,
-            "read_gb": read / 1e9, "weight_gbs": read / step / 1e9, "arithmetic": model.arithmetic().id}
+            "read_gb": read / 1e9, "weight_gbs": read / step / 1e9, "arithmetic": model.arithmetic().id,
+            "decode_at": decode_at}
 
 
-def _llama(bench: str, gguf: Path, prefill: int, steps: int) -> dict | None:
+def _llama(bench: str, gguf: Path, prefill: int, steps: int, depths: tuple[int, ...] = (), reps: int = 3
+           ) -> dict | None:
+    """llama-bench's prefill and decode tokens/s; with `depths`, prefill from an empty context and
+    decode after each depth (`-d`, its prefill untimed), as the hybrids' rows measure ours."""
     if not gguf.exists():
         return None
     threads = str(os.cpu_count() or 1)
     extra = os.environ.get("LLAMA_BENCH_ARGS", "").split()  # e.g. "--repack 0" (docs/llamacpp.md)
-    out = subprocess.run([bench, "-m", str(gguf), "-p", str(prefill), "-n", str(steps), "-t", threads, "-r", "3",
-                          "-o", "json", *extra], capture_output=True, text=True, check=True)
-    rows = json.loads(out.stdout)
-    pre = next(r["avg_ts"] for r in rows if r.get("n_prompt", 0) > 0)
-    dec = next(r["avg_ts"] for r in rows if r.get("n_gen", 0) > 0)
-    return {"prefill_tok_s": pre, "decode_tok_s": dec}
+
+    def run(*args: str) -> list[dict]:
+        out = subprocess.run([bench, "-m", str(gguf), *args, "-t", threads, "-r", str(reps), "-o", "json", *extra],
+                             capture_output=True, text=True, check=True)
+        return json.loads(out.stdout)
+
+    if not depths:
+        rows = run("-p", str(prefill), "-n", str(steps))
+        pre = next(r["avg_ts"] for r in rows if r.get("n_prompt", 0) > 0)
+        dec = next(r["avg_ts"] for r in rows if r.get("n_gen", 0) > 0)
+        return {"prefill_tok_s": pre, "decode_tok_s": dec}
+    pre = next(r["avg_ts"] for r in run("-p", str(prefill), "-n", "0") if r.get("n_prompt", 0) > 0)
+    rows = run("-p", "0", "-n", str(steps), "-d", ",".join(map(str, depths)))
+    decode_at = {r["n_depth"]: r["avg_ts"] for r in rows if r.get("n_gen", 0) > 0}
+    return {"prefill_tok_s": pre, "decode_tok_s": decode_at[depths[0]], "decode_at": decode_at}
 
 
 def main() -> None:
@@ -119,12 +156,16 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3, help="prefill runs per process (medians)")
     ap.add_argument("--child", nargs=2, metavar=("CKPT", "WEIGHTS"), help=argparse.SUPPRESS)
     ap.add_argument("--prefill", type=int, default=0, help="prefill tokens (default 512; 128 at 1.4B and 7B)")
-    ap.add_argument("--backends", default="exact,exact-fma",
-                    help="exact backends, a row each: exact (exact-1), exact-fma (exact-2: fused multiply-adds)")
+    ap.add_argument("--backends", default="",
+                    help="exact backends, a row each: exact (exact-1), exact-fma (exact-2: fused multiply-adds); "
+                    "default both, exact alone (load_model's default) for the hybrids")
+    ap.add_argument("--depths", default="", help="hybrids: contexts to decode at (default: the prefill's length)")
+    ap.add_argument("--llama-reps", type=int, default=0, help="llama-bench -r (default 3; 1 for the hybrids)")
     args = ap.parse_args()
+    depths = tuple(int(d) for d in args.depths.split(",") if d)
     if args.child:
         print(json.dumps(child(Path(args.child[0]), args.child[1], args.prefill, args.steps, args.runs,
-                               args.backends)))
+                               args.backends, depths)))
         return
 
     from bench.bench_scan import read_bandwidth
@@ -132,13 +173,18 @@ def main() -> None:
 
     bw = read_bandwidth()
     llama = os.environ.get("LLAMA_BENCH")
-    print(f"exact backends ({args.backends}), {os.cpu_count()} threads; read bandwidth {bw / 1e9:.1f} GB/s "
+    which = args.backends or "exact,exact-fma; hybrids exact"
+    print(f"exact backends ({which}), {os.cpu_count()} threads; read bandwidth {bw / 1e9:.1f} GB/s "
           f"(a threaded sum of 1 GiB); random-weight checkpoints (bench/make_checkpoint.py); one process per row")
     print(f"{'shape':<12} {'format':<9} {'file GB':>8} {'load s':>11} {'RSS GB':>7} {'RSS/file':>8} "
           f"{'prefill tok/s':>14} {'decode tok/s':>13} {'GB/s':>6} {'of bw':>6}  arithmetic")
     for size in args.sizes.split(","):
-        prefill = args.prefill or (512 if size == "130m" else 128)
-        steps = args.steps or (8 if size == "7b" else 32)
+        hybrid = size in HYBRID_SIZES
+        prefill = args.prefill or (512 if size == "130m" else 1024 if hybrid else 128)
+        steps = args.steps or (8 if size in ("7b", "8b-hybrid") else 16 if hybrid else 32)
+        at = (depths or (prefill,)) if hybrid else ()
+        backends = args.backends or ("exact" if hybrid else "exact,exact-fma")
+        reps = args.llama_reps or (1 if hybrid else 3)
         for shape in SIZES[size]:
             if args.shapes and shape not in args.shapes.split(","):
                 continue
@@ -148,10 +194,10 @@ def main() -> None:
                 ckpt = make(shape, fmt, args.dir / f"{shape}-{fmt}")
                 file_gb = (ckpt / "model.safetensors").stat().st_size / 1e9
                 rows = {}
-                for backend in args.backends.split(","):
+                for backend in backends.split(","):
                     proc = subprocess.run([sys.executable, __file__, "--child", str(ckpt), fmt, "--prefill",
                                            str(prefill), "--steps", str(steps), "--runs", str(args.runs),
-                                           "--backends", backend],
+                                           "--backends", backend, "--depths", ",".join(map(str, at))],
                                           capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
                     if proc.returncode != 0:
                         print(f"{shape:<12} {fmt:<9} {backend} failed: {proc.stderr.strip().splitlines()[-1:]}")
@@ -162,13 +208,19 @@ def main() -> None:
                           f"{r['rss_peak_gb'] / file_gb:>8.2f} {r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.2f} "
                           f"{r['weight_gbs']:>6.1f} {r['weight_gbs'] * 1e9 / bw:>6.0%}  "
                           f"{r['arithmetic']} ({r['path']}, probe {r['probe_s']:.1f} s)")
+                    for depth, tps in r.get("decode_at", {}).items():
+                        print(f"{'':<12} {'':<9} {'decode at':>8} {depth:>11} {'':>7} {'':>8} {'':>14} {tps:>13.2f}")
                 if llama and rows:
-                    ll = _llama(llama, ckpt / f"model-{fmt}.gguf", prefill, steps)
+                    ll = _llama(llama, ckpt / f"model-{fmt}.gguf", prefill, steps, at, reps)
                     if ll:
                         ratios = "; ".join(f"{b} prefill {x['prefill_tok_s'] / ll['prefill_tok_s']:.2f}x, decode "
                                            f"{x['decode_tok_s'] / ll['decode_tok_s']:.2f}x" for b, x in rows.items())
                         print(f"{'':<12} {'llama.cpp':<9} {'':>8} {'':>11} {'':>7} {'':>8} "
                               f"{ll['prefill_tok_s']:>14.1f} {ll['decode_tok_s']:>13.2f}   -> ours/llama.cpp: {ratios}")
+                        for depth, tps in ll.get("decode_at", {}).items():
+                            mine = "; ".join(f"{b} {x['decode_at'][str(depth)] / tps:.2f}x" for b, x in rows.items())
+                            print(f"{'':<12} {'llama.cpp':<9} {'decode at':>8} {depth:>11} {'':>7} {'':>8} {'':>14} "
+                                  f"{tps:>13.2f}   -> ours/llama.cpp decode at {depth}: {mine}")
 
 
 if __name__ == "__main__":

@@ -12,10 +12,22 @@ load time, memory and speed, which depend on the shapes and the format, not on t
                   extra B/C/dt norms are not part of the `mamba` layout)
     7b-mamba2     d_model 4096, 64 layers, d_state 128, 8 groups, vocab 32768, untied head
                   (Codestral-Mamba-7B's shape)
+    granite-micro Granite-4.0-H-Micro's shape (GraniteMoeHybrid, 3B dense): hidden 2048, 40 layers,
+                  attention (32 q / 8 kv heads of 64, NoPE) at 5, 15, 25, 35, the rest Mamba-2 (64
+                  heads x 64, state 128, 1 group), each followed by the shared MLP (8192), vocab
+                  100352, tied; 131072 positions
+    nemotron-h-8b Nemotron-H-8B's shape (NemotronH): hidden 4096, 52 layers "M-M-M-M*-...": 24
+                  Mamba-2 (128 heads x 64, state 128, 8 groups), 4 attention (32 q / 8 kv heads of
+                  128, NoPE), 24 MLP-only (relu2, 21504); vocab 131072, untied
+
+The hybrids are written as transformers 5.24 saves them (its config.json fields, `layer_types` /
+`layers_block_type` in its spelling, its tensor names); `--tiny` writes the same layout (the same
+layer pattern, every kind of tensor) at hidden 64, for tests.
 
 The file is written tensor by tensor, a slab of rows at a time, so a 14.6 GB bfloat16 checkpoint
 needs a few hundred MB of memory to make. `--dtype q8` writes the matrices as block-int8 (the
-`<name>_q8` / `<name>_scale` tensors `scan.load_model` reads as q8), the rest in float32.
+`<name>_q8` / `<name>_scale` tensors `scan.load_model` reads as q8, under the checkpoint's own
+names: a hybrid's embedding pair is `model.embed_tokens.weight_q8` / `_scale`), the rest in float32.
 
     python bench/make_checkpoint.py 7b-mamba2 --dtype bfloat16 --out /tmp/ckpt/7b-mamba2-bf16
 """
@@ -35,7 +47,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mamba_stream.scan import Q8Weight, config_from_json, parameter_shapes, quantize_q8
+from mamba_stream.scan import MambaLM, ModelConfig, Q8Weight, config_from_json, parameter_shapes, quantize_q8
+from mamba_stream.scan._hf import ARCHITECTURES
 
 QB = Q8Weight.block
 
@@ -53,14 +66,65 @@ SHAPES: dict[str, dict[str, Any]] = {
     "7b-mamba2": {"model_type": "mamba2", "hidden_size": 4096, "num_hidden_layers": 64, "vocab_size": 32768,
                   "state_size": 128, "head_dim": 64, "num_heads": 128, "n_groups": 8, "tie_word_embeddings": False},
 }
+_INF = {"__float__": "Infinity"}  # transformers 5.x writes +infinity so in config.json
+#: Granite-4.0-H-Micro's layers: attention at 5, 15, 25, 35 (transformers' spelling of `layer_types`)
+_GRANITE_KINDS = ["full_attention" if i % 10 == 5 else "linear_attention" for i in range(40)]
+#: Nemotron-H-8B's `hybrid_override_pattern` (M Mamba-2, * attention, - MLP): 24 / 4 / 24
+_NEMOTRON_8B = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+_NEMOTRON_KINDS = {"M": "linear_attention", "*": "full_attention", "-": "mlp"}
+HYBRIDS: dict[str, dict[str, Any]] = {
+    # GraniteMoeHybridConfig's fields as transformers 5.24 saves them (dense: no experts, the MLP is
+    # the shared one; llama.cpp's converter wants intermediate_size == shared_intermediate_size then)
+    "granite-micro": {
+        "architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid",
+        "attention_bias": False, "attention_dropout": 0.0, "attention_multiplier": 0.015625, "bos_token_id": 100257,
+        "embedding_multiplier": 12.0, "eos_token_id": 100257, "pad_token_id": 100256, "hidden_act": "silu",
+        "hidden_size": 2048, "initializer_range": 0.1, "intermediate_size": 8192, "layer_types": _GRANITE_KINDS,
+        "logits_scaling": 8.0, "mamba_chunk_size": 256, "mamba_conv_bias": True, "mamba_d_conv": 4,
+        "mamba_d_head": 64, "mamba_d_state": 128, "mamba_expand": 2, "mamba_n_groups": 1, "mamba_n_heads": 64,
+        "mamba_proj_bias": False, "max_position_embeddings": 131072, "num_attention_heads": 32,
+        "num_experts_per_tok": 0, "num_hidden_layers": 40, "num_key_value_heads": 8, "num_local_experts": 0,
+        "output_router_logits": False, "position_embedding_type": "nope", "residual_multiplier": 0.22,
+        "rms_norm_eps": 1e-5, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "router_aux_loss_coef": 0.01, "shared_intermediate_size": 8192, "tie_word_embeddings": True,
+        "time_step_limit": [0.0, _INF], "use_cache": True, "vocab_size": 100352,
+    },
+    # NemotronHConfig's fields as transformers 5.24 saves them (the pattern as `layers_block_type`)
+    "nemotron-h-8b": {
+        "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
+        "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 1, "chunk_size": 128, "conv_kernel": 4,
+        "eos_token_id": 2, "expand": 2, "head_dim": 128, "hidden_dropout": 0.0, "hidden_size": 4096,
+        "initializer_range": 0.02, "intermediate_size": 21504, "layer_norm_epsilon": 1e-5,
+        "layers_block_type": [_NEMOTRON_KINDS[c] for c in _NEMOTRON_8B], "mamba_head_dim": 64,
+        "mamba_hidden_act": "silu", "mamba_num_heads": 128, "mamba_proj_bias": False,
+        "max_position_embeddings": 8192, "mlp_bias": False, "mlp_hidden_act": "relu2", "n_groups": 8,
+        "num_attention_heads": 32, "num_hidden_layers": 52, "num_key_value_heads": 8, "pad_token_id": 0,
+        "rescale_prenorm_residual": True, "residual_in_fp32": False, "sliding_window": None, "ssm_state_size": 128,
+        "tie_word_embeddings": False, "time_step_floor": 1e-4, "time_step_limit": [0.0, _INF],
+        "time_step_max": 0.1, "time_step_min": 0.001, "use_bias": False, "use_cache": True, "use_conv_bias": True,
+        "vocab_size": 131072,
+    },
+}
+#: `--tiny`: the same layouts at hidden 64 (4 q / 2 kv heads of 16, Mamba-2 8 heads x 16, state 16)
+_TINY = {
+    "granite-micro": {"hidden_size": 64, "intermediate_size": 128, "shared_intermediate_size": 128,
+                      "mamba_d_head": 16, "mamba_d_state": 16, "mamba_n_heads": 8, "num_attention_heads": 4,
+                      "num_key_value_heads": 2, "max_position_embeddings": 2048, "vocab_size": 512,
+                      "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0},
+    "nemotron-h-8b": {"hidden_size": 64, "intermediate_size": 128, "head_dim": 16, "mamba_head_dim": 16,
+                      "mamba_num_heads": 8, "n_groups": 2, "ssm_state_size": 16, "num_attention_heads": 4,
+                      "num_key_value_heads": 2, "max_position_embeddings": 2048, "vocab_size": 512},
+}
 _DTYPES = {"float32": (torch.float32, "F32"), "bfloat16": (torch.bfloat16, "BF16"), "float16": (torch.float16, "F16"),
            "q8": (torch.int8, "I8")}
-#: the matrices a q8 checkpoint holds as blocks (`scan.load_model`'s weight formats)
-_MATRICES = ("proj.weight", "embeddings.weight", "lm_head.weight")
 _SLAB = 1 << 24  # values generated at once
 
 
-def hf_config(shape: str) -> dict[str, Any]:
+def hf_config(shape: str, tiny: bool = False) -> dict[str, Any]:
+    if shape in HYBRIDS:
+        return json.loads(json.dumps({**HYBRIDS[shape], **(_TINY[shape] if tiny else {})}))
+    if tiny:
+        raise ValueError(f"--tiny is for the hybrid shapes {sorted(HYBRIDS)}")
     base = {"hidden_act": "silu", "conv_kernel": 4, "expand": 2, "use_bias": False, "use_conv_bias": True,
             "layer_norm_epsilon": 1e-5, "residual_in_fp32": True}
     if SHAPES[shape]["model_type"] == "mamba":
@@ -98,25 +162,84 @@ def _values(name: str, shape: tuple[int, ...], n_layer: int, seed: int, rows: sl
     return torch.randn(sub, generator=g) * std
 
 
-def make(shape: str, dtype: str, out: Path, seed: int = 0) -> Path:
+def _hf_name(ours: str, cfg_json: dict[str, Any], kinds: tuple[str, ...]) -> str:
+    """Our parameter name (`scan._lm`) -> the checkpoint's: mamba-ssm's (Mamba-1/2, but for the
+    embedding), or transformers' for a hybrid (the inverse of `scan._hf`'s renaming)."""
+    model_type = cfg_json["model_type"]
+    layer = None
+    if ours.startswith("backbone.layers."):
+        index, _, rest = ours[len("backbone.layers."):].partition(".")
+        layer = int(index)
+    if model_type == "granitemoehybrid":
+        top = {"backbone.embedding.weight": "model.embed_tokens.weight", "backbone.norm_f.weight": "model.norm.weight"}
+        if layer is None:
+            return top.get(ours, ours)
+        mixer = "self_attn." if kinds[layer] == "attention" else "mamba."
+        for mine, theirs in (("norm.", "input_layernorm."), ("mlp_norm.", "post_attention_layernorm."),
+                             ("mlp.", "shared_mlp."), ("mixer.", mixer)):
+            if rest.startswith(mine):
+                return f"model.layers.{layer}.{theirs}{rest[len(mine):]}"
+        return ours
+    if model_type == "nemotron_h" and layer is not None and kinds[layer] == "mlp":
+        for mine, theirs in (("mixer.input_linear.", "mixer.up_proj."), ("mixer.output_linear.", "mixer.down_proj.")):
+            if rest.startswith(mine):
+                return f"backbone.layers.{layer}.{theirs}{rest[len(mine):]}"
+    return "backbone.embeddings.weight" if ours == "backbone.embedding.weight" else ours
+
+
+def _loader_name(name: str, shape: tuple[int, ...], cfg_json: dict[str, Any], cfg: ModelConfig) -> str | None:
+    """The name `scan.load_model` reads a file's tensor `name` under (None: it drops it), by its own
+    renaming (`_loading._canonical_weights`, `scan._hf`)."""
+    name = name.replace("backbone.embeddings.weight", "backbone.embedding.weight")
+    arch = ARCHITECTURES.get(cfg_json["model_type"])
+    if arch is None:
+        return name
+    got = list(arch.tensors({name: torch.empty(shape, device="meta")}, cfg))
+    return got[0] if len(got) == 1 else None
+
+
+def layout(cfg_json: dict[str, Any], dtype: str) -> dict[str, tuple[tuple[int, ...], str | None]]:
+    """The tensors a checkpoint of `cfg_json` holds: file name -> (shape, the stem of its q8 pair
+    where `dtype` is q8 and it is a matrix, else None). Checked: the loader maps every name back to
+    the parameter it was made for."""
+    cfg, _ = config_from_json(cfg_json)
+    with torch.device("meta"):  # the matrices `scan.load_model` holds in the weight format
+        matrices = {f"{n}.weight" for n, m in MambaLM(cfg).named_modules()
+                    if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))}
+    out: dict[str, tuple[tuple[int, ...], str | None]] = {}
+    for ours, shape in parameter_shapes(cfg).items():
+        name = _hf_name(ours, cfg_json, cfg.kinds)
+        if _loader_name(name, shape, cfg_json, cfg) != ours:
+            raise AssertionError(f"{name} would be read as {_loader_name(name, shape, cfg_json, cfg)}, not {ours}")
+        stem = None
+        if dtype == "q8" and ours in matrices:
+            stem = name
+            if _loader_name(name + "_q8", shape, cfg_json, cfg) != ours + "_q8":
+                raise AssertionError(f"{name}_q8 would not be read as {ours}_q8")
+        out[name] = (shape, stem)
+    return out
+
+
+def make(shape: str, dtype: str, out: Path, seed: int = 0, tiny: bool = False) -> Path:
     """Write `out`/config.json and `out`/model.safetensors; returns `out`. Kept if already made."""
-    cfg_json = hf_config(shape)
+    cfg_json = hf_config(shape, tiny)
     marker = out / ".made"
     want = json.dumps({"shape": shape, "dtype": dtype, "seed": seed, "config": cfg_json}, sort_keys=True)
     if marker.exists() and marker.read_text() == want:
         return out
     out.mkdir(parents=True, exist_ok=True)
     cfg, _ = config_from_json(cfg_json)
-    names = {("backbone.embeddings.weight" if k == "backbone.embedding.weight" else k): v
-             for k, v in parameter_shapes(cfg).items()}
+    tensors = layout(cfg_json, dtype)
+    names = {k: v[0] for k, v in tensors.items()}
     # the entries of the file: (name, safetensors dtype, shape, what fills it)
     entries: list[tuple[str, str, list[int], str, str]] = []
     for name in sorted(names):
         shp = list(names[name])
-        if dtype == "q8" and name.endswith(_MATRICES):
+        stem = tensors[name][1]
+        if stem is not None:
             nb = (shp[1] + QB - 1) // QB
-            entries += [(name + "_q8", "I8", [shp[0], nb * QB], name, "q"),
-                        (name + "_scale", "F16", [shp[0], nb], name, "d")]
+            entries += [(stem + "_q8", "I8", [shp[0], nb * QB], name, "q"),
+                        (stem + "_scale", "F16", [shp[0], nb], name, "d")]
         else:
             entries.append((name, "F32" if dtype == "q8" else _DTYPES[dtype][1], shp, name, "v"))
     entries.sort()
@@ -141,11 +264,12 @@ def make(shape: str, dtype: str, out: Path, seed: int = 0) -> Path:
             for r0 in range(0, shp[0], step):
                 rows = slice(r0, min(shp[0], r0 + step))
                 vals = _values(name, shp, cfg.n_layer, seed, rows)
-                if dtype == "q8" and name.endswith(_MATRICES):
+                stem = tensors[name][1]
+                if stem is not None:
                     qw = quantize_q8(vals)
                     for part, t in (("_q8", qw.q), ("_scale", qw.d)):
                         row_bytes = t[0].numel() * t.element_size()
-                        fh.seek(base + where[name + part] + r0 * row_bytes)
+                        fh.seek(base + where[stem + part] + r0 * row_bytes)
                         fh.write(t.contiguous().view(torch.uint8).numpy().tobytes())
                 else:
                     t = vals.to(torch.float32 if dtype == "q8" else _DTYPES[dtype][0]).contiguous()
@@ -158,12 +282,13 @@ def make(shape: str, dtype: str, out: Path, seed: int = 0) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("shape", choices=sorted(SHAPES))
+    ap.add_argument("shape", choices=sorted([*SHAPES, *HYBRIDS]))
     ap.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tiny", action="store_true", help="a hybrid's layout at hidden 64 (for tests)")
     args = ap.parse_args()
-    path = make(args.shape, args.dtype, args.out, args.seed)
+    path = make(args.shape, args.dtype, args.out, args.seed, args.tiny)
     size = (path / "model.safetensors").stat().st_size
     print(f"{path}: {size / 1e9:.2f} GB")
 

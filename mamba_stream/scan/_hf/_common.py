@@ -144,12 +144,17 @@ TOP = {"model.embed_tokens.weight": "backbone.embedding.weight",
 def rename_layers(sd: Mapping[str, Tensor], layer_names: Iterable[tuple[str, str]],
                   top: Mapping[str, str]) -> dict[str, Tensor]:
     """Their tensors under our names (`scan._lm`): `top` maps whole names (the embedding, the final
-    norm), `layer_names` the prefixes within `model.layers.{i}.` (first match wins); any other
-    name is kept as it is, for the shape check to refuse."""
+    norm; a q8 pair's `<name>_q8` / `<name>_scale` as its `<name>`), `layer_names` the prefixes
+    within `model.layers.{i}.` (first match wins); any other name is kept as it is, for the shape
+    check to refuse."""
     pairs = tuple(layer_names)
     out: dict[str, Tensor] = {}
     for name, t in sd.items():
-        new = top.get(name, name)
+        stem, suffix = name, ""
+        for q8 in ("_q8", "_scale"):
+            if name.endswith(q8) and name[: -len(q8)] in top:
+                stem, suffix = name[: -len(q8)], q8
+        new = top[stem] + suffix if stem in top else name
         if name.startswith("model.layers."):
             index, _, rest = name[len("model.layers."):].partition(".")
             for theirs, ours in pairs:

@@ -1,0 +1,89 @@
+"""bench/make_checkpoint.py's hybrid shapes: the full-size configs parse to the published layouts, and
+a tiny checkpoint of each (`--tiny`: the same code and layer pattern at hidden 64) loads with
+`load_model` in bfloat16 and q8, under transformers' tensor names."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mamba_stream.scan import config_from_json, load_model, parameter_shapes
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+mc = _load("make_checkpoint")
+
+
+def test_granite_micro_is_granite_4_h_micros_layout():
+    cfg_json = mc.hf_config("granite-micro")
+    cfg, layout = config_from_json(cfg_json)
+    assert layout == "hf" and cfg.n_layer == 40 and cfg.d_model == 2048 and cfg.vocab_size == 100352
+    assert [i for i, k in enumerate(cfg.kinds) if k == "attention"] == [5, 15, 25, 35]
+    assert set(cfg.kinds) == {"mamba2", "attention"} and cfg.ffns == ("mlp",) * 40
+    assert (cfg.n_q_heads, cfg.n_kv_heads, cfg.attn_head_dim, cfg.position_embedding) == (32, 8, 64, "nope")
+    assert (cfg.nheads, cfg.headdim, cfg.d_state, cfg.ngroups, cfg.d_conv) == (64, 64, 128, 1, 4)
+    assert cfg.tie_embeddings and cfg.max_positions == 131072
+    shapes = parameter_shapes(cfg)
+    assert "lm_head.weight" not in shapes and shapes["backbone.embedding.weight"] == (100352, 2048)
+    assert shapes["backbone.layers.0.mixer.in_proj.weight"] == (2 * 4096 + 2 * 128 + 64, 2048)
+    assert shapes["backbone.layers.5.mixer.k_proj.weight"] == (8 * 64, 2048)
+    assert shapes["backbone.layers.5.mlp.input_linear.weight"] == (2 * 8192, 2048)
+    assert 3.0e9 < sum(torch.Size(s).numel() for s in shapes.values()) < 3.4e9  # "3B"
+    names = mc.layout(cfg_json, "bfloat16")
+    assert "model.embed_tokens.weight" in names and "model.layers.5.self_attn.q_proj.weight" in names
+    assert "model.layers.4.mamba.in_proj.weight" in names and "model.layers.4.shared_mlp.output_linear.weight" in names
+
+
+def test_nemotron_h_8b_is_nemotron_h_8bs_layout():
+    cfg_json = mc.hf_config("nemotron-h-8b")
+    cfg, _ = config_from_json(cfg_json)
+    assert cfg.n_layer == 52 and cfg.d_model == 4096 and cfg.vocab_size == 131072 and not cfg.tie_embeddings
+    assert [cfg.kinds.count(k) for k in ("mamba2", "attention", "mlp")] == [24, 4, 24]
+    assert "".join({"mamba2": "M", "attention": "*", "mlp": "-"}[k] for k in cfg.kinds) == mc._NEMOTRON_8B
+    assert (cfg.n_q_heads, cfg.n_kv_heads, cfg.attn_head_dim) == (32, 8, 128)
+    assert (cfg.nheads, cfg.headdim, cfg.d_state, cfg.ngroups) == (128, 64, 128, 8)
+    assert (cfg.mlp_intermediate_size, cfg.mlp_activation, cfg.mlp_gated) == (21504, "relu2", False)
+    shapes = parameter_shapes(cfg)
+    assert 7.5e9 < sum(torch.Size(s).numel() for s in shapes.values()) < 8.5e9  # "8B"
+    names = mc.layout(cfg_json, "q8")
+    assert names["backbone.layers.1.mixer.up_proj.weight"] == ((21504, 4096), "backbone.layers.1.mixer.up_proj.weight")
+    assert names["backbone.embeddings.weight"][1] == "backbone.embeddings.weight"
+
+
+@pytest.mark.parametrize("shape", ["granite-micro", "nemotron-h-8b"])
+def test_a_tiny_checkpoint_of_each_hybrid_loads_in_each_format(shape, tmp_path):
+    full, _ = config_from_json(mc.hf_config(shape))
+    for fmt in ("bfloat16", "q8"):  # the formats bench_sizes.py measures them in (float32 is the q8 file's rest)
+        d = mc.make(shape, fmt, tmp_path / fmt, tiny=True)
+        stored = json.loads((d / "config.json").read_text())
+        assert stored["model_type"] == mc.HYBRIDS[shape]["model_type"]
+        model = load_model(d, max_positions=64)
+        cfg = model.config
+        assert model.weight_format == fmt
+        assert (cfg.kinds, cfg.ffns, cfg.tie_embeddings) == (full.kinds, full.ffns, full.tie_embeddings)
+        assert cfg.d_model == 64 and cfg.n_kv_heads * 2 == cfg.n_q_heads
+        if fmt == "q8":  # every matrix held as blocks, the embedding too, under the checkpoint's own names
+            from safetensors import safe_open
+
+            with safe_open(str(d / "model.safetensors"), "pt") as fh:
+                emb = {"granite-micro": "model.embed_tokens.weight",
+                       "nemotron-h-8b": "backbone.embeddings.weight"}[shape]
+                assert {emb + "_q8", emb + "_scale"} <= set(fh.keys())
+            buffers = dict(model.module.named_buffers())
+            assert "backbone.embedding.weight_q8" in buffers and "backbone.layers.0.mixer.in_proj.weight_q8" in buffers
+        out = model.advance(model.initial_state(), [1, 2, 3])
+        assert out.logits.shape == (3, cfg.vocab_size) and torch.isfinite(out.logits).all()
