@@ -335,11 +335,13 @@ class Model:
                 raise NonFiniteOutput("the batched step produced non-finite logits; no state was written"
                                       if not in_place else "the batched step produced non-finite logits")
             news = (t for layer in new_states for t in layer)
+            # where each stream's new KV row lies: (row in the batch, position), once for every growing tensor
+            at = None if positions is None else positions.to(self.device)
+            batch = torch.arange(b, device=self.device)
             for name, old, new, grows in zip(names, flat, news, self._grows, strict=False):
                 if grows:  # the new row of each stream, at its position
-                    assert positions is not None
-                    at = positions.to(self.device)
-                    buffers[name][rows, at] = new[torch.arange(b, device=self.device), at].to(buffers[name].dtype)
+                    assert at is not None
+                    buffers[name][rows, at] = new[batch, at].to(buffers[name].dtype)
                 elif span:
                     if new is not old:  # a state written in place is already in its rows
                         buffers[name].narrow(0, first, b).copy_(new)
