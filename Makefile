@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_readers.py
 	$(PY) bench/bench_serving.py
 	$(PY) bench/prefix_states.py
+	$(PY) bench/bench_segments.py
 
 eval: $(STAMP)
 	$(VENV)/bin/mamba-stream eval --append docs/results/quality.md

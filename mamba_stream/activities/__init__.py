@@ -30,6 +30,7 @@ __all__ = [
     "Fence",
     "FileStateStore",
     "InvalidStoreKey",
+    "KVSegments",
     "LeaseLost",
     "LegacyObject",
     "MemoryStateStore",
@@ -38,6 +39,7 @@ __all__ = [
     "PrefixStore",
     "PrefixSweep",
     "RekeyReport",
+    "SegmentSweep",
     "SlotTable",
     "StateStore",
     "StoreCorrupt",
@@ -69,7 +71,8 @@ def __getattr__(name: str):
              "SlotTable": "_slots", "StreamMetrics": "_metrics", "HISTOGRAM_BUCKETS": "_metrics",
              "SweepReport": "_sweep", "sweep_orphans": "_sweep",
              "claim_store": "_sweep", "PrefixStore": "_prefix", "PrefixSweep": "_prefix",
-             "RekeyReport": "_rekey", "rekey_store": "_rekey"}
+             "RekeyReport": "_rekey", "rekey_store": "_rekey", "KVSegments": "_segments",
+             "SegmentSweep": "_segments"}
     if name in homes:
         import importlib
 

@@ -129,7 +129,7 @@ class StreamActivities:
                                    edge=lambda name, sid, seq: self._edge(name, sid, seq))
         self.carries = CarrySeals(keyring)
         self.prefixes = PrefixStore(store, keyring, self.metrics, max_bytes=prefix_bytes, ram_bytes=prefix_ram_bytes,
-                                    shared=shared_prefixes)
+                                    shared=shared_prefixes, segments=self.commits.segments)
         #: whether this worker's failures are its own; the plugin stops a tripped worker
         self.health = WorkerHealth()
         self.health.on_trip(lambda why: self.metrics.worker_unhealthy.add(1))

@@ -223,7 +223,7 @@ def _prior(acts: StreamActivities, req: AdvanceChunkRequest | GenerateChunkReque
     if prior is None:
         return key, None
     acts.metrics.duplicate_chunks.add(1, {"model": model.model_id})
-    acts.commits.drop(req.drop_keys, stream_id=req.stream_id, principal=req.principal)
+    acts.commits.drop(req.drop_keys, stream_id=req.stream_id, principal=req.principal, model=model)
     return key, prior.result
 
 
@@ -247,7 +247,8 @@ def _local_fits(acts: StreamActivities, model: Model, rounds: int) -> None:
 def _reference_input(acts: StreamActivities, model: Model, receipt: Receipt, principal: str) -> State | None:
     """The chunk's input state, read from the store for the reference check (None if gone)."""
     blob = acts.store.get(key=receipt.state_key, owner=acts.commits.owner(principal), legacy=principal)
-    return None if blob is None else unseal(blob, receipt, acts.keyring, model=model, principal=principal)
+    return None if blob is None else unseal(blob, receipt, acts.keyring, model=model, principal=principal,
+                                            segments=acts.commits.segments.reader(principal))
 
 
 # --- commit ---------------------------------------------------------------------------------

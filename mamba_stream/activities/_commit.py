@@ -5,20 +5,25 @@ sequence), so every attempt of the same chunk derives the same key:
 
     1. prior(key)      an earlier attempt recorded a result under `<key>.out`: return it, done
     2. (compute)       the caller advances the state
-    3. seal + put      the state sealed for (principal, stream), stored put-if-absent; when an
-                       earlier attempt already wrote the key, its bytes are adopted (what it wrote
-                       is what a reader of that key will see), the receipt's checksum with them
+    3. seal + put      a hybrid's new KV segments first (`KVSegments`), then the state sealed for
+                       (principal, stream), stored put-if-absent; when an earlier attempt already
+                       wrote the key, its bytes are adopted (what it wrote is what a reader of that
+                       key will see), the receipt's checksum with them; then the checkpoint's
+                       refs object, which keeps its segments from the sweep
     4. record          a small sealed record of the result under `<key>.out`, put-if-absent
     5. drops           older checkpoints that left the retention window, deleted
 
 The edges between these steps are seams for the crash tests (`edge(name, stream_id, chunk_seq)`):
 
-    admitted -> (kernel) -> computed -> (write) -> written -> (record) -> recorded
+    admitted -> (kernel) -> computed -> (segments) -> segments-written -> (write) -> written
+             -> (record) -> recorded
 
 A crash at any edge leaves the store in a state the next attempt finishes from: before `written`
-nothing of this chunk is visible; between `written` and `recorded` the checkpoint exists and the
-retry recomputes the same key, adopts the stored bytes and writes the record; after `recorded`
-the retry returns the record (and redoes the drops).
+nothing of this chunk is visible (segments written without their checkpoint are found again by
+the retry, which derives the same keys, or swept); between `written` and `recorded` the
+checkpoint exists and the retry recomputes the same key, adopts the stored bytes (its segments
+read back and checked) and writes the record; after `recorded` the retry returns the record (and
+redoes the drops).
 
 No Temporal, no engine: the caller passes what to do with the committed state. Tested against an
 in-memory store (tests/activities/test_commit.py) and through `ActivityEnvironment`.
@@ -39,19 +44,21 @@ import msgpack
 import torch
 
 from mamba_stream.activities._metrics import StreamMetrics
+from mamba_stream.activities._segments import KVSegments
 from mamba_stream.activities._store import StateStore
 from mamba_stream.scan import Model, State
 from mamba_stream.state_codec import (
     CheckpointNotFound,
     Origin,
     Receipt,
+    SegmentMissing,
     arithmetic_moved,
     continue_arithmetic,
     format_state_key,
     parse_state_key,
     record_key,
 )
-from mamba_stream.state_codec.codec import Keyring, open_bytes, open_checkpoint, seal, seal_bytes, unseal
+from mamba_stream.state_codec.codec import Keyring, open_bytes, open_state, seal, seal_bytes, unseal
 from mamba_stream.workflows import RewindPastWindow
 
 __all__ = ["ChunkCommit", "Committed", "Completed", "Prior"]
@@ -109,6 +116,7 @@ class ChunkCommit:
         self.metrics = metrics or StreamMetrics()
         self.edge = edge
         self._key_secret = keyring.subkey(_KEY_LABEL)
+        self.segments = KVSegments(store, keyring)
 
     # --- keys ----------------------------------------------------------------------------------
 
@@ -162,7 +170,8 @@ class ChunkCommit:
         if blob is None:
             raise CheckpointNotFound(f"no checkpoint {receipt.state_key} for this principal in {self.store.url}",
                                      field="state_key", expected=receipt.state_key, actual=None)
-        state = unseal(blob, receipt, self.keyring, model=model, principal=principal)
+        state = unseal(blob, receipt, self.keyring, model=model, principal=principal,
+                       segments=self.segments.reader(principal, receipt.state_key))
         rec = self.prior(receipt.state_key, principal)
         return state, rec.logits if rec else None, len(blob)
 
@@ -196,12 +205,12 @@ class ChunkCommit:
         return [(e, c) for _, e, c in self._checkpoints(receipt.stream_id)
                 if (e, c) > (receipt.epoch, receipt.chunk_seq)]
 
-    def revoke_before(self, stream_id: str, principal: str, epoch: int) -> int:
+    def revoke_before(self, stream_id: str, principal: str, epoch: int, model: Model | None = None) -> int:
         """Delete every stored checkpoint and result record of the stream from an epoch before
         `epoch`: open, reset, chunk and pinned ones alike, and a record whose checkpoint is already
         gone (a drop interrupted between the two deletes); how many checkpoints."""
         old = [key for key, e, _ in self._checkpoints(stream_id) if e < epoch]
-        self.drop(old, stream_id=stream_id, principal=principal)
+        self.drop(old, stream_id=stream_id, principal=principal, model=model)
         for key in self.store.list_stream(stream_id=stream_id):
             parsed = parse_state_key(key, records=True)
             if parsed is not None and parsed.stream_id == stream_id and parsed.epoch < epoch:
@@ -219,16 +228,32 @@ class ChunkCommit:
         came from (its receipt and every later one of the epoch name it).
         """
         arithmetic = continue_arithmetic(before, model.arithmetic(path))
+        segments, written = None, None
+        if self.segments.segmented(model):
+            segments = self.segments.split(model, state, principal, before.state_key if before else None)
+            written = self.segments.write(model, segments, principal)
+            self.edge("segments-written", stream_id, chunk_seq)
         receipt, blob = seal(model, state, stream_id=stream_id, principal=principal, chunk_seq=chunk_seq,
                              epoch=epoch, keyring=self.keyring, state_key=key, backend=backend, arithmetic=arithmetic,
-                             origin=origin)
+                             origin=origin, segments=segments)
         adopted = False
         if self.store.put_if_absent(key=key, data=blob, stream_id=stream_id, owner=self.owner(principal)):
-            self.metrics.committed(key, len(blob), model.model_id)
+            self.metrics.committed(key, len(blob) + (written.bytes if written else 0), model.model_id)
         else:
             existing = self.store.get(key=key, owner=self.owner(principal), legacy=principal)
+            opened = None
             if existing is not None:
-                tensors, checksum = open_checkpoint(existing, receipt, self.keyring)
+                try:
+                    opened = open_state(existing, receipt, self.keyring, segments=self.segments.reader(principal))
+                except SegmentMissing:
+                    # an earlier attempt died between its checkpoint and its refs object, long enough
+                    # ago that its segments were swept: no result was recorded for it (the record comes
+                    # after the refs), so nothing has seen it; ours takes its place
+                    log.warning("stream %s chunk %d: an earlier attempt's checkpoint lost its KV segments; "
+                                "replaced by this attempt's", stream_id, chunk_seq)
+                    self.store.delete(key=key, stream_id=stream_id, owner=self.owner(principal))
+            if opened is not None:
+                tensors, checksum = opened.tensors, opened.checksum
                 if checksum != receipt.checksum and state.position > 0:
                     # another attempt's arithmetic made these bits: ours only computes from here on
                     log.warning("stream %s chunk %d: adopted an earlier attempt's state with other bits",
@@ -238,9 +263,14 @@ class ChunkCommit:
                 receipt = receipt.model_copy(update={"checksum": checksum, **arithmetic})
                 state = State(state.position, tensors, model.schema.fingerprint())
                 adopted = True
+                if written is not None and opened.segments != written.refs:
+                    # its segments are other bits than ours: they are stored (it was read whole)
+                    written = type(written)(opened.segments, (), written.started, 0)
             elif self.store.put_if_absent(key=key, data=blob, stream_id=stream_id, owner=self.owner(principal)):
                 # deleted between the two calls: ours is as good
-                self.metrics.committed(key, len(blob), model.model_id)
+                self.metrics.committed(key, len(blob) + (written.bytes if written else 0), model.model_id)
+        if written is not None:
+            self.segments.hold(principal, stream_id, key, written)
         if arithmetic_moved(before, receipt):
             self.metrics.arithmetic_changes.add(1, {"model": model.model_id, "backend": model.backend})
             log.info("stream %s continues at position %d under another arithmetic: %s", stream_id,
@@ -261,13 +291,15 @@ class ChunkCommit:
         self.edge("written", stream_id, chunk_seq)
         self.write_record(done.receipt, result.model_dump(mode="json"), last)
         self.edge("recorded", stream_id, chunk_seq)
-        self.drop(drop_keys, stream_id=stream_id, principal=principal)
+        self.drop(drop_keys, stream_id=stream_id, principal=principal, model=model)
         return Completed(done, result)
 
-    def drop(self, keys: list[str], *, stream_id: str, principal: str) -> None:
-        """Delete checkpoints (and their records) of the stream that left the retention window.
-        Only the stream's own: a key that names another stream is skipped, and the store deletes
-        nothing of another stream or principal whatever the key says."""
+    def drop(self, keys: list[str], *, stream_id: str, principal: str, model: Model | None = None) -> None:
+        """Delete checkpoints (and their records, and a hybrid's refs objects: `model` None, a model
+        not known, counts as one) of the stream that left the retention window. Only the stream's
+        own: a key that names another stream is skipped, and the store deletes nothing of another
+        stream or principal whatever the key says."""
+        refs = model is None or self.segments.segmented(model)
         for k in keys:
             parsed = parse_state_key(k)
             if parsed is None or parsed.stream_id != stream_id:
@@ -275,3 +307,5 @@ class ChunkCommit:
                 continue
             self.store.delete(key=k, stream_id=stream_id, owner=self.owner(principal), legacy=principal)
             self.store.delete(key=record_key(k), stream_id=stream_id, owner=self.owner(principal), legacy=principal)
+            if refs:  # after the checkpoint: a refs object never outlives nothing but a crash
+                self.segments.release(principal, stream_id, k)

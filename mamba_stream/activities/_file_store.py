@@ -275,12 +275,15 @@ class FileStateStore(StateStore):
             return None
         return found[1]
 
-    def delete(self, *, key: str, stream_id: str, owner: str, legacy: str | None = None) -> bool:
+    def delete(self, *, key: str, stream_id: str, owner: str, legacy: str | None = None,
+               fence: Fence | None = None) -> bool:
         check_name("key", key)
         with self._locked():
             found = self._read_header(key)
             if found is None or found.get("stream_id") != stream_id or not self._owned(found, owner, legacy):
                 return False  # absent, or another stream's (an unreadable header: the stream's dispose takes it)
+            if fence is not None and not fence.holds(self.get_meta(kind=fence.kind, name=fence.name)):
+                return False
             try:
                 self._object(key).unlink()
             except FileNotFoundError:

@@ -58,10 +58,13 @@ class MemoryStateStore(StateStore):
         with self._lock:
             return self._blobs[key][0] if self._mine(key, owner, legacy) else None
 
-    def delete(self, *, key: str, stream_id: str, owner: str, legacy: str | None = None) -> bool:
+    def delete(self, *, key: str, stream_id: str, owner: str, legacy: str | None = None,
+               fence: Fence | None = None) -> bool:
         check_name("key", key)
         with self._lock:
             if not self._mine(key, owner, legacy) or self._blobs[key][1] != stream_id:
+                return False
+            if fence is not None and not fence.holds(self._meta.get((fence.kind, fence.name))):
                 return False
             del self._blobs[key]
             self._legacy.discard(key)

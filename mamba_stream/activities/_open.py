@@ -14,6 +14,7 @@ import torch
 
 from mamba_stream.activities._guards import beat, cancel_point
 from mamba_stream.activities._prefix import PREFIX_STREAM_PREFIX, Compute, is_prefix_stream
+from mamba_stream.activities._segments import is_segment_stream
 from mamba_stream.activities._store import check_name
 from mamba_stream.scan import Model, State
 from mamba_stream.state_codec import (
@@ -46,8 +47,9 @@ log = logging.getLogger(__name__)
 def open_stream(acts: StreamActivities, req: OpenStreamRequest) -> OpenStreamResult:
     """Bind a new stream to a model: its initial state, a prefix's, or a validated checkpoint to resume."""
     check_name("stream id", req.stream_id)
-    if is_prefix_stream(req.stream_id):
-        raise InvalidRequest(f"stream id {req.stream_id!r} is in the prefix store's namespace", field="stream_id")
+    if is_prefix_stream(req.stream_id) or is_segment_stream(req.stream_id):
+        raise InvalidRequest(f"stream id {req.stream_id!r} is in the workers' own namespace (the prefix store's or "
+                             "the KV segments')", field="stream_id")
     acts._verify("open", req.stream_id, req.principal, req)
     tag = stream_tag(req.stream_id)
     if tag is not None and tag != acts.keyring.principal_tag(req.principal):
@@ -103,7 +105,7 @@ def reset_stream(acts: StreamActivities, req: ResetStreamRequest) -> StateResult
                           chunk_seq=req.receipt.chunk_seq, epoch=req.epoch, key=key, before=None)
     acts.commits.write_record(receipt, {"kind": "reset", "receipt": receipt.model_dump(mode="json")}, None)
     if req.request is not None and req.request.revoke:
-        n = acts.commits.revoke_before(req.stream_id, req.principal, req.epoch)
+        n = acts.commits.revoke_before(req.stream_id, req.principal, req.epoch, model)
         log.info("reset of %s revoked %d checkpoints of the epochs before %d", req.stream_id, n, req.epoch)
     acts.metrics.resets.add(1, {"model": model.model_id})
     acts._gauge()

@@ -254,11 +254,14 @@ class PostgresStateStore(StateStore):
             raise StoreCorrupt(f"{key}: content does not match its digest")
         return data
 
-    def delete(self, *, key: str, stream_id: str, owner: str, legacy: str | None = None) -> bool:
+    def delete(self, *, key: str, stream_id: str, owner: str, legacy: str | None = None,
+               fence: Fence | None = None) -> bool:
         check_name("key", key)
+        cond, params = self._fence_sql(fence)
         with self._conn() as conn:
-            return conn.execute(f"DELETE FROM {self.table} WHERE key = %s AND stream_id = %s AND {self._mine}",
-                                (key, stream_id, owner, legacy)).rowcount == 1
+            return conn.execute(
+                f"DELETE FROM {self.table} WHERE key = %s AND stream_id = %s AND {self._mine} AND {cond}",
+                (key, stream_id, owner, legacy, *params)).rowcount == 1
 
     def delete_stream(self, *, stream_id: str) -> int:
         check_name("stream id", stream_id)

@@ -57,6 +57,7 @@ from typing import Any, Literal
 import torch
 
 from mamba_stream.activities._metrics import StreamMetrics
+from mamba_stream.activities._segments import KVSegments
 from mamba_stream.activities._store import (
     Fence,
     LeaseLost,
@@ -68,7 +69,7 @@ from mamba_stream.activities._store import (
 )
 from mamba_stream.scan import Model, State
 from mamba_stream.state_codec import Origin, Receipt, StateRejected, continue_arithmetic, prefix_digest
-from mamba_stream.state_codec.codec import Keyring, open_bytes, seal, seal_bytes, unseal
+from mamba_stream.state_codec.codec import Keyring, open_bytes, seal, seal_bytes, segment_rows, unseal
 
 __all__ = ["PREFIX_STREAM_PREFIX", "SHARED_PRINCIPAL", "PrefixStore", "PrefixSweep", "Scope", "is_prefix_stream"]
 
@@ -234,12 +235,16 @@ class PrefixStore:
         ram_bytes: decoded states kept in memory for hits (0: none).
         shared: the operator's shared prefixes by model id: texts (encoded by the model's input
             transform at first use) or token ids.
+        segments: where a hybrid's KV segments go (the worker's commits', so that a stream opened
+            from an entry shares its segments).
     """
 
     def __init__(self, store: StateStore, keyring: Keyring, metrics: StreamMetrics | None = None, *,
                  max_bytes: int = 1 << 30, ram_bytes: int = 256 << 20,
-                 shared: Mapping[str, Sequence[str | Sequence[int]]] | None = None) -> None:
+                 shared: Mapping[str, Sequence[str | Sequence[int]]] | None = None,
+                 segments: KVSegments | None = None) -> None:
         self.store = store
+        self.segments = segments or KVSegments(store, keyring)
         self.keyring = keyring
         self.metrics = metrics or StreamMetrics()
         self.max_bytes = max_bytes
@@ -517,7 +522,8 @@ class PrefixStore:
             blob = self.store.get(key=entry.key, owner=owner, legacy=principal)
             if blob is None:
                 return None
-            state = unseal(blob, entry.receipt, self.keyring, model=model, principal=principal)
+            state = unseal(blob, entry.receipt, self.keyring, model=model, principal=principal,
+                           segments=self.segments.reader(principal, entry.key))
             out = self.store.get(key=entry.key + ".out", owner=owner, legacy=principal)
             logits = None if out is None else torch.frombuffer(bytearray(open_bytes(
                 out, binding=f"{principal}|{entry.key}.out", keyring=self.keyring)), dtype=torch.float32)
@@ -569,14 +575,21 @@ class PrefixStore:
         if model.schema.state_bytes + 4 * model.vocab_size > self.max_bytes:
             return None  # one entry would not fit its scope's bound
         key = scope.key(eid)
+        segments, written, kv_bytes = None, None, 0
+        if self.segments.segmented(model):  # a hybrid's KV segments first, shared with its streams
+            segments = self.segments.split(model, state, scope.principal, None)
+            written = self.segments.write(model, segments, scope.principal)
+            # the rows its segments hold count against the scope's bound, as the tail does
+            kv_bytes = sum(t.nbytes // t.shape[0] for t in model.schema.tensors if t.rows == "position") * (
+                len(segments) * (segment_rows(model.schema) or 0))
         # sealed for the entry itself (its receipt's stream id is the key, bound into the blob): an
         # index record that names another entry's blob, even of the same scope and length, is refused
         receipt, blob = seal(model, state, stream_id=key, principal=scope.principal, chunk_seq=0,
                              epoch=0, keyring=self.keyring, state_key=key, backend=model.ran(path),
-                             arithmetic=continue_arithmetic(None, model.arithmetic(path)))
+                             arithmetic=continue_arithmetic(None, model.arithmetic(path)), segments=segments)
         out = None if logits is None else seal_bytes(logits.to(torch.float32).contiguous().numpy().tobytes(),
                                                      binding=f"{scope.principal}|{key}.out", keyring=self.keyring)
-        size = len(blob) + (len(out) if out is not None else 0)
+        size = len(blob) + (len(out) if out is not None else 0) + kv_bytes
         now = self.clock()
         entry = _Entry(eid, scope, len(tokens), size, now, now, receipt, held.generation)
         self.store.put_meta_if_absent(kind=SCOPES_KIND, name=scope.tag, data=seal_bytes(
@@ -590,6 +603,8 @@ class PrefixStore:
             if out is not None:
                 self.store.put_if_absent(key=key + ".out", data=out, stream_id=scope.stream_id, owner=scope.owner,
                                          fence=fence)
+            if written is not None:
+                self.segments.hold(scope.principal, scope.stream_id, key, written)
             # the index record last: an entry is served only once its blobs are there
             self.store.put_meta(kind=scope.index_kind, name=eid, data=entry.seal(self.keyring), fence=fence)
         except LeaseLost as exc:
@@ -607,6 +622,7 @@ class PrefixStore:
         self.store.delete_meta(kind=entry.scope.index_kind, name=entry.id)
         for key in (entry.key, entry.key + ".out"):
             self._delete(entry.scope, key)
+        self.segments.release(entry.scope.principal, entry.scope.stream_id, entry.key)
         self._forget(entry.id)
         self.metrics.prefix_evictions.add(1, {"why": why, "scope": entry.scope.kind})
 
@@ -673,6 +689,7 @@ class PrefixStore:
                     continue
                 for key in (base, base + ".out"):
                     self._delete(scope, key)
+                self.segments.release(scope.principal, scope.stream_id, base)
                 self.store.delete_meta(kind=seen_kind, name=name)
                 rep.incomplete += 1
                 self.metrics.prefix_evictions.add(1, {"why": "incomplete", "scope": scope.kind})

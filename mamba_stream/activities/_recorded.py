@@ -54,7 +54,7 @@ def rewind_stream(acts: StreamActivities, req: RewindStreamRequest) -> StateResu
     acts._check(model, req.receipt, req.principal, req.stream_id)
     target = _recorded(acts, model, req.stream_id, req.principal, req.state_key)
     acts.commits.fetch_current(model, target, req.principal)  # there, authentic, this stream's
-    acts.commits.drop(req.drop_keys, stream_id=req.stream_id, principal=req.principal)
+    acts.commits.drop(req.drop_keys, stream_id=req.stream_id, principal=req.principal, model=model)
     log.info("stream %s rewound to chunk %d (position %d)", req.stream_id, target.chunk_seq, target.position)
     return StateResult(receipt=target, worker_queue=acts.worker_queue)
 

@@ -188,10 +188,12 @@ class StateStore(ABC):
         principal named `legacy`); None otherwise."""
 
     @abstractmethod
-    def delete(self, *, key: str, stream_id: str, owner: str, legacy: str | None = None) -> bool:
+    def delete(self, *, key: str, stream_id: str, owner: str, legacy: str | None = None,
+               fence: Fence | None = None) -> bool:
         """Remove one object of `stream_id` and `owner` (or a legacy object of `legacy`). True if it
         existed and was theirs: an object of another stream or owner is left alone (False),
-        whatever the key says."""
+        whatever the key says. With `fence`: nothing is deleted (False) unless the fence holds,
+        checked atomically with the delete (the KV segments' sweep deletes under its sighting)."""
 
     @abstractmethod
     def delete_stream(self, *, stream_id: str) -> int:

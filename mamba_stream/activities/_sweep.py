@@ -19,6 +19,10 @@ and forgets the sighting if the workflow turns up again.
 Given a worker's activities (and so the keyring), the sweep also rewrites keyed whatever an earlier
 version left in clear (`activities.rekey_store`).
 
+Each owner's KV segments (`activities.KVSegments`) are kept under a stream id of their own
+(`seg.<owner tag>`) too, never taken for an orphan: given a worker's activities, the sweep deletes
+the segments no checkpoint names any more, by their own rule (two sightings, `grace_s` apart).
+
 The prefix store's entries (`activities.PrefixStore`) are kept under stream ids of their own
 (`pfx.<scope>`), which no workflow has: the sweep never takes them for orphans. Given a worker's
 activities it sweeps them by their own rule instead (`PrefixStore.sweep`: each scope within its
@@ -39,6 +43,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from mamba_stream.activities._metrics import StreamMetrics
 from mamba_stream.activities._prefix import PrefixSweep, is_prefix_stream
 from mamba_stream.activities._rekey import RekeyReport, rekey_store
+from mamba_stream.activities._segments import SegmentSweep, is_segment_stream
 from mamba_stream.activities._store import (
     StateStore,
     StoreError,
@@ -64,6 +69,7 @@ class SweepReport:
     hot_released: int = 0
     missing: dict[str, float] = field(default_factory=dict)  # workflow not found, within grace: first seen
     prefixes: PrefixSweep | None = None  # the prefix store's sweep (None: not swept, no worker's activities)
+    segments: SegmentSweep | None = None  # the KV segments' sweep (None: not swept, no worker's activities)
     rekeyed: RekeyReport | None = None  # what was left in clear, rewritten keyed (None: no worker's activities)
     owner: StoreOwner | None = None  # the store's owner, as checked
     refused: str | None = None  # why nothing was swept (the store has no owner record)
@@ -160,7 +166,8 @@ async def sweep_orphans(client: Client, store: StateStore, metrics: StreamMetric
         return report
     now = time.time()
     hot = activities.hot_stream_ids() if activities is not None else set()
-    streams = sorted(sid for sid in set(store.stream_ids()) | hot if not is_prefix_stream(sid))
+    streams = sorted(sid for sid in set(store.stream_ids()) | hot
+                     if not is_prefix_stream(sid) and not is_segment_stream(sid))
     marked = set(store.list_meta(kind=MISSING_KIND))
     for sid in streams:
         report.checked += 1
@@ -204,6 +211,8 @@ async def sweep_orphans(client: Client, store: StateStore, metrics: StreamMetric
         prefixes = getattr(activities, "prefixes", None)
         if prefixes is not None:
             report.prefixes = prefixes.sweep(grace_s=grace_s)
+        if activities is not None:  # after the streams and prefixes it deleted: their segments are due
+            report.segments = activities.commits.segments.sweep(grace_s=grace_s)
         if activities is not None:  # a store written before owners were tagged says nothing once swept
             report.rekeyed = rekey_store(store, activities.keyring, prefixes)
     return report

@@ -218,6 +218,18 @@ class ModelConfig(BaseModel):
                 out.pop(name)
         return out
 
+    @property
+    def kv_segment_rows(self) -> int | None:
+        """R, the KV rows of one segment at rest (`state_codec.codec`), where the model has a
+        position bound: a power of two, an eighth of the bound or less, from 16 to 256. Derived from
+        the bound (itself in the state schema), so it is no knob of its own: a bound of 4096 or more
+        gives 256 (at Granite-4.0-H-Micro's shape a 4 MB segment, a tail of at most 4 MB beside 76 MB
+        of Mamba states); a test model bound at 96, 16."""
+        if self.max_positions is None:
+            return None
+        eighth = max(1, self.max_positions // 8)
+        return min(256, max(16, 1 << (eighth.bit_length() - 1)))
+
     @cached_property
     def kinds(self) -> tuple[str, ...]:
         """Each layer's kind: `layer_types`, or `architecture` for every layer."""

@@ -27,6 +27,7 @@ __all__ = [
     "RequestRejected",
     "SchemaMismatch",
     "SealerMismatch",
+    "SegmentMissing",
     "StateRejected",
     "StreamMismatch",
     "TruncatedBlob",
@@ -115,6 +116,11 @@ class ChecksumMismatch(StateRejected):
 
 class CheckpointNotFound(StateRejected):
     """The receipt names a checkpoint the store does not hold (for this principal)."""
+
+
+class SegmentMissing(StateRejected):
+    """A checkpoint names a KV segment the store does not hold (for this principal): the
+    checkpoint cannot be read whole. `expected`: the segment's store key."""
 
 
 class UnknownKeyId(StateRejected):

@@ -166,6 +166,9 @@ class HybridLayers(_Frozen):
     rope_theta: float | None = None
     rotary_dim: int | None = None
     max_positions: int | None = Field(default=None, description="the KV rows a stream owns: the per-stream bound")
+    kv_segment_rows: int | None = Field(
+        default=None, gt=0, description="R: the KV rows of one segment at rest (rows jR..(j+1)R-1 of every "
+        "growing tensor, sealed once and shared; `state_codec.codec` module docstring); set with max_positions")
     mlp_intermediate_size: int | None = None
     mlp_activation: Literal["silu", "relu2", "gelu"] | None = None
     mlp_gated: bool | None = None

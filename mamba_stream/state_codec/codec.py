@@ -27,7 +27,13 @@ Plaintext: u32 little-endian header length, a msgpack header
 {byteorder, digest, tensors: [[name, dtype, shape, offset, nbytes], ...]}, each tensor's raw bytes
 at a 64-byte aligned offset, and last the 32-byte digest of everything before it, BLAKE3 (`digest`
 names it; a header without one is from before BLAKE3, and its digest is SHA-256): that digest is
-the receipt's `checksum`, tagged by its algorithm (`blake3:<hex>`, `sha256:<hex>`). Being inside
+the receipt's `checksum`, tagged by its algorithm (`blake3:<hex>`, `sha256:<hex>`).
+
+A hybrid's KV at rest (`state_codec._kv_segments`): the growing tensors' full blocks of R rows are
+sealed apart as *segments* (`seal_segment`: a sealed record bound to the segment's store key), and
+the checkpoint's plaintext holds the growing tensors' tail only, with the segments' BLAKE3 digests
+in order in its header (`segments`): its checksum covers every row. Opening it reads each segment
+through the caller's `SegmentFetch` and checks it against its digest (`open_state`). Being inside
 the ciphertext, it is authenticated by the GCM tag, so decoding
 checks the receipt against it without hashing the state again (GCM already proves the bytes are
 the ones the writer hashed); `decode_checkpoint(..., rehash=True)` recomputes it for audits.
@@ -46,7 +52,8 @@ import os
 import struct
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
@@ -66,11 +73,22 @@ from mamba_stream.state_codec._errors import (
     PositionMismatch,
     PrincipalMismatch,
     SchemaMismatch,
+    SegmentMissing,
     StateRejected,
     StreamMismatch,
     TruncatedBlob,
     UnsupportedEnvelopeVersion,
     mismatch,
+)
+from mamba_stream.state_codec._kv_segments import (
+    Segment,
+    SegmentFetch,
+    SegmentRef,
+    growing_specs,
+    segment_digest,
+    segment_key,
+    segment_rows,
+    split_state,
 )
 from mamba_stream.state_codec._receipt import ModelIdentity, Origin, Receipt, schema_diff, validate_resume
 from mamba_stream.state_codec._schema import StateSchema
@@ -83,6 +101,10 @@ __all__ = [
     "ENVELOPE_VERSION",
     "Keyring",
     "KeyringError",
+    "Opened",
+    "Segment",
+    "SegmentFetch",
+    "SegmentRef",
     "decode_checkpoint",
     "default_state_key",
     "encode_checkpoint",
@@ -90,10 +112,17 @@ __all__ = [
     "is_clear_header",
     "open_bytes",
     "open_checkpoint",
+    "open_segment",
+    "open_state",
     "plaintext_checksum",
     "reseal",
     "seal",
     "seal_bytes",
+    "seal_segment",
+    "segment_key",
+    "segment_refs",
+    "segment_rows",
+    "split_state",
     "unseal",
 ]
 
@@ -152,9 +181,12 @@ DIGEST = "blake3"
 _HASHES = {"blake3": blake3.blake3, "sha256": hashlib.sha256}
 
 
-def _pieces(tensors: Mapping[str, torch.Tensor], digest: str) -> tuple[list[memoryview | bytes], int]:
+def _pieces(tensors: Mapping[str, torch.Tensor], digest: str,
+            segments: Sequence[Segment] | None = None) -> tuple[list[memoryview | bytes], int]:
     """The plaintext (before its digest) as pieces that view the tensors in place; its length.
-    `digest`: the algorithm the header names ("sha256" writes the header of before BLAKE3)."""
+    `digest`: the algorithm the header names ("sha256" writes the header of before BLAKE3);
+    `segments`: a segmented state's KV segments, named in the header by their digests in order
+    (`tensors` then hold the growing tensors' tails only)."""
     entries, views = [], []
     for name, t in tensors.items():
         if t.dtype not in _NAMES:
@@ -170,6 +202,8 @@ def _pieces(tensors: Mapping[str, torch.Tensor], digest: str) -> tuple[list[memo
     head: dict[str, Any] = {"byteorder": "little", "tensors": entries}
     if digest != "sha256":
         head["digest"] = digest
+    if segments is not None:
+        head["segments"] = [seg.digest for seg in segments]
     header = msgpack.packb(head)
     # offsets depend on the header's length, which depends on how the offsets encode: repeat
     # until the layout is stable (twice at most in practice)
@@ -192,23 +226,33 @@ def _pieces(tensors: Mapping[str, torch.Tensor], digest: str) -> tuple[list[memo
     return pieces, pos
 
 
-def plaintext_checksum(tensors: Mapping[str, torch.Tensor], digest: str | None = None) -> str:
+def plaintext_checksum(tensors: Mapping[str, torch.Tensor], digest: str | None = None, *,
+                       schema: StateSchema | None = None) -> str:
     """The `checksum` a receipt for these tensors carries: `<digest>:<hex>` of the plaintext
-    (`digest` default: `DIGEST`, what a checkpoint sealed now carries)."""
+    (`digest` default: `DIGEST`, what a checkpoint sealed now carries). `schema`: the state's, where
+    it may cut the KV into segments (the checksum then covers the segments through their digests)."""
     digest = digest or DIGEST
+    segments = None
+    if schema is not None and segment_rows(schema) is not None:
+        tensors, segments = split_state(schema, tensors, _rows_of(schema, tensors))
     h = _HASHES[digest]()
-    for piece in _pieces(tensors, digest)[0]:
+    for piece in _pieces(tensors, digest, segments)[0]:
         h.update(piece)
     return f"{digest}:{h.hexdigest()}"
+
+
+def _rows_of(schema: StateSchema, tensors: Mapping[str, torch.Tensor]) -> int:
+    """The position of a segmented state: its growing tensors' rows."""
+    return int(tensors[growing_specs(schema)[0].name].shape[0])
 
 
 def _round_up(n: int, k: int) -> int:
     return (n + k - 1) // k * k
 
 
-def _parse_plaintext(buf: torch.Tensor, length: int) -> tuple[dict[str, torch.Tensor], str]:
-    """Tensors viewing `buf` (uint8, holding the plaintext without its digest), and the name of
-    the digest that follows it."""
+def _parse_plaintext(buf: torch.Tensor, length: int) -> tuple[dict[str, torch.Tensor], str, list[bytes] | None]:
+    """Tensors viewing `buf` (uint8, holding the plaintext without its digest), the name of the
+    digest that follows it, and the digests of the KV segments it names (None: a whole state)."""
     view = memoryview(buf.numpy())[:length]
     if length < 4:
         raise CorruptBlob("plaintext shorter than its header length", field="plaintext")
@@ -223,6 +267,10 @@ def _parse_plaintext(buf: torch.Tensor, length: int) -> tuple[dict[str, torch.Te
         digest = header.get("digest", "sha256")
         if digest not in _HASHES:
             raise ValueError(f"digest {digest!r}")
+        segments = header.get("segments")
+        if segments is not None and not (isinstance(segments, list)
+                                         and all(isinstance(d, bytes) and len(d) == 32 for d in segments)):
+            raise ValueError("segments")
     except Exception as exc:  # noqa: BLE001 - anything malformed is a corrupt blob
         raise CorruptBlob(f"unreadable plaintext header: {exc}", field="plaintext") from None
     out: dict[str, torch.Tensor] = {}
@@ -239,7 +287,7 @@ def _parse_plaintext(buf: torch.Tensor, length: int) -> tuple[dict[str, torch.Te
         if not ok:
             raise CorruptBlob(f"tensor entry {entry!r} does not fit the plaintext", field="plaintext")
         out[name] = buf[off : off + nbytes].view(dtype).view(tuple(shape))
-    return out, digest
+    return out, digest, segments
 
 
 # --- envelope ---------------------------------------------------------------------------------
@@ -334,9 +382,9 @@ def _seal_pieces(pieces: list[memoryview | bytes], total: int, bound: dict[str, 
 
 
 def _encrypt(tensors: Mapping[str, torch.Tensor], bound: dict[str, Any], schema_json: str,
-             keyring: Keyring) -> tuple[str, bytearray]:
+             keyring: Keyring, segments: Sequence[Segment] | None = None) -> tuple[str, bytearray]:
     """One read of each tensor: hashed by a helper thread while AES-GCM encrypts it in place."""
-    pieces, total = _pieces(tensors, DIGEST)
+    pieces, total = _pieces(tensors, DIGEST, segments)
     return _seal_pieces(pieces, total, bound, schema_json, keyring, DIGEST)
 
 
@@ -479,7 +527,8 @@ def envelope_schema(blob: bytes | bytearray | memoryview, keyring: Keyring) -> S
 
 
 def decode_checkpoint(
-    blob: bytes | bytearray | memoryview, receipt: Receipt, keyring: Keyring, *, rehash: bool = False
+    blob: bytes | bytearray | memoryview, receipt: Receipt, keyring: Keyring, *, rehash: bool = False,
+    segments: SegmentFetch | None = None,
 ) -> dict[str, torch.Tensor]:
     """Authenticate, decrypt and checksum a blob written for `receipt`; returns its tensors.
 
@@ -490,9 +539,10 @@ def decode_checkpoint(
         StateRejected subclasses: UnsupportedEnvelopeVersion, CorruptBlob / TruncatedBlob,
         the bound-field mismatches (StreamMismatch, PrincipalMismatch, ModelRevisionMismatch,
         SchemaMismatch, PositionMismatch, ChunkSequenceMismatch, EpochMismatch), UnknownKeyId,
-        ChecksumMismatch. Nothing else, whatever the bytes.
+        ChecksumMismatch; for a segmented checkpoint, SegmentMissing (read through `segments`,
+        `open_state`). Nothing else, whatever the bytes.
     """
-    tensors, checksum = open_checkpoint(blob, receipt, keyring, rehash=rehash)
+    tensors, checksum = open_checkpoint(blob, receipt, keyring, rehash=rehash, segments=segments)
     if checksum != receipt.checksum:
         raise mismatch(ChecksumMismatch, "checksum", receipt.checksum, checksum)
     return tensors
@@ -516,16 +566,45 @@ def _decrypt_body(env: _Envelope, key: bytes) -> tuple[torch.Tensor, int]:
     return buf, length
 
 
+@dataclass(frozen=True)
+class Opened:
+    """A checkpoint opened: its state's tensors (segments read in), its checksum, and the KV
+    segments it names, in order (none for a whole state)."""
+
+    tensors: dict[str, torch.Tensor]
+    checksum: str
+    segments: tuple[SegmentRef, ...] = ()
+
+
 def open_checkpoint(
-    blob: bytes | bytearray | memoryview, receipt: Receipt, keyring: Keyring, *, rehash: bool = False
+    blob: bytes | bytearray | memoryview, receipt: Receipt, keyring: Keyring, *, rehash: bool = False,
+    segments: SegmentFetch | None = None,
 ) -> tuple[dict[str, torch.Tensor], str]:
     """Like `decode_checkpoint`, but returns the blob's checksum instead of requiring the receipt's.
 
     For adopting a blob that an earlier attempt committed under a key this attempt derived too:
     every bound field is still checked, only the checksum is learned rather than compared.
+    `segments`: reads the KV segments a segmented checkpoint names (`open_state`).
+    """
+    opened = open_state(blob, receipt, keyring, rehash=rehash, segments=segments)
+    return opened.tensors, opened.checksum
+
+
+def open_state(
+    blob: bytes | bytearray | memoryview, receipt: Receipt, keyring: Keyring, *, rehash: bool = False,
+    segments: SegmentFetch | None = None,
+) -> Opened:
+    """`open_checkpoint`, with the segments it named. A segmented checkpoint's KV segments are read
+    through `segments` (each checked against its digest, which the checksum covers) and joined
+    with its tail, so the tensors are the whole state.
+
+    Raises:
+        what `decode_checkpoint` raises but ChecksumMismatch for the receipt; SegmentMissing (a
+        named segment the store does not hold, or no `segments` to read it with); CorruptBlob or
+        ChecksumMismatch for a segment that is not the one named.
     """
     env = _open_envelope(blob)
-    _, bound, _ = _header(env, keyring)
+    _, bound, schema_json = _header(env, keyring)
     for field, expected in receipt.bound().items():
         if bound.get(field) != expected:
             raise mismatch(_BOUND_ERRORS[field], field, expected, bound.get(field))
@@ -535,13 +614,33 @@ def open_checkpoint(
     buf, length = _decrypt_body(env, keyring.key(env.fields["kid"]))
     plain = memoryview(buf.numpy())
     body = length - _DIGEST
-    tensors, digest = _parse_plaintext(buf, body)  # the header, and so the digest's name, is authenticated too
+    # the header, and so the digest's name and the segments' digests, is authenticated too
+    tensors, digest, digests = _parse_plaintext(buf, body)
     checksum = f"{digest}:{bytes(plain[body:length]).hex()}"  # authenticated by the tag
     if rehash:
         recomputed = f"{digest}:{_HASHES[digest](plain[:body]).hexdigest()}"
         if recomputed != checksum:
             raise mismatch(ChecksumMismatch, "checksum", checksum, recomputed)
-    return tensors, checksum
+    if digests is None:
+        return Opened(tensors, checksum)
+    try:
+        schema = StateSchema.model_validate_json(schema_json)
+    except Exception as exc:  # noqa: BLE001
+        raise CorruptBlob(f"a segmented checkpoint without a readable schema: {exc}", field="schema") from None
+    rows = segment_rows(schema)
+    if rows is None or len(digests) != receipt.position // rows:
+        raise CorruptBlob(f"{len(digests)} KV segments named at position {receipt.position}", field="segments")
+    refs = segment_refs(schema, keyring, bound["principal"], digests)
+    return Opened(_assemble(schema, receipt.position, tensors, refs, segments, keyring), checksum, refs)
+
+
+def segment_refs(schema: StateSchema, keyring: Keyring, principal: str,
+                 digests: Sequence[bytes]) -> tuple[SegmentRef, ...]:
+    """The store keys of a state's segments (by their digests, in order), for `principal`'s owner tag."""
+    rows = segment_rows(schema)
+    assert rows is not None
+    owner, fp = keyring.principal_tag(principal), schema.fingerprint()
+    return tuple(SegmentRef(j * rows, d, segment_key(keyring, owner, fp, j * rows, d)) for j, d in enumerate(digests))
 
 
 def is_clear_header(blob: bytes | bytearray | memoryview) -> bool:
@@ -565,7 +664,7 @@ def reseal(blob: bytes | bytearray | memoryview, keyring: Keyring) -> bytearray:
     buf, length = _decrypt_body(env, keyring.key(env.fields["kid"]))
     plain = memoryview(buf.numpy())
     body = length - _DIGEST
-    _, digest = _parse_plaintext(buf, body)
+    _, digest, _ = _parse_plaintext(buf, body)
     _, out = _seal_pieces([plain[:body]], body, bound, schema_json, keyring, digest, bytes(plain[body:length]))
     return out
 
@@ -597,6 +696,70 @@ def open_bytes(blob: bytes | bytearray | memoryview, *, binding: str, keyring: K
         raise CorruptBlob("record authentication failed", field="record") from None
 
 
+# --- KV segments ---------------------------------------------------------------------------------
+
+
+def _segment_binding(key: str) -> str:
+    return f"kv-segment/v1|{key}"
+
+
+def seal_segment(segment: Segment, key: str, keyring: Keyring) -> bytes:
+    """A KV segment's sealed blob: its rows as a sealed record (`seal_bytes`), bound to its store `key`."""
+    if segment.pieces is None:
+        raise ValueError("a segment named by its digest only has no plaintext to seal")
+    return seal_bytes(b"".join(segment.pieces), binding=_segment_binding(key), keyring=keyring)
+
+
+def open_segment(blob: bytes | bytearray | memoryview, ref: SegmentRef, fingerprint: str, keyring: Keyring,
+                 nbytes: int) -> bytes:
+    """The rows of a sealed KV segment, checked: it authenticates under its key (a segment moved to
+    another key fails: CorruptBlob) and hashes to the digest its checkpoint names (ChecksumMismatch)."""
+    try:
+        plain = open_bytes(blob, binding=_segment_binding(ref.key), keyring=keyring)
+    except CorruptBlob as exc:
+        raise CorruptBlob(f"KV segment {ref.key} at position {ref.first}: {exc}", field="segment") from None
+    if len(plain) != nbytes:
+        raise CorruptBlob(f"KV segment {ref.key} holds {len(plain)} bytes, not {nbytes}", field="segment",
+                          expected=nbytes, actual=len(plain))
+    got = segment_digest(fingerprint, ref.first, [plain])
+    if got != ref.digest:
+        raise ChecksumMismatch(f"KV segment {ref.key} at position {ref.first} is not the one its checkpoint "
+                               "names", field="segment", expected=ref.digest.hex(), actual=got.hex())
+    return plain
+
+
+def _assemble(schema: StateSchema, position: int, body: Mapping[str, torch.Tensor], refs: Sequence[SegmentRef],
+             fetch: SegmentFetch | None, keyring: Keyring) -> dict[str, torch.Tensor]:
+    """A state's tensors from its checkpoint's (`body`: growing tensors cut to their tail) and its
+    segments, read through `fetch` and checked (`open_segment`), in schema order.
+
+    Raises:
+        SegmentMissing: a segment the checkpoint names is not in the store (or there is no `fetch`).
+        CorruptBlob, ChecksumMismatch: a segment that is not the one named.
+    """
+    rows = segment_rows(schema)
+    if rows is None or not refs:
+        return dict(body)
+    grow = growing_specs(schema)
+    fp = schema.fingerprint()
+    out = {t.name: torch.empty(t.shape_at(position), dtype=body[t.name].dtype) for t in grow}
+    sizes = [out[t.name][:rows].numel() * out[t.name].element_size() for t in grow]
+    for ref in refs:
+        blob = None if fetch is None else fetch(ref)
+        if blob is None:
+            raise SegmentMissing(f"the KV segment at position {ref.first} ({ref.key}) is not in the store",
+                                 field="segment", expected=ref.key, actual=None)
+        plain = torch.frombuffer(bytearray(open_segment(blob, ref, fp, keyring, sum(sizes))), dtype=torch.uint8)
+        off = 0
+        for t, size in zip(grow, sizes, strict=True):
+            out[t.name][ref.first : ref.first + rows].reshape(-1).view(torch.uint8).copy_(plain[off : off + size])
+            off += size
+    tail = len(refs) * rows
+    for t in grow:
+        out[t.name][tail:position].copy_(body[t.name])
+    return {name: out.get(name, tensor) for name, tensor in body.items()}
+
+
 # --- the pair activities use ----------------------------------------------------------------
 
 
@@ -619,22 +782,36 @@ def seal(
     backend: str | None = None,
     arithmetic: Mapping[str, Any] | None = None,
     origin: Origin | None = None,
+    segments: Sequence[Segment] | None = None,
 ) -> tuple[Receipt, bytearray]:
     """Receipt and encrypted blob for `state` of `model` (a `scan.Model` and `scan.State`).
 
     The state is validated against the model's schema first. `backend` records what produced
     the state (defaults to the model's backend); `arithmetic`, the receipt's arithmetic fields
     (`continue_arithmetic`; none by default); `origin`, where the epoch's first state came from.
+
+    A model whose state cuts its KV into segments (`segment_rows`) gets a checkpoint of its fixed
+    tensors, its KV's tail and its segments' digests: `segments` are the state's (`split_state`;
+    the caller stores them, `seal_segment`), computed here when None.
     """
     model.validate_state(state)
     identity: ModelIdentity = model.identity()
     schema = identity.state_schema
+    tensors: Mapping[str, torch.Tensor] = state.tensors
+    if segment_rows(schema) is not None:
+        known = [seg.digest for seg in segments] if segments is not None else ()
+        tensors, split = split_state(schema, state.tensors, state.position, known)
+        if segments is not None and len(segments) != len(split):
+            raise ValueError(f"{len(segments)} segments given for a state with {len(split)}")
+        segments = split
+    else:
+        segments = None
     bound = {
         "stream_id": stream_id, "principal": principal, "model_revision": identity.model_revision,
         "schema_fingerprint": identity.fingerprint, "position": state.position, "chunk_seq": chunk_seq,
         "epoch": epoch,
     }
-    checksum, blob = _encrypt(state.tensors, bound, schema.canonical_json(), keyring)
+    checksum, blob = _encrypt(tensors, bound, schema.canonical_json(), keyring, segments)
     receipt = Receipt(
         stream_id=stream_id, principal=principal, model_id=identity.model_id,
         model_revision=identity.model_revision, code_revision=CODE_REVISION,
@@ -656,13 +833,15 @@ def unseal(
     *,
     model: Any,
     principal: str,
+    segments: SegmentFetch | None = None,
 ) -> Any:
     """The state in `blob`, after every check a resume needs, as `model.restore_state` builds it.
 
     Validates the receipt against the serving model and the caller's principal
     (`validate_resume`), names the differing schema field if the blob was written under another
     schema, then authenticates, decrypts and checksums. `model` is duck-typed (a `scan.Model`):
-    the record stays below the engine and never imports it.
+    the record stays below the engine and never imports it. `segments` reads a segmented
+    checkpoint's KV segments (`open_state`).
     """
     identity: ModelIdentity = model.identity()
     try:
@@ -673,7 +852,7 @@ def unseal(
         if diff is not None:
             raise mismatch(SchemaMismatch, *diff) from None
         raise
-    tensors = decode_checkpoint(blob, receipt, keyring)
+    tensors = decode_checkpoint(blob, receipt, keyring, segments=segments)
     expected = [(t.name, t.shape_at(receipt.position), t.dtype) for t in identity.state_schema.tensors]
     actual = [(n, tuple(t.shape), _NAMES[t.dtype]) for n, t in tensors.items()]
     if expected != actual:

@@ -28,7 +28,7 @@ from mamba_stream.failures import (
     catalogue,
     invalid_request,
 )
-from mamba_stream.state_codec import CheckpointNotFound, CorruptBlob, TruncatedBlob
+from mamba_stream.state_codec import CheckpointNotFound, CorruptBlob, SegmentMissing, TruncatedBlob
 
 __all__ = [
     "NOT_THE_CHUNKS_FAULT",
@@ -98,7 +98,8 @@ class EmptyContext(StreamFailure):
 
 class ReservedStreamId(StreamFailure):
     """A stream started under an id of the workers' own namespace: `pfx.` names the prefix store's
-    entries (`activities.PREFIX_STREAM_PREFIX`), and no workflow's stream runs there, whoever
+    entries (`activities.PREFIX_STREAM_PREFIX`), `seg.` an owner's KV segments
+    (`activities.SEGMENT_STREAM_PREFIX`), and no workflow's stream runs there, whoever
     sealed its start. The run fails at its first workflow task, before any activity."""
 
 
@@ -158,5 +159,6 @@ class OpenFailed(StreamFailure):
 #: reasons a caller cannot cure by changing the chunk: the same chunk may be sent again as a next
 #: attempt once the cause is gone (a store back, a blob restored, a reset signal after a rewind)
 NOT_THE_CHUNKS_FAULT = frozenset({c.reason for c in (
-    CheckpointNotFound, CorruptBlob, TruncatedBlob, InternalError, ActivityFailed, RewindPastWindow, WorkerUnhealthy)}
+    CheckpointNotFound, SegmentMissing, CorruptBlob, TruncatedBlob, InternalError, ActivityFailed, RewindPastWindow,
+    WorkerUnhealthy)}
 ) | {"StoreError", "StoreUnavailable", "StoreCorrupt"}  # the stores' are named: they live above workflows

@@ -123,7 +123,7 @@ with workflow.unsafe.imports_passed_through():
         carry_digest,
     )
 
-__all__ = ["FORGED_RESULTS", "LOCAL_PAUSE_CHUNKS", "RESERVED_ID_PREFIX", "ModelStream", "StreamOwner",
+__all__ = ["FORGED_RESULTS", "LOCAL_PAUSE_CHUNKS", "RESERVED_ID_PREFIXES", "ModelStream", "StreamOwner",
            "check_advance", "check_generate", "check_sender", "check_stream_id", "refused_arguments", "takes"]
 
 T = TypeVar("T")
@@ -153,8 +153,9 @@ START_MARKERS: dict[str, tuple[str, ...]] = {PATCH_AT_START: (PATCH_SEALED, PATC
 #: not one of `START_MARKERS`, whose markers every run records.
 PATCH_RESERVED_IDS = "reserved-ids-refused"
 #: the workers' own stream ids: the prefix store's entries (`activities.PREFIX_STREAM_PREFIX`, which
-#: the sandbox may not import). No workflow's stream runs under one.
-RESERVED_ID_PREFIX = "pfx."
+#: the sandbox may not import) and each owner's KV segments (`activities.SEGMENT_STREAM_PREFIX`). No
+#: workflow's stream runs under one.
+RESERVED_ID_PREFIXES = ("pfx.", "seg.")
 
 
 def mark_patches() -> None:
@@ -182,14 +183,15 @@ def patched(patch_id: str) -> bool:
 
 def check_stream_id() -> None:
     """Refuse, typed `ReservedStreamId`, a stream under an id of the workers' own namespace
-    (`RESERVED_ID_PREFIX`): the workflow's id is its stream's, and a stream there would write, and
-    dispose of, the prefix store's entries. Whoever sealed the start: the id alone decides. Call it
-    first thing in the run, before any activity (the stream workflow's start, `ModelStream.open`)."""
+    (`RESERVED_ID_PREFIXES`): the workflow's id is its stream's, and a stream there would write, and
+    dispose of, the prefix store's entries or an owner's KV segments. Whoever sealed the start: the
+    id alone decides. Call it first thing in the run, before any activity (the stream workflow's
+    start, `ModelStream.open`)."""
     wid = workflow.info().workflow_id
-    if wid.startswith(RESERVED_ID_PREFIX) and workflow.patched(PATCH_RESERVED_IDS):
+    if wid.startswith(RESERVED_ID_PREFIXES) and workflow.patched(PATCH_RESERVED_IDS):
         raise application_error(ReservedStreamId(
-            f"stream id {wid!r} is in the workers' own namespace ({RESERVED_ID_PREFIX!r}: the prefix store's "
-            f"entries): no stream runs there", field="stream_id", actual=wid))
+            f"stream id {wid!r} is in the workers' own namespace ({' and '.join(RESERVED_ID_PREFIXES)}: the prefix "
+            f"store's entries, the KV segments): no stream runs there", field="stream_id", actual=wid))
 
 
 def check_advance(req: AdvanceRequest, opts: StreamOptions, info: ModelInfo | None) -> None:

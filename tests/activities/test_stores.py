@@ -462,6 +462,23 @@ def test_a_fenced_write_happens_only_while_its_lease_starts_with_the_token(any_s
     s.put_meta(kind="index", name="e", data=b"new", fence=Fence("lease", "e", b"g2 "))
 
 
+def test_a_fenced_delete_happens_only_while_its_sighting_starts_with_the_token(any_store):
+    """The KV segments' sweep deletes under a fence on its sighting: a sighting cleared (a commit
+    took the segment) or replaced (another sweep's, another token) since keeps the object."""
+    s = any_store
+    fence = Fence("kv-seen", "k1", b"t1 ")
+    assert s.put_if_absent(key="k1", data=b"x", stream_id="seg.o", owner="o")
+    assert not s.delete(key="k1", stream_id="seg.o", owner="o", fence=fence)  # no sighting at all
+    assert s.put_meta_if_absent(kind="kv-seen", name="k1", data=b"t2 5.0")
+    assert not s.delete(key="k1", stream_id="seg.o", owner="o", fence=fence)  # another sweep's sighting
+    assert s.get(key="k1", owner="o") == b"x"
+    assert s.swap_meta(kind="kv-seen", name="k1", expect=b"t2 5.0", data=b"t1 6.0")
+    assert not s.delete(key="k1", stream_id="seg.o", owner="other", fence=fence)  # not the owner's: kept
+    assert s.delete(key="k1", stream_id="seg.o", owner="o", fence=fence)
+    assert s.get(key="k1", owner="o") is None
+    assert not s.delete(key="k1", stream_id="seg.o", owner="o", fence=fence)  # gone: False
+
+
 def test_fenced_writes_and_a_takeover_race_on_threads_one_way_only(any_store):
     """Writers fenced by one generation race a takeover: each writes until refused; every write
     that succeeded is in the store, none came after its writer's first refusal, and every writer

@@ -599,6 +599,39 @@ async def test_open_with_a_prefix_file_starts_at_its_end_and_a_second_open_takes
         assert set(await _json(env, "open", "--principal", "alice", "--model", "tiny-mamba2")) == {"stream_id"}
 
 
+
+async def test_a_hybrids_prefix_file_opens_at_its_end_and_its_streams_share_the_kv_segments(temporal_env, tmp_path):
+    """`MAMBA_STREAM_MODELS=granite=/dir` and `open --prefix-file` on a hybrid (a tiny GraniteMoeHybrid
+    saved by transformers, segments of 16 rows): the first open computes the prefix, the second takes
+    it from the store, both at the state of a stream fed the text; the store holds the prefix's two
+    KV segments once."""
+    from tests.scan._hybrid import save_tiny_granite
+    from tests.scan._mamba_ssm import require
+
+    require("transformers")
+    d = save_tiny_granite(tmp_path / "granite")
+    stack = await make_stack(temporal_env, tmp_path, backend="exact", start_worker=False)
+    async with stack.exits:
+        await stack.worker(stack.new_activities(backend="exact", models={"granite": str(d)}))
+        env = _env(stack, _keyfile(stack, tmp_path))
+        path = tmp_path / "prefix.txt"
+        path.write_bytes(PREFIX_TEXT.encode())
+        n = len(PREFIX_TEXT.encode())
+        first = await _json(env, "open", "--principal", "alice", "--model", "granite", "--prefix-file", str(path))
+        again = await _json(env, "open", "--principal", "alice", "--model", "granite", "--prefix-file", str(path))
+        assert first["position"] == again["position"] == n and first["prefix"]["stored_tokens"] == 0
+        assert again["prefix"]["stored_tokens"] == n and again["prefix"]["scope"] == "principal"
+        fed = await stack.streams.open("alice", "granite")
+        res = await stack.streams.advance(fed, "alice", text=PREFIX_TEXT)
+        sums = {(await stack.streams.receipt(r["stream_id"])).checksum for r in (first, again)}
+        assert sums == {res.receipt.checksum}
+        from mamba_stream.activities._segments import is_segment_stream
+
+        store = stack.acts.store
+        segments = [k for ns in store.stream_ids() if is_segment_stream(ns) for k in store.list_stream(stream_id=ns)
+                    if k.startswith("s-")]
+        assert n // 16 == 2 and len(segments) == 2  # the prefix entry, two opens and a fed stream: one copy
+
 async def test_a_prefix_file_that_is_not_one_is_refused_before_anything_starts(stack: Stack, tmp_path):
     env = _env(stack, _keyfile(stack, tmp_path))
     files = {"words.json": b"[104, \"i\"]", "float.json": b"[104, 1.5]", "bool.json": b"[true]",

@@ -233,3 +233,38 @@ def assert_q8_chunks_exactly(d: Path, toks: list[int], truth: torch.Tensor, labe
     beside = "" if rounding is None else f"; transformers' own with bfloat16-rounded weights: {rounding:.2e}"
     print(f"CROSSCHECK HF {label} vs ours (exact, q8 matrices): max rel {r:.2e}{beside}")
     assert r < bound
+
+
+def save_tiny_granite(d: Path, max_positions: int = 96) -> Path:
+    """A seeded tiny dense GraniteMoeHybrid saved by transformers into `d` (layers mamba, attention,
+    mamba, attention; NoPE; multipliers not 1), its KV bounded at `max_positions`: at 96, KV
+    segments of 16 rows (`scan.ModelConfig.kv_segment_rows`)."""
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        cfg = GraniteMoeHybridConfig(
+            vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            layer_types=["mamba", "attention", "mamba", "attention"], num_local_experts=0,
+            shared_intermediate_size=128, position_embedding_type="nope", mamba_n_heads=8, mamba_d_head=16,
+            mamba_d_state=16, max_position_embeddings=max_positions, tie_word_embeddings=True,
+            embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.25, logits_scaling=4.0)
+        GraniteMoeHybridForCausalLM(cfg).save_pretrained(str(d))
+    return d
+
+
+def seal_and_unseal(model: Model, state: State, principal: str = "alice") -> tuple[State, int]:
+    """`state` sealed (its KV segments sealed into a dict, as a store would hold them) and unsealed
+    again with every check; the state read back and how many segments it took."""
+    from mamba_stream.state_codec.codec import Keyring, seal, seal_segment, segment_key, split_state, unseal
+
+    ring = Keyring.generate()
+    stored = {}
+    segments = split_state(model.schema, state.tensors, state.position)[1]
+    for seg in segments:
+        key = segment_key(ring, ring.principal_tag(principal), model.schema.fingerprint(), seg.first, seg.digest)
+        stored[key] = seal_segment(seg, key, ring)
+    receipt, blob = seal(model, state, stream_id="s", principal=principal, chunk_seq=1, epoch=1, keyring=ring,
+                         segments=segments)
+    back = unseal(blob, receipt, ring, model=model, principal=principal, segments=lambda ref: stored.get(ref.key))
+    return back, len(stored)

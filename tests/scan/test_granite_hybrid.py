@@ -501,23 +501,38 @@ def test_a_states_kv_holds_a_row_per_position_and_nothing_past_it(granite):
 
 
 def test_a_sealed_hybrid_state_round_trips_with_its_rows_only(granite):
-    from mamba_stream.state_codec.codec import Keyring, plaintext_checksum, seal, unseal
+    """The KV's rows past the last full segment in the checkpoint, the full segments apart (16 rows
+    at this bound): the checkpoint of 90 rows is the checkpoint of 10 rows and five digests."""
+    from mamba_stream.state_codec.codec import (
+        Keyring,
+        plaintext_checksum,
+        seal,
+        seal_segment,
+        segment_key,
+        split_state,
+        unseal,
+    )
 
     _, d, toks, _ = granite
     model = load_model(d, backend="exact")
+    assert model.schema.layers is not None and model.schema.layers.kv_segment_rows == 16
     ring = Keyring.generate()
-    sizes = {}
+    sizes, stored = {}, {}
     for n in (10, 90):
         state = model.advance(model.initial_state(), toks[:n]).state
         receipt, blob = seal(model, state, stream_id="s", principal="alice", chunk_seq=1, epoch=0, keyring=ring)
-        back = unseal(blob, receipt, ring, model=model, principal="alice")
+        for seg in split_state(model.schema, state.tensors, n)[1]:
+            key = segment_key(ring, ring.principal_tag("alice"), model.schema.fingerprint(), seg.first, seg.digest)
+            stored[key] = seal_segment(seg, key, ring)
+        back = unseal(blob, receipt, ring, model=model, principal="alice", segments=lambda ref: stored.get(ref.key))
         assert back.position == n and state_equal(back, state)
-        assert receipt.checksum == plaintext_checksum(state.tensors)
+        assert receipt.checksum == plaintext_checksum(state.tensors, schema=model.schema)
         sizes[n] = len(blob)
         nxt = model.advance(back, toks[n : n + 3])
         assert state_equal(nxt.state, model.advance(state, toks[n : n + 3]).state)
-    # 80 more rows of 4 KV tensors of 2 x 16 float32, and no more: the bound's rows are not stored
-    assert sizes[90] - sizes[10] == 80 * 4 * 2 * 16 * 4
+    # 80 more rows of 4 KV tensors of 2 x 16 float32 (40 KB) are five segments apart: the checkpoint
+    # grows by their five digests only
+    assert len(stored) == 5 and 0 < sizes[90] - sizes[10] <= 5 * 34 + 64
 
 
 def test_the_slot_table_holds_the_bounds_rows_and_hands_out_the_positions(granite):

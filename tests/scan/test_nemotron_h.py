@@ -44,6 +44,7 @@ from tests.scan._hybrid import (
     rel_of,
     save_bfloat16,
     saved_with_truth,
+    seal_and_unseal,
     state_equal,
 )
 from tests.scan._mamba_ssm import require
@@ -121,12 +122,9 @@ def test_the_checkpoint_loads_as_typed_layers_without_state_for_the_mlp_layers(n
     assert layers.mlp_gated is False and layers.mlp_activation == "relu2"
     assert_schema_round_trips(model)
     # the state codec: seal and unseal a state of it bit for bit; it continues as the original
-    from mamba_stream.state_codec.codec import Keyring, seal, unseal
-
-    ring = Keyring.generate()
     state = model.advance(model.initial_state(), toks[:29]).state
-    receipt, blob = seal(model, state, stream_id="s", principal="alice", chunk_seq=1, epoch=1, keyring=ring)
-    restored = unseal(blob, receipt, ring, model=model, principal="alice")
+    restored, segments = seal_and_unseal(model, state)  # 29 positions: one 16-row KV segment and a tail
+    assert segments == 1
     assert state_equal(restored, state) and restored.position == 29
     a, b = model.advance(state, toks[29:40]), model.advance(restored, toks[29:40])
     assert torch.equal(a.logits, b.logits) and state_equal(a.state, b.state)

@@ -47,6 +47,7 @@ from tests.scan._hybrid import (
     rel_of,
     save_bfloat16,
     saved_with_truth,
+    seal_and_unseal,
     state_equal,
 )
 from tests.scan._mamba_ssm import require
@@ -158,12 +159,9 @@ def test_the_checkpoint_loads_moe_layers_as_stateless_expert_blocks(latent):
     # another scaling factor is another function: another schema
     other = load_model(edited(d, d.parent / "scaled", routed_scaling_factor=2.0), backend="exact")
     assert other.schema.fingerprint() != model.schema.fingerprint()
-    from mamba_stream.state_codec.codec import Keyring, seal, unseal
-
-    ring = Keyring.generate()
     state = model.advance(model.initial_state(), toks[:29]).state
-    receipt, blob = seal(model, state, stream_id="s", principal="alice", chunk_seq=1, epoch=1, keyring=ring)
-    restored = unseal(blob, receipt, ring, model=model, principal="alice")
+    restored, segments = seal_and_unseal(model, state)  # 29 positions: one 16-row KV segment and a tail
+    assert segments == 1
     assert state_equal(restored, state) and restored.position == 29
 
 

@@ -14,7 +14,9 @@ import random
 import pytest
 from temporalio.client import WorkflowUpdateFailedError
 
+from mamba_stream.activities._segments import is_segment_stream
 from mamba_stream.scan import load_model
+from mamba_stream.state_codec import Receipt, parse_state_key
 from mamba_stream.state_codec.codec import plaintext_checksum
 from tests.scan._mamba_ssm import require
 from tests.workflows.conftest import eventually, make_stack
@@ -28,22 +30,18 @@ MAX_POSITIONS = 96
 @pytest.fixture(scope="module")
 def granite_dir(tmp_path_factory):
     """A seeded tiny dense GraniteMoeHybrid saved by transformers (layers mamba, attention, mamba,
-    attention; multipliers not 1), its KV bounded at 96 positions."""
+    attention; multipliers not 1), its KV bounded at 96 positions, in segments of 16 rows."""
     require("transformers")
-    import torch
-    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+    from tests.scan._hybrid import save_tiny_granite
 
-    d = tmp_path_factory.mktemp("granite")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        cfg = GraniteMoeHybridConfig(
-            vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            layer_types=["mamba", "attention", "mamba", "attention"], num_local_experts=0,
-            shared_intermediate_size=128, position_embedding_type="nope", mamba_n_heads=8, mamba_d_head=16,
-            mamba_d_state=16, max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=True,
-            embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.25, logits_scaling=4.0)
-        GraniteMoeHybridForCausalLM(cfg).save_pretrained(str(d))
-    return d
+    return save_tiny_granite(tmp_path_factory.mktemp("granite"), MAX_POSITIONS)
+
+
+def _segments(stack) -> list[str]:
+    """The KV segments in the stack's store, every owner's."""
+    store = stack.acts.store
+    return [k for ns in store.stream_ids() if is_segment_stream(ns) for k in store.list_stream(stream_id=ns)
+            if k.startswith("s-")]
 
 
 async def _at_zero(stack, sid):
@@ -71,10 +69,10 @@ async def test_a_hybrid_stream_gives_one_checksum_for_every_chunking_and_keeps_i
             assert gen == gen0 and r.receipt.checksum == r0.receipt.checksum and r.output_digest == r0.output_digest
         local = load_model(granite_dir)
         one = local.advance(local.initial_state(), prompt + gen0 + tail)
-        assert plaintext_checksum(one.state.tensors) == r0.receipt.checksum
+        assert plaintext_checksum(one.state.tensors, schema=local.schema) == r0.receipt.checksum
         assert digest(one.logits[-len(tail):]) == r0.output_digest
         mid = local.advance(local.initial_state(), prompt).state
-        assert plaintext_checksum(mid.tensors) == after_prompt.checksum
+        assert plaintext_checksum(mid.tensors, schema=local.schema) == after_prompt.checksum
 
         # checkpoint -> resume in a new stream; fork; both continue as the original does
         cp = await stack.streams.checkpoint(sid0, "alice")
@@ -86,7 +84,10 @@ async def test_a_hybrid_stream_gives_one_checksum_for_every_chunking_and_keeps_i
         c = await stack.streams.advance(forked, "alice", tokens=more)
         assert a.receipt.checksum == b.receipt.checksum == c.receipt.checksum and a.output_digest == b.output_digest
         ref = local.advance(local.initial_state(), prompt + gen0 + tail + more)
-        assert plaintext_checksum(ref.state.tensors) == a.receipt.checksum
+        assert plaintext_checksum(ref.state.tensors, schema=local.schema) == a.receipt.checksum
+        # six streams of one principal, fed the same 58 tokens in three chunkings, resumed and forked:
+        # three segments of 16 rows in the store, each written once and shared
+        assert a.receipt.position == 58 and len(_segments(stack)) == 3
 
         # rewind to just after the prompt's chunk (chunk 1 of the [40] stream): the prompt's state again
         await stack.streams.rewind(sid0, 1)
@@ -97,7 +98,8 @@ async def test_a_hybrid_stream_gives_one_checksum_for_every_chunking_and_keeps_i
         # reset: position 0, the KV zeroed with the rest; the same prompt gives the same state
         await stack.streams.reset(sid0, "alice")  # a signal: wait for its receipt
         zero = await eventually(lambda: _at_zero(stack, sid0))
-        assert zero.position == 0 and zero.checksum == plaintext_checksum(local.initial_state().tensors)
+        initial = plaintext_checksum(local.initial_state().tensors, schema=local.schema)
+        assert zero.position == 0 and zero.checksum == initial
         r = await stack.streams.advance(sid0, "alice", tokens=prompt)
         assert r.receipt.checksum == after_prompt.checksum
 
@@ -153,7 +155,9 @@ async def test_hybrid_prefix_states_at_any_position_end_as_a_stream_fed_everythi
         assert ends[hit] == ends[plain] and ends[longer] == ends[plain]
         local = load_model(granite_dir)
         one = local.advance(local.initial_state(), system + tools + rest)
-        assert ends[plain] == (digest(one.logits[58:]), plaintext_checksum(one.state.tensors))
+        assert ends[plain] == (digest(one.logits[58:]), plaintext_checksum(one.state.tensors, schema=local.schema))
+        # the prefix entries (37, 58) and the three streams (67) share one set of segments: 67 // 16
+        assert len(_segments(stack)) == 4
 
 
 async def test_hybrid_streams_evicted_from_a_one_slot_worker_come_back_exactly(temporal_env, tmp_path, granite_dir):
@@ -176,15 +180,17 @@ async def test_hybrid_streams_evicted_from_a_one_slot_worker_come_back_exactly(t
         local = load_model(granite_dir)
         for name in feeds:
             one = local.advance(local.initial_state(), feeds[name] + gens[name].tokens)
-            assert gens[name].receipt.checksum == plaintext_checksum(one.state.tensors)
+            assert gens[name].receipt.checksum == plaintext_checksum(one.state.tensors, schema=local.schema)
             assert last[name].output_digest == digest(local.advance(local.initial_state(), feeds[name]).logits[20:])
 
 
-@pytest.mark.parametrize("edge", ["computed", "written", "recorded"])
+@pytest.mark.parametrize("edge", ["computed", "segments-written", "written", "recorded"])
 async def test_a_hybrid_worker_killed_at_a_commit_edge_another_worker_finishes_exactly_once(
         temporal_env, tmp_path, granite_dir, edge):
-    """SIGKILL after the kernel, after the write of the checkpoint (KV rows and all), after the
-    record: another worker finishes the chunk once, and the stream ends on a local scan's checksum."""
+    """SIGKILL after the kernel, after the KV segments (the chunk crosses position 16), after the
+    checkpoint, after the record: another worker finishes the chunk once, and the stream ends on a
+    local scan's checksum. Nothing lost: every checkpoint of the stream reads back whole, after two
+    sweeps too; nothing leaked: after the stream is cancelled, two sweeps leave no segment."""
     import subprocess
     import sys
 
@@ -212,9 +218,36 @@ async def test_a_hybrid_worker_killed_at_a_commit_edge_another_worker_finishes_e
             model = load_model(granite_dir, backend="reference")
             truth = model.advance(model.initial_state(), tokens)
             assert r2.output_digest == digest(truth.logits[10:20])
-            assert r3.receipt.position == 30 and r3.receipt.checksum == plaintext_checksum(truth.state.tensors)
+            assert r3.receipt.position == 30
+            assert r3.receipt.checksum == plaintext_checksum(truth.state.tensors, schema=model.schema)
             stats = await stack.streams.stats(sid)
             assert stats.migrations >= 1 and stats.chunks == 3
+            kv, store = stack.acts.commits.segments, stack.acts.store
+            for _ in range(2):
+                kv.sweep(grace_s=0)
+            fresh = stack.new_activities(models={"granite": str(granite_dir)})  # nothing in memory
+            local = load_model(granite_dir)
+            for key in store.list_stream(stream_id=sid):
+                parsed = parse_state_key(key)
+                if parsed is not None:
+                    rec = fresh.commits.prior(key, "alice")
+                    receipt = r3.receipt if key == r3.receipt.state_key else Receipt.model_validate(
+                        rec.result["receipt"]) if rec is not None and "receipt" in rec.result else None
+                    if receipt is not None:
+                        state = fresh.commits.fetch(local, receipt, "alice")[0]
+                        assert plaintext_checksum(state.tensors, schema=local.schema) == receipt.checksum
+            segments = [k for ns in store.stream_ids() if is_segment_stream(ns)
+                        for k in store.list_stream(stream_id=ns) if k.startswith("s-")]
+            assert len(segments) == 1  # 30 // 16, written once whatever died where
+            await stack.streams.cancel(sid, "alice")
+
+            async def disposed():
+                return not store.list_stream(stream_id=sid) or None
+
+            await eventually(disposed)
+            for _ in range(2):
+                kv.sweep(grace_s=0)
+            assert not [ns for ns in store.stream_ids() if is_segment_stream(ns)]
         finally:
             if proc.poll() is None:
                 proc.kill()

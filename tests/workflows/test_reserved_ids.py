@@ -26,9 +26,11 @@ from temporalio.worker import Worker
 
 from mamba_stream.activities import HISTOGRAM_BUCKETS, StreamMetrics
 from mamba_stream.activities._prefix import PREFIX_STREAM_PREFIX
+from mamba_stream.activities._segments import SEGMENT_STREAM_PREFIX
 from mamba_stream.plugin import MambaStreamPlugin
 from mamba_stream.state_codec.codec import Keyring
 from mamba_stream.workflows import ChatInput, OpenStreamInput, catalogue, new_stream_id
+from mamba_stream.workflows._model_stream import RESERVED_ID_PREFIXES
 from tests.workflows.conftest import Stack, make_stack
 from tests.workflows.test_metrics import Meter, free_port
 
@@ -116,13 +118,14 @@ def _id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex[:12]}"
 
 
-def test_the_reserved_prefix_is_the_prefix_stores():
-    assert PREFIX_STREAM_PREFIX == "pfx."
+def test_the_reserved_prefixes_are_the_prefix_stores_and_the_kv_segments():
+    assert RESERVED_ID_PREFIXES == (PREFIX_STREAM_PREFIX, SEGMENT_STREAM_PREFIX) == ("pfx.", "seg.")
 
 
-async def test_a_keyless_start_of_a_prefix_id_fails_typed_at_once_and_is_counted(world: World):
+@pytest.mark.parametrize("prefix", ["pfx.", "seg."])
+async def test_a_keyless_start_of_a_reserved_id_fails_typed_at_once_and_is_counted(world: World, prefix):
     keyless = await world.client(None)
-    await world.refused(keyless, _id("pfx.x"), START, "ReservedStreamId")
+    await world.refused(keyless, _id(prefix + "x"), START, "ReservedStreamId")
     await world.counted("ReservedStreamId")
 
 
