@@ -1,4 +1,5 @@
-"""Bytes a hybrid's checkpoint writes, by position: KV segments against the whole KV.
+"""A hybrid's KV by position: the bytes a checkpoint writes (KV segments against the whole KV),
+and what a decode step costs at that context.
 
 A stream of a Granite-4.0-H-Micro-shaped model (bench/make_checkpoint.py's `granite-micro`: 36
 Mamba-2 layers of 64 heads x 64 x 128, 4 attention layers of 8 KV heads of 64; 75.5 MB of Mamba
@@ -15,7 +16,14 @@ the segments that became full), the commit's wall time, and what a checkpoint ho
 would be (the Mamba states and every row: what the commit wrote before segments). Target (issue 45
 item 4): the bytes per checkpoint flat in the position.
 
-    python bench/bench_segments.py [--positions 1024,8192,32768] [--chunk 16] [--chunks 8] [--tiny]
+Then, per position, a decode step from a state at it (a random state: a step's cost depends on the
+shapes and the weight format, not on the values; no prefill of 32k tokens): the median of
+`--steps` 1-token steps through `Model.advance` (a stream's one-token chunk: the state's P KV rows
+read and its next state's P + 1 written) and through `Model.step_rows` (the slot table's decode
+step: the rows in the slot's buffers, each token's row written in place). The weights are zeros in
+the checkpoint's own format (bfloat16): a step reads them as it would random ones.
+
+    python bench/bench_segments.py [--positions 1024,8192,32768] [--chunk 16] [--chunks 8] [--steps 5] [--tiny]
 """
 
 from __future__ import annotations
@@ -104,16 +112,42 @@ def measure(model, position: int, chunk: int, chunks: int, root: Path) -> dict:
             "max_wrote": max(wrote), "whole": whole, "ms": 1e3 * statistics.median(seconds)}
 
 
+def decode(model, position: int, steps: int) -> dict:
+    """Median seconds of a 1-token step at `position`: `advance` and the slot table's `step_rows`."""
+    g = torch.Generator().manual_seed(position + 1)
+    state = _random_state(model, position, g)
+    times = []
+    for i in range(steps + 1):
+        t0 = time.perf_counter()
+        model.advance(state, [1 + i])
+        times.append(time.perf_counter() - t0)
+    advance = statistics.median(times[1:])
+    buffers = {}
+    for spec in model.schema.tensors:
+        buf = torch.zeros((1, *spec.shape), dtype=getattr(torch, spec.dtype))
+        src = state.tensors[spec.name]
+        buf[0, : src.shape[0]].copy_(src)  # a KV tensor's first P rows; a Mamba state whole
+        buffers[spec.name] = buf
+    rows = torch.tensor([0])
+    times = []
+    for i in range(steps + 1):
+        t0 = time.perf_counter()
+        model.step_rows(buffers, rows, torch.tensor([1 + i]), in_place=True, positions=torch.tensor([position + i]))
+        times.append(time.perf_counter() - t0)
+    return {"advance": advance, "step_rows": statistics.median(times[1:])}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--positions", default="1024,8192,32768")
     ap.add_argument("--chunk", type=int, default=16)
     ap.add_argument("--chunks", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=5, help="decode steps timed per position (after one untimed)")
     ap.add_argument("--tiny", action="store_true", help="granite-micro's layout at hidden 64 (a quick check)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     positions = [int(p) for p in args.positions.split(",")]
-    bound = max(positions) + args.chunk * (args.chunks + 1)
+    bound = max(positions) + max(args.chunk * (args.chunks + 1), args.steps + 2)
     with tempfile.TemporaryDirectory(prefix="bench-segments-") as tmp:
         root = Path(tmp)
         model = load_model(zero_checkpoint("granite-micro", root / "ckpt", args.tiny), backend="exact",
@@ -132,6 +166,15 @@ def main() -> None:
             r = measure(model, p, args.chunk, args.chunks, root)
             print(f"| {p:,} | {r['checkpoint'] / 1e6:.2f} | {r['wrote'] / 1e6:.2f} ({r['max_wrote'] / 1e6:.2f}) | "
                   f"{r['whole'] / 1e6:.2f} | {r['whole'] / r['wrote']:.1f}x | {r['ms']:.0f} |")
+        print()
+        print(f"decode at a context ({torch.get_num_threads()} threads, {model.arithmetic().id}), medians of "
+              f"{args.steps} steps")
+        print()
+        print("| context | advance ms/token | step_rows ms/token | step_rows tok/s |")
+        print("|---:|---:|---:|---:|")
+        for p in positions:
+            d = decode(model, p, args.steps)
+            print(f"| {p:,} | {1e3 * d['advance']:.0f} | {1e3 * d['step_rows']:.0f} | {1 / d['step_rows']:.2f} |")
 
 
 if __name__ == "__main__":
