@@ -264,8 +264,9 @@ class ChunkCommit:
                 state = State(state.position, tensors, model.schema.fingerprint())
                 adopted = True
                 if written is not None and opened.segments != written.refs:
-                    # its segments are other bits than ours: they are stored (it was read whole)
-                    written = type(written)(opened.segments, (), written.started, 0)
+                    # its segments are other bits than ours (they were just read whole): claimed from
+                    # a sweep's sightings and put back where one was deleted since, as new ones are
+                    written = self.segments.write(model, self.segments.split(model, state, principal, None), principal)
             elif self.store.put_if_absent(key=key, data=blob, stream_id=stream_id, owner=self.owner(principal)):
                 # deleted between the two calls: ours is as good
                 self.metrics.committed(key, len(blob) + (written.bytes if written else 0), model.model_id)

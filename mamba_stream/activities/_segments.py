@@ -108,8 +108,9 @@ class KVSegments:
 
     Args:
         store, keyring: where segments go, and the keys that seal and name them.
-        grace_s: the sweep's grace as the workers run it: a commit that took longer than half of
-            it re-asserts its new segments after its refs object is written.
+        grace_s: the sweep's grace as the workers run it (lowered to the shortest one this keeper
+            sweeps with): a commit that took longer than half of it re-asserts its new segments
+            after its refs object is written.
     """
 
     def __init__(self, store: StateStore, keyring: Keyring, *, grace_s: float = 3600.0) -> None:
@@ -244,6 +245,9 @@ class KVSegments:
         names, each once a sighting of it is `grace_s` old (default: this keeper's grace).
         `exists(stream_id, key)`: whether a checkpoint is in the store (default: the store's listing)."""
         grace = self.grace_s if grace_s is None else grace_s
+        # this worker's commits re-assert their segments after half of the shortest grace it sweeps
+        # with (workers that share a store sweep with one grace: MAMBA_STREAM_ORPHAN_GRACE_S)
+        self.grace_s = min(self.grace_s, grace)
         report = SegmentSweep()
         now = time.time()
         seen = self.store.read_meta(kind=SEEN_KIND)  # before the listings: see the module docstring

@@ -337,3 +337,35 @@ def test_revocation_reaches_the_segments_at_the_next_two_sweeps(model, tokens):
     kv = commits.segments
     kv.sweep(grace_s=0)
     assert kv.sweep(grace_s=0).deleted == 2 and len(_segment_keys(commits.store)) == 1  # the new epoch's block 0
+
+
+def test_an_earlier_attempts_other_bits_are_adopted_with_their_segments_claimed(model, tokens):
+    """An earlier attempt (another arithmetic's bits) wrote its segments and checkpoint and died
+    before its refs object; a sweep sighted its segments. The retry adopts its state, so its
+    segments, not the retry's, are the ones named: claimed and kept by the next sweeps."""
+
+    class Killed(Exception):
+        pass
+
+    store, ring = MemoryStateStore(), Keyring.generate()
+    first = ChunkCommit(store, ring)
+    s = _Stream(first, model, "a")
+    before = s.done.receipt
+    true = model.advance(s.done.state, tokens[:40]).state
+    other = {k: v.clone() for k, v in true.tensors.items()}
+    kv_name = next(t.name for t in model.schema.tensors if t.rows == "position")
+    other[kv_name][3, 0, 0] += 1.0  # the earlier attempt's bits differ in block 0
+    key = first.chunk_key("a", before, 1, "c1")
+    first.segments.hold = lambda *a, **k: (_ for _ in ()).throw(Killed("hold"))
+    with pytest.raises(Killed):
+        first.commit(model, model.restore_state(40, other), stream_id="a", principal="alice", chunk_seq=1, epoch=0,
+                     key=key, backend="exact", before=before)
+    kv = ChunkCommit(store, ring).segments
+    assert kv.sweep(grace_s=0).sighted == 2  # no refs object names them yet
+    retry = ChunkCommit(store, ring)
+    done = retry.commit(model, true, stream_id="a", principal="alice", chunk_seq=1, epoch=0, key=key,
+                        backend="exact", before=before)
+    assert done.adopted and torch.equal(done.state.tensors[kv_name], other[kv_name])
+    assert kv.sweep(grace_s=0).deleted == 0
+    back = ChunkCommit(store, ring).fetch(model, done.receipt, "alice")[0]
+    assert torch.equal(back.tensors[kv_name], other[kv_name])
