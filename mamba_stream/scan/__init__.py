@@ -5,9 +5,20 @@ them with attention (GraniteMoeHybrid dense).
     model = load_model("tiny-mamba2")
     state = model.initial_state()
     step = model.advance(state, [1, 2, 3])      # step.logits (3, V) float32, step.state
+
+    text = model.chat_template.render([{"role": "user", "content": "hi"}])  # docs/chat-templates.md
 """
 
 from mamba_stream.scan._backends import EXACT_BACKENDS
+from mamba_stream.scan._chat import (
+    PLAIN_CHAT_TEMPLATE,
+    ChatTemplate,
+    ChatTemplateError,
+    Continuation,
+    NoChatTemplate,
+    TemplateRaised,
+    continuation,
+)
 from mamba_stream.scan._config import ModelConfig
 from mamba_stream.scan._errors import (
     CheckpointError,
@@ -46,13 +57,17 @@ from mamba_stream.scan._verify import PartitionResult, VerifyReport, standard_pa
 __all__ = [
     "BACKENDS",
     "EXACT_BACKENDS",
+    "PLAIN_CHAT_TEMPLATE",
     "PRESETS",
     "TOLERANCES",
     "TRAINED_PRESETS",
     "WEIGHT_FORMATS",
     "ByteTransform",
+    "ChatTemplate",
+    "ChatTemplateError",
     "CheckpointError",
     "ConfigError",
+    "Continuation",
     "HFTokenizerTransform",
     "InputTransform",
     "InvalidInput",
@@ -60,6 +75,7 @@ __all__ = [
     "MambaLM",
     "Model",
     "ModelConfig",
+    "NoChatTemplate",
     "NonFiniteInput",
     "NonFiniteOutput",
     "NonIntegerInput",
@@ -69,12 +85,14 @@ __all__ = [
     "ScanError",
     "State",
     "StepResult",
+    "TemplateRaised",
     "TokenOutOfRange",
     "Tolerance",
     "UnsupportedBackend",
     "VerifyReport",
     "checkpoint_problem",
     "config_from_json",
+    "continuation",
     "embed",
     "forward",
     "init_model",

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from mamba_stream.scan._backends import EXACT_BACKENDS
+from mamba_stream.scan._chat import ChatTemplate, ChatTemplateError, NoChatTemplate
 from mamba_stream.scan._config import ModelConfig
 from mamba_stream.scan._errors import CheckpointError, ConfigError, UnsupportedBackend
 from mamba_stream.scan._hf import ARCHITECTURES, is_inf
@@ -606,7 +607,12 @@ def load_model(
     warning is logged, once per directory), or none for a vocabulary under 256 ids. Its
     end-of-sequence ids (`Model.eos_token_ids`, where a generation stops) are config.json's
     `eos_token_id` (an id or a list), else generation_config.json's, else the tokenizer's
-    (`HFTokenizerTransform.eos_token_id`); the presets have none.
+    (`HFTokenizerTransform.eos_token_id`); the presets have none. Its chat template
+    (`Model.chat_template`) is the directory's (`ChatTemplate.from_directory`: chat_template.jinja,
+    else tokenizer_config.json's `chat_template`); the presets, built and trained, have the
+    documented plain one (`PLAIN_CHAT_TEMPLATE`, docs/chat-templates.md), made for their byte
+    vocabulary. A directory without a template, or with one that does not compile, still loads:
+    `Model.chat_template` raises why.
 
     Raises:
         ConfigError naming the offending config field (`eos_token_id` included: not an id of
@@ -621,6 +627,7 @@ def load_model(
         transform: Any = ByteTransform()
         model_id = name
         eos: tuple[int, ...] = ()  # the presets' byte vocabulary has no end-of-sequence token
+        chat: ChatTemplate | ChatTemplateError = ChatTemplate.plain()
     else:
         directory = trained_preset_dir(name) if name in TRAINED_PRESETS else Path(source)
         cfg_path = directory / "config.json"
@@ -642,6 +649,7 @@ def load_model(
         if not tok.exists() and name not in TRAINED_PRESETS:  # the shipped presets read bytes by design
             _warn_no_tokenizer(directory, cfg.padded_vocab_size)
         eos = _eos_token_ids(directory, raw, transform)
+        chat = ChatTemplate.plain() if name in TRAINED_PRESETS else _chat_template_of(directory)
         model_id = directory.resolve().name
         log.info("loaded %s checkpoint %s (%s)", layout, directory, cfg.architecture)
     if max_positions is not None:
@@ -653,7 +661,20 @@ def load_model(
     # loop peels to alignment), so the other backends get fresh, aligned copies as they always did
     lm = _build(cfg, sd, dtype, device, fmt, mapped=name not in PRESETS and reads_stored)
     return Model(lm, model_id=model_id, revision=revision, backend=backend, transform=transform,
-                 state_dtype=state_dtype, eos_token_ids=eos)
+                 state_dtype=state_dtype, eos_token_ids=eos, chat_template=chat)
+
+
+def _chat_template_of(directory: Path) -> ChatTemplate | ChatTemplateError:
+    """A checkpoint directory's chat template, or why it has none (kept for `Model.chat_template`
+    to raise: a model is served token by token without one)."""
+    try:
+        return ChatTemplate.from_directory(directory)
+    except NoChatTemplate as exc:
+        log.info("%s", exc)
+        return exc
+    except ChatTemplateError as exc:
+        log.warning("checkpoint %s: its chat template is refused: %s", directory, exc)
+        return exc
 
 
 def _bounded(cfg: ModelConfig, max_positions: int) -> ModelConfig:

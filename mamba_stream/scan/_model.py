@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from mamba_stream.scan._backends import EXACT_BACKENDS, Backend, RoundState
+from mamba_stream.scan._chat import ChatTemplate, ChatTemplateError, NoChatTemplate
 from mamba_stream.scan._config import ModelConfig
 from mamba_stream.scan._errors import (
     ConfigError,
@@ -179,6 +180,10 @@ class Model:
         revision: "sha256:<hex>" over the checkpoint's weights (independent of dtype/device).
         backend: the backend `advance` runs (`BACKENDS`: "exact", "exact-fma", "reference", ...).
         transform: the default input transform (text <-> token ids), or None.
+        chat_template: the ChatTemplate that renders a conversation as its text (docs/chat-templates.md);
+            it raises NoChatTemplate where the model has none. (Built with `chat_template=` a
+            ChatTemplate, or the ChatTemplateError to raise when it is asked for: `load_model`
+            passes a directory's refusal.)
         eos_token_ids: the token ids that end a generation (config.json's `eos_token_id`, or its
             tokenizer's end-of-sequence token); empty: the model has none, and a generation runs to
             its length or a stop text.
@@ -199,8 +204,12 @@ class Model:
         transform: Any = None,
         state_dtype: torch.dtype | None = None,
         eos_token_ids: Sequence[int] = (),
+        chat_template: ChatTemplate | ChatTemplateError | None = None,
     ) -> None:
         self._lm = lm
+        # the template, or why there is none (a directory without one, or with a broken one): kept,
+        # not raised, because a model is served token by token without one
+        self._chat_template = chat_template
         self.config: ModelConfig = lm.cfg
         self.model_id = model_id
         self.revision = revision
@@ -236,6 +245,23 @@ class Model:
     def module(self) -> MambaLM:
         """The parameters, as a torch module with mamba-ssm's names."""
         return self._lm
+
+    @property
+    def chat_template(self) -> ChatTemplate:
+        """The chat template: its checkpoint directory's (`ChatTemplate.from_directory`), or the
+        presets' plain one (`PLAIN_CHAT_TEMPLATE`).
+
+        Raises:
+            NoChatTemplate: the model has none (the message names the file looked in).
+            ChatTemplateError: its directory's template cannot be read or compiled.
+        """
+        found = self._chat_template
+        if isinstance(found, ChatTemplate):
+            return found
+        if found is None:
+            raise NoChatTemplate(f"model {self.model_id!r} has no chat template: it was not loaded from a "
+                                 "directory with one", origin=self.model_id)
+        raise found.with_traceback(None)  # as it was refused at load, without the earlier raise's frames
 
     def identity(self) -> ModelIdentity:
         """What a resume checks this model against (revision, transform, schema), without tensors."""
