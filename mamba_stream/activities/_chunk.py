@@ -28,7 +28,16 @@ from temporalio import activity
 from mamba_stream.activities._engine import SeededSampler
 from mamba_stream.activities._guards import beat, cancel_point, live_wait
 from mamba_stream.activities._live import LiveTokens
-from mamba_stream.activities._sampling import GenerateEnd, generate_seed, output_digest, top_k
+from mamba_stream.activities._sampling import (
+    GenerateEnd,
+    ShapedSampler,
+    Shaping,
+    check_logit_bias,
+    generate_seed,
+    neutral_settings,
+    output_digest,
+    top_k,
+)
 from mamba_stream.scan import Model, PositionLimit, State
 from mamba_stream.state_codec import Receipt, stream_tag
 from mamba_stream.state_codec.codec import Keyring, unseal
@@ -121,13 +130,16 @@ def generate(acts: StreamActivities, req: GenerateChunkRequest, t0: float) -> Ge
     """
     model = _prepare(acts, "generate", req)
     ask = req.request
+    check_logit_bias(ask, model.vocab_size)  # typed, before any work (the stream checks it too)
     # a hybrid's stream ends its generation at its position bound ("length"), as at max_tokens;
     # a stream already there is refused, typed
     room = _check_room(model, req.receipt.position, 1)
     seed = generate_seed(req.stream_id, ask.chunk_seq, ask.seed)
-    digest = hashlib.sha256(  # how the chunk is shown (PRESENTATION) is not what it is
-        json.dumps(ask.model_dump(mode="json", exclude={"principal", *PRESENTATION}) | {"seed": seed},
-                   sort_keys=True).encode()
+    # how the chunk is shown (PRESENTATION) is not what it is; the later settings at their
+    # defaults are left out, so a chunk committed before they existed keeps its key
+    digest = hashlib.sha256(
+        json.dumps(ask.model_dump(mode="json", exclude={"principal", *PRESENTATION, *neutral_settings(ask)})
+                   | {"seed": seed}, sort_keys=True).encode()
     ).hexdigest()
     key, prior = _prior(acts, req, model, digest)
     if prior is not None:  # an earlier attempt finished: its result, not a second generate
@@ -146,8 +158,12 @@ def generate(acts: StreamActivities, req: GenerateChunkRequest, t0: float) -> Ge
                                         attempt=activity.info().attempt),
                           transform.decode if transform is not None else None)
     end = GenerateEnd(model, ask.stop, acts.metrics, t0, live)
-    # the engine samples the streams of one round together (same tokens as one by one)
-    sampler = SeededSampler(ask.temperature, ask.top_k, gen, proceed=end.proceed, taken=end.taken)
+    # the engine samples the streams of one round together (same tokens as one by one); the later
+    # settings adjust each row by what this generate sampled before it, so theirs go row by row
+    shaping = Shaping.of(ask)
+    sampler: SeededSampler | ShapedSampler = (
+        SeededSampler(ask.temperature, ask.top_k, gen, proceed=end.proceed, taken=end.taken) if shaping is None
+        else ShapedSampler(ask.temperature, ask.top_k, shaping, gen, proceed=end.proceed, taken=end.taken))
     try:
         out = acts.engine(model).generate(
             req.stream_id, sampler, min(ask.max_tokens, room), expected_key=req.receipt.state_key,

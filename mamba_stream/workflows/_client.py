@@ -7,7 +7,7 @@ import contextlib
 import logging
 import random
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -43,7 +43,7 @@ from mamba_stream.workflows._failures import (
     StreamMoving,
     StreamOpening,
 )
-from mamba_stream.workflows._model_stream import check_prefix
+from mamba_stream.workflows._model_stream import check_prefix, generate_request
 from mamba_stream.workflows._models import (
     READ_EVENTS,
     AdvanceRequest,
@@ -501,21 +501,47 @@ class StreamClient:
 
     async def generate(self, stream_id: str, principal: str, max_tokens: int, *, temperature: float = 1.0,
                        top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (),
-                       chunk_seq: int | None = None, attempt: int = 0) -> GenerateResult:
-        return await self._chunk("generate", stream_id, lambda seq: GenerateRequest(
-            principal=principal, chunk_seq=seq, max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-            seed=seed, stop=list(stop)), MambaStreamWorkflow.generate, chunk_seq, attempt)
+                       chunk_seq: int | None = None, attempt: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                       frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+                       repetition_penalty: float = 1.0, logit_bias: Mapping[int, float] | None = None
+                       ) -> GenerateResult:
+        """Sample up to `max_tokens` tokens that advance the stream (seeded: derived from the
+        stream and the chunk unless given), ending early at a `stop` text or the model's
+        end-of-sequence token.
+
+        temperature (0: greedy), top_k, top_p, min_p, frequency_penalty, presence_penalty,
+        repetition_penalty and logit_bias (token id -> bias) are `GenerateRequest`'s fields: their
+        defaults change nothing, and how each acts is in docs/lifecycle.md ("Sampling").
+
+        Raises:
+            ApplicationError: typed `InvalidRequest` whose `field` names a setting out of its
+                range, before anything is sent.
+            WorkflowUpdateFailedError: the stream refused or failed the chunk, typed by reason (a
+                logit bias on a token outside the model's vocabulary: `InvalidRequest`, field
+                `logit_bias`); the stream has not moved.
+        """
+        settings = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, seed=seed, stop=list(stop),
+                        **_shaping(top_p, min_p, frequency_penalty, presence_penalty, repetition_penalty,
+                                   logit_bias))
+        generate_request(principal=principal, chunk_seq=chunk_seq or 1, **settings)  # typed, before anything
+        return await self._chunk("generate", stream_id, lambda seq: generate_request(
+            principal=principal, chunk_seq=seq, **settings), MambaStreamWorkflow.generate, chunk_seq, attempt)
 
     def generate_stream(self, stream_id: str, principal: str, max_tokens: int, *, temperature: float = 1.0,
                         top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (),
-                        chunk_seq: int | None = None, attempt: int = 0) -> GenerateStream:
+                        chunk_seq: int | None = None, attempt: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                        frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+                        repetition_penalty: float = 1.0, logit_bias: Mapping[int, float] | None = None
+                        ) -> GenerateStream:
         """`generate`, its tokens read as they are sampled: `async for event in ...` yields the
         chunk's `TokenEvent`s in order (the last one `done`); then `.result` is its GenerateResult.
         The same chunk as `generate` with the same arguments: streaming decides how it is shown,
-        never what is committed."""
-        return GenerateStream(self, stream_id, principal, dict(
-            max_tokens=max_tokens, temperature=temperature, top_k=top_k, seed=seed, stop=list(stop)),
-            chunk_seq, attempt)
+        never what is committed. A setting out of its range is refused here, typed (`generate`)."""
+        settings = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, seed=seed, stop=list(stop),
+                        **_shaping(top_p, min_p, frequency_penalty, presence_penalty, repetition_penalty,
+                                   logit_bias))
+        generate_request(principal=principal, chunk_seq=chunk_seq or 1, stream=True, **settings)
+        return GenerateStream(self, stream_id, principal, settings, chunk_seq, attempt)
 
     async def tokens(self, stream_id: str, *, from_offset: int = 0, chunk_seq: int | None = None,
                      update_id: str | None = None, max_events: int = READ_EVENTS) -> AsyncIterator[TokenEvent]:
@@ -767,3 +793,11 @@ def _state_key(value: Any) -> str:
     """The state key of a decoded result that carries a receipt (a chunk's, the open's)."""
     receipt = value.get("receipt") if isinstance(value, dict) else None
     return str(receipt.get("state_key", "")) if isinstance(receipt, dict) else ""
+
+
+def _shaping(top_p: float, min_p: float, frequency_penalty: float, presence_penalty: float,
+             repetition_penalty: float, logit_bias: Mapping[int, float] | None) -> dict[str, Any]:
+    """generate's later settings as `GenerateRequest` fields (a bias mapping copied: the request is
+    built again for a resend, from what the caller gave at the call)."""
+    return dict(top_p=top_p, min_p=min_p, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+                repetition_penalty=repetition_penalty, logit_bias=dict(logit_bias or {}))

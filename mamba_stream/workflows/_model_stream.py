@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -124,7 +124,8 @@ with workflow.unsafe.imports_passed_through():
     )
 
 __all__ = ["FORGED_RESULTS", "LOCAL_PAUSE_CHUNKS", "RESERVED_ID_PREFIXES", "ModelStream", "StreamOwner",
-           "check_advance", "check_generate", "check_sender", "check_stream_id", "refused_arguments", "takes"]
+           "check_advance", "check_generate", "check_logit_bias", "check_sender", "check_stream_id",
+           "generate_request", "refused_arguments", "takes"]
 
 T = TypeVar("T")
 
@@ -230,14 +231,44 @@ def check_prefix(req: OpenStreamRequest | OpenStreamInput, opts: StreamOptions) 
                                               actual=len(req.prefix)))
 
 
-def check_generate(req: GenerateRequest, opts: StreamOptions, position: int | None) -> None:
+def check_generate(req: GenerateRequest, opts: StreamOptions, position: int | None,
+                   info: ModelInfo | None = None) -> None:
     """Refuse, typed, a generate the stream cannot take: too many tokens, nothing to continue from
-    (`position` 0; None: not known here)."""
+    (`position` 0; None: not known here), a logit bias outside the vocabulary (`info`'s, when given:
+    `check_logit_bias`)."""
     if req.max_tokens > opts.max_generate_tokens:
         raise application_error(ChunkTooLarge(f"max_tokens {req.max_tokens} exceeds {opts.max_generate_tokens}",
                                               limit=opts.max_generate_tokens, actual=req.max_tokens))
     if position == 0:
         raise application_error(EmptyContext("nothing to continue from: feed a prompt before generating"))
+    check_logit_bias(req, info)
+
+
+def check_logit_bias(req: GenerateRequest, info: ModelInfo | None) -> None:
+    """Refuse, typed `InvalidRequest` naming `logit_bias`, a bias on a token outside the model's
+    vocabulary (the request bounds a token id at 2**31 only; None: the model is not known here,
+    and the activity refuses it, the same way, before any work)."""
+    vocab = info.vocab_size if info is not None else None
+    bad = sorted(t for t in req.logit_bias if vocab is not None and t >= vocab)
+    if bad:
+        raise application_error(InvalidRequest(
+            f"logit_bias names token {bad[0]}, outside the vocabulary [0, {vocab})",
+            field="logit_bias", value=bad[0], limit=vocab))
+
+
+def generate_request(**fields: Any) -> GenerateRequest:
+    """`GenerateRequest(**fields)`, or a typed `InvalidRequest` whose `field` names the first setting
+    that does not validate (a top_p of 0, a penalty past 2, a bias past 100), before anything is
+    sent: a caller learns which setting it was, as from the stream's own refusals."""
+    try:
+        return GenerateRequest(**fields)
+    except ValidationError as exc:
+        errors = exc.errors()
+        field = str(errors[0]["loc"][0]) if errors and errors[0]["loc"] else None
+        first = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in errors[:3])
+        raise application_error(InvalidRequest(
+            f"invalid GenerateRequest: {first}", field=field,
+            errors=[{"loc": ".".join(str(p) for p in e["loc"]), "msg": e["msg"]} for e in errors[:8]])) from None
 
 
 def refused_arguments(model: type, args: tuple[Any, ...]) -> ApplicationError | None:
@@ -403,14 +434,22 @@ class ModelStream:
             return await self.run_chunk("advance", req)
 
     async def generate(self, max_tokens: int, *, temperature: float = 1.0, top_k: int = 0, seed: int | None = None,
-                       stop: Sequence[str] = (), stream: bool = False) -> GenerateResult:
+                       stop: Sequence[str] = (), stream: bool = False, top_p: float = 1.0, min_p: float = 0.0,
+                       frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+                       repetition_penalty: float = 1.0, logit_bias: Mapping[int, float] | None = None
+                       ) -> GenerateResult:
         """Sample up to `max_tokens` (seeded: derived from the stream and the chunk unless given).
         `stream`: the tokens are shown to the workflow's readers as they are sampled (a regular
-        activity, which heartbeats them)."""
+        activity, which heartbeats them). The other settings are `GenerateRequest`'s (their
+        defaults change nothing); one out of its range is refused typed `InvalidRequest` naming
+        it, before anything runs."""
         async with self._turn():
-            req = _request(GenerateRequest, principal=self.principal, chunk_seq=self._next(), max_tokens=max_tokens,
-                           temperature=temperature, top_k=top_k, seed=seed, stop=list(stop), stream=stream)
-            check_generate(req, self.opts, self.position)
+            req = generate_request(
+                principal=self.principal, chunk_seq=self._next(), max_tokens=max_tokens, temperature=temperature,
+                top_k=top_k, seed=seed, stop=list(stop), stream=stream, top_p=top_p, min_p=min_p,
+                frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+                repetition_penalty=repetition_penalty, logit_bias=dict(logit_bias or {}))
+            check_generate(req, self.opts, self.position, self.info)
             return await self.run_chunk("generate", req)
 
     async def reset(self, *, revoke: bool = False) -> Receipt:
@@ -681,6 +720,13 @@ class ModelStream:
         """Run chunk `req` (the next one: `_recheck`) and commit it to the stream's record; a
         generate's result goes to the token log (a failed one too, so that its readers stop)."""
         self._recheck(req.chunk_seq)
+        if isinstance(req, GenerateRequest):
+            # an update's validator may not have known the model; nothing has run yet
+            try:
+                check_logit_bias(req, self.info)
+            except ApplicationError as err:
+                self._log_failed(kind, req.chunk_seq, err.type or InvalidRequest.reason)
+                raise
         uid = _current_update_id()
         if isinstance(req, GenerateRequest):
             activity, result_type = ACTIVITY_GENERATE, GenerateChunkResult

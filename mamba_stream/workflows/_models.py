@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from mamba_stream.state_codec import Receipt
 
 __all__ = [
+    "MAX_LOGIT_BIAS",
     "MAX_PREFIX_TOKENS",
     "STREAM_MEMO",
     "STREAM_WORKFLOW_TYPE",
@@ -322,8 +323,18 @@ class AdvanceResult(_Model):
     duplicate: bool = False
 
 
+#: the most entries a generate's `logit_bias` may hold
+MAX_LOGIT_BIAS = 4096
+
+
 class GenerateRequest(_Signed):
-    """Sample up to max_tokens; seeded, so a retry or replay samples the same tokens."""
+    """Sample up to max_tokens; seeded, so a retry or replay samples the same tokens.
+
+    The settings after `stop` came later (issue 48): each defaults to the value that changes
+    nothing, is left out of the chunk's digest and signature at that value (`claims`), and with
+    all of them there a generate samples exactly as before they existed. How each one acts, and in
+    which order, is `activities._sampling.ShapedSampler`'s docstring and docs/lifecycle.md
+    ("Sampling")."""
 
     principal: str
     chunk_seq: int = Field(ge=1, le=MAX_INDEX)
@@ -334,6 +345,20 @@ class GenerateRequest(_Signed):
                              description="None: derived from the stream and chunk_seq; else in [0, 2**63)")
     stop: list[Annotated[str, Field(max_length=1024)]] = Field(default_factory=list, max_length=64,
                                                                 description="stop after any of these texts")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="nucleus: sample from the likeliest tokens whose "
+                         "probabilities (after top_k) sum to at least top_p; 1: no cut. Not applied at temperature 0")
+    min_p: float = Field(default=0.0, ge=0.0, lt=1.0, description="drop the tokens less likely than min_p times the "
+                         "likeliest one; 0: none dropped. Not applied at temperature 0")
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="subtracted from a token's logit "
+                                     "once per time this generate has sampled it (OpenAI's)")
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="subtracted from a token's logit "
+                                    "once if this generate has sampled it (OpenAI's)")
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=1000.0, description="a token this generate has "
+                                      "sampled has a positive logit divided by it, a negative one multiplied "
+                                      "(transformers'); 1: none")
+    logit_bias: dict[_Token, Annotated[float, Field(ge=-100.0, le=100.0)]] = Field(
+        default_factory=dict, max_length=MAX_LOGIT_BIAS, description="token id -> added to its logit, in [-100, "
+        "100]; every id must be in the model's vocabulary")
     stream: bool = Field(default=False, description="show the tokens as they are sampled: the activity "
                          "heartbeats them (`TokenProgress`) and readers poll (`StreamClient.generate_stream`, "
                          "`tokens`). Presentation only: not part of the chunk's content, its digest or its "

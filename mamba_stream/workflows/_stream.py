@@ -440,7 +440,9 @@ class MambaStreamWorkflow(StreamOwner):  # its queries (receipt, stats, the toke
         self._check_chunk("generate", req)
         # a chunk answered from its record needs no context (`None`: not checked)
         known = self.stream.recent.by_seq(req.chunk_seq) is not None or self.stream.receipt is None
-        check_generate(req, self.stream.opts, None if known else self.stream.receipt.position)
+        # the model's vocabulary, once the stream has one: a logit bias outside it is refused here,
+        # before the update is accepted (nothing in history)
+        check_generate(req, self.stream.opts, None if known else self.stream.receipt.position, self.stream.info)
 
     @workflow.update
     async def checkpoint(self, req: CheckpointRequest) -> CheckpointResult:
