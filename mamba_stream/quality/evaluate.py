@@ -9,6 +9,9 @@ For each trained Mamba preset (loaded by name through `load_model`, as a worker 
   - reset control: the state is reset between the facts and the queries, and accuracy on the
     pre-reset facts must fall into the chance band of a model that never saw them;
   - state bytes per stream (constant) and the median per-token decode latency.
+A hybrid preset (recall-hybrid: Mamba-2 layers and an attention layer) is measured the same way;
+its state holds its attention layer's KV, so its bytes grow with the context (less steeply than
+the baseline's: one attention layer of 2 key/value heads, beside a fixed Mamba state).
 The attention baseline gets the same sets; its KV cache bytes grow with the context.
 
 Held-out sets use their own seed (`HELDOUT_SEED`); training batches use the training seed.
@@ -31,8 +34,10 @@ import torch
 from mamba_stream.quality.tasks import VALUES, Sample, parity_sample, recall_sample
 
 __all__ = [
+    "ATTENTION_BATCH",
     "HELDOUT_SEED",
     "EvalConfig",
+    "architecture_label",
     "chance_band",
     "evaluate_attention",
     "evaluate_preset",
@@ -86,10 +91,27 @@ def _hits(samples: list[Sample], preds: list[list[int]]) -> float:
     return sum(hits) / len(hits)
 
 
+#: streams advanced together by `predict` for a model with attention: the chunked backend's
+#: attention masks (B, L, T) and may score (B, H, L, T) at once, 20 GB for 200 samples of 2,072
+#: tokens; a recurrent model's batch stays whole (its rows are measured so)
+ATTENTION_BATCH = 10
+
+
 def predict(model: Any, samples: list[Sample]) -> list[list[int]]:
     """Argmax predictions at each target, each sample fed in one chunk from a fresh state."""
-    results = model.advance_batch([model.initial_state() for _ in samples], [s.tokens for s in samples])
+    step = ATTENTION_BATCH if model.config.has_attention else max(1, len(samples))
+    results = []
+    for i in range(0, len(samples), step):
+        part = samples[i : i + step]
+        results += model.advance_batch([model.initial_state() for _ in part], [s.tokens for s in part])
     return [[int(r.logits[o - 1].argmax()) for o in s.targets] for s, r in zip(samples, results, strict=True)]
+
+
+def architecture_label(config: Any) -> str:
+    """The table's architecture: the Mamba family, with the other layer kinds of a hybrid
+    ("mamba2+attention")."""
+    kinds = dict.fromkeys(config.kinds)  # first-seen order, no repeats
+    return "+".join(kinds) if config.is_hybrid else config.architecture
 
 
 def predict_chunked(model: Any, samples: list[Sample], rng: random.Random) -> list[list[int]]:
@@ -144,7 +166,7 @@ def evaluate_preset(name: str, cfg: EvalConfig, *, backend: str = "chunked", wei
     model = load_model(name, backend=backend, weights=weights)
     schema = model.schema
     label = name if weights is None else f"{name} ({backend}, {weights})"
-    rep = Report(label, schema.architecture, f"v{schema.schema_version}/{schema.fingerprint()[:12]}",
+    rep = Report(label, architecture_label(model.config), f"v{schema.schema_version}/{schema.fingerprint()[:12]}",
                  model.revision[:19], parameters=sum(p.numel() for p in model.module.parameters())
                  + sum(b.numel() for n, b in model.module.named_buffers() if n.endswith("weight_q8")))
     rng = random.Random(cfg.chunk_seed)

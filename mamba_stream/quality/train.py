@@ -9,7 +9,8 @@ apt-get into `--corpus-cache`): seeded random windows of the training text, vali
 byte on the held-out book. Its card adds the text's source, licence and sha256, and a greedy
 sample through the served (default) path.
 
-Writes config.json + model.safetensors (the mamba-ssm layout `load_model` reads; the attention
+Writes config.json + model.safetensors (the mamba-ssm layout `load_model` reads; `--arch hybrid`,
+with an attention layer, the Hugging Face NemotronH layout it reads as well; the attention
 baseline writes its own config) and card.json + card.md: the configs, seed, steps, wall time,
 loss curve and held-out accuracy. With the same seed, arguments, torch version and thread count
 the weights are bit-identical (the batches come from the tasks' seeded generators, the
@@ -48,6 +49,8 @@ __all__ = [
     "make_batch",
     "make_text_batch",
     "model_config",
+    "nemotron_h_config",
+    "save_hybrid",
     "text_tokens",
     "train",
 ]
@@ -68,6 +71,20 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
     "mamba3": {"architecture": "mamba3", "d_model": 176, "n_layer": 4, "vocab_size": 256, "d_state": 32,
                "headdim": 32, "chunk_size": 32},
     "attention": {"d_model": 256, "n_layer": 2, "n_head": 4, "d_mlp": 384, "vocab_size": 256},
+    # A hybrid: three Mamba-2 layers and one attention layer (grouped-query, 6 query heads sharing
+    # 2 key/value heads of 32), no MLP, narrower (192) to stay near 1M parameters. Its fields are
+    # exactly what `scan._hf`'s NemotronH parser reads back from the Hugging Face layout `write`
+    # saves it in (untied head, pad multiple 1, the softmax scale head_dim**-0.5): save_checkpoint's
+    # mamba-ssm layout has no attention layers. NoPE, as Nemotron-H: training reaches position 80
+    # or so, evaluation 2,072, and rotary angles never seen in training would be out of
+    # distribution, where without them the Mamba layers before the attention carry the order.
+    # max_positions: the evaluation's longest sample (2,048 distractor bytes, facts and queries:
+    # 2,072 tokens) with room to spare.
+    "hybrid": {"architecture": "mamba2", "d_model": 192, "n_layer": 4, "vocab_size": 256, "d_state": 64,
+               "headdim": 32, "pad_vocab_size_multiple": 1, "tie_embeddings": False,
+               "layer_types": ("mamba2", "mamba2", "attention", "mamba2"), "ffn_types": ("none",) * 4,
+               "n_q_heads": 6, "n_kv_heads": 2, "attn_head_dim": 32, "attention_bias": False,
+               "position_embedding": "nope", "attention_multiplier": 32**-0.5, "max_positions": 4096},
 }
 
 #: The recipe each shipped model was trained with (what `--arch` alone runs; flags override).
@@ -80,12 +97,16 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
 #: 5e-3 and 1e-2 stayed at chance for 400 steps). Mamba-3 (4 x 176, d_state 32) on batches of 16
 #: at lr 3e-3 with repeats climbed to 0.64 in 2,500 steps (0.49 at 1,000 with dt initialized up
 #: to 1.0 instead of 0.1: no faster); on batches of 32 at lr 6e-3 with repeats it left the
-#: plateau at step 1,250 and passed 0.9 by 1,500.
+#: plateau at step 1,250 and passed 0.9 by 1,500. The hybrid (lr between Mamba-2's and the
+#: attention baseline's, repeats as Mamba-1/3) passed 0.9 by step 500 and held 1.0 from 1,000 of
+#: its 1,600; on 2 CPU cores beside a test suite it ran with one thread (OMP_NUM_THREADS=1), about
+#: 0.7 s a batch, where two threads stalled.
 RECIPES: dict[str, dict[str, Any]] = {
     "mamba1": {"batch": 16, "lr": 2e-3, "steps": 2400, "repeat_share": 0.5},
     "mamba2": {"batch": 32, "lr": 1e-2, "steps": 2500, "repeat_share": 0.0},
     "mamba3": {"batch": 32, "lr": 6e-3, "steps": 2600, "repeat_share": 0.5},
     "attention": {"batch": 32, "lr": 1e-3, "steps": 3000, "repeat_share": 0.5},
+    "hybrid": {"batch": 32, "lr": 5e-3, "steps": 1600, "repeat_share": 0.5},
 }
 
 #: `--task text`: the model (kjv-mamba2) and its recipe, sized for 30 minutes on 2 CPU cores. On
@@ -372,6 +393,11 @@ def write(model: torch.nn.Module, card: dict[str, Any], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if isinstance(model, TinyTransformer):
         save_attention(model, out)
+    elif model.cfg.is_hybrid:  # type: ignore[union-attr]
+        from mamba_stream.scan import load_model
+
+        save_hybrid(model, out)
+        card["revision"] = load_model(out, backend="reference").revision
     else:
         from mamba_stream.scan import Model, load_model, save_checkpoint, weights_revision
 
@@ -386,6 +412,56 @@ def write(model: torch.nn.Module, card: dict[str, Any], out: Path) -> None:
                               "text": greedy_text(served, SAMPLE_PROMPT, SAMPLE_BYTES)}
     (out / "card.json").write_text(json.dumps(card, indent=2) + "\n")
     (out / "card.md").write_text(card_markdown(card, out.name))
+
+
+def nemotron_h_config(cfg: Any) -> dict[str, Any]:
+    """The Hugging Face config.json (transformers' NemotronH, as it saves one) whose model is `cfg`
+    (a `scan.ModelConfig` of Mamba-2 and attention layers); ValueError naming what that layout
+    cannot express. `scan.load_model` parses it back to `cfg` (`write` checks)."""
+    kinds = {"mamba2": "linear_attention", "attention": "full_attention"}
+    problems = [name for name, ok in (
+        ("layer_types", all(k in kinds for k in cfg.kinds)), ("ffn_types", all(f == "none" for f in cfg.ffns)),
+        ("tie_embeddings", not cfg.tie_embeddings), ("pad_vocab_size_multiple", cfg.pad_vocab_size_multiple == 1),
+        ("position_embedding", cfg.position_embedding in (None, "nope")), ("attention_bias", not cfg.attention_bias),
+        ("attention_multiplier", cfg.attn_head_dim is None or cfg.attention_multiplier == cfg.attn_head_dim**-0.5),
+        ("mixer_norm_eps", cfg.mixer_norm_eps == cfg.norm_eps), ("dt_max_clamp", cfg.dt_max_clamp is None),
+        ("d_ssm", cfg.d_ssm is None), ("D_has_hdim", not cfg.D_has_hdim), ("rmsnorm", cfg.rmsnorm),
+        ("norm_before_gate", not cfg.norm_before_gate), ("rms_norm", cfg.rms_norm),
+        ("multipliers", cfg.embedding_multiplier is None and cfg.residual_multiplier is None
+         and cfg.logits_scaling is None)) if not ok]
+    if problems:
+        raise ValueError(f"the NemotronH layout cannot express this model's {', '.join(problems)}")
+    out: dict[str, Any] = {
+        "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
+        "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layer, "vocab_size": cfg.vocab_size,
+        "layers_block_type": [kinds[k] for k in cfg.kinds], "tie_word_embeddings": False,
+        "layer_norm_epsilon": cfg.norm_eps, "residual_in_fp32": cfg.residual_in_fp32,
+        "ssm_state_size": cfg.d_state, "mamba_num_heads": cfg.nheads, "mamba_head_dim": cfg.headdim,
+        "n_groups": cfg.ngroups, "conv_kernel": cfg.d_conv, "use_conv_bias": cfg.conv_bias, "use_bias": cfg.bias,
+        "mamba_hidden_act": "silu", "time_step_min": cfg.dt_min_clamp, "chunk_size": cfg.chunk_size,
+    }
+    if cfg.has_attention:
+        out.update(num_attention_heads=cfg.n_q_heads, num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.attn_head_dim,
+                   attention_bias=False, max_position_embeddings=cfg.max_positions)
+    return out
+
+
+def save_hybrid(model: torch.nn.Module, out: Path) -> None:
+    """A hybrid `scan.MambaLM` into `out` as transformers saves a NemotronH: config.json
+    (`nemotron_h_config`) and model.safetensors under its names (ours but the embedding's)."""
+    from safetensors.torch import save_file
+
+    from mamba_stream.scan import config_from_json
+
+    cfg = model.cfg  # type: ignore[union-attr]
+    hf = nemotron_h_config(cfg)
+    back, _ = config_from_json(hf)  # a field the layout drops would change the served model
+    if back != cfg:
+        raise ValueError("the NemotronH config does not read back as the model's config")
+    sd = {("backbone.embeddings.weight" if k == "backbone.embedding.weight" else k): v.detach().contiguous()
+          for k, v in model.state_dict().items()}
+    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    save_file(sd, str(out / "model.safetensors"))
 
 
 def card_markdown(card: dict[str, Any], name: str) -> str:

@@ -20,12 +20,22 @@ biases zero; out_proj divided by sqrt(n_layer); dt biases the inverse softplus o
 dt in [dt_min, dt_max]; A_log = log(1..d_state) (Mamba-1, S4D-real) or log U(1, 16) (Mamba-2);
 D = 1. Norm weights and Mamba-3's B/C biases and MIMO projections keep their constructor
 constants, which are exact.
+
+A hybrid's other layers follow mamba-ssm's `_init_weights` for its attention and MLP blocks: every
+projection (attention's q/k/v/o, an MLP's input_linear/output_linear, a router, the experts and
+their latent projections) U(+-1/sqrt(fan_in)) with zero biases, and each residual branch's last
+projection (out_proj, o_proj, output_linear) divided by sqrt(n_layer * branches), branches 2 where
+some layer has an ffn sublayer (mamba-ssm's `n_residuals_per_layer`), else 1 (a plain Mamba
+model's sqrt(n_layer), as before). Norm weights and the experts' correction bias keep their
+constructor constants (ones, zeros). Falcon-H1's "parallel" layers take the Mamba-2 and attention
+recipes under `mixer.mamba.` and `mixer.attn.`; Zamba2's "shared" layers have no recipe (refused).
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+from typing import Any
 
 import numpy as np
 import torch
@@ -156,13 +166,85 @@ def _fan_in(mod: nn.Module) -> int:
     return mod.in_channels // mod.groups * mod.kernel_size[0]
 
 
-def _weights(lm: nn.Module, seed: int, dt_max: float) -> dict[str, np.ndarray]:
-    """name -> float64 value of every parameter the recipe sets (the rest keep constructor constants)."""
+def _linear(out: dict[str, np.ndarray], seed: int, name: str, mod: nn.Linear, scale: float = 1.0) -> None:
+    """PyTorch's default U(+-1/sqrt(fan_in)) for `name`.weight (divided by `scale`: a residual
+    branch's last projection), a zero bias."""
+    bound = 1.0 / math.sqrt(mod.in_features)
+    w = name + ".weight"
+    out[w] = uniform(seed, w, tuple(mod.weight.shape), -bound, bound)
+    if scale != 1.0:
+        out[w] = out[w] / scale
+    if mod.bias is not None:
+        out[name + ".bias"] = np.zeros(tuple(mod.bias.shape))
+
+
+def _mamba(out: dict[str, np.ndarray], m: nn.Module, pre: str, seed: int, cfg: Any, dt_max: float,
+           scale: float) -> None:
+    """A Mamba-1/2/3 mixer's parameters under `pre` (its names end in a dot)."""
     from mamba_stream.scan._mamba1 import Mamba1Mixer
     from mamba_stream.scan._mamba2 import Mamba2Mixer
     from mamba_stream.scan._mamba3 import Mamba3Mixer
 
+    for child, mod in m.named_children():
+        if not isinstance(mod, (nn.Linear, nn.Conv1d)):
+            continue
+        bound = 1.0 / math.sqrt(_fan_in(mod))
+        w = pre + child + ".weight"
+        out[w] = uniform(seed, w, tuple(mod.weight.shape), -bound, bound)
+        if mod.bias is not None:
+            b = pre + child + ".bias"
+            out[b] = (uniform(seed, b, tuple(mod.bias.shape), -bound, bound) if isinstance(mod, nn.Conv1d)
+                      else np.zeros(tuple(mod.bias.shape)))
+    out[pre + "out_proj.weight"] = out[pre + "out_proj.weight"] / scale
+    out[pre + "D"] = np.ones(tuple(m.D.shape))
+    if isinstance(m, Mamba1Mixer):
+        std = cfg.resolved_dt_rank**-0.5
+        w = pre + "dt_proj.weight"
+        out[w] = uniform(seed, w, tuple(m.dt_proj.weight.shape), -std, std)
+        out[pre + "dt_proj.bias"] = _inv_softplus_dt(seed, pre + "dt_proj.bias", cfg.d_inner, dt_max=dt_max)
+        out[pre + "A_log"] = np.tile(log(np.arange(1, cfg.d_state + 1, dtype=np.float64)), (cfg.d_inner, 1))
+    elif isinstance(m, (Mamba2Mixer, Mamba3Mixer)):
+        out[pre + "dt_bias"] = _inv_softplus_dt(seed, pre + "dt_bias", cfg.nheads, dt_max=dt_max)
+        if isinstance(m, Mamba2Mixer):
+            a = pre + "A_log"
+            out[a] = log(uniform(seed, a, (cfg.nheads,), 1.0, 16.0))
+
+
+def _attention(out: dict[str, np.ndarray], m: nn.Module, pre: str, seed: int, scale: float) -> None:
+    """An `AttentionMixer`'s q/k/v/o under `pre`; o_proj, the branch's last projection, / `scale`."""
+    for child in ("q_proj", "k_proj", "v_proj"):
+        _linear(out, seed, pre + child, getattr(m, child))
+    _linear(out, seed, pre + "o_proj", m.o_proj, scale)
+
+
+def _mlp(out: dict[str, np.ndarray], m: nn.Module, pre: str, seed: int, scale: float) -> None:
+    """An `MLP`'s input_linear and output_linear (the branch's last projection, / `scale`) under `pre`."""
+    _linear(out, seed, pre + "input_linear", m.input_linear)
+    _linear(out, seed, pre + "output_linear", m.output_linear, scale)
+
+
+def _experts(out: dict[str, np.ndarray], m: nn.Module, pre: str, seed: int, scale: float) -> None:
+    """Routed experts under `pre`: the router and latent projections plain, each expert and the
+    shared MLP as an MLP (their weighted sum is the branch's output)."""
+    _linear(out, seed, pre + "router", m.router)
+    for child in ("latent_in", "latent_out"):
+        if getattr(m, child) is not None:
+            _linear(out, seed, pre + child, getattr(m, child))
+    for e, expert in enumerate(m.experts):
+        _mlp(out, expert, f"{pre}experts.{e}.", seed, scale)
+    if m.shared is not None:
+        _mlp(out, m.shared, pre + "shared.", seed, scale)
+
+
+def _weights(lm: nn.Module, seed: int, dt_max: float) -> dict[str, np.ndarray]:
+    """name -> float64 value of every parameter the recipe sets (the rest keep constructor constants)."""
+    from mamba_stream.scan._layers import MLP, AttentionMixer, Experts
+
     cfg = lm.cfg
+    # mamba-ssm's rescale_prenorm_residual: every residual branch's last projection / sqrt(the
+    # number of branches); for a plain Mamba model that is sqrt(n_layer), the same float as always
+    branches = 2 if any(f != "none" for f in cfg.ffns) else 1
+    scale = math.sqrt(cfg.n_layer * branches)
     out: dict[str, np.ndarray] = {}
     emb = "backbone.embedding.weight"
     out[emb] = normal(seed, emb, tuple(lm.backbone.embedding.weight.shape), 0.02)
@@ -171,29 +253,23 @@ def _weights(lm: nn.Module, seed: int, dt_max: float) -> dict[str, np.ndarray]:
     for i, blk in enumerate(lm.backbone.layers):
         m = blk.mixer
         pre = f"backbone.layers.{i}.mixer."
-        for child, mod in m.named_children():
-            if not isinstance(mod, (nn.Linear, nn.Conv1d)):
-                continue
-            bound = 1.0 / math.sqrt(_fan_in(mod))
-            w = pre + child + ".weight"
-            out[w] = uniform(seed, w, tuple(mod.weight.shape), -bound, bound)
-            if mod.bias is not None:
-                b = pre + child + ".bias"
-                out[b] = (uniform(seed, b, tuple(mod.bias.shape), -bound, bound) if isinstance(mod, nn.Conv1d)
-                          else np.zeros(tuple(mod.bias.shape)))
-        out[pre + "out_proj.weight"] = out[pre + "out_proj.weight"] / math.sqrt(cfg.n_layer)
-        out[pre + "D"] = np.ones(tuple(m.D.shape))
-        if isinstance(m, Mamba1Mixer):
-            std = cfg.resolved_dt_rank**-0.5
-            w = pre + "dt_proj.weight"
-            out[w] = uniform(seed, w, tuple(m.dt_proj.weight.shape), -std, std)
-            out[pre + "dt_proj.bias"] = _inv_softplus_dt(seed, pre + "dt_proj.bias", cfg.d_inner, dt_max=dt_max)
-            out[pre + "A_log"] = np.tile(log(np.arange(1, cfg.d_state + 1, dtype=np.float64)), (cfg.d_inner, 1))
-        elif isinstance(m, (Mamba2Mixer, Mamba3Mixer)):
-            out[pre + "dt_bias"] = _inv_softplus_dt(seed, pre + "dt_bias", cfg.nheads, dt_max=dt_max)
-            if isinstance(m, Mamba2Mixer):
-                a = pre + "A_log"
-                out[a] = log(uniform(seed, a, (cfg.nheads,), 1.0, 16.0))
+        if blk.kind in ("mamba1", "mamba2", "mamba3"):
+            _mamba(out, m, pre, seed, cfg, dt_max, scale)
+        elif blk.kind == "attention" and isinstance(m, AttentionMixer):
+            _attention(out, m, pre, seed, scale)
+        elif blk.kind == "mlp" and isinstance(m, MLP):
+            _mlp(out, m, pre, seed, scale)
+        elif blk.kind == "moe" and isinstance(m, Experts):
+            _experts(out, m, pre, seed, scale)
+        elif blk.kind == "parallel":  # Falcon-H1: one branch, its two outputs summed
+            _mamba(out, m.mamba, pre + "mamba.", seed, cfg, dt_max, scale)
+            _attention(out, m.attn, pre + "attn.", seed, scale)
+        else:
+            raise ValueError(f"layer {i}: no initialization recipe for a {blk.kind!r} layer")
+        if blk.mlp is not None:
+            _mlp(out, blk.mlp, f"backbone.layers.{i}.mlp.", seed, scale)
+        if blk.moe is not None:
+            _experts(out, blk.moe, f"backbone.layers.{i}.moe.", seed, scale)
     return out
 
 

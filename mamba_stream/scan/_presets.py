@@ -5,6 +5,10 @@ D = 1, out_proj scaled by 1/sqrt(n_layer)), so the untrained models still have t
 spectrum of real ones and their outputs depend on history. It is computed by `scan._init` in
 integer and IEEE float64 arithmetic, so a preset is the same bytes (the same `revision`) on every
 CPU, instruction set and thread count; tests/scan/test_init.py pins each preset's revision.
+
+Every preset, built or trained, renders conversations with the plain chat template
+(`scan.PLAIN_CHAT_TEMPLATE`: `<|role|>`, a newline, the text, a newline; docs/chat-templates.md),
+made for their byte vocabulary: `load_model` attaches it as `Model.chat_template`.
 """
 
 from __future__ import annotations
@@ -47,13 +51,16 @@ PRESETS: dict[str, tuple[dict[str, Any], int]] = {
 #: architecture. `recall-*` learned the tasks of `quality.tasks` and ship only past the quality bar
 #: (held-out recall >= 90% at the shortest delay, tests/quality/test_presets.py); `kjv-mamba2`
 #: learned English text (`--task text`, `quality.corpus`) and ships only while its greedy sample
-#: reads as English (tests/quality/test_text_preset.py). New ones go last: the order seeds
+#: reads as English (tests/quality/test_text_preset.py). `recall-hybrid` is three Mamba-2 layers
+#: and one attention layer (`quality.train --arch hybrid`), saved in NemotronH's Hugging Face
+#: layout; its architecture here is its Mamba layers'. New ones go last: the order seeds
 #: bench/measure_drift.py's draws, which the declared tolerances were measured on.
 TRAINED_PRESETS: dict[str, str] = {
     "recall-mamba1": "mamba1",
     "recall-mamba2": "mamba2",
     "recall-mamba3": "mamba3",
     "kjv-mamba2": "mamba2",
+    "recall-hybrid": "mamba2",
 }
 
 

@@ -73,7 +73,7 @@ def _missing_shard(tmp: Path, good: Path) -> str:
 
 
 @pytest.mark.parametrize(("make", "reason"), [
-    (_missing, "no such preset (kjv-mamba2, recall-mamba1, recall-mamba2, recall-mamba3, tiny-mamba1"),
+    (_missing, "no such preset (kjv-mamba2, recall-hybrid, recall-mamba1, recall-mamba2, recall-mamba3, tiny-mamba1"),
     (_a_file, "not a checkpoint directory"),
     (_no_config, "no config.json in the directory"),
     (_bad_json, "config.json is not valid JSON"),
@@ -98,8 +98,8 @@ def test_an_unknown_preset_or_weight_format_and_every_bad_model_are_named_at_onc
     assert str(err.value) == (
         f"model 'mine' ({good}): unknown weight format 'int4'; expected one of "
         "['bfloat16', 'float16', 'float32', 'float64', 'q8']; "
-        "model 'tiny-mamba9' (tiny-mamba9): no such preset (kjv-mamba2, recall-mamba1, recall-mamba2, recall-mamba3, "
-        "tiny-mamba1, tiny-mamba2, tiny-mamba3, tiny-mamba3-mimo) or directory")
+        "model 'tiny-mamba9' (tiny-mamba9): no such preset (kjv-mamba2, recall-hybrid, recall-mamba1, recall-mamba2, "
+        "recall-mamba3, tiny-mamba1, tiny-mamba2, tiny-mamba3, tiny-mamba3-mimo) or directory")
 
 
 def test_weights_the_check_cannot_see_are_broken_fail_the_warm_up_naming_the_model(tmp_path, good):
