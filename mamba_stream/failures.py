@@ -107,4 +107,6 @@ def invalid_request(name: str, exc: Any) -> ApplicationError:
     ValidationError would be retried (and, in workflow code, fail the workflow task each time)."""
     errors = [{"loc": ".".join(str(p) for p in e["loc"]), "msg": e["msg"]} for e in exc.errors()[:8]]
     first = "; ".join(f"{e['loc'] or name}: {e['msg']}" for e in errors[:3])
-    return application_error(InvalidRequest(f"invalid {name}: {first}", errors=errors))
+    # `field`: the first problem's top-level field (a setting's name), as the stream's own refusals say it
+    field = errors[0]["loc"].split(".")[0] if errors and errors[0]["loc"] else ""
+    return application_error(InvalidRequest(f"invalid {name}: {first}", field=field, errors=errors))

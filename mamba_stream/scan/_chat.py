@@ -343,6 +343,18 @@ class ChatTemplate:
         #: "sha256:<hex>" over the templates and special tokens: what decides the text of a rendering
         self.revision = "sha256:" + hashlib.sha256(digest.encode("utf-8")).hexdigest()
 
+    # a template never changes once built: a copy is itself (a model is deep-copied in places, and
+    # compiled Jinja templates neither copy nor pickle); pickled, it is built again from its source
+    def __copy__(self) -> ChatTemplate:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ChatTemplate:
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        source = self.sources if self.named else self.sources["default"]
+        return (_rebuild, (source, self.special_tokens, self.origin))
+
     @classmethod
     def from_directory(cls, directory: str | Path) -> ChatTemplate:
         """The template of a model directory: chat_template.jinja and additional_chat_templates/
@@ -516,3 +528,8 @@ def continuation(fed: Sequence[int], rendered: Sequence[int]) -> Continuation:
     # the usual turn extends: one comparison in C; a fork is looked for token by token
     common = n if fed[:n] == rendered[:n] else next(i for i in range(n) if fed[i] != rendered[i])
     return Continuation(fed=len(fed), common=common, tokens=tuple(rendered[common:]))
+
+
+def _rebuild(source: str | Mapping[str, str], special_tokens: Mapping[str, str], origin: str) -> ChatTemplate:
+    """A pickled `ChatTemplate` built again (its compiled templates are not pickled)."""
+    return ChatTemplate(source, special_tokens=special_tokens, origin=origin)

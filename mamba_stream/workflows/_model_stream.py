@@ -263,12 +263,7 @@ def generate_request(**fields: Any) -> GenerateRequest:
     try:
         return GenerateRequest(**fields)
     except ValidationError as exc:
-        errors = exc.errors()
-        field = str(errors[0]["loc"][0]) if errors and errors[0]["loc"] else None
-        first = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in errors[:3])
-        raise application_error(InvalidRequest(
-            f"invalid GenerateRequest: {first}", field=field,
-            errors=[{"loc": ".".join(str(p) for p in e["loc"]), "msg": e["msg"]} for e in errors[:8]])) from None
+        raise invalid_request("GenerateRequest", exc) from None
 
 
 def refused_arguments(model: type, args: tuple[Any, ...]) -> ApplicationError | None:

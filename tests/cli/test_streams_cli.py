@@ -782,7 +782,7 @@ async def test_bad_flag_values_are_refused_in_one_line_naming_the_flag_before_an
     await _refused_alike(env, cases)
     # what only the request's model refuses, once the stream is asked for its next chunk: one line too
     out, _ = await _run(env, *gen, "-n", "2", *[a for i in range(65) for a in ("--stop", f"s{i}")])
-    assert _one_error_line(out) == "error: InvalidRequest: GenerateRequest: 1 problem: stop: List should have at " \
+    assert _one_error_line(out) == "error: InvalidRequest: invalid GenerateRequest: stop: List should have at " \
                                    "most 64 items after validation, not 65"
     # nothing was sent: the stream is where it was, and no stream was started
     stats = await stack.streams.stats(sid)

@@ -782,3 +782,15 @@ def test_a_model_without_a_template_is_refused_naming_the_file(tmp_path):
     built = init_model(load_model("tiny-mamba1").config, seed=0)
     with pytest.raises(NoChatTemplate, match="has no chat template"):
         _ = built.chat_template
+
+
+def test_a_template_survives_a_copy_a_deep_copy_and_a_pickle_and_renders_alike():
+    """A model is deep-copied in places (and may be pickled to a process): its template with it."""
+    import copy
+    import pickle
+
+    t = ChatTemplate({"default": "{{ messages[0]['content'] }}!", "tool_use": "T"}, special_tokens={"bos_token": "<s>"})
+    msgs = [{"role": "user", "content": "hi"}]
+    for other in (copy.copy(t), copy.deepcopy(t), pickle.loads(pickle.dumps(t))):
+        assert other.render(msgs) == t.render(msgs) == "hi!" and other.revision == t.revision
+        assert other.render(msgs, tools=[]) == "T"
