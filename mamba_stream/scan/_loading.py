@@ -700,11 +700,12 @@ def init_model(
     weights: str | None = None,
 ) -> Model:
     """A freshly initialized model (mamba-ssm-style init, deterministic in `seed`); `weights` as
-    for `load_model` (the initial weights are float32: "bfloat16" rounds them). A hybrid config is
-    refused (ConfigError): the initialization knows the Mamba layers only."""
-    if config.is_hybrid:
-        raise ConfigError("hybrid models (attention layers, MLP sublayers, multipliers) have no initialization "
-                          "here yet: load a checkpoint", field="layer_types")
+    for `load_model` (the initial weights are float32: "bfloat16" rounds them). A hybrid's attention,
+    MLP, expert and parallel layers have recipes too (`scan._init`); Zamba2's weight-shared blocks
+    have none (ConfigError, field `layer_types`)."""
+    if "shared" in config.kinds:
+        raise ConfigError("Zamba2's weight-shared blocks (\"shared\" layers) have no initialization here: load a "
+                          "checkpoint", field="layer_types")
     sd = initial_weights(config, seed)
     device = torch.device(device)
     reads_stored = backend in EXACT_BACKENDS or (backend == "auto" and device.type == "cpu")

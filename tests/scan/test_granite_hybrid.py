@@ -305,8 +305,15 @@ def test_the_hybrid_config_fields_are_validated_naming_the_field(granite):
     with pytest.raises(ConfigError) as err:  # attention fields without an attention layer
         ModelConfig.create(**plain)
     assert err.value.field == "attn_head_dim"
-    with pytest.raises(ConfigError) as err:
-        init_model(cfg)
+    # a freshly initialized hybrid (`scan._init`'s attention and MLP recipes): deterministic in its
+    # seed, and exact under chunking like a loaded one
+    one, again, other = (init_model(cfg, seed, backend="exact") for seed in (1, 1, 2))
+    assert one.revision == again.revision != other.revision
+    toks = [(7 * i) % 256 for i in range(48)]
+    runs = [scan_chunks(one, one.initial_state(), toks, chunks) for chunks in ([48], [1, 7, 30, 10])]
+    assert torch.equal(runs[0][0], runs[1][0]) and _state_equal(runs[0][1], runs[1][1])
+    with pytest.raises(ConfigError) as err:  # Zamba2's weight-shared blocks: no recipe
+        init_model(cfg.model_copy(update={"layer_types": ("mamba2", "shared", "mamba2", "shared")}))
     assert err.value.field == "layer_types"
 
 
