@@ -41,7 +41,10 @@ def hub_config(cfg: dict) -> dict:
     if cfg.get("model_type") == "granitemoehybrid" and isinstance(cfg.get("layer_types"), list):
         cfg["layer_types"] = [_GRANITE_KINDS.get(k, k) for k in cfg["layer_types"]]
     if cfg.get("model_type") == "nemotron_h" and isinstance(cfg.get("layers_block_type"), list):
-        cfg["hybrid_override_pattern"] = "".join(_NEMOTRON_KINDS[k] for k in cfg.pop("layers_block_type"))
+        kinds = cfg.pop("layers_block_type")
+        cfg["hybrid_override_pattern"] = "".join(_NEMOTRON_KINDS[k] for k in kinds)
+        # transformers 5.24 saves the layer count as the pattern's length only; the converter reads it
+        cfg.setdefault("num_hidden_layers", len(kinds))
     return cfg
 
 
