@@ -44,7 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.make_checkpoint import hf_config, layout
-from mamba_stream.activities import open_store
+from mamba_stream.activities import open_store, tune_allocator
 from mamba_stream.activities._commit import ChunkCommit
 from mamba_stream.scan import State, load_model
 from mamba_stream.state_codec.codec import Keyring, segment_rows
@@ -146,6 +146,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="granite-micro's layout at hidden 64 (a quick check)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    tune_allocator()  # as a worker's engine does: state-sized temporaries reused, not faulted in afresh
     positions = [int(p) for p in args.positions.split(",")]
     bound = max(positions) + max(args.chunk * (args.chunks + 1), args.steps + 2)
     with tempfile.TemporaryDirectory(prefix="bench-segments-") as tmp:
