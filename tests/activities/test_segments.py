@@ -9,7 +9,6 @@ every store in test_stores.py; the file and PostgreSQL stores serve segments in 
 from __future__ import annotations
 
 import random
-import uuid
 
 import pytest
 import torch
@@ -33,22 +32,6 @@ def model(tmp_path_factory):
     m = load_model(save_tiny_granite(tmp_path_factory.mktemp("granite")), backend="exact")
     assert m.schema.layers is not None and m.schema.layers.kv_segment_rows == ROWS
     return m
-
-
-@pytest.fixture(params=["memory", "file", "postgresql"])
-def store(request, tmp_path):
-    """Each store the segments live in: the sweep's fenced deletes and sightings are the store's."""
-    if request.param == "memory":
-        yield MemoryStateStore()
-    elif request.param == "file":
-        yield open_store(f"file://{tmp_path / 'store'}")
-    else:
-        from tests.activities.test_stores import _pg_store
-
-        s = _pg_store(f"t_{uuid.uuid4().hex[:12]}")
-        yield s
-        s.drop()
-        s.close()
 
 
 @pytest.fixture(scope="module")
@@ -205,8 +188,8 @@ def test_a_segment_that_is_not_its_digests_rows_is_refused(model, tokens):
     assert err.value.field == "segment"
 
 
-def test_two_sweeps_delete_what_no_checkpoint_names_and_keep_what_a_fork_shares(model, tokens, store):
-    commits = ChunkCommit(store, Keyring.generate())
+def test_two_sweeps_delete_what_no_checkpoint_names_and_keep_what_a_fork_shares(model, tokens, any_store):
+    commits = ChunkCommit(any_store, Keyring.generate())
     a, b = _Stream(commits, model, "a"), _Stream(commits, model, "b")
     a.feed(tokens[:40])
     a.feed(tokens[40:70])  # segments 0..3
@@ -228,10 +211,10 @@ def test_two_sweeps_delete_what_no_checkpoint_names_and_keep_what_a_fork_shares(
     assert store.list_meta(kind=SEEN_KIND) == []  # no sighting outlives its object
 
 
-def test_a_segment_a_commit_takes_while_the_sweep_looks_is_not_deleted(model, tokens, store):
+def test_a_segment_a_commit_takes_while_the_sweep_looks_is_not_deleted(model, tokens, any_store):
     """The sweep decided on a segment (sighted a grace ago, no refs in its listing); a commit takes
     it between the listing and the delete: the fence on the sighting fails, the segment stays."""
-    commits = ChunkCommit(store, Keyring.generate())
+    commits = ChunkCommit(any_store, Keyring.generate())
     a = _Stream(commits, model, "a")
     a.feed(tokens[:40])
     commits.drop([r.state_key for r in a.receipts], stream_id="a", principal="alice", model=model)

@@ -407,21 +407,6 @@ def test_a_read_only_file_store_raises_the_write_error_typed(read_only_store):
 # --- compare-and-set, fences, legacy objects (issue 43) -----------------------------------------
 
 
-@pytest.fixture(params=["memory", "file", "postgresql"])
-def any_store(request, tmp_path):
-    if request.param == "memory":
-        from mamba_stream.activities import MemoryStateStore
-
-        yield MemoryStateStore()
-    elif request.param == "file":
-        yield open_store(f"file://{tmp_path / 'store'}")
-    else:
-        s = _pg_store(f"t_{uuid.uuid4().hex[:12]}")
-        yield s
-        s.drop()
-        s.close()
-
-
 def test_swap_meta_is_a_compare_and_set(any_store):
     s = any_store
     assert s.swap_meta(kind="lease", name="e", expect=None, data=b"g1 a")  # absent -> written

@@ -2,25 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+from tests.bench._load import load_bench
 
 
 def test_kernel_matrix_arguments_and_a_cpu_smoke_run(tmp_path):
-    mod = _load("bench_kernels")
+    mod = load_bench("bench_kernels")
     args = mod.parse_args(["--quick", "--device", "cpu", "--archs", "mamba2", "--out", str(tmp_path / "k.md")])
     assert args.lengths == [1, 4, 16, 64] and args.batches == [1, 4]
     for bad in (["--lengths", "0,2"], ["--batches", "x"], ["--dtypes", "float8"], ["--archs", "rwkv"]):
@@ -32,7 +20,7 @@ def test_kernel_matrix_arguments_and_a_cpu_smoke_run(tmp_path):
 
 
 def test_drift_measurement_arguments_and_a_cpu_run(tmp_path):
-    mod = _load("measure_drift")
+    mod = load_bench("measure_drift")
     with pytest.raises(SystemExit):
         mod.parse_args(["--dtypes", "float8"])
     with pytest.raises(SystemExit):
@@ -46,7 +34,7 @@ def test_drift_measurement_arguments_and_a_cpu_run(tmp_path):
 
 
 def test_serving_tables_on_a_small_cpu_run(tmp_path):
-    mod = _load("bench_serving")
+    mod = load_bench("bench_serving")
     a = mod.table_a(3, tmp_path)
     turns = [line for line in a if line.startswith("| ") and line[2].isdigit()]
     assert [int(r.split("|")[1]) for r in turns] == [1, 2, 3]
@@ -78,7 +66,7 @@ def test_serving_tables_on_a_small_cpu_run(tmp_path):
 
 
 def test_temporal_latency_table_on_a_small_run():
-    mod = _load("bench_temporal")
+    mod = load_bench("bench_temporal")
     with pytest.raises(SystemExit):
         mod.parse_args(["--sizes", "0"])
     text = mod.run(mod.parse_args(["--n", "2", "--warmup", "1", "--sizes", "1", "--generate", "4"]))
@@ -94,7 +82,7 @@ def test_temporal_latency_table_on_a_small_run():
 
 
 def test_readers_table_on_a_small_run():
-    mod = _load("bench_readers")
+    mod = load_bench("bench_readers")
     with pytest.raises(SystemExit):
         mod.parse_args(["--tokens", "0"])
     text = mod.run(mod.parse_args(["--tokens", "8", "--readers", "0,2", "--idle", "0.3"]))
@@ -107,7 +95,7 @@ def test_readers_table_on_a_small_run():
 
 
 def test_agent_turn_table_on_a_small_run():
-    mod = _load("bench_agent")
+    mod = load_bench("bench_agent")
     with pytest.raises(SystemExit):
         mod.parse_args(["--feed", "0"])
     text = mod.run(mod.parse_args(["--n", "2", "--warmup", "1", "--feed", "4", "--generate", "2"]))
@@ -119,7 +107,7 @@ def test_agent_turn_table_on_a_small_run():
 
 
 def test_prefix_states_table_on_a_small_run():
-    mod = _load("prefix_states")
+    mod = load_bench("prefix_states")
     for bad in (["--agents", "1"], ["--prefix-tokens", "0"], ["--modes", "both"]):
         with pytest.raises(SystemExit):
             mod.parse_args(bad)

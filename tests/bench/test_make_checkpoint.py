@@ -4,28 +4,15 @@ a tiny checkpoint of each (`--tiny`: the same code and layer pattern at hidden 6
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from mamba_stream.scan import config_from_json, load_model, parameter_shapes
+from tests.bench._load import load_bench
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-mc = _load("make_checkpoint")
+mc = load_bench("make_checkpoint")
 
 
 def test_granite_micro_is_granite_4_h_micros_layout():
