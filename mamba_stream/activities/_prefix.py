@@ -580,8 +580,8 @@ class PrefixStore:
             segments = self.segments.split(model, state, scope.principal, None)
             written = self.segments.write(model, segments, scope.principal)
             # the rows its segments hold count against the scope's bound, as the tail does
-            held = len(segments) * (segment_rows(model.schema) or 0)
-            kv_bytes = model.schema.bytes_at(held) - model.schema.bytes_at(0)
+            rows = len(segments) * (segment_rows(model.schema) or 0)
+            kv_bytes = model.schema.bytes_at(rows) - model.schema.bytes_at(0)
         # sealed for the entry itself (its receipt's stream id is the key, bound into the blob): an
         # index record that names another entry's blob, even of the same scope and length, is refused
         receipt, blob = seal(model, state, stream_id=key, principal=scope.principal, chunk_seq=0,
