@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip setuptools wheel
 	# torch first, pinned: the CPU build on local disk (an unpinned torch pulls several GB)
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,agents]'
 	# mamba-ssm is source-only on PyPI: build its pure-Python part, no CUDA, no dependencies.
 	# Only its reference functions are used, for cross-checks (tests/scan/_mamba_ssm.py).
 	MAMBA_FORCE_BUILD=TRUE MAMBA_SKIP_CUDA_BUILD=TRUE $(PIP) install -q --no-build-isolation --no-deps mamba-ssm==2.3.2.post1

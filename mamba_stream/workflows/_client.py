@@ -317,6 +317,21 @@ class StreamClient:
                 raise
         return sid
 
+    async def wait_open(self, stream_id: str, *, worker_timeout_s: float | None = OPEN_WORKER_TIMEOUT_S) -> None:
+        """Wait until a stream started earlier (perhaps by another process, or by an earlier
+        attempt of this one whose answer was lost) is open, as `open(wait=True)` does.
+
+        Raises:
+            WorkflowFailureError: the stream failed to open; its cause is typed by reason.
+            OpenFailed: no worker took it within `worker_timeout_s` (it was terminated).
+        """
+        handle = self.handle(stream_id)
+        try:
+            await self._ready(handle, worker_timeout_s)
+        except WorkflowUpdateFailedError:
+            await handle.result()
+            raise
+
     async def _ready(self, handle: WorkflowHandle, worker_timeout_s: float | None) -> None:
         """The `ready` update, while watching that a worker takes the stream: with none polling
         its task queue, the update would wait (and the SDK poll for it) forever. A stream no worker

@@ -1,0 +1,237 @@
+"""MambaModelProvider: the OpenAI Agents SDK's model provider for the worker's streams.
+
+    OpenAIAgentsPlugin(model_provider=MambaModelProvider(),
+                       model_params=ModelActivityParameters(start_to_close_timeout=timedelta(minutes=5)))
+
+in a worker that also has `MambaStreamPlugin`. An agent names a model by its id (a preset,
+or an `id=/dir` entry of MAMBA_STREAM_MODELS); each of its model calls is a turn of a
+conversation stream (`mamba_stream.conversations`): the response id is a sealed handle to the
+stream's state after the turn, and with `previous_response_id` (`Runner.run(...,
+previous_response_id=...)` or `auto_previous_response_id=True`) a call feeds only its new items.
+The agent workflow is started with `**conversation_start(client, principal)`.
+
+Settings are mapped onto `generate` (docs/agents.md); one this model cannot honour is refused,
+typed `InvalidRequest` naming it, before anything moves: never ignored.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from agents import Handoff, Model, ModelProvider, ModelResponse, ModelSettings, ModelTracing, Tool, Usage
+from agents.agent_output import AgentOutputSchemaBase
+from agents.items import TResponseInputItem, TResponseStreamEvent
+from agents.tool import FunctionTool
+from openai.types.responses import (
+    Response,
+    ResponseCompletedEvent,
+    ResponseCreatedEvent,
+    ResponseFunctionToolCall,
+    ResponseOutputItemAddedEvent,
+    ResponseOutputItemDoneEvent,
+    ResponseOutputMessage,
+    ResponseOutputText,
+    ResponseTextDeltaEvent,
+)
+from temporalio import activity
+from temporalio.client import WorkflowUpdateFailedError
+from temporalio.exceptions import ApplicationError
+
+from mamba_stream.conversations import Conversations, Turn, tool_schema
+from mamba_stream.failures import Failure, InvalidRequest, application_error
+from mamba_stream.workflows import DEFAULT_TASK_QUEUE, StreamOptions
+
+__all__ = ["DEFAULT_MAX_TOKENS", "MambaAgentModel", "MambaModelProvider"]
+
+#: a reply's length when the agent's settings give no max_tokens
+DEFAULT_MAX_TOKENS = 256
+#: `ModelSettings.extra_args` this model takes: generate's settings the SDK has no field for
+EXTRA_ARGS = ("seed", "top_k", "min_p", "repetition_penalty", "logit_bias")
+#: settings that change what a model computes, which a stream cannot honour (None: unset)
+_REFUSED = ("reasoning", "verbosity", "top_logprobs", "truncation", "prompt_cache_retention", "context_management",
+            "response_include", "extra_query", "extra_body", "extra_headers", "prompt_cache_options")
+
+
+def _settings(ms: ModelSettings, default_max: int) -> tuple[int, dict[str, Any], bool]:
+    """(max_tokens, generate's settings, whether tool calls are parsed) from the agent's settings.
+
+    Raises:
+        InvalidRequest: a setting this model cannot honour (its name in `field`).
+    """
+    for name in _REFUSED:
+        if getattr(ms, name, None) is not None:
+            raise InvalidRequest(f"model setting {name!r} cannot be honoured by a Mamba stream", field=name)
+    if ms.parallel_tool_calls is False:
+        raise InvalidRequest("parallel_tool_calls=False cannot be honoured yet (a reply may hold several calls)",
+                             field="parallel_tool_calls")
+    choice = ms.tool_choice
+    if choice not in (None, "auto", "none"):
+        raise InvalidRequest(f"tool_choice {choice!r} needs constrained generation, which this model does not do "
+                             f"yet: leave it 'auto'", field="tool_choice")
+    out: dict[str, Any] = {}
+    for name in ("temperature", "top_p", "frequency_penalty", "presence_penalty"):
+        value = getattr(ms, name)
+        if value is not None:
+            out[name] = value
+    for name, value in (ms.extra_args or {}).items():
+        if name not in EXTRA_ARGS:
+            raise InvalidRequest(f"extra_args {name!r} is not a setting of this model (it takes "
+                                 f"{', '.join(EXTRA_ARGS)})", field="extra_args")
+        out[name] = {int(k): float(v) for k, v in value.items()} if name == "logit_bias" else value
+    max_tokens = ms.max_tokens if ms.max_tokens is not None else default_max
+    return max_tokens, out, choice != "none"
+
+
+def _tools(tools: list[Tool], handoffs: list[Handoff]) -> list[dict[str, Any]]:
+    out = []
+    for tool in tools:
+        if not isinstance(tool, FunctionTool):
+            raise InvalidRequest(f"tool {getattr(tool, 'name', type(tool).__name__)!r} is a hosted tool: a Mamba "
+                                 f"stream calls function tools only", field="tools")
+        out.append(tool_schema(tool.name, tool.description, tool.params_json_schema))
+    out.extend(tool_schema(h.tool_name, h.tool_description, h.input_json_schema) for h in handoffs)
+    return out
+
+
+def _output(turn: Turn, calls: bool) -> list[Any]:
+    items: list[Any] = []
+    calls = calls and bool(turn.reply.tool_calls)
+    text = turn.reply.text if calls else turn.reply.body
+    if text or not calls:
+        items.append(ResponseOutputMessage(
+            id=f"msg_{turn.call_ids[0][5:] if turn.call_ids else turn.response_id[-24:]}", role="assistant",
+            status="completed", type="message",
+            content=[ResponseOutputText(text=text, annotations=[], type="output_text")]))
+    if calls:
+        for cid, (name, args) in zip(turn.call_ids, turn.reply.tool_calls, strict=True):
+            items.append(ResponseFunctionToolCall(arguments=args, call_id=cid, name=name, type="function_call",
+                                                  id=f"fc_{cid[5:]}", status="completed"))
+    return items
+
+
+def _caller() -> tuple[str, str, str]:
+    try:
+        info = activity.info()
+    except RuntimeError:
+        raise InvalidRequest("a Mamba model runs inside the OpenAI Agents plugin's model activity") from None
+    if info.is_local:
+        raise InvalidRequest("a Mamba model needs a regular model activity (ModelActivityParameters("
+                             "use_local_activity=False)): a local activity has no client", field="use_local_activity")
+    return info.workflow_id or "", info.workflow_run_id or "", info.activity_id
+
+
+class MambaAgentModel(Model):
+    """One model of the worker's, as the OpenAI Agents SDK calls it (see the module docstring)."""
+
+    def __init__(self, provider: MambaModelProvider, model_id: str) -> None:
+        self.provider, self.model_id = provider, model_id
+
+    async def _turn(self, system_instructions: str | None, input: str | list[TResponseInputItem],
+                    model_settings: ModelSettings, tools: list[Tool], output_schema: AgentOutputSchemaBase | None,
+                    handoffs: list[Handoff], previous_response_id: str | None, conversation_id: str | None,
+                    prompt: Any) -> tuple[Turn, bool]:
+        try:
+            if output_schema is not None and not output_schema.is_plain_text():
+                raise InvalidRequest("a structured output type needs constrained generation, which this model does "
+                                     "not do yet: use a plain-text output", field="output_schema")
+            if conversation_id is not None:
+                raise InvalidRequest("conversation_id names an OpenAI-stored conversation: use previous_response_id "
+                                     "(or auto_previous_response_id=True) with a Mamba model", field="conversation_id")
+            if prompt is not None:
+                raise InvalidRequest("a stored prompt is OpenAI's: give the agent its instructions", field="prompt")
+            max_tokens, settings, calls = _settings(model_settings, self.provider.max_tokens)
+            turn = await self.provider.conversations().turn(
+                caller=_caller(), model_id=self.model_id, system=system_instructions,
+                tools=_tools(tools, handoffs), items=input, previous=previous_response_id,
+                max_tokens=max_tokens, settings=settings)
+            return turn, calls
+        except Failure as exc:  # typed, permanent: the activity is not retried
+            raise application_error(exc) from None
+        except WorkflowUpdateFailedError as exc:  # the stream's refusal, as it was typed
+            cause = exc.cause
+            if isinstance(cause, ApplicationError):
+                raise ApplicationError(cause.message, type=cause.type, non_retryable=cause.non_retryable) from None
+            raise
+
+    async def get_response(self, system_instructions: str | None, input: str | list[TResponseInputItem],
+                           model_settings: ModelSettings, tools: list[Tool],
+                           output_schema: AgentOutputSchemaBase | None, handoffs: list[Handoff],
+                           tracing: ModelTracing, *, previous_response_id: str | None,
+                           conversation_id: str | None, prompt: Any) -> ModelResponse:
+        turn, calls = await self._turn(system_instructions, input, model_settings, tools, output_schema, handoffs,
+                                       previous_response_id, conversation_id, prompt)
+        n_out = len(turn.result.tokens)
+        return ModelResponse(output=_output(turn, calls), response_id=turn.response_id,
+                             usage=Usage(requests=1, input_tokens=turn.fed_tokens, output_tokens=n_out,
+                                         total_tokens=turn.fed_tokens + n_out))
+
+    async def stream_response(self, system_instructions: str | None, input: str | list[TResponseInputItem],
+                              model_settings: ModelSettings, tools: list[Tool],
+                              output_schema: AgentOutputSchemaBase | None, handoffs: list[Handoff],
+                              tracing: ModelTracing, *, previous_response_id: str | None,
+                              conversation_id: str | None, prompt: Any) -> AsyncIterator[TResponseStreamEvent]:
+        """The turn's events: created, each output item with its text, completed (the plugin
+        publishes them to its streaming topic). The reply is the one `get_response` returns."""
+        turn, calls = await self._turn(system_instructions, input, model_settings, tools, output_schema, handoffs,
+                                       previous_response_id, conversation_id, prompt)
+        output = _output(turn, calls)
+        n_out = len(turn.result.tokens)
+        base = dict(id=turn.response_id, created_at=time.time(), model=self.model_id, object="response",
+                    tool_choice="auto", tools=[], parallel_tool_calls=True)
+        seq = 0
+        yield ResponseCreatedEvent(response=Response(output=[], **base), sequence_number=seq, type="response.created")
+        for i, item in enumerate(output):
+            seq += 1
+            yield ResponseOutputItemAddedEvent(item=item, output_index=i, sequence_number=seq,
+                                               type="response.output_item.added")
+            if isinstance(item, ResponseOutputMessage) and item.content[0].text:
+                seq += 1
+                yield ResponseTextDeltaEvent(content_index=0, delta=item.content[0].text, item_id=item.id,
+                                             logprobs=[], output_index=i, sequence_number=seq,
+                                             type="response.output_text.delta")
+            seq += 1
+            yield ResponseOutputItemDoneEvent(item=item, output_index=i, sequence_number=seq,
+                                              type="response.output_item.done")
+        usage = {"input_tokens": turn.fed_tokens, "output_tokens": n_out, "total_tokens": turn.fed_tokens + n_out,
+                 "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
+        yield ResponseCompletedEvent(response=Response(output=output, usage=usage, **base),
+                                     sequence_number=seq + 1, type="response.completed")
+
+
+class MambaModelProvider(ModelProvider):
+    """The worker's models for the OpenAI Agents SDK, by id (`get_model(name)`).
+
+    Args:
+        task_queue: the streams' task queue (the workers' MAMBA_STREAM_TASK_QUEUE).
+        options: the conversations' streams' options (`Conversations`).
+        templates: chat templates by model id, where a model's own is not the one to use.
+        models: the models' sources, as MAMBA_STREAM_MODELS writes them (default: that variable).
+        max_tokens: a reply's length where the agent's settings give none.
+        default_model: the model of an agent that names none.
+    """
+
+    def __init__(self, *, task_queue: str = DEFAULT_TASK_QUEUE, options: StreamOptions | None = None,
+                 templates: Mapping[str, Any] | None = None, models: str | None = None,
+                 max_tokens: int = DEFAULT_MAX_TOKENS, default_model: str | None = None) -> None:
+        self.task_queue, self.options, self.templates, self.models = task_queue, options, templates, models
+        self.max_tokens, self.default_model = max_tokens, default_model
+        self._conversations: dict[int, Conversations] = {}
+
+    def conversations(self) -> Conversations:
+        """The turns' driver over the running activity's Temporal client (one per client)."""
+        client = activity.client()
+        found = self._conversations.get(id(client))
+        if found is None or found.client is not client:
+            found = self._conversations[id(client)] = Conversations(
+                client, task_queue=self.task_queue, options=self.options, templates=self.templates,
+                models=self.models)
+        return found
+
+    def get_model(self, model_name: str | None) -> Model:
+        name = model_name or self.default_model
+        if not name:
+            raise application_error(InvalidRequest("the agent names no model and the provider has no default_model",
+                                                   field="model"))
+        return MambaAgentModel(self, name)

@@ -1,0 +1,171 @@
+"""MambaModelProvider under the OpenAI Agents SDK's Temporal plugin, on the real dev server: a
+five-turn agent whose turns feed only their new messages, exactly as one stream fed the whole
+rendered conversation; forks from older response ids; and who may continue whose conversation."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from temporalio.client import Client, WorkflowFailureError
+from temporalio.contrib.openai_agents import ModelActivityParameters, OpenAIAgentsPlugin
+from temporalio.worker import Worker
+
+from mamba_stream.conversations import HANDLE_PREFIX, Conversations, open_handle, tool_schema
+from mamba_stream.openai_agents import MambaModelProvider, conversation_start
+from mamba_stream.plugin import MambaStreamPlugin
+from mamba_stream.scan import ChatTemplate
+from mamba_stream.state_codec.codec import plaintext_checksum
+from mamba_stream.workflows import id_key
+from tests.openai_agents._agents import ASCII, Assistant
+from tests.workflows import conftest as workflow_fixtures
+from tests.workflows.conftest import make_stack
+from tests.workflows.test_stream_workflow import local
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+temporal_env = workflow_fixtures.temporal_env
+
+QUESTIONS = ["hello", "what is a state?", "and a stream?", "why exact?", "thanks"]
+
+
+async def _agent_worker(stack, exits, principal_ring=None):
+    queue = f"{stack.queue}-agents"
+    provider = MambaModelProvider(task_queue=stack.queue, models="tiny-mamba2")
+    client = await Client.connect(stack.address, plugins=[
+        OpenAIAgentsPlugin(model_provider=provider,
+                           model_params=ModelActivityParameters(start_to_close_timeout=timedelta(seconds=60))),
+        MambaStreamPlugin(keyring=stack.keyring)])
+    await exits.enter_async_context(Worker(client, task_queue=queue, workflows=[Assistant]))
+    return client, queue
+
+
+def _expected_text(answers: list[str], replies: list[str]) -> str:
+    """The whole conversation as one stream would be fed it: rendered at once, then the last reply."""
+    tpl = ChatTemplate.plain()
+    tools = [tool_schema("weather", "The weather in a city.", {
+        "properties": {"city": {"title": "City", "type": "string"}}, "required": ["city"], "title": "weather_args",
+        "type": "object", "additionalProperties": False})]
+    msgs: list[dict] = [{"role": "system", "content": "Answer in a few words."}]
+    for q, a in zip(QUESTIONS, answers, strict=True):
+        msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    return tpl.render(msgs[:-1], tools=tools, add_generation_prompt=True) + replies[-1]
+
+
+async def test_an_agent_feeds_each_turn_once_and_ends_on_one_streams_checksum(temporal_env, tmp_path):
+    stack = await make_stack(temporal_env, tmp_path)
+    async with stack.exits:
+        _, queue = await _agent_worker(stack, stack.exits)
+        start = conversation_start(stack.client, "alice")
+        out = await stack.client.execute_workflow(Assistant.run, args=[QUESTIONS, None], task_queue=queue, **start)
+        answers, ids = out[0::2], out[1::2]
+        assert all(i.startswith(HANDLE_PREFIX + ".") for i in ids) and len(set(ids)) == 5
+        tag = start["id"].split(".")[1]
+        key = id_key(stack.client, start["id"])
+        handles = [open_handle(key, tag, i) for i in ids]
+        assert len({h.stream_id for h in handles}) == 1 and not any(h.forked for h in handles)
+        assert [h.seq for h in handles] == [2, 4, 6, 8, 10]
+        sid = handles[0].stream_id
+        # the state: exactly one stream fed the whole rendered conversation
+        text = _expected_text(answers, [h.reply for h in handles])
+        model = local("tiny-mamba2")
+        tokens = model.transform.encode(text)
+        truth = model.advance(model.initial_state(), tokens)
+        receipt = await stack.streams.receipt(sid)
+        assert receipt.position == len(tokens)
+        assert receipt.checksum == plaintext_checksum(truth.state.tensors)
+
+        # the model activity of turn 1 retried (its workflow, run and activity id), after the
+        # conversation went on: the same response id, and nothing advanced twice
+        run_id = (await stack.client.get_workflow_handle(start["id"]).describe()).run_id
+        conv = Conversations(stack.client, task_queue=stack.queue, models="tiny-mamba2")
+        tools = [tool_schema("weather", "The weather in a city.", {
+            "properties": {"city": {"title": "City", "type": "string"}}, "required": ["city"],
+            "title": "weather_args", "type": "object", "additionalProperties": False})]
+        retried = await conv.turn(caller=(start["id"], run_id, "1"), model_id="tiny-mamba2",
+                                  system="Answer in a few words.", tools=tools, items=QUESTIONS[0], previous=None,
+                                  max_tokens=6, settings={"temperature": 0.8, "top_k": 20, "logit_bias": ASCII})
+        assert retried.response_id == ids[0]
+        assert await stack.streams.receipt(sid) == receipt
+
+
+def _cause_types(err: BaseException) -> list[str]:
+    out, e = [], err
+    while e is not None:
+        out.append(getattr(e, "type", None) or type(e).__name__)
+        e = e.__cause__ or getattr(e, "cause", None)
+    return out
+
+
+async def test_an_older_response_forks_another_principals_is_refused_and_nothing_moves(temporal_env, tmp_path):
+    """Turn 3's response id continued in another workflow of alice's forks her conversation
+    there (a new stream; the old one unchanged), exactly as one stream fed that history; bob's
+    workflow given it is refused `PrincipalMismatch`; an agent started without alice's sealed
+    memo (none, or one in clear from a keyless client) is refused `SealerMismatch`."""
+    stack = await make_stack(temporal_env, tmp_path)
+    async with stack.exits:
+        _, queue = await _agent_worker(stack, stack.exits)
+        start = conversation_start(stack.client, "alice")
+        out = await stack.client.execute_workflow(Assistant.run, args=[QUESTIONS, None], task_queue=queue, **start)
+        answers, ids = out[0::2], out[1::2]
+        tag, key = start["id"].split(".")[1], id_key(stack.client, start["id"])
+        sid = open_handle(key, tag, ids[0]).stream_id
+        before = await stack.streams.receipt(sid)
+
+        again = conversation_start(stack.client, "alice")
+        forked = await stack.client.execute_workflow(Assistant.run, args=[["a new turn"], ids[2]], task_queue=queue,
+                                                     **again)
+        h = open_handle(key, tag, forked[1])
+        assert h.forked and h.stream_id != sid and h.seq == 2  # a fresh stream from turn 3's state
+        assert await stack.streams.receipt(sid) == before  # the conversation it came from did not move
+        tpl = ChatTemplate.plain()
+        msgs: list[dict] = [{"role": "system", "content": "Answer in a few words."}]
+        for q, a in zip(QUESTIONS[:3], answers[:3], strict=True):
+            msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        msgs.append({"role": "user", "content": "a new turn"})
+        tools = [tool_schema("weather", "The weather in a city.", {
+            "properties": {"city": {"title": "City", "type": "string"}}, "required": ["city"],
+            "title": "weather_args", "type": "object", "additionalProperties": False})]
+        model = local("tiny-mamba2")
+        tokens = model.transform.encode(tpl.render(msgs, tools=tools, add_generation_prompt=True) + h.reply)
+        receipt = await stack.streams.receipt(h.stream_id)
+        assert receipt.position == len(tokens)
+        assert receipt.checksum == plaintext_checksum(model.advance(model.initial_state(), tokens).state.tensors)
+
+        bob = conversation_start(stack.client, "bob")
+        with pytest.raises(WorkflowFailureError) as refused:
+            await stack.client.execute_workflow(Assistant.run, args=[["hi"], ids[-1]], task_queue=queue, **bob)
+        assert "PrincipalMismatch" in _cause_types(refused.value)
+        assert await stack.streams.receipt(sid) == before
+
+        bare = {"id": stack.streams.new_id("alice")}  # alice's id, no memo
+        with pytest.raises(WorkflowFailureError) as refused:
+            await stack.client.execute_workflow(Assistant.run, args=[["hi"], None], task_queue=queue, **bare)
+        assert "SealerMismatch" in _cause_types(refused.value)
+        keyless = await Client.connect(stack.address)  # no keyring: memo and input in clear
+        started = await keyless.start_workflow("Assistant", args=[["hi"], None], task_queue=queue,
+                                               id=stack.streams.new_id("alice"),
+                                               memo={"mamba_stream.principal": "alice"})
+        with pytest.raises(WorkflowFailureError) as refused:  # read by alice: the failure is sealed
+            await stack.client.get_workflow_handle(started.id).result()
+        assert "SealerMismatch" in _cause_types(refused.value)
+        assert await stack.streams.receipt(sid) == before
+
+
+def test_a_handle_does_not_open_altered_or_under_another_key():
+    from mamba_stream.conversations import ResponseHandle, seal_handle
+    from mamba_stream.failures import InvalidRequest
+    from mamba_stream.state_codec import PrincipalMismatch
+
+    h = ResponseHandle(stream_id="ms.x", model_id="m", epoch=0, seq=2, fed_seq=1, reply="hi\n")
+    key, tag = b"k" * 32, "0" * 32
+    text = seal_handle(key, tag, h)
+    assert open_handle(key, tag, text) == h and "hi" not in text
+    assert seal_handle(key, tag, h) == text  # a retried turn seals the same id
+    assert seal_handle(key, tag, h.model_copy(update={"seq": 4})).split(".")[2][:16] != text.split(".")[2][:16]
+    body = text.split(".")[2]
+    altered = f"{HANDLE_PREFIX}.{tag}.{body[:-2]}{'A' if body[-2] != 'A' else 'B'}{body[-1]}"
+    for bad, why in ((altered, InvalidRequest), (text, InvalidRequest), ("resp_123", InvalidRequest),
+                     (text.replace(tag, "1" * 32), PrincipalMismatch)):
+        with pytest.raises(why) as err:
+            open_handle(b"j" * 32 if bad is text else key, tag, bad)
+        assert err.value.details().get("field", getattr(err.value, "field", None)) == "previous_response_id"
