@@ -116,6 +116,16 @@ class _Codecs(PayloadCodec, WithSerializationContext):
         return list(payloads)
 
 
+def _check_order(plugin: Any, plugins: Sequence[Any] | None) -> None:
+    """Raise a one-line ValueError when the OpenAI Agents SDK's Temporal plugin comes after
+    `plugin` in `plugins` (`MambaStreamPlugin.configure_client`)."""
+    listed = list(plugins or [])
+    after = listed[listed.index(plugin) + 1:] if plugin in listed else []
+    if any(type(p).__name__ == "OpenAIAgentsPlugin" and type(p).__module__.startswith("temporalio") for p in after):
+        raise ValueError("plugins=[OpenAIAgentsPlugin(...), MambaStreamPlugin(...)]: list the OpenAI Agents plugin "
+                         "first (it takes only Temporal's default payload converter; ours seals on top of its own)")
+
+
 def _has_encryption(codec: PayloadCodec | None) -> bool:
     if isinstance(codec, EncryptionCodec):
         return True
@@ -128,7 +138,9 @@ def _payload_converter_class(cls: type) -> type:
     if cls in (DefaultPayloadConverter, PydanticPayloadConverter):
         return StreamPayloadConverter
     if issubclass(cls, CompositePayloadConverter):
-        log.warning("MambaStreamPlugin: keeping the payload converter %s; it must convert pydantic models",
+        # the OpenAI Agents plugin's converter is pydantic's: it converts our models (quietly kept)
+        quiet = any(c.__name__ == "OpenAIPayloadConverter" for c in cls.__mro__)
+        (log.debug if quiet else log.warning)("MambaStreamPlugin: keeping the payload converter %s; it must convert pydantic models",
                     cls.__name__)
 
         def __init__(self) -> None:  # a nullary constructor, as DataConverter requires
@@ -360,6 +372,13 @@ class MambaStreamPlugin(SimplePlugin):
             workflow_runner=_runner,
             run_context=self._serving if activities is not None else None,
         )
+
+    def configure_client(self, config: Any) -> Any:
+        """See base class. Refuses, in one line, an `OpenAIAgentsPlugin` listed after this one:
+        that plugin accepts no payload converter but Temporal's default and replaces it with its
+        own, to which this one adds its sealing when it comes second (docs/agents.md)."""
+        _check_order(self, config.get("plugins"))
+        return super().configure_client(config)
 
     @classmethod
     def for_worker(cls, **settings: Any) -> MambaStreamPlugin:

@@ -33,3 +33,19 @@ class Assistant:
             previous = result.last_response_id
             out.extend([result.final_output, previous or ""])
         return out
+
+
+@workflow.defn
+class LongChat:
+    """`turns` short turns chained by response ids, continuing as new every `per_run` turns with
+    the last response id alone (the conversation stays behind it, in its stream)."""
+
+    @workflow.run
+    async def run(self, turns: int, per_run: int, previous: str | None = None, done: int = 0) -> str | None:
+        settings = ModelSettings(max_tokens=2, extra_args={"top_k": 8, "logit_bias": ASCII})
+        agent = Agent(name="chat", instructions="Reply.", model="tiny-mamba2", model_settings=settings)
+        for i in range(done, min(turns, done + per_run)):
+            previous = (await Runner.run(agent, f"turn {i}", previous_response_id=previous)).last_response_id
+        if done + per_run < turns:
+            workflow.continue_as_new(args=[turns, per_run, previous, done + per_run])
+        return previous

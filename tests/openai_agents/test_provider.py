@@ -17,7 +17,7 @@ from mamba_stream.plugin import MambaStreamPlugin
 from mamba_stream.scan import ChatTemplate
 from mamba_stream.state_codec.codec import plaintext_checksum
 from mamba_stream.workflows import id_key
-from tests.openai_agents._agents import ASCII, Assistant
+from tests.openai_agents._agents import ASCII, Assistant, LongChat
 from tests.workflows import conftest as workflow_fixtures
 from tests.workflows.conftest import make_stack
 from tests.workflows.test_stream_workflow import local
@@ -28,14 +28,17 @@ temporal_env = workflow_fixtures.temporal_env
 QUESTIONS = ["hello", "what is a state?", "and a stream?", "why exact?", "thanks"]
 
 
-async def _agent_worker(stack, exits, principal_ring=None):
+async def _agent_worker(stack, exits):
+    """A worker of the agent workflows, with both plugins on its client."""
     queue = f"{stack.queue}-agents"
     provider = MambaModelProvider(task_queue=stack.queue, models="tiny-mamba2")
-    client = await Client.connect(stack.address, plugins=[
-        OpenAIAgentsPlugin(model_provider=provider,
-                           model_params=ModelActivityParameters(start_to_close_timeout=timedelta(seconds=60))),
-        MambaStreamPlugin(keyring=stack.keyring)])
-    await exits.enter_async_context(Worker(client, task_queue=queue, workflows=[Assistant]))
+    plugins = [OpenAIAgentsPlugin(model_provider=provider,
+                                  model_params=ModelActivityParameters(start_to_close_timeout=timedelta(seconds=60))),
+               MambaStreamPlugin(keyring=stack.keyring)]
+    with pytest.raises(ValueError, match="list the OpenAI Agents plugin first"):  # one line, not theirs
+        await Client.connect(stack.address, plugins=plugins[::-1])
+    client = await Client.connect(stack.address, plugins=plugins)
+    await exits.enter_async_context(Worker(client, task_queue=queue, workflows=[Assistant, LongChat]))
     return client, queue
 
 
@@ -58,6 +61,14 @@ async def test_an_agent_feeds_each_turn_once_and_ends_on_one_streams_checksum(te
         start = conversation_start(stack.client, "alice")
         out = await stack.client.execute_workflow(Assistant.run, args=[QUESTIONS, None], task_queue=queue, **start)
         answers, ids = out[0::2], out[1::2]
+        # the framework's payloads (the conversation) are sealed in history like the streams' own
+        raw = await Client.connect(stack.address)
+        for wid in (start["id"],):
+            events = (await raw.get_workflow_handle(wid).fetch_history()).events
+            blob = b"".join(e.SerializeToString() for e in events)
+            assert b"invoke_model_activity" in blob  # it is the agent's history
+            for text in [*QUESTIONS, "Answer in a few words.", "weather", *(a for a in answers if len(a) >= 4)]:
+                assert text.encode() not in blob, text
         assert all(i.startswith(HANDLE_PREFIX + ".") for i in ids) and len(set(ids)) == 5
         tag = start["id"].split(".")[1]
         key = id_key(stack.client, start["id"])
@@ -169,3 +180,35 @@ def test_a_handle_does_not_open_altered_or_under_another_key():
         with pytest.raises(why) as err:
             open_handle(b"j" * 32 if bad is text else key, tag, bad)
         assert err.value.details().get("field", getattr(err.value, "field", None)) == "previous_response_id"
+
+
+def _model_inputs(events) -> list[int]:
+    """The sizes of the model activities' inputs, in order, as history holds them."""
+    from temporalio.api.enums.v1 import EventType
+
+    return [e.activity_task_scheduled_event_attributes.input.ByteSize() for e in events
+            if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED
+            and e.activity_task_scheduled_event_attributes.activity_type.name == "invoke_model_activity"]
+
+
+async def test_a_long_conversation_adds_to_history_what_each_turn_added(temporal_env, tmp_path):
+    """200 turns, continued as new every 100 with the last response id alone (the principal's memo
+    carried over): every model call's input in history is the same size give or take a few digits
+    (the new message and a handle), not the conversation; one stream holds all 200 turns."""
+    stack = await make_stack(temporal_env, tmp_path)
+    async with stack.exits:
+        _, queue = await _agent_worker(stack, stack.exits)
+        start = conversation_start(stack.client, "alice")
+        last = await stack.client.execute_workflow(LongChat.run, args=[200, 100, None, 0], task_queue=queue, **start)
+        sizes = []
+        async for wf in stack.client.list_workflows(f"WorkflowId = '{start['id']}'"):
+            events = (await stack.client.get_workflow_handle(wf.id, run_id=wf.run_id).fetch_history()).events
+            sizes.append(_model_inputs(events))
+        assert sorted(len(s) for s in sizes) == [100, 100]  # two runs, 100 calls each
+        flat = [n for run in sizes for n in run[1:]]  # every call after a run's first carries a handle
+        # the turn's number (1-3 digits), the handle's chunk numbers and reply (base64 of 2-3 bytes
+        # more): 32 bytes of spread in 200 turns, where a turn adds ~60 bytes to the conversation
+        assert max(flat) - min(flat) <= 32, (min(flat), max(flat))
+        tag, key = start["id"].split(".")[1], id_key(stack.client, start["id"])
+        h = open_handle(key, tag, last)
+        assert h.seq == 400 and not h.forked  # one stream, two chunks a turn, 200 turns
