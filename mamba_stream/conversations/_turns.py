@@ -196,11 +196,15 @@ class Conversations:
 
     async def turn(self, *, caller: tuple[str, str, str], model_id: str, system: str | None,
                    tools: Sequence[Mapping[str, Any]] | None, items: str | Sequence[Any],
-                   previous: str | None, max_tokens: int, settings: Mapping[str, Any] | None = None) -> Turn:
+                   previous: str | None, max_tokens: int, settings: Mapping[str, Any] | None = None,
+                   history: Sequence[Mapping[str, Any]] | None = None) -> Turn:
         """One turn: the new `items` fed after `previous` (a response id; None: a new
         conversation), then a reply sampled (`settings`: `StreamClient.generate`'s).
 
-        `caller`: the model activity's (workflow id, run id, activity id).
+        `caller`: the model activity's (workflow id, run id, activity id). `history`: for a
+        framework that sends the whole conversation, the chat messages before `items`; the
+        handle then keeps the keyed digest of the conversation through the reply (`digest`),
+        which the framework's next call is checked against.
 
         Raises:
             PrincipalMismatch, SealerMismatch: see `principal`; another principal's handle.
@@ -241,8 +245,31 @@ class Conversations:
                                 fed_seq=advanced.chunk_seq, reply=result.text or "", forked=forked or moved)
         ids = self.call_ids(key, handle)
         reply = parse_reply(handle.reply, stop)
+        if history is not None:
+            told = [*history, *messages, reply.message(ids[:len(reply.tool_calls)])]
+            handle = handle.model_copy(update={"digest": self.digest(workflow_id, system, told)})
         return Turn(response_id=seal_handle(key, tag, handle), handle=handle, reply=reply,
                     call_ids=ids[:len(reply.tool_calls)], fed_tokens=advanced.n_tokens, result=result)
+
+    def digest(self, workflow_id: str, system: str | None, messages: Sequence[Mapping[str, Any]]) -> str:
+        """The keyed digest of a conversation (its system text and chat messages, canonical JSON)
+        under the id key of the workflow's principal: equal for the same conversation, and
+        telling nothing of it to whoever lacks the key."""
+        body = json.dumps([system or "", list(messages)], sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+        return "hmac-sha256:" + hmac.new(id_key(self.client, workflow_id), b"conversation|" + body.encode(),
+                                         hashlib.sha256).hexdigest()
+
+    def open(self, workflow_id: str, response_id: str) -> ResponseHandle:
+        """The handle a response id seals, for the principal the workflow's id names.
+
+        Raises:
+            PrincipalMismatch: another principal's (or the id names none); InvalidRequest: not
+                a response id of these workers, or altered.
+        """
+        tag = stream_tag(workflow_id)
+        if tag is None:
+            raise PrincipalMismatch(f"agent workflow {workflow_id!r} names no principal", field="workflow_id")
+        return open_handle(id_key(self.client, workflow_id), tag, response_id)
 
     @staticmethod
     def call_ids(key: bytes, handle: ResponseHandle) -> tuple[str, ...]:
