@@ -23,8 +23,9 @@ class Assistant:
     """Turns chained by response ids: each model call after the first brings only its new items."""
 
     @workflow.run
-    async def run(self, questions: list[str], previous: str | None = None) -> list[str]:
-        settings = ModelSettings(max_tokens=6, temperature=0.8, extra_args={"top_k": 20, "logit_bias": ASCII})
+    async def run(self, questions: list[str], previous: str | None = None, seed: int | None = None) -> list[str]:
+        extra = {"top_k": 20, "logit_bias": ASCII, **({"seed": seed} if seed is not None else {})}
+        settings = ModelSettings(max_tokens=6, temperature=0.8, extra_args=extra)
         agent = Agent(name="assistant", instructions="Answer in a few words.", model="tiny-mamba2", tools=[weather],
                       model_settings=settings)
         out = []

@@ -4,7 +4,10 @@ rendered conversation; forks from older response ids; and who may continue whose
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from temporalio.client import Client, WorkflowFailureError
@@ -16,10 +19,10 @@ from mamba_stream.openai_agents import MambaModelProvider, conversation_start
 from mamba_stream.plugin import MambaStreamPlugin
 from mamba_stream.scan import ChatTemplate
 from mamba_stream.state_codec.codec import plaintext_checksum
-from mamba_stream.workflows import id_key
+from mamba_stream.workflows import StreamOptions, id_key
 from tests.openai_agents._agents import ASCII, Assistant, LongChat
 from tests.workflows import conftest as workflow_fixtures
-from tests.workflows.conftest import make_stack
+from tests.workflows.conftest import FAST, eventually, make_stack
 from tests.workflows.test_stream_workflow import local
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -28,10 +31,10 @@ temporal_env = workflow_fixtures.temporal_env
 QUESTIONS = ["hello", "what is a state?", "and a stream?", "why exact?", "thanks"]
 
 
-async def _agent_worker(stack, exits):
+async def _agent_worker(stack, exits, options: StreamOptions | None = None):
     """A worker of the agent workflows, with both plugins on its client."""
     queue = f"{stack.queue}-agents"
-    provider = MambaModelProvider(task_queue=stack.queue, models="tiny-mamba2")
+    provider = MambaModelProvider(task_queue=stack.queue, models="tiny-mamba2", options=options)
     plugins = [OpenAIAgentsPlugin(model_provider=provider,
                                   model_params=ModelActivityParameters(start_to_close_timeout=timedelta(seconds=60))),
                MambaStreamPlugin(keyring=stack.keyring)]
@@ -212,3 +215,45 @@ async def test_a_long_conversation_adds_to_history_what_each_turn_added(temporal
         tag, key = start["id"].split(".")[1], id_key(stack.client, start["id"])
         h = open_handle(key, tag, last)
         assert h.seq == 400 and not h.forked  # one stream, two chunks a turn, 200 turns
+
+
+async def test_a_stream_worker_sigkilled_mid_turn_changes_no_bit_of_the_conversation(temporal_env, tmp_path):
+    """The worker holding the conversation's stream dies (SIGKILL) with turn 3's feed (chunk 5)
+    committed and not yet recorded; a rescuer takes the stream over, the model activity's chunk
+    calls are answered from the stream's records, and the conversation ends on the replies and
+    the checksum of an uninterrupted run of the same agent (a fixed seed)."""
+    stack = await make_stack(temporal_env, tmp_path, start_worker=False)
+    async with stack.exits:
+        keyfile, ready = tmp_path / "keyring.json", tmp_path / "ready"
+        stack.keyring.save(keyfile)
+        root = Path(__file__).resolve().parents[2]
+        proc = subprocess.Popen([sys.executable, "-m", "tests.workflows._crash_worker", stack.address, stack.queue,
+                                 stack.store_url, str(keyfile), "recorded", "5", str(ready), "local"], cwd=root)
+        try:
+            async def up() -> bool:
+                return ready.exists()
+            await eventually(up, timeout=90)
+            opts = StreamOptions(**{**FAST.model_dump(include=set(FAST.model_fields_set)), "checkpoints_kept": 16})
+            _, queue = await _agent_worker(stack, stack.exits, options=opts)
+            start = conversation_start(stack.client, "alice")
+            run = await stack.client.start_workflow(Assistant.run, args=[QUESTIONS, None, 11], task_queue=queue,
+                                                    **start)
+
+            async def died() -> bool:
+                return proc.poll() is not None
+            await eventually(died, timeout=120)
+            assert proc.returncode == -9
+            await stack.worker()  # the rescuer: workflows and activities, as every worker is
+            out = await run.result()
+            clean = await stack.client.execute_workflow(Assistant.run, args=[QUESTIONS, None, 11], task_queue=queue,
+                                                        **conversation_start(stack.client, "alice"))
+            assert out[0::2] == clean[0::2]  # the same replies
+            tag, key = start["id"].split(".")[1], id_key(stack.client, start["id"])
+            crashed, uninterrupted = open_handle(key, tag, out[-1]), open_handle(key, tag, clean[-1])
+            assert crashed.seq == uninterrupted.seq == 10 and not crashed.forked
+            a = await stack.streams.receipt(crashed.stream_id)
+            b = await stack.streams.receipt(uninterrupted.stream_id)
+            assert (a.position, a.checksum) == (b.position, b.checksum)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
