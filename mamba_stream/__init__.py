@@ -33,10 +33,11 @@ if TYPE_CHECKING:
         StreamFailure,
         StreamOptions,
         StreamOwner,
+        conversation_start,
     )
 
 __all__ = ["ChatAgent", "ClientConfig", "MambaStreamPlugin", "MambaStreamWorkflow", "ModelStream", "OpenStreamInput",
-           "StreamClient", "StreamFailure", "StreamOptions", "StreamOwner"]
+           "StreamClient", "StreamFailure", "StreamOptions", "StreamOwner", "conversation_start"]
 
 #: where each name lives
 _HOME = {name: "mamba_stream.workflows" for name in __all__} | {"MambaStreamPlugin": "mamba_stream.plugin"}

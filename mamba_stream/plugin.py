@@ -140,8 +140,8 @@ def _payload_converter_class(cls: type) -> type:
     if issubclass(cls, CompositePayloadConverter):
         # the OpenAI Agents plugin's converter is pydantic's: it converts our models (quietly kept)
         quiet = any(c.__name__ == "OpenAIPayloadConverter" for c in cls.__mro__)
-        (log.debug if quiet else log.warning)("MambaStreamPlugin: keeping the payload converter %s; it must convert pydantic models",
-                    cls.__name__)
+        (log.debug if quiet else log.warning)(
+            "MambaStreamPlugin: keeping the payload converter %s; it must convert pydantic models", cls.__name__)
 
         def __init__(self) -> None:  # a nullary constructor, as DataConverter requires
             cls.__init__(self)

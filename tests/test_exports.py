@@ -8,7 +8,8 @@ import pytest
 
 EXPECTED = {
     "mamba_stream": ["ChatAgent", "ClientConfig", "MambaStreamPlugin", "MambaStreamWorkflow", "ModelStream",
-                     "OpenStreamInput", "StreamClient", "StreamFailure", "StreamOptions", "StreamOwner"],
+                     "OpenStreamInput", "StreamClient", "StreamFailure", "StreamOptions", "StreamOwner",
+                     "conversation_start"],
     "mamba_stream.scan": [
         "BACKENDS", "EXACT_BACKENDS", "PLAIN_CHAT_TEMPLATE", "PRESETS", "TOLERANCES", "TRAINED_PRESETS",
         "WEIGHT_FORMATS", "ByteTransform", "ChatTemplate", "ChatTemplateError", "CheckpointError", "ConfigError",
@@ -67,18 +68,19 @@ EXPECTED = {
         "DEFAULT_TASK_QUEUE", "NOT_THE_CHUNKS_FAULT", "PROGRESS_INTERVAL_S", "ActivityFailed", "AdvanceRequest",
         "AdvanceResult", "CancelRequest", "CarriedStream", "ChatAgent", "ChatInput", "ChatMessage", "CheckpointRequest",
         "CheckpointResult", "ChunkTooLarge", "ClientConfig", "ConflictingChunk", "EmptyContext", "GenerateRequest",
-        "GenerateResult", "GenerateStream", "InternalError", "InvalidRequest", "LocalTooSlow", "MambaStreamWorkflow",
+        "GenerateResult", "GenerateStream", "Grammar", "InternalError", "InvalidRequest", "LocalTooSlow",
+        "MambaStreamWorkflow",
         "ModelInfo", "ModelStream", "OpenFailed", "OpenStreamInput", "ReleaseRequest", "ReleaseResult",
         "ReservedStreamId", "ResetRequest", "ResultExpired", "RewindPastWindow", "RewindRequest", "RewindResult",
         "RewindUnavailable", "SealedRequest", "StreamCancelled", "StreamClient", "StreamFailure", "StreamMoving",
         "StreamOpening", "StreamOptions", "StreamOwner", "StreamStats", "TokenBatch", "TokenEvent", "TokenLogprob",
         "TokenOutOfRange", "TokenProgress", "UnknownRequest", "UpdateIdMismatch", "WorkerUnhealthy",
-        "application_error", "catalogue", "check_prefix", "check_sender", "chunk_digest", "id_key", "invalid_request",
-        "new_stream_id", "parse_update_id", "update_id",
+        "application_error", "catalogue", "check_prefix", "check_sender", "chunk_digest", "conversation_start",
+        "id_key", "invalid_request", "new_stream_id", "parse_update_id", "update_id",
         # the workflow<->activity contract
         "ACTIVITY_ADVANCE", "ACTIVITY_CHECKPOINT", "ACTIVITY_DISPOSE", "ACTIVITY_GENERATE", "ACTIVITY_OPEN",
         "ACTIVITY_OPEN_CARRY", "ACTIVITY_RECALL", "ACTIVITY_RESET", "ACTIVITY_REWIND", "ACTIVITY_SEAL_CARRY",
-        "ACTIVITY_VERIFY", "PRESENTATION", "PROGRESS_BYTES", "STREAM_MEMO", "STREAM_WORKFLOW_TYPE",
+        "ACTIVITY_VERIFY", "PRESENTATION", "PRINCIPAL_MEMO", "PROGRESS_BYTES", "STREAM_MEMO", "STREAM_WORKFLOW_TYPE",
         "AdvanceChunkRequest", "AdvanceChunkResult", "CarrySeal", "CarrySealRequest", "CheckpointStreamRequest",
         "DisposeStreamRequest", "DisposeStreamResult", "GenerateChunkRequest", "GenerateChunkResult",
         "OpenStreamRequest", "OpenStreamResult", "RecallResultRequest", "RecallResultResult", "ResetStreamRequest",
@@ -94,6 +96,13 @@ EXPECTED = {
         "id_digest", "parse_update_id", "update_id",
     ],
     "mamba_stream.cli": ["main"],
+    "mamba_stream.conversations": [
+        "CONVERSATION_CHECKPOINTS", "HANDLE_PREFIX", "PRINCIPAL_MEMO", "Conversations", "ParsedReply", "Rendered",
+        "ResponseHandle", "Turn", "chat_messages", "conversation_start", "first_turn", "next_turn", "open_handle",
+        "parse_reply", "reply_end", "seal_handle", "tool_schema",
+    ],
+    "mamba_stream.openai_agents": ["DEFAULT_MAX_TOKENS", "EXTRA_ARGS", "MambaAgentModel", "MambaModelProvider",
+                                   "conversation_start"],
     "mamba_stream.quality": ["DISTRACTOR_WORDS", "KEYS", "VALUES", "Corpus", "CorpusUnavailable", "Sample",
                              "fetch_corpus", "parity_sample", "recall_sample"],
 }
@@ -107,7 +116,7 @@ def test_public_names(package):
         assert hasattr(mod, name), name
 
 
-_PACKAGES = ("activities", "cli", "quality", "scan", "state_codec", "workflows")
+_PACKAGES = ("activities", "cli", "conversations", "openai_agents", "quality", "scan", "state_codec", "workflows")
 
 
 def test_shipped_modules_import_no_other_packages_private_modules():

@@ -26,6 +26,7 @@ import torch
 from temporalio import activity
 
 from mamba_stream.activities._engine import SeededSampler
+from mamba_stream.activities._grammar import GrammarGuide, GrammarSampler, grammar_vocab
 from mamba_stream.activities._guards import beat, cancel_point, live_wait
 from mamba_stream.activities._live import LiveTokens
 from mamba_stream.activities._sampling import (
@@ -127,16 +128,25 @@ def generate(acts: StreamActivities, req: GenerateChunkRequest, t0: float) -> Ge
     token returned. Where the stop is decided (here, between the engine's rounds) and what it
     depends on (the sampled tokens, the model) are deterministic, so a retry stops at the same
     token, and the chunk commits once.
+
+    With a grammar (`GenerateRequest.grammar`, `activities._grammar`), the tokens it does not
+    allow are masked before each draw, and the generation ends "stop" where it is complete. A
+    grammar llguidance does not compile, or a model it cannot match, is refused here, typed
+    `InvalidRequest` naming `grammar`, before anything runs (the workflow cannot load llguidance:
+    it checks only the grammar's form).
     """
     model = _prepare(acts, "generate", req)
     ask = req.request
     check_logit_bias(ask, model.vocab_size)  # typed, before any work (the stream checks it too)
+    # compiled per attempt, before any work: a matcher is the state of one generate
+    guide = GrammarGuide(ask.grammar, grammar_vocab(model)) if ask.grammar is not None else None
     # a hybrid's stream ends its generation at its position bound ("length"), as at max_tokens;
     # a stream already there is refused, typed
     room = _check_room(model, req.receipt.position, 1)
     seed = generate_seed(req.stream_id, ask.chunk_seq, ask.seed)
     # how the chunk is shown (PRESENTATION) is not what it is; the later settings at their
-    # defaults are left out, so a chunk committed before they existed keeps its key
+    # defaults (a grammar of None too) are left out, so a chunk committed before they existed
+    # keeps its key
     digest = hashlib.sha256(
         json.dumps(ask.model_dump(mode="json", exclude={"principal", *PRESENTATION, *neutral_settings(ask)})
                    | {"seed": seed}, sort_keys=True).encode()
@@ -157,13 +167,19 @@ def generate(acts: StreamActivities, req: GenerateChunkRequest, t0: float) -> Ge
                                         update_id=req.update_id, offset=req.log_offset,
                                         attempt=activity.info().attempt),
                           transform.decode if transform is not None else None)
-    end = GenerateEnd(model, ask.stop, acts.metrics, t0, live)
+    end = GenerateEnd(model, ask.stop, acts.metrics, t0, live, guide.complete if guide is not None else None)
     # the engine samples the streams of one round together (same tokens as one by one); the later
-    # settings adjust each row by what this generate sampled before it, so theirs go row by row
+    # settings adjust each row by what this generate sampled before it, and a grammar masks each
+    # row by it, so theirs go row by row
     shaping = Shaping.of(ask)
-    sampler: SeededSampler | ShapedSampler = (
-        SeededSampler(ask.temperature, ask.top_k, gen, proceed=end.proceed, taken=end.taken) if shaping is None
-        else ShapedSampler(ask.temperature, ask.top_k, shaping, gen, proceed=end.proceed, taken=end.taken))
+    sampler: SeededSampler | ShapedSampler | GrammarSampler
+    if guide is not None:
+        sampler = GrammarSampler(ask.temperature, ask.top_k, shaping, gen, guide, proceed=end.proceed,
+                                 taken=end.taken)
+    elif shaping is None:
+        sampler = SeededSampler(ask.temperature, ask.top_k, gen, proceed=end.proceed, taken=end.taken)
+    else:
+        sampler = ShapedSampler(ask.temperature, ask.top_k, shaping, gen, proceed=end.proceed, taken=end.taken)
     try:
         out = acts.engine(model).generate(
             req.stream_id, sampler, min(ask.max_tokens, room), expected_key=req.receipt.state_key,

@@ -4,7 +4,9 @@ for a generate its seed, how it samples and where it ends (`GenerateEnd`).
 A generate with temperature, top-k, seed and stop alone samples with the engine's
 `activities._engine.SeededSampler` (batched across streams, the bits it always had); one that
 sets any of the later settings (top_p, min_p, the penalties, logit_bias: `Shaping`) samples with
-`ShapedSampler`, row by row. What is decided here depends on the sampled tokens, the model and
+`ShapedSampler`, row by row; one with a grammar samples with `activities._grammar.GrammarSampler`
+(the same arithmetic as the one of these it would have used, on logits whose tokens the grammar
+does not allow are -inf). What is decided here depends on the sampled tokens, the model and
 the seeded generator alone, so a retry decides the same.
 """
 
@@ -55,11 +57,15 @@ class GenerateEnd:
     the model's end-of-sequence token ("eos"); otherwise after `max_tokens` ("length", the
     engine's bound). A token that completes a stop text and is an end-of-sequence token too ends
     it as "stop". The pace of its tokens is recorded as they come: the first one's time from `t0`,
-    then the time between tokens. `live`: where a streaming generate's tokens go as they come."""
+    then the time between tokens. `live`: where a streaming generate's tokens go as they come.
+    `complete`: whether the request's grammar is complete after the tokens sampled so far
+    (`activities._grammar.GrammarGuide.complete`: nothing can follow but its end), which ends it
+    as "stop" too, after the stop texts and the end of sequence are checked; None: no grammar."""
 
     def __init__(self, model: Model, stop: list[str], metrics: StreamMetrics, t0: float,
-                 live: LiveTokens | None = None) -> None:
+                 live: LiveTokens | None = None, complete: Callable[[], bool] | None = None) -> None:
         self.sampled: list[int] = []
+        self._complete = complete
         self.finish = "length"
         self._stop, self._transform, self._eos = stop, model.transform, frozenset(model.eos_token_ids)
         self._metrics, self._labels, self._live = metrics, {"model": model.model_id}, live
@@ -85,6 +91,9 @@ class GenerateEnd:
         if self.sampled and self.sampled[-1] in self._eos:
             self.finish = "eos"
             return False
+        if self._complete is not None and self._complete():
+            self.finish = "stop"  # the grammar is complete: its last token is in the state, as a stop text's
+            return False
         return True
 
     def taken(self, tok: int) -> None:
@@ -99,6 +108,8 @@ class GenerateEnd:
             self.finish = "stop"  # the last sampled token completed a stop text
         if self.finish == "length" and tokens and tokens[-1] in self._eos:
             self.finish = "eos"  # the last token the length allowed was the end of the sequence
+        if self.finish == "length" and self._complete is not None and self._complete():
+            self.finish = "stop"  # the last token the length allowed completed the grammar
         return self.finish
 
 
@@ -106,8 +117,11 @@ class GenerateEnd:
 
 #: generate's settings that came after its first histories: at their defaults (`neutral_settings`)
 #: they are left out of the chunk's content digest, so a chunk committed before they existed keeps
-#: its store key
-SHAPING_FIELDS = ("top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias")
+#: its store key (`grammar`, None by default, is one of them; `Shaping` holds the others)
+SHAPING_FIELDS = ("top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias",
+                  "grammar")
+#: the SHAPING_FIELDS that adjust the logits or the draw (`Shaping`); a grammar masks them after
+_SHAPES = tuple(f for f in SHAPING_FIELDS if f != "grammar")
 
 
 def neutral_settings(ask: GenerateRequest) -> set[str]:
@@ -127,8 +141,8 @@ def check_logit_bias(ask: GenerateRequest, vocab_size: int) -> None:
 
 @dataclass(frozen=True)
 class Shaping:
-    """The later settings of a generate (`GenerateRequest`'s fields of the same names); `of` gives
-    None when all of them are at the values that change nothing."""
+    """The later settings of a generate (`GenerateRequest`'s fields of the same names) but its
+    grammar; `of` gives None when all of them are at the values that change nothing."""
 
     top_p: float = 1.0
     min_p: float = 0.0
@@ -139,7 +153,7 @@ class Shaping:
 
     @classmethod
     def of(cls, ask: GenerateRequest) -> Shaping | None:
-        if neutral_settings(ask) == set(SHAPING_FIELDS):
+        if neutral_settings(ask) >= set(_SHAPES):
             return None
         return cls(top_p=ask.top_p, min_p=ask.min_p, frequency_penalty=ask.frequency_penalty,
                    presence_penalty=ask.presence_penalty, repetition_penalty=ask.repetition_penalty,

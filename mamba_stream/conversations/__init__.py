@@ -16,13 +16,8 @@ from mamba_stream.conversations._render import (
     reply_end,
     tool_schema,
 )
-from mamba_stream.conversations._turns import (
-    CONVERSATION_CHECKPOINTS,
-    PRINCIPAL_MEMO,
-    Conversations,
-    Turn,
-    conversation_start,
-)
+from mamba_stream.conversations._turns import CONVERSATION_CHECKPOINTS, Conversations, Turn
+from mamba_stream.workflows import PRINCIPAL_MEMO, conversation_start
 
 __all__ = ["CONVERSATION_CHECKPOINTS", "HANDLE_PREFIX", "PRINCIPAL_MEMO", "Conversations", "ParsedReply", "Rendered",
            "ResponseHandle", "Turn", "chat_messages", "conversation_start", "first_turn", "next_turn", "open_handle",

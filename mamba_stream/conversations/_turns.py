@@ -52,6 +52,7 @@ from mamba_stream.scan import ChatTemplate
 from mamba_stream.state_codec import SEALER_KEY, ChunkSequenceMismatch, PrincipalMismatch, SealerMismatch, stream_tag
 from mamba_stream.workflows import (
     DEFAULT_TASK_QUEUE,
+    PRINCIPAL_MEMO,
     AdvanceResult,
     ClientConfig,
     ConflictingChunk,
@@ -61,31 +62,13 @@ from mamba_stream.workflows import (
     id_key,
 )
 
-__all__ = ["PRINCIPAL_MEMO", "Conversations", "Turn", "conversation_start"]
+__all__ = ["CONVERSATION_CHECKPOINTS", "Conversations", "Turn"]
 
 log = logging.getLogger(__name__)
 
-#: the agent workflow's memo entry naming its principal (`conversation_start`)
-PRINCIPAL_MEMO = "mamba_stream.principal"
 #: conversations' streams keep this many chunks to fork from (two a turn): an older handle forks
 #: from up to eight turns back
 CONVERSATION_CHECKPOINTS = 16
-
-
-def conversation_start(client: Client, principal: str) -> dict[str, Any]:
-    """The keyword arguments that start an agent workflow whose model is a stream, for
-    `principal`: `client.execute_workflow(Agent.run, arg, task_queue=..., **conversation_start(
-    client, "alice"))`. Its id names the principal's tag (its payloads are sealed under the
-    principal's history key) and its memo the principal, sealed by the client's keyring.
-
-    Raises:
-        InvalidRequest: the client has no keyring (a `MambaStreamPlugin`) for `principal`.
-    """
-    wid = StreamClient(client).new_id(principal)
-    if stream_tag(wid) is None:
-        raise InvalidRequest(f"this client holds no keyring for principal {principal!r} (connect it with "
-                             f"MambaStreamPlugin and the principal's or the workers' keyring)", field="principal")
-    return {"id": wid, "memo": {PRINCIPAL_MEMO: principal}}
 
 
 @dataclasses.dataclass(frozen=True)

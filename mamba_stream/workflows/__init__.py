@@ -8,7 +8,7 @@
 """
 
 from mamba_stream.workflows._agent import ChatAgent, ChatInput, ChatMessage
-from mamba_stream.workflows._client import GenerateStream, StreamClient, id_key, new_stream_id
+from mamba_stream.workflows._client import GenerateStream, StreamClient, conversation_start, id_key, new_stream_id
 from mamba_stream.workflows._config import DEFAULT_TASK_QUEUE, ClientConfig
 from mamba_stream.workflows._failures import (
     NOT_THE_CHUNKS_FAULT,
@@ -38,6 +38,7 @@ from mamba_stream.workflows._failures import (
 )
 from mamba_stream.workflows._model_stream import ModelStream, StreamOwner, check_prefix, check_sender
 from mamba_stream.workflows._models import (
+    PRINCIPAL_MEMO,
     PROGRESS_BYTES,
     PROGRESS_INTERVAL_S,
     STREAM_MEMO,
@@ -51,6 +52,7 @@ from mamba_stream.workflows._models import (
     CheckpointResult,
     GenerateRequest,
     GenerateResult,
+    Grammar,
     ModelInfo,
     OpenStreamInput,
     ReleaseRequest,
@@ -123,6 +125,7 @@ __all__ = [
     "GenerateRequest",
     "GenerateResult",
     "GenerateStream",
+    "Grammar",
     "InternalError",
     "InvalidRequest",
     "LocalTooSlow",
@@ -162,6 +165,7 @@ __all__ = [
     "check_prefix",
     "check_sender",
     "chunk_digest",
+    "conversation_start",
     "id_key",
     "invalid_request",
     "new_stream_id",
@@ -182,6 +186,7 @@ __all__ += [
     "ACTIVITY_SEAL_CARRY",
     "ACTIVITY_VERIFY",
     "PRESENTATION",
+    "PRINCIPAL_MEMO",
     "PROGRESS_BYTES",
     "STREAM_MEMO",
     "STREAM_WORKFLOW_TYPE",

@@ -45,6 +45,7 @@ from mamba_stream.workflows._failures import (
 )
 from mamba_stream.workflows._model_stream import check_prefix, generate_request
 from mamba_stream.workflows._models import (
+    PRINCIPAL_MEMO,
     READ_EVENTS,
     AdvanceRequest,
     AdvanceResult,
@@ -53,6 +54,7 @@ from mamba_stream.workflows._models import (
     CheckpointResult,
     GenerateRequest,
     GenerateResult,
+    Grammar,
     OpenStreamInput,
     ReadTokensRequest,
     ReleaseRequest,
@@ -72,7 +74,7 @@ from mamba_stream.workflows.contract import ACTIVITY_GENERATE, ACTIVITY_OPEN, up
 if TYPE_CHECKING:
     from mamba_stream.state_codec.signing import RequestSigner
 
-__all__ = ["GenerateStream", "StreamClient", "id_key", "new_stream_id", "transient"]
+__all__ = ["GenerateStream", "StreamClient", "conversation_start", "id_key", "new_stream_id", "transient"]
 
 T = TypeVar("T")
 
@@ -166,6 +168,24 @@ def id_key(client: Client, stream_id: str) -> bytes:
         return ring.id_key(stream_tag(stream_id))
     except Exception as exc:  # UnknownKeyId: another principal's stream
         raise LookupError(f"this client's keyring holds no key for stream {stream_id}: {exc}") from exc
+
+
+def conversation_start(client: Client, principal: str) -> dict[str, Any]:
+    """The keyword arguments that start an agent workflow whose model is a stream, for
+    `principal`: `client.execute_workflow(Agent.run, arg, task_queue=..., **conversation_start(
+    client, "alice"))`. Its id names the principal's tag (its payloads are sealed under the
+    principal's history key) and its memo (`PRINCIPAL_MEMO`) the principal, sealed by this
+    client's keyring: the workers take the conversation's principal from there, never from its
+    text (`mamba_stream.conversations`).
+
+    Raises:
+        InvalidRequest: the client has no keyring (a `MambaStreamPlugin`) for `principal`.
+    """
+    tag = _principal_tag(client, principal)
+    if tag is None:
+        raise InvalidRequest(f"this client holds no keyring for principal {principal!r} (connect it with "
+                             f"MambaStreamPlugin and the principal's or the workers' keyring)", field="principal")
+    return {"id": new_stream_id(tag), "memo": {PRINCIPAL_MEMO: principal}}
 
 
 class StreamClient:
@@ -518,26 +538,28 @@ class StreamClient:
                        top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (),
                        chunk_seq: int | None = None, attempt: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                        frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
-                       repetition_penalty: float = 1.0, logit_bias: Mapping[int, float] | None = None
-                       ) -> GenerateResult:
+                       repetition_penalty: float = 1.0, logit_bias: Mapping[int, float] | None = None,
+                       grammar: Grammar | None = None) -> GenerateResult:
         """Sample up to `max_tokens` tokens that advance the stream (seeded: derived from the
         stream and the chunk unless given), ending early at a `stop` text or the model's
         end-of-sequence token.
 
         temperature (0: greedy), top_k, top_p, min_p, frequency_penalty, presence_penalty,
-        repetition_penalty and logit_bias (token id -> bias) are `GenerateRequest`'s fields: their
-        defaults change nothing, and how each acts is in docs/lifecycle.md ("Sampling").
+        repetition_penalty, logit_bias (token id -> bias) and grammar (what the tokens must spell)
+        are `GenerateRequest`'s fields: their defaults change nothing, and how each acts is in
+        docs/lifecycle.md ("Sampling").
 
         Raises:
             ApplicationError: typed `InvalidRequest` whose `field` names a setting out of its
                 range, before anything is sent.
             WorkflowUpdateFailedError: the stream refused or failed the chunk, typed by reason (a
                 logit bias on a token outside the model's vocabulary: `InvalidRequest`, field
-                `logit_bias`); the stream has not moved.
+                `logit_bias`; a grammar that does not compile, field `grammar`); the stream has not
+                moved.
         """
         settings = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, seed=seed, stop=list(stop),
                         **_shaping(top_p, min_p, frequency_penalty, presence_penalty, repetition_penalty,
-                                   logit_bias))
+                                   logit_bias, grammar))
         generate_request(principal=principal, chunk_seq=chunk_seq or 1, **settings)  # typed, before anything
         return await self._chunk("generate", stream_id, lambda seq: generate_request(
             principal=principal, chunk_seq=seq, **settings), MambaStreamWorkflow.generate, chunk_seq, attempt)
@@ -546,15 +568,15 @@ class StreamClient:
                         top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (),
                         chunk_seq: int | None = None, attempt: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                         frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
-                        repetition_penalty: float = 1.0, logit_bias: Mapping[int, float] | None = None
-                        ) -> GenerateStream:
+                        repetition_penalty: float = 1.0, logit_bias: Mapping[int, float] | None = None,
+                        grammar: Grammar | None = None) -> GenerateStream:
         """`generate`, its tokens read as they are sampled: `async for event in ...` yields the
         chunk's `TokenEvent`s in order (the last one `done`); then `.result` is its GenerateResult.
         The same chunk as `generate` with the same arguments: streaming decides how it is shown,
         never what is committed. A setting out of its range is refused here, typed (`generate`)."""
         settings = dict(max_tokens=max_tokens, temperature=temperature, top_k=top_k, seed=seed, stop=list(stop),
                         **_shaping(top_p, min_p, frequency_penalty, presence_penalty, repetition_penalty,
-                                   logit_bias))
+                                   logit_bias, grammar))
         generate_request(principal=principal, chunk_seq=chunk_seq or 1, stream=True, **settings)
         return GenerateStream(self, stream_id, principal, settings, chunk_seq, attempt)
 
@@ -811,8 +833,9 @@ def _state_key(value: Any) -> str:
 
 
 def _shaping(top_p: float, min_p: float, frequency_penalty: float, presence_penalty: float,
-             repetition_penalty: float, logit_bias: Mapping[int, float] | None) -> dict[str, Any]:
+             repetition_penalty: float, logit_bias: Mapping[int, float] | None,
+             grammar: Grammar | None = None) -> dict[str, Any]:
     """generate's later settings as `GenerateRequest` fields (a bias mapping copied: the request is
-    built again for a resend, from what the caller gave at the call)."""
+    built again for a resend, from what the caller gave at the call; a grammar is frozen)."""
     return dict(top_p=top_p, min_p=min_p, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
-                repetition_penalty=repetition_penalty, logit_bias=dict(logit_bias or {}))
+                repetition_penalty=repetition_penalty, logit_bias=dict(logit_bias or {}), grammar=grammar)

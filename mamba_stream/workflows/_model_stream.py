@@ -81,6 +81,7 @@ with workflow.unsafe.imports_passed_through():
         CheckpointRequest,
         GenerateRequest,
         GenerateResult,
+        Grammar,
         ModelInfo,
         OpenStreamInput,
         ReadTokensRequest,
@@ -431,19 +432,19 @@ class ModelStream:
     async def generate(self, max_tokens: int, *, temperature: float = 1.0, top_k: int = 0, seed: int | None = None,
                        stop: Sequence[str] = (), stream: bool = False, top_p: float = 1.0, min_p: float = 0.0,
                        frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
-                       repetition_penalty: float = 1.0, logit_bias: Mapping[int, float] | None = None
-                       ) -> GenerateResult:
+                       repetition_penalty: float = 1.0, logit_bias: Mapping[int, float] | None = None,
+                       grammar: Grammar | None = None) -> GenerateResult:
         """Sample up to `max_tokens` (seeded: derived from the stream and the chunk unless given).
         `stream`: the tokens are shown to the workflow's readers as they are sampled (a regular
         activity, which heartbeats them). The other settings are `GenerateRequest`'s (their
-        defaults change nothing); one out of its range is refused typed `InvalidRequest` naming
-        it, before anything runs."""
+        defaults change nothing; `grammar`: docs/lifecycle.md, "Grammars"); one out of its range
+        is refused typed `InvalidRequest` naming it, before anything runs."""
         async with self._turn():
             req = generate_request(
                 principal=self.principal, chunk_seq=self._next(), max_tokens=max_tokens, temperature=temperature,
                 top_k=top_k, seed=seed, stop=list(stop), stream=stream, top_p=top_p, min_p=min_p,
                 frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
-                repetition_penalty=repetition_penalty, logit_bias=dict(logit_bias or {}))
+                repetition_penalty=repetition_penalty, logit_bias=dict(logit_bias or {}), grammar=grammar)
             check_generate(req, self.opts, self.position, self.info)
             return await self.run_chunk("generate", req)
 

@@ -7,6 +7,7 @@ optional, so histories written by an older version still decode.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
@@ -14,8 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from mamba_stream.state_codec import Receipt
 
 __all__ = [
+    "MAX_GRAMMAR_BYTES",
     "MAX_LOGIT_BIAS",
     "MAX_PREFIX_TOKENS",
+    "PRINCIPAL_MEMO",
     "STREAM_MEMO",
     "STREAM_WORKFLOW_TYPE",
     "TIMEOUT_FLOORS",
@@ -28,6 +31,7 @@ __all__ = [
     "CheckpointResult",
     "GenerateRequest",
     "GenerateResult",
+    "Grammar",
     "ModelInfo",
     "OpenStreamInput",
     "RecentResult",
@@ -47,6 +51,9 @@ STREAM_WORKFLOW_TYPE = "MambaStream"
 #: the memo field a workflow that owns a stream (`ModelStream.open`) carries, its value the model's id
 #: (encrypted as every payload): the CLI lists agents' streams by it. Its name is in clear.
 STREAM_MEMO = "mamba_stream"
+#: the memo field of an agent workflow whose model is a stream (`conversation_start`): its
+#: principal, sealed by the principal's keyring (who sealed it is checked, not just what it says)
+PRINCIPAL_MEMO = "mamba_stream.principal"
 
 class _Model(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -327,6 +334,44 @@ class AdvanceResult(_Model):
 MAX_LOGIT_BIAS = 4096
 
 
+#: the largest grammar a generate may carry, in UTF-8 bytes of its source
+MAX_GRAMMAR_BYTES = 64 * 1024
+
+
+class Grammar(_Model):
+    """What a generate's tokens must spell (`GenerateRequest.grammar`): at each token, the tokens
+    that cannot continue the grammar are taken out before the draw, and the generate ends
+    ("stop") where the grammar is complete. Matched by llguidance in the activity
+    (`activities._grammar`); here only its form is checked (the workflow cannot load it): the
+    kind, the size, and that a JSON schema is a JSON object. A grammar llguidance does not
+    compile is refused by the activity, typed `InvalidRequest` naming `grammar`, before anything
+    runs."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    kind: Literal["lark", "json_schema", "regex"] = Field(description="lark: a Lark grammar in llguidance's "
+                                                          "dialect (it may embed a schema: `%json {...}`); "
+                                                          "json_schema: a JSON schema, as JSON text; regex: a "
+                                                          "regular expression the whole output matches")
+    source: str = Field(min_length=1, max_length=MAX_GRAMMAR_BYTES,
+                        description=f"the grammar's text, at most {MAX_GRAMMAR_BYTES} bytes of UTF-8")
+
+    @model_validator(mode="after")
+    def _bounded_and_formed(self) -> Grammar:
+        # max_length counts characters: a character is up to 4 bytes
+        size = len(self.source.encode("utf-8", errors="surrogatepass"))
+        if size > MAX_GRAMMAR_BYTES:
+            raise ValueError(f"the grammar's source is {size} bytes; at most {MAX_GRAMMAR_BYTES}")
+        if self.kind == "json_schema":
+            try:
+                schema = json.loads(self.source)
+            except ValueError as exc:
+                raise ValueError(f"a json_schema grammar's source is not JSON: {exc}") from None
+            if not isinstance(schema, dict):
+                raise ValueError("a json_schema grammar's source is a JSON object")
+        return self
+
+
 class GenerateRequest(_Signed):
     """Sample up to max_tokens; seeded, so a retry or replay samples the same tokens.
 
@@ -334,7 +379,7 @@ class GenerateRequest(_Signed):
     nothing, is left out of the chunk's digest and signature at that value (`claims`), and with
     all of them there a generate samples exactly as before they existed. How each one acts, and in
     which order, is `activities._sampling.ShapedSampler`'s docstring and docs/lifecycle.md
-    ("Sampling")."""
+    ("Sampling"); `grammar`'s, `activities._grammar`'s and docs/lifecycle.md ("Grammars")."""
 
     principal: str
     chunk_seq: int = Field(ge=1, le=MAX_INDEX)
@@ -359,6 +404,10 @@ class GenerateRequest(_Signed):
     logit_bias: dict[_Token, Annotated[float, Field(ge=-100.0, le=100.0)]] = Field(
         default_factory=dict, max_length=MAX_LOGIT_BIAS, description="token id -> added to its logit, in [-100, "
         "100]; every id must be in the model's vocabulary")
+    grammar: Grammar | None = Field(default=None, description="what the tokens must spell (a Lark grammar, a "
+                                    "JSON schema or a regex): at each token the ones that cannot continue it "
+                                    "are taken out, after the settings above, and the generate ends with "
+                                    "finish_reason \"stop\" where it is complete; None: no constraint")
     stream: bool = Field(default=False, description="show the tokens as they are sampled: the activity "
                          "heartbeats them (`TokenProgress`) and readers poll (`StreamClient.generate_stream`, "
                          "`tokens`). Presentation only: not part of the chunk's content, its digest or its "
@@ -372,8 +421,9 @@ class GenerateResult(_Model):
     tokens: list[int]
     text: str | None = None
     finish_reason: Literal["length", "stop", "eos"] = Field(description=(
-        "length: max_tokens sampled; stop: the last token completed a stop text; eos: the last token is "
-        "the model's end-of-sequence token. The token that ended it is in `tokens` and in the state"))
+        "length: max_tokens sampled; stop: the last token completed a stop text, or the request's grammar "
+        "(nothing can follow it but its end); eos: the last token is the model's end-of-sequence token. "
+        "The token that ended it is in `tokens` and in the state"))
     receipt: Receipt
     output_digest: str
     backend: str = Field(description=BACKEND_RAN)

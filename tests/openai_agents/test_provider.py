@@ -165,7 +165,7 @@ async def test_an_older_response_forks_another_principals_is_refused_and_nothing
         assert await stack.streams.receipt(sid) == before
 
 
-def test_a_handle_does_not_open_altered_or_under_another_key():
+async def test_a_handle_does_not_open_altered_or_under_another_key():
     from mamba_stream.conversations import ResponseHandle, seal_handle
     from mamba_stream.failures import InvalidRequest
     from mamba_stream.state_codec import PrincipalMismatch

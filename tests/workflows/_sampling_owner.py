@@ -1,7 +1,8 @@
 """A workflow of the tests' own that owns a `ModelStream` and generates with the sampling settings
 (tests/workflows/test_sampling_settings.py): a prompt, one generate with every setting, then two
 the stream refuses (a setting out of its range, a bias outside the vocabulary), each caught in
-the workflow with the receipt it left."""
+the workflow with the receipt it left. With a grammar (tests/workflows/test_grammar_generate.py)
+the first generate is held to it."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from temporalio import workflow
 from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from mamba_stream.workflows import ModelStream, SealedRequest, StreamOptions, StreamOwner, check_sender
+    from mamba_stream.workflows import Grammar, ModelStream, SealedRequest, StreamOptions, StreamOwner, check_sender
 
 
 class SamplingInput(SealedRequest):
@@ -21,6 +22,7 @@ class SamplingInput(SealedRequest):
     seed: int
     settings: dict[str, float]
     logit_bias: dict[int, float]
+    grammar: Grammar | None = None
 
 
 class SamplingOutput(SealedRequest):
@@ -38,7 +40,7 @@ class SamplingOwner(StreamOwner):
         stream = await ModelStream.open(inp.principal, inp.model_id, inp.options)
         try:
             await stream.advance(tokens=inp.prompt)
-            gen = await stream.generate(inp.max_tokens, seed=inp.seed, logit_bias=inp.logit_bias,
+            gen = await stream.generate(inp.max_tokens, seed=inp.seed, logit_bias=inp.logit_bias, grammar=inp.grammar,
                                         **inp.settings)  # type: ignore[arg-type]
             refusals = []
             for bad in ({"top_p": 0.0}, {"logit_bias": {10_000: 1.0}}):
