@@ -16,12 +16,14 @@ same rows run on llama.cpp, interleaved with ours (LLAMA_BENCH_ARGS: more argume
 
     python bench/bench_sizes.py [--sizes 130m,1.4b,7b] [--formats float32,bfloat16] [--dir DIR]
 
-The hybrids (sizes `3b-hybrid`: Granite-4.0-H-Micro's shape, `8b-hybrid`: Nemotron-H-8B's) are
-measured at a context: prefill of --prefill tokens (1024) from an empty state, then decode at each
-of --depths (default: the prefill's length; a deeper one reached by advancing --prefill tokens at a
-time), on `load_model(d)`'s default backend (exact), `max_positions` set to what the deepest
-context needs. llama.cpp beside them: `llama-bench -p <prefill> -n 0` and `-p 0 -n <steps> -d
-<depth>` (the depth's prefill is not timed), `-r` --llama-reps.
+Size `7b-falcon` is FalconMamba-7B's shape (a Mamba-1 with B/C/dt norms), measured as `7b` is.
+The hybrids (sizes `3b-hybrid`: Granite-4.0-H-Micro's shape, `8b-hybrid`: Nemotron-H-8B's,
+`9b-hybrid`: Bamba-9B's, in q8 only) are measured at a context: prefill of --prefill tokens (1024)
+from an empty state, then decode at each of --depths (default: the prefill's length; a deeper one
+reached by advancing --prefill tokens at a time), on `load_model(d)`'s default backend (exact),
+`max_positions` set to what the deepest context needs. llama.cpp beside them: `llama-bench -p
+<prefill> -n 0` and `-p 0 -n <steps> -d <depth>` (the depth's prefill is not timed), `-r`
+--llama-reps.
 
     python bench/bench_sizes.py --sizes 3b-hybrid --depths 1024,8192
 """
@@ -42,11 +44,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SIZES = {"130m": ("130m-mamba1", "130m-mamba2"), "1.4b": ("1.4b-mamba1", "1.3b-mamba2"),
-         "7b": ("7b-mamba1", "7b-mamba2"), "3b-hybrid": ("granite-micro",), "8b-hybrid": ("nemotron-h-8b",)}
-#: formats a shape is measured in: a 7B model in float32 (29 GB) does not fit this machine kind
+         "7b": ("7b-mamba1", "7b-mamba2"), "7b-falcon": ("falcon-mamba-7b",), "3b-hybrid": ("granite-micro",),
+         "8b-hybrid": ("nemotron-h-8b",), "9b-hybrid": ("bamba-9b",)}
+#: formats a shape is measured in: a 7B model in float32 (29 GB) does not fit this machine kind (24 GB),
+#: nor Bamba-9B in bfloat16 (19.6 GB of weights, with llama.cpp's copy in the page cache beside it)
 FORMATS = {"130m": ("float32", "bfloat16", "q8"), "1.4b": ("float32", "bfloat16", "q8"), "7b": ("bfloat16", "q8"),
-           "3b-hybrid": ("bfloat16", "q8"), "8b-hybrid": ("bfloat16", "q8")}
-HYBRID_SIZES = ("3b-hybrid", "8b-hybrid")
+           "7b-falcon": ("bfloat16", "q8"), "3b-hybrid": ("bfloat16", "q8"), "8b-hybrid": ("bfloat16", "q8"),
+           "9b-hybrid": ("q8",)}
+HYBRID_SIZES = ("3b-hybrid", "8b-hybrid", "9b-hybrid")
+#: sizes whose prefill of 128 and 8 decode steps already take minutes a row
+_LARGE = ("7b", "7b-falcon", "8b-hybrid", "9b-hybrid")
 
 
 def _rss_now() -> float:
@@ -152,7 +159,7 @@ def main() -> None:
     ap.add_argument("--shapes", default="", help="only these shapes, e.g. 7b-mamba1 (default: both of every size)")
     ap.add_argument("--dir", type=Path,
                     default=Path(os.environ.get("MAMBA_STREAM_BENCH_DIR", "/tmp/mamba-stream-bench")))
-    ap.add_argument("--steps", type=int, default=0, help="decode steps (default 32; 8 at 7B)")
+    ap.add_argument("--steps", type=int, default=0, help="decode steps (default 32; 16 hybrids; 8 at 7B and up)")
     ap.add_argument("--runs", type=int, default=3, help="prefill runs per process (medians)")
     ap.add_argument("--child", nargs=2, metavar=("CKPT", "WEIGHTS"), help=argparse.SUPPRESS)
     ap.add_argument("--prefill", type=int, default=0, help="prefill tokens (default 512; 128 at 1.4B and 7B)")
@@ -176,12 +183,12 @@ def main() -> None:
     which = args.backends or "exact,exact-fma; hybrids exact"
     print(f"exact backends ({which}), {os.cpu_count()} threads; read bandwidth {bw / 1e9:.1f} GB/s "
           f"(a threaded sum of 1 GiB); random-weight checkpoints (bench/make_checkpoint.py); one process per row")
-    print(f"{'shape':<12} {'format':<9} {'file GB':>8} {'load s':>11} {'RSS GB':>7} {'RSS/file':>8} "
+    print(f"{'shape':<15} {'format':<9} {'file GB':>8} {'load s':>11} {'RSS GB':>7} {'RSS/file':>8} "
           f"{'prefill tok/s':>14} {'decode tok/s':>13} {'GB/s':>6} {'of bw':>6}  arithmetic")
     for size in args.sizes.split(","):
         hybrid = size in HYBRID_SIZES
         prefill = args.prefill or (512 if size == "130m" else 1024 if hybrid else 128)
-        steps = args.steps or (8 if size in ("7b", "8b-hybrid") else 16 if hybrid else 32)
+        steps = args.steps or (8 if size in _LARGE else 16 if hybrid else 32)
         at = (depths or (prefill,)) if hybrid else ()
         backends = args.backends or ("exact" if hybrid else "exact,exact-fma")
         reps = args.llama_reps or (1 if hybrid else 3)
@@ -200,26 +207,26 @@ def main() -> None:
                                            "--backends", backend, "--depths", ",".join(map(str, at))],
                                           capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
                     if proc.returncode != 0:
-                        print(f"{shape:<12} {fmt:<9} {backend} failed: {proc.stderr.strip().splitlines()[-1:]}")
+                        print(f"{shape:<15} {fmt:<9} {backend} failed: {proc.stderr.strip().splitlines()[-1:]}")
                         continue
                     r = rows[backend] = json.loads(proc.stdout.strip().splitlines()[-1])
                     load = f"{r['first_token_s']:.1f}, {r['again_s']:.1f}"
-                    print(f"{shape:<12} {fmt:<9} {file_gb:>8.2f} {load:>11} {r['rss_peak_gb']:>7.2f} "
+                    print(f"{shape:<15} {fmt:<9} {file_gb:>8.2f} {load:>11} {r['rss_peak_gb']:>7.2f} "
                           f"{r['rss_peak_gb'] / file_gb:>8.2f} {r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.2f} "
                           f"{r['weight_gbs']:>6.1f} {r['weight_gbs'] * 1e9 / bw:>6.0%}  "
                           f"{r['arithmetic']} ({r['path']}, probe {r['probe_s']:.1f} s)")
                     for depth, tps in r.get("decode_at", {}).items():
-                        print(f"{'':<12} {'':<9} {'decode at':>8} {depth:>11} {'':>7} {'':>8} {'':>14} {tps:>13.2f}")
+                        print(f"{'':<15} {'':<9} {'decode at':>8} {depth:>11} {'':>7} {'':>8} {'':>14} {tps:>13.2f}")
                 if llama and rows:
                     ll = _llama(llama, ckpt / f"model-{fmt}.gguf", prefill, steps, at, reps)
                     if ll:
                         ratios = "; ".join(f"{b} prefill {x['prefill_tok_s'] / ll['prefill_tok_s']:.2f}x, decode "
                                            f"{x['decode_tok_s'] / ll['decode_tok_s']:.2f}x" for b, x in rows.items())
-                        print(f"{'':<12} {'llama.cpp':<9} {'':>8} {'':>11} {'':>7} {'':>8} "
+                        print(f"{'':<15} {'llama.cpp':<9} {'':>8} {'':>11} {'':>7} {'':>8} "
                               f"{ll['prefill_tok_s']:>14.1f} {ll['decode_tok_s']:>13.2f}   -> ours/llama.cpp: {ratios}")
                         for depth, tps in ll.get("decode_at", {}).items():
                             mine = "; ".join(f"{b} {x['decode_at'][str(depth)] / tps:.2f}x" for b, x in rows.items())
-                            print(f"{'':<12} {'llama.cpp':<9} {'decode at':>8} {depth:>11} {'':>7} {'':>8} {'':>14} "
+                            print(f"{'':<15} {'llama.cpp':<9} {'decode at':>8} {depth:>11} {'':>7} {'':>8} {'':>14} "
                                   f"{tps:>13.2f}   -> ours/llama.cpp decode at {depth}: {mine}")
 
 

@@ -1,5 +1,5 @@
-"""A bench/make_checkpoint.py hybrid -> GGUF with llama.cpp's own converter, for the llama.cpp rows
-of bench/bench_sizes.py.
+"""A bench/make_checkpoint.py hybrid (or FalconMamba) -> GGUF with llama.cpp's own converter, for
+the llama.cpp rows of bench/bench_sizes.py.
 
 llama.cpp's `convert_hf_to_gguf.py` (the tree vendored by the llama-cpp-python sdist,
 docs/llamacpp.md) reads the hub's spellings of the layer layout only, so it converts from a
@@ -7,6 +7,8 @@ directory beside the checkpoint (config.json rewritten, model.safetensors linked
 
 - GraniteMoeHybrid's `layer_types` are mapped back (`linear_attention` -> `mamba`,
   `full_attention` -> `attention`): with transformers' spelling it writes every layer as recurrent;
+- Bamba's rotary width (transformers: `rope_parameters.partial_rotary_factor`, 0.5 by default) is
+  written as the hub's `attn_rotary_emb`: without it the converter rotates whole heads;
 - NemotronH's `layers_block_type` list becomes the hub's `hybrid_override_pattern` ("M*-"): with
   the list its non-MoE reader finds no MLP layers; the converter reads config.json as written (via
   transformers it gains NemotronHConfig's MoE defaults and is written as `nemotron_h_moe`, which
@@ -14,9 +16,10 @@ directory beside the checkpoint (config.json rewritten, model.safetensors linked
   (its own `set_vocab` needs a tokenizer beside the config).
 
 Without a tokenizer file the converter takes its bundled GPT-NeoX vocabulary (50,280 tokens) cut to
-the vocabulary size; the shapes here have more ids (100,352; 131,072), so the list is padded with
-unused tokens to the embedding's rows (the values are random: no text is read, llama-bench feeds
-random ids).
+the vocabulary size; the shapes here have more ids (65,024; 100,352; 128,256; 131,072), so the list
+is padded with unused tokens to the embedding's rows (the values are random: no text is read,
+llama-bench feeds random ids). FalconMamba (arch `mamba`, its B/C/dt norms on) converts as saved
+but for that padding.
 
     python bench/llama_gguf.py CKPT --llama-dir $LC/llama_cpp_python-*/vendor/llama.cpp \\
         --outtype bf16|q8_0 --outfile CKPT/model-bfloat16.gguf
@@ -45,6 +48,12 @@ def hub_config(cfg: dict) -> dict:
         cfg["hybrid_override_pattern"] = "".join(_NEMOTRON_KINDS[k] for k in kinds)
         # transformers 5.24 saves the layer count as the pattern's length only; the converter reads it
         cfg.setdefault("num_hidden_layers", len(kinds))
+    if cfg.get("model_type") == "bamba" and "attn_rotary_emb" not in cfg:
+        # the converter takes the rotary width from the hub's `attn_rotary_emb` only (else it rotates
+        # whole heads); transformers saves it as rope_parameters' factor (BambaConfig's default 0.5)
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        factor = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", 0.5)
+        cfg["attn_rotary_emb"] = int(head_dim * factor)
     return cfg
 
 

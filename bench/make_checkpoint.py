@@ -19,10 +19,18 @@ load time, memory and speed, which depend on the shapes and the format, not on t
     nemotron-h-8b Nemotron-H-8B's shape (NemotronH): hidden 4096, 52 layers "M-M-M-M*-...": 24
                   Mamba-2 (128 heads x 64, state 128, 8 groups), 4 attention (32 q / 8 kv heads of
                   128, NoPE), 24 MLP-only (relu2, 21504); vocab 131072, untied
+    bamba-9b      Bamba-9B's shape (ibm-ai-platform/Bamba-9B, model_type "bamba"): hidden 4096, 32
+                  layers, attention (32 q / 8 kv heads of 128, RoPE theta 10000 on half of each
+                  head) at 9, 18, 27, the rest Mamba-2 (128 heads x 64, state 128, 1 group), each
+                  followed by a gated SiLU MLP (14336); vocab 128256, untied; 4096 positions
+    falcon-mamba-7b FalconMamba-7B's shape (tiiuae/falcon-mamba-7b, model_type "falcon_mamba"):
+                  7b-mamba1's layers (hidden 4096, 64 layers, state 16, dt rank 256, vocab 65024,
+                  untied) with the weightless RMS norms on B, C and dt (`mixer_rms_eps` 1e-6)
 
-The hybrids are written as transformers 5.24 saves them (its config.json fields, `layer_types` /
-`layers_block_type` in its spelling, its tensor names); `--tiny` writes the same layout (the same
-layer pattern, every kind of tensor) at hidden 64, for tests.
+The hybrids and FalconMamba are written as transformers 5.24 saves them (its config.json fields,
+`layer_types` / `layers_block_type` in its spelling, its tensor names: Bamba's MLP as separate
+gate_proj / up_proj); `--tiny` writes the same layout (the same layer pattern, every kind of tensor)
+at hidden 64, for tests.
 
 The file is written tensor by tensor, a slab of rows at a time, so a 14.6 GB bfloat16 checkpoint
 needs a few hundred MB of memory to make. `--dtype q8` writes the matrices as block-int8 (the
@@ -65,6 +73,9 @@ SHAPES: dict[str, dict[str, Any]] = {
                   "tie_word_embeddings": False},
     "7b-mamba2": {"model_type": "mamba2", "hidden_size": 4096, "num_hidden_layers": 64, "vocab_size": 32768,
                   "state_size": 128, "head_dim": 64, "num_heads": 128, "n_groups": 8, "tie_word_embeddings": False},
+    # FalconMambaConfig's own fields beside the Mamba-1 ones (its dt rank 256 = hidden / 16, as hf_config writes)
+    "falcon-mamba-7b": {"model_type": "falcon_mamba", "hidden_size": 4096, "num_hidden_layers": 64,
+                        "vocab_size": 65024, "tie_word_embeddings": False, "mixer_rms_eps": 1e-6},
 }
 _INF = {"__float__": "Infinity"}  # transformers 5.x writes +infinity so in config.json
 #: Granite-4.0-H-Micro's layers: attention at 5, 15, 25, 35 (transformers' spelling of `layer_types`)
@@ -104,6 +115,21 @@ HYBRIDS: dict[str, dict[str, Any]] = {
         "time_step_max": 0.1, "time_step_min": 0.001, "use_bias": False, "use_cache": True, "use_conv_bias": True,
         "vocab_size": 131072,
     },
+    # BambaConfig's fields as transformers 5.24 saves them (Bamba-9B's values; the rotary factor
+    # 0.5 is BambaConfig's, the hub's `attn_rotary_emb` 64 = 128 * 0.5)
+    "bamba-9b": {
+        "architectures": ["BambaForCausalLM"], "model_type": "bamba",
+        "attention_bias": False, "attention_dropout": 0.0, "attn_layer_indices": [9, 18, 27], "bos_token_id": 1,
+        "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+        "intermediate_size": 14336, "mamba_chunk_size": 256, "mamba_conv_bias": True, "mamba_d_conv": 4,
+        "mamba_d_head": 64, "mamba_d_state": 128, "mamba_expand": 2, "mamba_n_groups": 1, "mamba_n_heads": 128,
+        "mamba_proj_bias": False, "max_position_embeddings": 4096, "mlp_bias": False, "num_attention_heads": 32,
+        "num_hidden_layers": 32, "num_key_value_heads": 8, "num_logits_to_keep": 1, "pad_token_id": 0,
+        "rms_norm_eps": 1e-5,
+        "rope_parameters": {"partial_rotary_factor": 0.5, "rope_theta": 10000.0, "rope_type": "default"},
+        "tie_word_embeddings": False, "time_step_limit": [0.0, _INF], "use_cache": True, "vocab_size": 128256,
+        "z_loss_coefficient": 0.0,
+    },
 }
 #: `--tiny`: the same layouts at hidden 64 (4 q / 2 kv heads of 16, Mamba-2 8 heads x 16, state 16)
 _TINY = {
@@ -114,6 +140,11 @@ _TINY = {
     "nemotron-h-8b": {"hidden_size": 64, "intermediate_size": 128, "head_dim": 16, "mamba_head_dim": 16,
                       "mamba_num_heads": 8, "n_groups": 2, "ssm_state_size": 16, "num_attention_heads": 4,
                       "num_key_value_heads": 2, "max_position_embeddings": 2048, "vocab_size": 512},
+    "bamba-9b": {"hidden_size": 64, "intermediate_size": 128, "mamba_d_head": 16, "mamba_d_state": 16,
+                 "mamba_n_heads": 8, "num_attention_heads": 4, "num_key_value_heads": 2,
+                 "max_position_embeddings": 2048, "vocab_size": 512},
+    # every FalconMamba layer is alike: 4 of them show the layout
+    "falcon-mamba-7b": {"hidden_size": 64, "num_hidden_layers": 4, "vocab_size": 512},
 }
 _DTYPES = {"float32": (torch.float32, "F32"), "bfloat16": (torch.bfloat16, "BF16"), "float16": (torch.float16, "F16"),
            "q8": (torch.int8, "I8")}
@@ -121,19 +152,24 @@ _SLAB = 1 << 24  # values generated at once
 
 
 def hf_config(shape: str, tiny: bool = False) -> dict[str, Any]:
+    if tiny and shape not in _TINY:
+        raise ValueError(f"--tiny is for the shapes {sorted(_TINY)}")
+    small = _TINY[shape] if tiny else {}
     if shape in HYBRIDS:
-        return json.loads(json.dumps({**HYBRIDS[shape], **(_TINY[shape] if tiny else {})}))
-    if tiny:
-        raise ValueError(f"--tiny is for the hybrid shapes {sorted(HYBRIDS)}")
+        return json.loads(json.dumps({**HYBRIDS[shape], **small}))
+    fields = {**SHAPES[shape], **small}
     base = {"hidden_act": "silu", "conv_kernel": 4, "expand": 2, "use_bias": False, "use_conv_bias": True,
             "layer_norm_epsilon": 1e-5, "residual_in_fp32": True}
-    if SHAPES[shape]["model_type"] == "mamba":
+    if fields["model_type"] in ("mamba", "falcon_mamba"):
         # the rank written out, as the released Hugging Face configs do (llama.cpp's converter needs it)
-        rank = -(-SHAPES[shape]["hidden_size"] // 16)
+        rank = -(-fields["hidden_size"] // 16)
         base.update(state_size=16, time_step_rank=rank, architectures=["MambaForCausalLM"])
+        if fields["model_type"] == "falcon_mamba":
+            # FalconMambaConfig writes d_inner as intermediate_size (llama.cpp's converter reads it)
+            base.update(architectures=["FalconMambaForCausalLM"], intermediate_size=2 * fields["hidden_size"])
     else:
         base.update(time_step_limit=[0.0, float("inf")], architectures=["Mamba2ForCausalLM"])
-    return {**base, **SHAPES[shape]}
+    return {**base, **fields}
 
 
 def _values(name: str, shape: tuple[int, ...], n_layer: int, seed: int, rows: slice) -> torch.Tensor:
@@ -162,61 +198,91 @@ def _values(name: str, shape: tuple[int, ...], n_layer: int, seed: int, rows: sl
     return torch.randn(sub, generator=g) * std
 
 
-def _hf_name(ours: str, cfg_json: dict[str, Any], kinds: tuple[str, ...]) -> str:
-    """Our parameter name (`scan._lm`) -> the checkpoint's: mamba-ssm's (Mamba-1/2, but for the
-    embedding), or transformers' for a hybrid (the inverse of `scan._hf`'s renaming)."""
+def _hf_names(ours: str, shape: tuple[int, ...], cfg_json: dict[str, Any], kinds: tuple[str, ...]
+              ) -> list[tuple[str, tuple[int, ...]]]:
+    """Our parameter (`scan._lm`) -> the checkpoint tensors that hold it, (name, shape) each:
+    mamba-ssm's names (Mamba-1/2, FalconMamba, but for the embedding), or transformers' for a hybrid
+    (the inverse of `scan._hf`'s renaming). One tensor, but for Bamba's MLP input (2I, D), which
+    transformers stores as gate_proj and up_proj (I, D) each, gate rows first."""
     model_type = cfg_json["model_type"]
     layer = None
     if ours.startswith("backbone.layers."):
         index, _, rest = ours[len("backbone.layers."):].partition(".")
         layer = int(index)
-    if model_type == "granitemoehybrid":
-        top = {"backbone.embedding.weight": "model.embed_tokens.weight", "backbone.norm_f.weight": "model.norm.weight"}
+    if model_type in ("granitemoehybrid", "bamba"):
+        top = {"backbone.embedding.weight": "model.embed_tokens.weight"}
+        top["backbone.norm_f.weight"] = "model.norm.weight" if model_type == "granitemoehybrid" \
+            else "model.final_layernorm.weight"
         if layer is None:
-            return top.get(ours, ours)
+            return [(top.get(ours, ours), shape)]
         mixer = "self_attn." if kinds[layer] == "attention" else "mamba."
-        for mine, theirs in (("norm.", "input_layernorm."), ("mlp_norm.", "post_attention_layernorm."),
-                             ("mlp.", "shared_mlp."), ("mixer.", mixer)):
+        if model_type == "bamba":
+            if rest.startswith("mlp.input_linear."):
+                half = (shape[0] // 2, *shape[1:])
+                leaf = rest[len("mlp.input_linear."):]
+                return [(f"model.layers.{layer}.feed_forward.{proj}.{leaf}", half) for proj in ("gate_proj", "up_proj")]
+            pairs = (("norm.", "input_layernorm."), ("mlp_norm.", "pre_ff_layernorm."),
+                     ("mlp.output_linear.", "feed_forward.down_proj."), ("mixer.", mixer))
+        else:
+            pairs = (("norm.", "input_layernorm."), ("mlp_norm.", "post_attention_layernorm."),
+                     ("mlp.", "shared_mlp."), ("mixer.", mixer))
+        for mine, theirs in pairs:
             if rest.startswith(mine):
-                return f"model.layers.{layer}.{theirs}{rest[len(mine):]}"
-        return ours
+                return [(f"model.layers.{layer}.{theirs}{rest[len(mine):]}", shape)]
+        return [(ours, shape)]
     if model_type == "nemotron_h" and layer is not None and kinds[layer] == "mlp":
         for mine, theirs in (("mixer.input_linear.", "mixer.up_proj."), ("mixer.output_linear.", "mixer.down_proj.")):
             if rest.startswith(mine):
-                return f"backbone.layers.{layer}.{theirs}{rest[len(mine):]}"
-    return "backbone.embeddings.weight" if ours == "backbone.embedding.weight" else ours
+                return [(f"backbone.layers.{layer}.{theirs}{rest[len(mine):]}", shape)]
+    return [("backbone.embeddings.weight" if ours == "backbone.embedding.weight" else ours, shape)]
 
 
-def _loader_name(name: str, shape: tuple[int, ...], cfg_json: dict[str, Any], cfg: ModelConfig) -> str | None:
-    """The name `scan.load_model` reads a file's tensor `name` under (None: it drops it), by its own
-    renaming (`_loading._canonical_weights`, `scan._hf`)."""
-    name = name.replace("backbone.embeddings.weight", "backbone.embedding.weight")
+def _as_read(files: dict[str, tuple[tuple[int, ...], torch.dtype]], cfg_json: dict[str, Any], cfg: ModelConfig
+             ) -> dict[str, tuple[int, ...]]:
+    """The names and shapes `scan.load_model` reads a file's tensors as, by its own renaming
+    (`_loading._canonical_weights`, `scan._hf`: a hybrid's joins and all), before the q8 pairs fold."""
+    sd = {name.replace("backbone.embeddings.weight", "backbone.embedding.weight"):
+          torch.empty(shape, dtype=dtype, device="meta") for name, (shape, dtype) in files.items()}
     arch = ARCHITECTURES.get(cfg_json["model_type"])
-    if arch is None:
-        return name
-    got = list(arch.tensors({name: torch.empty(shape, device="meta")}, cfg))
-    return got[0] if len(got) == 1 else None
+    if arch is not None:
+        sd = arch.tensors(sd, cfg)
+    return {name: tuple(t.shape) for name, t in sd.items()}
+
+
+def _q8_shapes(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A (rows, cols) matrix's q8 pair: int8 values padded to whole blocks, one scale a block."""
+    nb = (shape[1] + QB - 1) // QB
+    return (shape[0], nb * QB), (shape[0], nb)
 
 
 def layout(cfg_json: dict[str, Any], dtype: str) -> dict[str, tuple[tuple[int, ...], str | None]]:
     """The tensors a checkpoint of `cfg_json` holds: file name -> (shape, the stem of its q8 pair
-    where `dtype` is q8 and it is a matrix, else None). Checked: the loader maps every name back to
-    the parameter it was made for."""
+    where `dtype` is q8 and it is (part of) a matrix, else None). Checked: the loader reads the
+    file's tensors back as exactly the parameters they were made for, in their shapes."""
     cfg, _ = config_from_json(cfg_json)
     with torch.device("meta"):  # the matrices `scan.load_model` holds in the weight format
         matrices = {f"{n}.weight" for n, m in MambaLM(cfg).named_modules()
                     if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))}
+    params = parameter_shapes(cfg)
     out: dict[str, tuple[tuple[int, ...], str | None]] = {}
-    for ours, shape in parameter_shapes(cfg).items():
-        name = _hf_name(ours, cfg_json, cfg.kinds)
-        if _loader_name(name, shape, cfg_json, cfg) != ours:
-            raise AssertionError(f"{name} would be read as {_loader_name(name, shape, cfg_json, cfg)}, not {ours}")
-        stem = None
-        if dtype == "q8" and ours in matrices:
-            stem = name
-            if _loader_name(name + "_q8", shape, cfg_json, cfg) != ours + "_q8":
-                raise AssertionError(f"{name}_q8 would not be read as {ours}_q8")
-        out[name] = (shape, stem)
+    for ours, shape in params.items():
+        for name, part in _hf_names(ours, shape, cfg_json, cfg.kinds):
+            out[name] = (part, name if dtype == "q8" and ours in matrices else None)
+    want = dict(params)
+    files: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    for name, (shape, stem) in out.items():
+        if stem is None:
+            files[name] = (shape, torch.float32)
+        else:
+            q, d = _q8_shapes(shape)
+            files[stem + "_q8"], files[stem + "_scale"] = (q, torch.int8), (d, torch.float16)
+    if dtype == "q8":
+        for ours in matrices & set(params):
+            want[ours + "_q8"], want[ours + "_scale"] = _q8_shapes(want.pop(ours))
+    got = _as_read(files, cfg_json, cfg)
+    if got != want:
+        wrong = sorted(set(got.items()) ^ set(want.items()))
+        raise AssertionError(f"the loader would read these tensors otherwise than made: {wrong[:8]}")
     return out
 
 
@@ -237,9 +303,8 @@ def make(shape: str, dtype: str, out: Path, seed: int = 0, tiny: bool = False) -
         shp = list(names[name])
         stem = tensors[name][1]
         if stem is not None:
-            nb = (shp[1] + QB - 1) // QB
-            entries += [(stem + "_q8", "I8", [shp[0], nb * QB], name, "q"),
-                        (stem + "_scale", "F16", [shp[0], nb], name, "d")]
+            q, d = _q8_shapes(names[name])
+            entries += [(stem + "_q8", "I8", list(q), name, "q"), (stem + "_scale", "F16", list(d), name, "d")]
         else:
             entries.append((name, "F32" if dtype == "q8" else _DTYPES[dtype][1], shp, name, "v"))
     entries.sort()
