@@ -65,6 +65,7 @@ from mamba_stream.state_codec.keyring import Keyring
 from mamba_stream.state_codec.payload import (
     EncryptionCodec,
     SealedPayloadConverter,
+    StreamModelsJSONConverter,
     StreamPayloadConverter,
     TypedFailureConverter,
     with_sealer,
@@ -145,7 +146,10 @@ def _payload_converter_class(cls: type) -> type:
 
         def __init__(self) -> None:  # a nullary constructor, as DataConverter requires
             cls.__init__(self)
-            self._set_converters(*self.converters.values(), SealedPayloadConverter())
+            # our models keep our JSON converter: a stream workflow on this worker is told who
+            # sealed its requests (with theirs, every request would read as sent in clear)
+            self._set_converters(*(StreamModelsJSONConverter(c) if c.encoding == "json/plain" else c
+                                   for c in self.converters.values()), SealedPayloadConverter())
 
         return type(f"{cls.__name__}WithSealed", (cls,), {"__init__": __init__})
     raise TypeError(f"MambaStreamPlugin needs a CompositePayloadConverter (pydantic models and sealed payloads "

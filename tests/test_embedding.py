@@ -18,9 +18,12 @@ import uuid
 from pathlib import Path
 
 import pytest
+from temporalio.client import Client
 
+from mamba_stream import MambaStreamPlugin
 from mamba_stream.scan import load_model
 from mamba_stream.state_codec.codec import Keyring, plaintext_checksum
+from mamba_stream.workflows import STREAM_WORKFLOW_TYPE
 from tests.workflows import conftest as workflow_fixtures
 from tests.workflows.conftest import address, make_stack
 
@@ -129,8 +132,13 @@ async def _run_project(project: Path, files: dict[str, str], env: dict[str, str]
         if ready:
             line = await asyncio.wait_for(asyncio.to_thread(worker.stdout.readline), 120)
             assert line, (worker.poll(), worker.stderr.read() if worker.poll() is not None else "")
-        out = await asyncio.to_thread(subprocess.run, [sys.executable, *starter], cwd=project, env=env,
-                                      capture_output=True, text=True, timeout=120)
+        try:
+            out = await asyncio.to_thread(subprocess.run, [sys.executable, *starter], cwd=project, env=env,
+                                          capture_output=True, text=True, timeout=120)
+        except subprocess.TimeoutExpired as exc:
+            worker.terminate()
+            raise AssertionError(f"the starter ran past 120 s; the worker's stderr:\n"
+                                 f"{(await asyncio.to_thread(worker.communicate, None, 30))[1][-6000:]}") from exc
         assert out.returncode == 0, (out.stderr, worker.poll())
         return line, out.stdout
     finally:
@@ -154,10 +162,11 @@ async def test_a_project_laid_out_like_temporals_samples_imports_the_package_and
                    "checksum": plaintext_checksum(m.advance(m.initial_state(), tokens).state.tensors)}
 
 
-def _readme_files() -> dict[str, str]:
-    """The README's "Your own agent" files: each a python block whose first line names it."""
+def _readme_files(section: str = "### Your own agent") -> dict[str, str]:
+    """The files of the README's `section`: each a python block whose first line names it."""
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme[readme.index("### Your own agent"):readme.index("### Embed a stream in your agent workflow")]
+    start = readme.index(section)
+    section = readme[start:readme.index("\n### ", start + len(section))]
     blocks = re.findall(r"```python\n# (\w+\.py)\n(.*?)```", section, re.DOTALL)
     return {name: body for name, body in blocks}
 
@@ -190,3 +199,37 @@ async def test_the_readmes_own_agent_runs_and_answers_as_a_stream_fed_the_same(t
     assert out == same.text + "\n"
     # its state was destroyed with it: the project's store holds nothing
     assert [p for p in (tmp_path / "states" / "objects").rglob("*") if p.is_file()] == []
+
+
+OPENAI_AGENTS = "### Agents with the OpenAI Agents SDK"
+
+
+async def test_the_readmes_openai_agent_runs_its_turns_on_one_stream(temporal_env, tmp_path):
+    """The README's OpenAI Agents SDK project, as it is there: two turns chained by response id
+    end on one conversation stream of the principal, fed twice and sampled twice (no fork, no
+    second stream); the workflow's history holds none of the conversation's text."""
+    queue = f"readme-agents-{uuid.uuid4().hex[:8]}"
+    files = {name: body.replace('"my-agents"', repr(queue)) for name, body in _readme_files(OPENAI_AGENTS).items()}
+    assert sorted(files) == ["starter.py", "worker.py", "workflows.py"]
+    assert sum(1 for body in files.values() for line in body.splitlines() if line.strip()) <= 45
+    [model] = re.findall(r'model="([\w-]+)"', files["workflows.py"])
+    [questions] = re.findall(r"Assistant\.run, (\[.*?\]),", files["starter.py"])
+    env = _env(temporal_env, tmp_path, queue, model)
+    _, out = await _run_project(tmp_path / "readme-openai-agent", files, env, ["starter.py"], ready=False)
+    assert len(out.splitlines()) >= len(json.loads(questions))  # a reply a turn (a reply may hold newlines)
+    client = await Client.connect(address(temporal_env), plugins=[
+        MambaStreamPlugin(keyring=Keyring.load_or_generate(tmp_path / "keyring.json"))])
+    streams = [wf.id async for wf in client.list_workflows(
+        f"TaskQueue = '{queue}' AND WorkflowType = '{STREAM_WORKFLOW_TYPE}'")]
+    agents = [wf.id async for wf in client.list_workflows(f"TaskQueue = '{queue}' AND WorkflowType = 'Assistant'")]
+    assert len(streams) == 1 and len(agents) == 1
+    # the worker is gone: its chunks are read from the stream's history
+    names = [e.workflow_execution_update_accepted_event_attributes.accepted_request.input.name
+             async for e in client.get_workflow_handle(streams[0]).fetch_history_events()
+             if e.HasField("workflow_execution_update_accepted_event_attributes")]
+    assert [n for n in names if n in ("advance", "generate")] == ["advance", "generate"] * len(json.loads(questions))
+    history = b"".join(e.SerializeToString() for e in
+                       (await (await Client.connect(address(temporal_env))).get_workflow_handle(agents[0])
+                        .fetch_history()).events)
+    for text in (*json.loads(questions), "Answer briefly."):
+        assert text.encode() not in history, text

@@ -45,7 +45,8 @@ EXPECTED = {
     "mamba_stream.state_codec.keyring": ["KEYRING_FILE", "Keyring", "KeyringError", "KeyringNotFound", "default_home",
                             "find_keyring"],
     "mamba_stream.state_codec.payload": ["ENCODED_FAILURE", "ENCRYPTED_ENCODING", "UNDECRYPTABLE_ENCODING",
-                            "EncryptionCodec", "SealedPayloadConverter", "StreamPayloadConverter",
+                            "EncryptionCodec", "SealedPayloadConverter", "StreamModelsJSONConverter",
+                            "StreamPayloadConverter",
                             "TypedFailureConverter", "sealed_for_stream",
                             "stream_principal", "with_sealer"],
     "mamba_stream.state_codec.signing": ["DOMAIN", "PrincipalKeys", "RequestSigner", "signing_bytes"],
@@ -99,7 +100,7 @@ EXPECTED = {
     "mamba_stream.conversations": [
         "CONVERSATION_CHECKPOINTS", "HANDLE_PREFIX", "PRINCIPAL_MEMO", "Conversations", "ParsedReply", "Rendered",
         "ResponseHandle", "Turn", "chat_messages", "conversation_start", "first_turn", "next_turn", "open_handle",
-        "parse_reply", "reply_end", "seal_handle", "tool_schema",
+        "parse_reply", "reply_end", "reply_grammar", "seal_handle", "tool_schema",
     ],
     "mamba_stream.openai_agents": ["DEFAULT_MAX_TOKENS", "EXTRA_ARGS", "MambaAgentModel", "MambaModelProvider",
                                    "conversation_start"],

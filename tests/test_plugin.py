@@ -216,3 +216,28 @@ async def test_every_payload_kind_the_converter_makes_is_encrypted(stream):
     # and nothing was lost: each decodes to the value it was
     back = await conv.decode(encoded, [hint for _, hint in _values()])
     assert back == values
+
+
+def test_beside_the_openai_agents_converter_our_requests_keep_our_bytes_and_are_told_who_sealed_them():
+    """Where the OpenAI Agents plugin's converter is kept (both plugins on one worker), our models
+    still go through our JSON converter: the same payload bytes as without it, and a request
+    decoded is told who sealed it (with theirs alone, a stream workflow on that worker read every
+    request as sent in clear and refused it: the README's OpenAI agent)."""
+    from temporalio.contrib.openai_agents import OpenAIPayloadConverter
+
+    from mamba_stream.state_codec import SEALER_KEY, sealer_of
+    from mamba_stream.workflows import AdvanceRequest
+
+    ring = Keyring.generate()
+    openai = DataConverter(payload_converter_class=OpenAIPayloadConverter)
+    theirs = data_converter(ring, openai).payload_converter_class()
+    ours = data_converter(ring).payload_converter_class()
+    assert isinstance(theirs, OpenAIPayloadConverter) and not isinstance(ours, OpenAIPayloadConverter)
+    req = AdvanceRequest(principal="alice", chunk_seq=3, tokens=[1, 2, 3])
+    [payload] = theirs.to_payloads([req])
+    assert payload.SerializeToString() == ours.to_payloads([req])[0].SerializeToString()
+    payload.metadata[SEALER_KEY] = b"0123abcd"
+    [back] = theirs.from_payloads([payload], [AdvanceRequest])
+    assert back == req and sealer_of(back) == "0123abcd"
+    # a value of theirs (any other) is still converted by their converter
+    assert theirs.from_payloads(theirs.to_payloads([{"a": [1, None]}]))[0] == {"a": [1, None]}

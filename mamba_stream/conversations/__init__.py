@@ -14,6 +14,7 @@ from mamba_stream.conversations._render import (
     next_turn,
     parse_reply,
     reply_end,
+    reply_grammar,
     tool_schema,
 )
 from mamba_stream.conversations._turns import CONVERSATION_CHECKPOINTS, Conversations, Turn
@@ -21,4 +22,4 @@ from mamba_stream.workflows import PRINCIPAL_MEMO, conversation_start
 
 __all__ = ["CONVERSATION_CHECKPOINTS", "HANDLE_PREFIX", "PRINCIPAL_MEMO", "Conversations", "ParsedReply", "Rendered",
            "ResponseHandle", "Turn", "chat_messages", "conversation_start", "first_turn", "next_turn", "open_handle",
-           "parse_reply", "reply_end", "seal_handle", "tool_schema"]
+           "parse_reply", "reply_end", "reply_grammar", "seal_handle", "tool_schema"]

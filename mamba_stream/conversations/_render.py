@@ -25,9 +25,10 @@ from typing import Any
 
 from mamba_stream.failures import InvalidRequest
 from mamba_stream.scan import ChatTemplate, ChatTemplateError
+from mamba_stream.workflows import Grammar
 
 __all__ = ["ParsedReply", "Rendered", "chat_messages", "first_turn", "next_turn", "parse_reply", "reply_end",
-           "tool_schema"]
+           "reply_grammar", "tool_schema"]
 
 _PROBE = "\x01reply\x01"
 _STAND_IN = "\x02"
@@ -145,6 +146,62 @@ def reply_end(template: ChatTemplate) -> str:
                                 origin=template.origin)
     end = text[at + len(_PROBE):]
     return end.strip().split("\n")[0] if end.strip() else end
+
+
+#: JSON held to a schema without free whitespace: a model cannot spend its tokens on blanks
+_COMPACT = {"whitespace_flexible": False}
+
+
+def _lark_text(text: str) -> str:
+    """`text` as a Lark terminal: a special token (`<|im_end|>`) by its name, which llguidance
+    matches as that token; any other text quoted (JSON's escapes are Lark's)."""
+    if re.fullmatch(r"<\|[^|\s]+\|>", text):
+        return text
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _json_rule(schema: Mapping[str, Any]) -> str:
+    # the keys in the schema's order: a call names its tool before its arguments
+    return "%json " + json.dumps({**schema, "x-guidance": _COMPACT}, ensure_ascii=False)
+
+
+def reply_grammar(tools: Sequence[Mapping[str, Any]] | None, end: str, *, call: Sequence[str] | None = None,
+                  output: Mapping[str, Any] | None = None) -> Grammar | None:
+    """What a reply must spell (a Lark grammar for `GenerateRequest.grammar`), or None: free text.
+
+    `call`: the names of the tools (of `tools`, `tool_schema`'s) one of which the reply must call:
+    a single `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` block, the arguments held to
+    that tool's parameters. `output`: the JSON schema the reply's text must match (a structured
+    output); a tool of `tools` may be called instead, unless `call` is empty. Either way the reply
+    ends with the template's `end` (`reply_end`), as a free one stops at it.
+
+    Raises:
+        InvalidRequest: field `tool_choice`, a name in `call` that is not a tool of `tools`.
+    """
+    if call is None and output is None:
+        return None
+    by_name = {t["function"]["name"]: t["function"] for t in tools or ()}
+    names = list(by_name) if call is None else list(call)
+    for name in names:
+        if name not in by_name:
+            raise InvalidRequest(f"tool_choice names {name!r}, which is not one of the agent's tools",
+                                 field="tool_choice")
+    rules = []
+    for i, name in enumerate(names):
+        params = dict(by_name[name].get("parameters") or {"type": "object"})
+        # the parameters' definitions move to the call's root, where their `#/$defs/...` point
+        defs = {k: params.pop(k) for k in ("$defs", "definitions") if k in params}
+        schema = {"type": "object", "properties": {"name": {"const": name}, "arguments": params},
+                  "required": ["name", "arguments"], "additionalProperties": False, **defs}
+        rules.append(f'call{i}: "<tool_call>" {_json_rule(schema)} "</tool_call>"')
+    choices = [f"call{i}" for i in range(len(names))]
+    if output is not None and call is None:
+        rules.append(f"output: {_json_rule(output)}")
+        choices.append("output")
+    if not choices:
+        raise InvalidRequest("tool_choice requires a tool call, and the agent has no tools", field="tool_choice")
+    start = f"start: ({' | '.join(choices)})" + (f" {_lark_text(end)}" if end else "")
+    return Grammar(kind="lark", source="\n".join([start, *rules]))
 
 
 @dataclasses.dataclass(frozen=True)

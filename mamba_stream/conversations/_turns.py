@@ -46,6 +46,7 @@ from mamba_stream.conversations._render import (
     next_turn,
     parse_reply,
     reply_end,
+    reply_grammar,
 )
 from mamba_stream.failures import InvalidRequest
 from mamba_stream.scan import ChatTemplate
@@ -180,14 +181,18 @@ class Conversations:
     async def turn(self, *, caller: tuple[str, str, str], model_id: str, system: str | None,
                    tools: Sequence[Mapping[str, Any]] | None, items: str | Sequence[Any],
                    previous: str | None, max_tokens: int, settings: Mapping[str, Any] | None = None,
-                   history: Sequence[Mapping[str, Any]] | None = None) -> Turn:
+                   history: Sequence[Mapping[str, Any]] | None = None, call: Sequence[str] | None = None,
+                   output: Mapping[str, Any] | None = None) -> Turn:
         """One turn: the new `items` fed after `previous` (a response id; None: a new
-        conversation), then a reply sampled (`settings`: `StreamClient.generate`'s).
+        conversation), then a reply sampled (`settings`: `StreamClient.generate`'s; a `stop` there
+        adds stop texts to the template's reply end).
 
         `caller`: the model activity's (workflow id, run id, activity id). `history`: for a
         framework that sends the whole conversation, the chat messages before `items`; the
         handle then keeps the keyed digest of the conversation through the reply (`digest`),
-        which the framework's next call is checked against.
+        which the framework's next call is checked against. `call`, `output`: what the reply must
+        spell (`reply_grammar`): a call of one of the named tools, or JSON of the schema (or a call
+        of any tool, unless `call` is empty); None for both: free text.
 
         Raises:
             PrincipalMismatch, SealerMismatch: see `principal`; another principal's handle.
@@ -204,6 +209,9 @@ class Conversations:
         key = id_key(self.client, workflow_id)
         template = self.template(model_id)
         stop = reply_end(template)
+        # held to a grammar only where asked: a free reply's request keeps its ids
+        grammar = reply_grammar(tools, stop, call=call, output=output)
+        held = {"grammar": grammar} if grammar is not None else {}
         messages = chat_messages(items)
         ident = "|".join(caller)
         if previous is None:
@@ -222,8 +230,9 @@ class Conversations:
             sid, at, forked = h.stream_id, (h.seq if extends else h.fed_seq), not extends
         log.debug("turn %s: feeding %r after chunk %d of %s", ident, text, at, sid)
         advanced, sid, at, moved = await self._feed(sid, principal, at, text, ident, key, tag)
-        result = await self.streams.generate(sid, principal, max_tokens, chunk_seq=at + 2, stop=[stop],
-                                             **dict(settings or {}))
+        sampling = dict(settings or {})
+        result = await self.streams.generate(sid, principal, max_tokens, chunk_seq=at + 2,
+                                             stop=[stop, *sampling.pop("stop", ())], **sampling, **held)
         handle = ResponseHandle(stream_id=sid, model_id=model_id, epoch=result.receipt.epoch, seq=result.chunk_seq,
                                 fed_seq=advanced.chunk_seq, reply=result.text or "", forked=forked or moved)
         ids = self.call_ids(key, handle)

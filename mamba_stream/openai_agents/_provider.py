@@ -54,8 +54,9 @@ _REFUSED = ("reasoning", "verbosity", "top_logprobs", "truncation", "prompt_cach
             "response_include", "extra_query", "extra_body", "extra_headers", "prompt_cache_options")
 
 
-def _settings(ms: ModelSettings, default_max: int) -> tuple[int, dict[str, Any], bool]:
-    """(max_tokens, generate's settings, whether tool calls are parsed) from the agent's settings.
+def _settings(ms: ModelSettings, default_max: int) -> tuple[int, dict[str, Any], bool, list[str] | None]:
+    """(max_tokens, generate's settings, whether tool calls are parsed, the tools one of which
+    the reply must call: None where it may answer freely, [] for any) from the agent's settings.
 
     Raises:
         InvalidRequest: a setting this model cannot honour (its name in `field`).
@@ -67,9 +68,16 @@ def _settings(ms: ModelSettings, default_max: int) -> tuple[int, dict[str, Any],
         raise InvalidRequest("parallel_tool_calls=False cannot be honoured yet (a reply may hold several calls)",
                              field="parallel_tool_calls")
     choice = ms.tool_choice
-    if choice not in (None, "auto", "none"):
-        raise InvalidRequest(f"tool_choice {choice!r} needs constrained generation, which this model does not do "
-                             f"yet: leave it 'auto'", field="tool_choice")
+    must: list[str] | None = None
+    if choice == "required":
+        must = []  # any of the agent's tools: the caller has their names
+    elif isinstance(choice, str) and choice not in ("auto", "none"):
+        must = [choice]
+    elif choice is not None and not isinstance(choice, str):
+        name = getattr(choice, "name", None)
+        if not isinstance(name, str):
+            raise InvalidRequest(f"tool_choice {choice!r} names no function tool", field="tool_choice")
+        must = [name]
     out: dict[str, Any] = {}
     for name in ("temperature", "top_p", "frequency_penalty", "presence_penalty"):
         value = getattr(ms, name)
@@ -81,7 +89,7 @@ def _settings(ms: ModelSettings, default_max: int) -> tuple[int, dict[str, Any],
                                  f"{', '.join(EXTRA_ARGS)})", field="extra_args")
         out[name] = {int(k): float(v) for k, v in value.items()} if name == "logit_bias" else value
     max_tokens = ms.max_tokens if ms.max_tokens is not None else default_max
-    return max_tokens, out, choice != "none"
+    return max_tokens, out, choice != "none", must
 
 
 def _tools(tools: list[Tool], handoffs: list[Handoff]) -> list[dict[str, Any]]:
@@ -133,19 +141,24 @@ class MambaAgentModel(Model):
                     handoffs: list[Handoff], previous_response_id: str | None, conversation_id: str | None,
                     prompt: Any) -> tuple[Turn, bool]:
         try:
+            output = None
             if output_schema is not None and not output_schema.is_plain_text():
-                raise InvalidRequest("a structured output type needs constrained generation, which this model does "
-                                     "not do yet: use a plain-text output", field="output_schema")
+                output = output_schema.json_schema()  # the reply's text held to it (or a tool called)
             if conversation_id is not None:
                 raise InvalidRequest("conversation_id names an OpenAI-stored conversation: use previous_response_id "
                                      "(or auto_previous_response_id=True) with a Mamba model", field="conversation_id")
             if prompt is not None:
                 raise InvalidRequest("a stored prompt is OpenAI's: give the agent its instructions", field="prompt")
-            max_tokens, settings, calls = _settings(model_settings, self.provider.max_tokens)
+            max_tokens, settings, calls, must = _settings(model_settings, self.provider.max_tokens)
+            schemas = _tools(tools, handoffs)
+            if must == []:  # "required": any of the agent's tools
+                must = [t["function"]["name"] for t in schemas]
+            if not calls and output is not None:
+                must = []  # tool_choice "none": the structured output alone
             turn = await self.provider.conversations().turn(
                 caller=_caller(), model_id=self.model_id, system=system_instructions,
-                tools=_tools(tools, handoffs), items=input, previous=previous_response_id,
-                max_tokens=max_tokens, settings=settings)
+                tools=schemas, items=input, previous=previous_response_id,
+                max_tokens=max_tokens, settings=settings, call=must, output=output)
             return turn, calls
         except Failure as exc:  # typed, permanent: the activity is not retried
             raise application_error(exc) from None

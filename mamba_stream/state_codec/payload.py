@@ -30,7 +30,7 @@ from typing import Any
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from temporalio.api.common.v1 import Payload
 from temporalio.api.failure.v1 import Failure
 from temporalio.contrib.pydantic import PydanticJSONPlainPayloadConverter, PydanticPayloadConverter
@@ -56,7 +56,8 @@ from mamba_stream.state_codec._sealing import (
 from mamba_stream.state_codec.keyring import Keyring
 
 __all__ = ["ENCODED_FAILURE", "ENCRYPTED_ENCODING", "UNDECRYPTABLE_ENCODING", "EncryptionCodec",
-           "SealedPayloadConverter", "StreamPayloadConverter", "TypedFailureConverter", "sealed_for_stream",
+           "SealedPayloadConverter", "StreamModelsJSONConverter", "StreamPayloadConverter", "TypedFailureConverter",
+           "sealed_for_stream",
            "stream_principal", "with_sealer"]
 
 ENCRYPTED_ENCODING = b"binary/encrypted"
@@ -224,6 +225,33 @@ class _TypedJSONPayloadConverter(PydanticJSONPlainPayloadConverter):
             sealer = payload.metadata.get(SEALER_KEY)
             setattr(value, SEALED_ATTR, sealer.decode(errors="replace") if sealer is not None else None)
         return value
+
+
+def _ours(hint: Any) -> bool:
+    """Whether `hint` is a model of this package's (or one built on its requests): one that
+    `StreamPayloadConverter` converts."""
+    return isinstance(hint, type) and issubclass(hint, BaseModel) and (
+        hint.__module__.startswith("mamba_stream.") or SEALED_ATTR in (hint.__private_attributes__ or {}))
+
+
+class StreamModelsJSONConverter(EncodingPayloadConverter):
+    """The json/plain converter of another library's composite converter (the OpenAI Agents
+    plugin's), with this package's models converted as `StreamPayloadConverter` converts them:
+    the same bytes, who sealed a request recorded (a stream workflow on the same worker checks it),
+    a payload that does not validate refused typed. Every other value goes to `other`."""
+
+    def __init__(self, other: EncodingPayloadConverter) -> None:
+        self.other, self.ours = other, _TypedJSONPayloadConverter()
+
+    @property
+    def encoding(self) -> str:
+        return self.other.encoding
+
+    def to_payload(self, value: Any) -> Payload | None:
+        return (self.ours if _ours(type(value)) else self.other).to_payload(value)
+
+    def from_payload(self, payload: Payload, type_hint: type | None = None) -> Any:
+        return (self.ours if _ours(type_hint) else self.other).from_payload(payload, type_hint)
 
 
 class StreamPayloadConverter(PydanticPayloadConverter):

@@ -6,6 +6,7 @@ from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
     from agents import Agent, ModelSettings, Runner, function_tool
+    from pydantic import BaseModel, Field
 
 
 #: a byte-level model's replies kept to ASCII (bytes over 127 banned): text that re-encodes to its tokens
@@ -13,7 +14,7 @@ ASCII = {b: -100.0 for b in range(128, 256)}
 
 
 @function_tool
-def weather(city: str) -> str:
+async def weather(city: str) -> str:
     """The weather in a city."""
     return f"sunny in {city}"
 
@@ -50,3 +51,41 @@ class LongChat:
         if done + per_run < turns:
             workflow.continue_as_new(args=[turns, per_run, previous, done + per_run])
         return previous
+
+
+class Place(BaseModel):
+    """A short name: even a random model completes a call naming one in a few tokens."""
+
+    city: str = Field(max_length=8)
+
+
+@function_tool
+async def sky(place: Place) -> str:
+    """The sky over a place."""
+    return f"clear over {place.city}"
+
+
+class Forecast(BaseModel):
+    """A structured output: bounded, so that even a random model completes it in a few tokens."""
+
+    city: str = Field(max_length=8)
+    days: int = Field(ge=0, le=30)
+
+
+@workflow.defn
+class HeldToGrammar:
+    """A turn that must call a tool (tool_choice "required"; the SDK resets it after the call, so
+    the next turn answers freely), then an agent whose answer is a `Forecast`."""
+
+    @workflow.run
+    async def run(self) -> list:
+        extra = {"top_k": 20, "logit_bias": ASCII}
+        agent = Agent(name="tools", instructions="Use the tool.", model="tiny-mamba2", tools=[sky],
+                      model_settings=ModelSettings(max_tokens=96, tool_choice="required", extra_args=extra))
+        used = await Runner.run(agent, "weather in Paris?", max_turns=3)
+        calls = [[i.raw_item.name, i.raw_item.arguments] for i in used.new_items if i.type == "tool_call_item"]
+        outputs = [i.output for i in used.new_items if i.type == "tool_call_output_item"]
+        planner = Agent(name="planner", instructions="Plan a trip.", model="tiny-mamba2", output_type=Forecast,
+                        model_settings=ModelSettings(max_tokens=96, extra_args=extra))
+        plan = await Runner.run(planner, "Plan.")
+        return [calls, outputs, plan.final_output.model_dump()]

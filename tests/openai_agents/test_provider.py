@@ -4,6 +4,7 @@ rendered conversation; forks from older response ids; and who may continue whose
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from datetime import timedelta
@@ -20,7 +21,7 @@ from mamba_stream.plugin import MambaStreamPlugin
 from mamba_stream.scan import ChatTemplate
 from mamba_stream.state_codec.codec import plaintext_checksum
 from mamba_stream.workflows import StreamOptions, id_key
-from tests.openai_agents._agents import ASCII, Assistant, LongChat
+from tests.openai_agents._agents import ASCII, Assistant, Forecast, HeldToGrammar, LongChat
 from tests.workflows import conftest as workflow_fixtures
 from tests.workflows.conftest import FAST, eventually, make_stack
 from tests.workflows.test_stream_workflow import local
@@ -41,7 +42,7 @@ async def _agent_worker(stack, exits, options: StreamOptions | None = None):
     with pytest.raises(ValueError, match="list the OpenAI Agents plugin first"):  # one line, not theirs
         await Client.connect(stack.address, plugins=plugins[::-1])
     client = await Client.connect(stack.address, plugins=plugins)
-    await exits.enter_async_context(Worker(client, task_queue=queue, workflows=[Assistant, LongChat]))
+    await exits.enter_async_context(Worker(client, task_queue=queue, workflows=[Assistant, LongChat, HeldToGrammar]))
     return client, queue
 
 
@@ -257,3 +258,18 @@ async def test_a_stream_worker_sigkilled_mid_turn_changes_no_bit_of_the_conversa
         finally:
             if proc.poll() is None:
                 proc.kill()
+
+
+async def test_a_required_tool_call_and_a_structured_output_are_held_to_their_grammars(temporal_env, tmp_path):
+    """tool_choice "required" makes the reply a call of the agent's tool, its arguments its
+    parameters' JSON; an output type makes the reply that type's JSON (issue 48, item 5)."""
+    stack = await make_stack(temporal_env, tmp_path)
+    async with stack.exits:
+        _, queue = await _agent_worker(stack, stack.exits)
+        calls, outputs, plan = await stack.client.execute_workflow(
+            HeldToGrammar.run, task_queue=queue, **conversation_start(stack.client, "alice"))
+    [(name, args)] = calls
+    city = json.loads(args)["place"]["city"]
+    assert name == "sky" and isinstance(city, str) and len(city) <= 8 and set(json.loads(args)) == {"place"}
+    assert outputs == [f"clear over {city}"]
+    assert Forecast.model_validate(plan).model_dump() == plan
