@@ -139,8 +139,10 @@ def _payload_converter_class(cls: type) -> type:
     if cls in (DefaultPayloadConverter, PydanticPayloadConverter):
         return StreamPayloadConverter
     if issubclass(cls, CompositePayloadConverter):
-        # the OpenAI Agents plugin's converter is pydantic's: it converts our models (quietly kept)
-        quiet = any(c.__name__ == "OpenAIPayloadConverter" for c in cls.__mro__)
+        # the OpenAI Agents and Pydantic AI plugins' converters are pydantic's: they convert our
+        # models (quietly kept)
+        quiet = issubclass(cls, PydanticPayloadConverter) or any(c.__name__ == "OpenAIPayloadConverter"
+                                                                 for c in cls.__mro__)
         (log.debug if quiet else log.warning)(
             "MambaStreamPlugin: keeping the payload converter %s; it must convert pydantic models", cls.__name__)
 

@@ -204,18 +204,24 @@ async def test_the_readmes_own_agent_runs_and_answers_as_a_stream_fed_the_same(t
 OPENAI_AGENTS = "### Agents with the OpenAI Agents SDK"
 
 
-async def test_the_readmes_openai_agent_runs_its_turns_on_one_stream(temporal_env, tmp_path):
-    """The README's OpenAI Agents SDK project, as it is there: two turns chained by response id
-    end on one conversation stream of the principal, fed twice and sampled twice (no fork, no
-    second stream); the workflow's history holds none of the conversation's text."""
+PYDANTIC_AI = "### Agents with Pydantic AI"
+
+
+@pytest.mark.parametrize("section", [OPENAI_AGENTS, PYDANTIC_AI])
+async def test_the_readmes_agents_run_their_turns_on_one_stream(temporal_env, tmp_path, section):
+    """The README's OpenAI Agents SDK and Pydantic AI projects, as they are there (Pydantic AI's
+    starter is the OpenAI one's): two turns end on one conversation stream of the principal, fed
+    twice and sampled twice (no fork, no second stream); the workflow's history holds none of
+    the conversation's text."""
     queue = f"readme-agents-{uuid.uuid4().hex[:8]}"
-    files = {name: body.replace('"my-agents"', repr(queue)) for name, body in _readme_files(OPENAI_AGENTS).items()}
+    files = {"starter.py": _readme_files(OPENAI_AGENTS)["starter.py"], **_readme_files(section)}
+    files = {name: body.replace('"my-agents"', repr(queue)) for name, body in files.items()}
     assert sorted(files) == ["starter.py", "worker.py", "workflows.py"]
-    assert sum(1 for body in files.values() for line in body.splitlines() if line.strip()) <= 45
-    [model] = re.findall(r'model="([\w-]+)"', files["workflows.py"])
+    assert sum(1 for body in files.values() for line in body.splitlines() if line.strip()) <= 40
+    model = next(m for m in re.findall(r'(?:model=|MambaModel\()"([\w-]+)"', files["workflows.py"]))
     [questions] = re.findall(r"Assistant\.run, (\[.*?\]),", files["starter.py"])
     env = _env(temporal_env, tmp_path, queue, model)
-    _, out = await _run_project(tmp_path / "readme-openai-agent", files, env, ["starter.py"], ready=False)
+    _, out = await _run_project(tmp_path / "readme-agent", files, env, ["starter.py"], ready=False)
     assert len(out.splitlines()) >= len(json.loads(questions))  # a reply a turn (a reply may hold newlines)
     client = await Client.connect(address(temporal_env), plugins=[
         MambaStreamPlugin(keyring=Keyring.load_or_generate(tmp_path / "keyring.json"))])

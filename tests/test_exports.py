@@ -104,6 +104,8 @@ EXPECTED = {
     ],
     "mamba_stream.openai_agents": ["DEFAULT_MAX_TOKENS", "EXTRA_ARGS", "MambaAgentModel", "MambaModelProvider",
                                    "conversation_start"],
+    "mamba_stream.pydantic_ai": ["DEFAULT_MAX_TOKENS", "EXTRA_BODY", "PROVIDER_NAME", "MambaModel",
+                                 "conversation_start", "message_items", "sampling"],
     "mamba_stream.quality": ["DISTRACTOR_WORDS", "KEYS", "VALUES", "Corpus", "CorpusUnavailable", "Sample",
                              "fetch_corpus", "parity_sample", "recall_sample"],
 }
@@ -117,7 +119,8 @@ def test_public_names(package):
         assert hasattr(mod, name), name
 
 
-_PACKAGES = ("activities", "cli", "conversations", "openai_agents", "quality", "scan", "state_codec", "workflows")
+_PACKAGES = ("activities", "cli", "conversations", "openai_agents", "pydantic_ai", "quality", "scan", "state_codec",
+             "workflows")
 
 
 def test_shipped_modules_import_no_other_packages_private_modules():

@@ -37,6 +37,8 @@ def test_importing_sandbox_packages_loads_no_heavy_module(package):
     "from mamba_stream.workflows import ClientConfig",
     "from mamba_stream.state_codec.keyring import Keyring, find_keyring",
     "from mamba_stream import MambaStreamPlugin, StreamClient; import mamba_stream.cli._streams",
+    # an agent's model is built in its workflow's module: the engine loads where a request runs
+    "from mamba_stream.pydantic_ai import MambaModel; MambaModel('tiny-mamba2')",
 ])
 def test_a_client_loads_nothing_of_the_worker(statement):
     assert _loaded(statement, WORKER_ONLY) == [], statement

@@ -148,8 +148,10 @@ def reply_end(template: ChatTemplate) -> str:
     return end.strip().split("\n")[0] if end.strip() else end
 
 
-#: JSON held to a schema without free whitespace: a model cannot spend its tokens on blanks
-_COMPACT = {"whitespace_flexible": False}
+#: JSON held to a schema without free whitespace (a model cannot spend its tokens on blanks), its
+#: separators json.dumps' and the templates' `tojson`'s: a call is sampled as the template renders
+#: it, so the next turn extends the reply instead of forking before it
+_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def _lark_text(text: str) -> str:

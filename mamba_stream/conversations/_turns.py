@@ -225,8 +225,8 @@ class Conversations:
                 raise InvalidRequest(f"previous_response_id is a response of model {h.model_id!r}, not {model_id!r}",
                                      field="model")
             reply = parse_reply(h.reply, stop)
-            text, extends = next_turn(template, system, tools, h.reply, reply.message(self.call_ids(key, h)),
-                                      messages)
+            ids = self.call_ids(key, h)[:len(reply.tool_calls)]
+            text, extends = next_turn(template, system, tools, h.reply, reply.message(ids), messages)
             sid, at, forked = h.stream_id, (h.seq if extends else h.fed_seq), not extends
         log.debug("turn %s: feeding %r after chunk %d of %s", ident, text, at, sid)
         advanced, sid, at, moved = await self._feed(sid, principal, at, text, ident, key, tag)
