@@ -65,8 +65,8 @@ def _text(content: Any) -> str:
 
 def chat_messages(items: str | Sequence[Any]) -> list[dict[str, Any]]:
     """OpenAI Responses input items as chat-template messages: messages by role, a run of
-    `function_call` items as one assistant message's `tool_calls`, a `function_call_output` as a
-    `tool` message.
+    `function_call` items as the `tool_calls` of the assistant message before them (a new one
+    where none is), a `function_call_output` as a `tool` message.
 
     Raises:
         InvalidRequest: an item this model cannot take (images, files, hosted tools' items),
@@ -87,8 +87,10 @@ def chat_messages(items: str | Sequence[Any]) -> list[dict[str, Any]]:
         elif kind == "function_call":
             call = {"id": str(item.get("call_id", "")), "type": "function",
                     "function": {"name": str(item.get("name", "")), "arguments": str(item.get("arguments", ""))}}
-            if out and out[-1]["role"] == "assistant" and not out[-1]["content"] and "tool_calls" in out[-1]:
-                out[-1]["tool_calls"].append(call)
+            if out and out[-1]["role"] == "assistant":
+                # a response's calls belong to its message, text and all: one assistant message, as
+                # the reply was sampled and as the turn recorded it (`ParsedReply.message`)
+                out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":

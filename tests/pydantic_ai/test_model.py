@@ -101,22 +101,17 @@ async def _first_request(stack: Stack, wid: str) -> tuple[_RequestParams, str, s
     raise AssertionError("no model request in the agent's history")
 
 
-def _chat(messages: list[ModelMessage], fed_as_items: range = range(0)) -> list[dict[str, Any]]:
+def _chat(messages: list[ModelMessage]) -> list[dict[str, Any]]:
     """The conversation as chat-template messages, written out by hand from Pydantic AI's. A
-    response is one assistant message (its text, then its calls), as the model sampled it; one at
-    an index in `fed_as_items` was fed again as input items, which read its text and its calls as
-    two assistant messages (`chat_messages`)."""
+    response is one assistant message (its text, then its calls), as the model sampled it and as
+    it is fed again as input items (`chat_messages`)."""
     out: list[dict[str, Any]] = [{"role": "system", "content": INSTRUCTIONS}]
-    for i, m in enumerate(messages):
+    for m in messages:
         if isinstance(m, ModelResponse):
             text = "".join(p.content for p in m.parts if isinstance(p, TextPart))
             calls = [{"id": p.tool_call_id, "type": "function", "function": {"name": p.tool_name, "arguments": p.args}}
                      for p in m.parts if isinstance(p, ToolCallPart)]
-            if i in fed_as_items and text and calls:
-                out += [{"role": "assistant", "content": text},
-                        {"role": "assistant", "content": "", "tool_calls": calls}]
-            else:
-                out.append({"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})})
+            out.append({"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})})
             continue
         for p in m.parts:
             if isinstance(p, UserPromptPart):
@@ -128,11 +123,10 @@ def _chat(messages: list[ModelMessage], fed_as_items: range = range(0)) -> list[
     return out
 
 
-def _expected(messages: list[ModelMessage], tools: list[dict[str, Any]], fed_as_items: range = range(0)
-              ) -> list[str]:
+def _expected(messages: list[ModelMessage], tools: list[dict[str, Any]]) -> list[str]:
     """Each request's whole conversation as the plain template renders it (`_chat`)."""
     tpl = ChatTemplate.plain()
-    return [tpl.render(_chat(messages[:i], fed_as_items), tools=tools, add_generation_prompt=True)
+    return [tpl.render(_chat(messages[:i]), tools=tools, add_generation_prompt=True)
             for i, m in enumerate(messages) if isinstance(m, ModelResponse)]
 
 
@@ -226,8 +220,8 @@ async def test_an_edited_history_forks_where_it_still_matches_and_the_stream_it_
 
         edited = [*messages[:4], _edit(messages[4], "and in Oslo?"), *messages[5:]]
         dropped = messages[4:]
-        # (the history, where the stream it goes on from was fed up to, whether that is a fork)
-        for history, held_upto, forks in ((edited, 4, True), (dropped, 0, False)):
+        # (the history, whether the stream it goes on from is a fork)
+        for history, forks in ((edited, True), (dropped, False)):
             out, again = await _converse(stack, queue, ["and tomorrow?"], history=history)
             assert out[:len(history)] == history
             new = [m for m in out[len(history):] if isinstance(m, ModelResponse)]
@@ -236,7 +230,7 @@ async def test_an_edited_history_forks_where_it_still_matches_and_the_stream_it_
             # the next request goes on from the new response: its stream, not forked
             assert handles[1].stream_id == handles[0].stream_id and handles[1].seq == 4 and not handles[1].forked
             # the history after the point it goes on from is fed as items: the responses there too
-            rendered = _expected(out, tools, range(held_upto, len(history)))
+            rendered = _expected(out, tools)
             k = sum(isinstance(m, ModelResponse) for m in history)  # the first new response's request
             if forks:  # after response 2, as its stream held it: the edited question on
                 held = rendered[1] + first[1].reply
@@ -398,8 +392,8 @@ def test_messages_become_the_items_and_chat_messages_a_stream_is_fed():
     chat = chat_form(items, {1: mine}, 3)
     assert chat[:2] == [{"role": "user", "content": "hithere"}, mine]
     assert chat[2:] == chat_messages([*items[2], *items[3]])
-    assert [m["role"] for m in chat] == ["user", "assistant", "tool", "tool", "user", "tool", "user", "assistant",
-                                         "assistant"]
+    assert [m["role"] for m in chat] == ["user", "assistant", "tool", "tool", "user", "tool", "user", "assistant"]
+    assert chat[-1]["content"] == "Il fait beau." and [c["id"] for c in chat[-1]["tool_calls"]] == ["c3"]
     # what a stream cannot take is refused, typed, naming the messages
     for bad in (ModelRequest(parts=[UserPromptPart(["look", ImageUrl("https://example.com/a.png")])]),):
         with pytest.raises(InvalidRequest) as err:
