@@ -41,6 +41,7 @@ bench: $(STAMP)
 	$(PY) bench/bench_serving.py
 	$(PY) bench/prefix_states.py
 	$(PY) bench/bench_segments.py
+	$(PY) bench/bench_conversations.py
 
 eval: $(STAMP)
 	$(VENV)/bin/mamba-stream eval --append docs/results/quality.md

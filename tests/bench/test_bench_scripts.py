@@ -133,3 +133,19 @@ def test_prefix_states_table_on_a_small_run():
     # agent 1 computed; 2..3 and the solo one loaded
     assert f"(0, -) 1 agents, ({prefix}, principal) {agents} agents" in text
     assert "generated the same 3 tokens: yes" in text
+
+
+def test_conversation_table_on_a_small_run():
+    """Two turns of each conversation: ours feeds the second turn only its new items, stateless
+    the whole conversation again; every turn calls the tool (the forced call held to its schema)."""
+    mod = load_bench("bench_conversations")
+    for bad in (["--turns", "0"], ["--max-tokens", "32"]):
+        with pytest.raises(SystemExit):
+            mod.parse_args(bad)
+    text = mod.run(mod.parse_args(["--turns", "2", "--model", "tiny-mamba2", "--max-tokens", "96"]))
+    rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| ")}
+    first, second = ([c.strip() for c in rows[t].split("|")[2:4]] for t in ("1", "2"))
+    assert first[0] == first[1] and int(second[1]) > 2 * int(second[0]) > 0  # tokens fed: ours, stateless
+    for mode in ("ours", "stateless"):
+        cells = [c.strip() for c in rows[mode].split("|")]
+        assert cells[-3:-1] == ["4", "2"], rows[mode]  # model calls, tool calls
