@@ -66,15 +66,16 @@ def weather(city: str) -> str:
 class WeatherChat:
     """Questions asked in turn, each run given the messages of the ones before (Pydantic AI sends
     them all every request); `history`: the messages of an earlier conversation (JSON) to go on
-    from. Returns every message, as JSON."""
+    from; `seed`: every request's. Returns every message, as JSON."""
 
     __pydantic_ai_agents__: ClassVar[list[Agent]] = [AGENT]
 
     @workflow.run
-    async def run(self, questions: list[str], history: str | None = None) -> str:
+    async def run(self, questions: list[str], history: str | None = None, seed: int | None = None) -> str:
         messages = ModelMessagesTypeAdapter.validate_json(history) if history else None
+        fixed = ModelSettings(seed=seed) if seed is not None else None  # else derived from the stream
         for q in questions:
-            messages = (await AGENT.run(q, message_history=messages)).all_messages()
+            messages = (await AGENT.run(q, message_history=messages, model_settings=fixed)).all_messages()
         return ModelMessagesTypeAdapter.dump_json(messages or []).decode()
 
 

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -74,11 +77,10 @@ async def _agent_worker(stack: Stack, monkeypatch: pytest.MonkeyPatch) -> tuple[
 
 
 async def _converse(stack: Stack, queue: str, questions: list[str], history: list[ModelMessage] | None = None,
-                    principal: str = "alice") -> tuple[list[ModelMessage], dict[str, Any]]:
+                    principal: str = "alice", seed: int | None = None) -> tuple[list[ModelMessage], dict[str, Any]]:
     start = conversation_start(stack.client, principal)
-    out = await stack.client.execute_workflow(
-        WeatherChat.run, args=[questions, ModelMessagesTypeAdapter.dump_json(history).decode() if history else None],
-        task_queue=queue, **start)
+    past = ModelMessagesTypeAdapter.dump_json(history).decode() if history else None
+    out = await stack.client.execute_workflow(WeatherChat.run, args=[questions, past, seed], task_queue=queue, **start)
     return ModelMessagesTypeAdapter.validate_json(out), start
 
 
@@ -151,6 +153,12 @@ async def test_an_agent_with_a_tool_feeds_each_request_once_and_ends_on_one_stre
         assert [(r.tool_call_id, r.content) for r in returns] == [(c.tool_call_id, "sunny in Paris") for c in calls]
         handles = _handles(stack, wid, messages)
         assert len({h.stream_id for h in handles}) == 1 and not any(h.forked for h in handles)
+        # the framework's payloads (the whole conversation, every request) are sealed in history
+        raw = await Client.connect(stack.address)
+        blob = b"".join(e.SerializeToString() for e in (await raw.get_workflow_handle(wid).fetch_history()).events)
+        assert MODEL_REQUEST.encode() in blob  # it is the agent's history
+        for text in (*QUESTIONS, INSTRUCTIONS, "sunny in Paris", CALL_TEXT.strip()):
+            assert text.encode() not in blob, text
         assert [h.seq for h in handles] == list(range(2, 2 * len(responses) + 1, 2))
         assert handles[0].reply == CALL
 
@@ -462,3 +470,46 @@ def test_the_tool_choice_and_the_output_mode_say_what_a_reply_may_and_must_be():
         with pytest.raises(InvalidRequest) as refused:
             _reply(ModelRequestParameters(**params), settings)
         assert refused.value.details()["field"] == field
+
+
+async def test_a_stream_worker_sigkilled_mid_request_changes_no_bit_of_the_conversation(
+        temporal_env, tmp_path, monkeypatch):
+    """The worker holding the conversation's stream dies (SIGKILL) with the second question's
+    feed (chunk 5) committed and not yet recorded; a rescuer takes the stream over, the model
+    activity's chunk calls are answered from the stream's records, and the conversation ends on
+    the messages and the checksum of an uninterrupted run of the same agent (a fixed seed)."""
+    stack = await make_stack(temporal_env, tmp_path, start_worker=False)
+    async with stack.exits:
+        keyfile, ready = tmp_path / "keyring.json", tmp_path / "ready"
+        stack.keyring.save(keyfile)
+        root = Path(__file__).resolve().parents[2]
+        proc = subprocess.Popen([sys.executable, "-m", "tests.workflows._crash_worker", stack.address, stack.queue,
+                                 stack.store_url, str(keyfile), "recorded", "5", str(ready), "local"], cwd=root)
+        try:
+            async def up() -> bool:
+                return ready.exists()
+            await eventually(up, timeout=90)
+            _, queue = await _agent_worker(stack, monkeypatch)
+            start = conversation_start(stack.client, "alice")
+            run = await stack.client.start_workflow(WeatherChat.run, args=[QUESTIONS, None, 11], task_queue=queue,
+                                                    **start)
+
+            async def died() -> bool:
+                return proc.poll() is not None
+            await eventually(died, timeout=120)
+            assert proc.returncode == -9
+            await stack.worker()  # the rescuer: workflows and activities, as every worker is
+            crashed = ModelMessagesTypeAdapter.validate_json(await run.result())
+            clean, again = await _converse(stack, queue, QUESTIONS, seed=11)
+
+            def replies(messages: list[ModelMessage]) -> list[Any]:
+                return [[(type(p).__name__, getattr(p, "content", None), getattr(p, "args", None)) for p in m.parts]
+                        for m in messages if isinstance(m, ModelResponse)]
+            assert replies(crashed) == replies(clean)  # the same replies
+            a, b = _handles(stack, start["id"], crashed)[-1], _handles(stack, again["id"], clean)[-1]
+            assert a.seq == b.seq == 12 and not a.forked
+            ra, rb = await stack.streams.receipt(a.stream_id), await stack.streams.receipt(b.stream_id)
+            assert (ra.position, ra.checksum) == (rb.position, rb.checksum)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
