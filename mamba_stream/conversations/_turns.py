@@ -31,7 +31,7 @@ import hmac
 import json
 import logging
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -182,7 +182,8 @@ class Conversations:
                    tools: Sequence[Mapping[str, Any]] | None, items: str | Sequence[Any],
                    previous: str | None, max_tokens: int, settings: Mapping[str, Any] | None = None,
                    history: Sequence[Mapping[str, Any]] | None = None, call: Sequence[str] | None = None,
-                   output: Mapping[str, Any] | None = None) -> Turn:
+                   output: Mapping[str, Any] | None = None,
+                   shown: Callable[[str], Awaitable[None]] | None = None) -> Turn:
         """One turn: the new `items` fed after `previous` (a response id; None: a new
         conversation), then a reply sampled (`settings`: `StreamClient.generate`'s; a `stop` there
         adds stop texts to the template's reply end).
@@ -192,7 +193,9 @@ class Conversations:
         handle then keeps the keyed digest of the conversation through the reply (`digest`),
         which the framework's next call is checked against. `call`, `output`: what the reply must
         spell (`reply_grammar`): a call of one of the named tools, or JSON of the schema (or a call
-        of any tool, unless `call` is empty); None for both: free text.
+        of any tool, unless `call` is empty); None for both: free text. `shown`: told the reply's
+        text as it is sampled (`StreamClient.generate_stream`: the same chunk, shown live); a
+        piece shown is never taken back (the exact backends sample once), the reply is the Turn's.
 
         Raises:
             PrincipalMismatch, SealerMismatch: see `principal`; another principal's handle.
@@ -231,8 +234,19 @@ class Conversations:
         log.debug("turn %s: feeding %r after chunk %d of %s", ident, text, at, sid)
         advanced, sid, at, moved = await self._feed(sid, principal, at, text, ident, key, tag)
         sampling = dict(settings or {})
-        result = await self.streams.generate(sid, principal, max_tokens, chunk_seq=at + 2,
-                                             stop=[stop, *sampling.pop("stop", ())], **sampling, **held)
+        stops = [stop, *sampling.pop("stop", ())]
+        if shown is None:
+            result = await self.streams.generate(sid, principal, max_tokens, chunk_seq=at + 2, stop=stops,
+                                                 **sampling, **held)
+        else:
+            live = self.streams.generate_stream(sid, principal, max_tokens, chunk_seq=at + 2, stop=stops,
+                                                **sampling, **held)
+            async for event in live:
+                # a restart (an approximate backend's retry sampled others) shows all again: the
+                # pieces already shown stay, the Turn's reply is what was committed
+                if event.text and not event.restart:
+                    await shown(event.text)
+            result = live.result
         handle = ResponseHandle(stream_id=sid, model_id=model_id, epoch=result.receipt.epoch, seq=result.chunk_seq,
                                 fed_seq=advanced.chunk_seq, reply=result.text or "", forked=forked or moved)
         ids = self.call_ids(key, handle)

@@ -16,9 +16,11 @@ typed `InvalidRequest` naming it, before anything moves: never ignored.
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import time
-from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any, Literal
 
 from agents import Handoff, Model, ModelProvider, ModelResponse, ModelSettings, ModelTracing, Tool, Usage
 from agents.agent_output import AgentOutputSchemaBase
@@ -39,7 +41,7 @@ from temporalio import activity
 from temporalio.client import WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError
 
-from mamba_stream.conversations import Conversations, Turn, tool_schema
+from mamba_stream.conversations import Conversations, Turn, reply_end, tool_schema
 from mamba_stream.failures import Failure, InvalidRequest, application_error
 from mamba_stream.workflows import DEFAULT_TASK_QUEUE, StreamOptions
 
@@ -103,20 +105,58 @@ def _tools(tools: list[Tool], handoffs: list[Handoff]) -> list[dict[str, Any]]:
     return out
 
 
-def _output(turn: Turn, calls: bool) -> list[Any]:
+def _message_id(caller: tuple[str, str, str]) -> str:
+    """The reply message's item id: a digest of the model activity's identity, known before the
+    turn runs (a streamed reply's first event names it) and the same on every retry."""
+    return "msg_" + hashlib.sha256("|".join(caller).encode()).hexdigest()[:24]
+
+
+def _output(turn: Turn, calls: bool, message_id: str) -> list[Any]:
     items: list[Any] = []
     calls = calls and bool(turn.reply.tool_calls)
-    text = turn.reply.text if calls else turn.reply.body
-    if text or not calls:
+    if _text(turn, calls) or not calls:
         items.append(ResponseOutputMessage(
-            id=f"msg_{turn.call_ids[0][5:] if turn.call_ids else turn.response_id[-24:]}", role="assistant",
-            status="completed", type="message",
-            content=[ResponseOutputText(text=text, annotations=[], type="output_text")]))
+            id=message_id, role="assistant", status="completed", type="message",
+            content=[ResponseOutputText(text=_text(turn, calls), annotations=[], type="output_text")]))
     if calls:
         for cid, (name, args) in zip(turn.call_ids, turn.reply.tool_calls, strict=True):
             items.append(ResponseFunctionToolCall(arguments=args, call_id=cid, name=name, type="function_call",
                                                   id=f"fc_{cid[5:]}", status="completed"))
     return items
+
+
+def _text(turn: Turn, calls: bool) -> str:
+    """The reply message's text: without its tool calls where they are taken as calls."""
+    return turn.reply.text if calls and turn.reply.tool_calls else turn.reply.body
+
+
+class _Shown:
+    """A reply's text as it is sampled, less what may yet turn out not to be text: from the
+    first `<tool_call>` on (a call is shown as its item, when the turn ends), and any tail that
+    could begin a call or the reply's end marker (held until the next piece says)."""
+
+    CALL = "<tool_call>"
+
+    def __init__(self, end: str) -> None:
+        self.raw, self.sent, self.markers, self.cut = "", 0, tuple(m for m in (self.CALL, end) if m), False
+
+    def feed(self, piece: str) -> str:
+        """The text that may be shown now."""
+        self.raw += piece
+        if self.cut:
+            return ""
+        stops = [at for at in (self.raw.find(m, self.sent) for m in self.markers) if at >= 0]
+        if stops:
+            self.cut, upto = True, min(stops)
+        else:
+            hold = max((k for m in self.markers for k in range(1, len(m)) if self.raw.endswith(m[:k])), default=0)
+            upto = len(self.raw) - hold
+        out, self.sent = self.raw[self.sent:upto], max(self.sent, upto)
+        return out
+
+    @property
+    def shown(self) -> str:
+        return self.raw[:self.sent]
 
 
 def _caller() -> tuple[str, str, str]:
@@ -139,7 +179,8 @@ class MambaAgentModel(Model):
     async def _turn(self, system_instructions: str | None, input: str | list[TResponseInputItem],
                     model_settings: ModelSettings, tools: list[Tool], output_schema: AgentOutputSchemaBase | None,
                     handoffs: list[Handoff], previous_response_id: str | None, conversation_id: str | None,
-                    prompt: Any) -> tuple[Turn, bool]:
+                    prompt: Any, caller: tuple[str, str, str],
+                    shown: Callable[[str], Awaitable[None]] | None = None) -> tuple[Turn, bool]:
         try:
             output = None
             if output_schema is not None and not output_schema.is_plain_text():
@@ -156,9 +197,9 @@ class MambaAgentModel(Model):
             if not calls and output is not None:
                 must = []  # tool_choice "none": the structured output alone
             turn = await self.provider.conversations().turn(
-                caller=_caller(), model_id=self.model_id, system=system_instructions,
+                caller=caller, model_id=self.model_id, system=system_instructions,
                 tools=schemas, items=input, previous=previous_response_id,
-                max_tokens=max_tokens, settings=settings, call=must, output=output)
+                max_tokens=max_tokens, settings=settings, call=must, output=output, shown=shown)
             return turn, calls
         except Failure as exc:  # typed, permanent: the activity is not retried
             raise application_error(exc) from None
@@ -173,10 +214,11 @@ class MambaAgentModel(Model):
                            output_schema: AgentOutputSchemaBase | None, handoffs: list[Handoff],
                            tracing: ModelTracing, *, previous_response_id: str | None,
                            conversation_id: str | None, prompt: Any) -> ModelResponse:
+        caller = _caller()
         turn, calls = await self._turn(system_instructions, input, model_settings, tools, output_schema, handoffs,
-                                       previous_response_id, conversation_id, prompt)
+                                       previous_response_id, conversation_id, prompt, caller)
         n_out = len(turn.result.tokens)
-        return ModelResponse(output=_output(turn, calls), response_id=turn.response_id,
+        return ModelResponse(output=_output(turn, calls, _message_id(caller)), response_id=turn.response_id,
                              usage=Usage(requests=1, input_tokens=turn.fed_tokens, output_tokens=n_out,
                                          total_tokens=turn.fed_tokens + n_out))
 
@@ -185,32 +227,84 @@ class MambaAgentModel(Model):
                               output_schema: AgentOutputSchemaBase | None, handoffs: list[Handoff],
                               tracing: ModelTracing, *, previous_response_id: str | None,
                               conversation_id: str | None, prompt: Any) -> AsyncIterator[TResponseStreamEvent]:
-        """The turn's events: created, each output item with its text, completed (the plugin
-        publishes them to its streaming topic). The reply is the one `get_response` returns."""
-        turn, calls = await self._turn(system_instructions, input, model_settings, tools, output_schema, handoffs,
-                                       previous_response_id, conversation_id, prompt)
-        output = _output(turn, calls)
-        n_out = len(turn.result.tokens)
-        base = dict(id=turn.response_id, created_at=time.time(), model=self.model_id, object="response",
-                    tool_choice="auto", tools=[], parallel_tool_calls=True)
+        """The turn's events as it runs (the plugin publishes them to its streaming topic):
+        created; the reply message added and its text deltas as the tokens are sampled (text
+        only: a tool call is shown as its item when the turn ends); each output item done (the
+        calls added and done); completed, with the response `get_response` returns."""
+        caller = _caller()
+        message_id = _message_id(caller)
+        pieces: asyncio.Queue[str | None] = asyncio.Queue()
+
+        async def shown(text: str) -> None:
+            pieces.put_nowait(text)
+
+        try:
+            end = reply_end(self.provider.conversations().template(self.model_id))
+        except Failure as exc:
+            raise application_error(exc) from None
+        task = asyncio.create_task(self._turn(system_instructions, input, model_settings, tools, output_schema,
+                                              handoffs, previous_response_id, conversation_id, prompt, caller,
+                                              shown))
+        task.add_done_callback(lambda _: pieces.put_nowait(None))
+        base = dict(created_at=time.time(), model=self.model_id, object="response", tool_choice="auto", tools=[],
+                    parallel_tool_calls=True)
         seq = 0
-        yield ResponseCreatedEvent(response=Response(output=[], **base), sequence_number=seq, type="response.created")
+
+        def number() -> int:
+            nonlocal seq
+            seq += 1
+            return seq
+
+        def message(text: str, status: Literal["in_progress", "completed"]) -> ResponseOutputMessage:
+            return ResponseOutputMessage(id=message_id, role="assistant", status=status, type="message",
+                                         content=[ResponseOutputText(text=text, annotations=[], type="output_text")])
+
+        def delta(text: str) -> ResponseTextDeltaEvent:
+            return ResponseTextDeltaEvent(content_index=0, delta=text, item_id=message_id, logprobs=[],
+                                          output_index=0, sequence_number=number(), type="response.output_text.delta")
+
+        try:
+            # until the turn's handle exists, the response is named by its message
+            yield ResponseCreatedEvent(response=Response(id=f"resp_{message_id[4:]}", output=[], **base),
+                                       sequence_number=0, type="response.created")
+            live, started = _Shown(end), False
+            while (piece := await pieces.get()) is not None:
+                text = live.feed(piece)
+                if text:
+                    if not started:
+                        started = True
+                        yield ResponseOutputItemAddedEvent(item=message("", "in_progress"), output_index=0,
+                                                           sequence_number=number(),
+                                                           type="response.output_item.added")
+                    yield delta(text)
+            turn, calls = await task
+        finally:
+            if not task.done():
+                task.cancel()
+        output = _output(turn, calls, message_id)
+        n_out = len(turn.result.tokens)
         for i, item in enumerate(output):
-            seq += 1
-            yield ResponseOutputItemAddedEvent(item=item, output_index=i, sequence_number=seq,
-                                               type="response.output_item.added")
-            if isinstance(item, ResponseOutputMessage) and item.content[0].text:
-                seq += 1
-                yield ResponseTextDeltaEvent(content_index=0, delta=item.content[0].text, item_id=item.id,
-                                             logprobs=[], output_index=i, sequence_number=seq,
-                                             type="response.output_text.delta")
-            seq += 1
-            yield ResponseOutputItemDoneEvent(item=item, output_index=i, sequence_number=seq,
+            if isinstance(item, ResponseOutputMessage):
+                final = item.content[0].text
+                if not started:
+                    yield ResponseOutputItemAddedEvent(item=message("", "in_progress"), output_index=i,
+                                                       sequence_number=number(), type="response.output_item.added")
+                # what was not shown yet (a tail held back, text after a call); a shown piece is
+                # never taken back: the exact backends sample once
+                rest = final[len(live.shown):] if final.startswith(live.shown) else ""
+                if rest:
+                    yield delta(rest)
+            else:
+                yield ResponseOutputItemAddedEvent(item=item, output_index=i, sequence_number=number(),
+                                                   type="response.output_item.added")
+            yield ResponseOutputItemDoneEvent(item=item, output_index=i, sequence_number=number(),
                                               type="response.output_item.done")
+        base["id"] = turn.response_id
         usage = {"input_tokens": turn.fed_tokens, "output_tokens": n_out, "total_tokens": turn.fed_tokens + n_out,
-                 "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
+                 "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                 "output_tokens_details": {"reasoning_tokens": 0}}
         yield ResponseCompletedEvent(response=Response(output=output, usage=usage, **base),
-                                     sequence_number=seq + 1, type="response.completed")
+                                     sequence_number=number(), type="response.completed")
 
 
 class MambaModelProvider(ModelProvider):

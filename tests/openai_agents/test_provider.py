@@ -4,15 +4,19 @@ rendered conversation; forks from older response ids; and who may continue whose
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
+from agents import ModelSettings, ModelTracing
 from temporalio.client import Client, WorkflowFailureError
 from temporalio.contrib.openai_agents import ModelActivityParameters, OpenAIAgentsPlugin
+from temporalio.testing import ActivityEnvironment
 from temporalio.worker import Worker
 
 from mamba_stream.conversations import HANDLE_PREFIX, Conversations, open_handle, tool_schema
@@ -21,7 +25,7 @@ from mamba_stream.plugin import MambaStreamPlugin
 from mamba_stream.scan import ChatTemplate
 from mamba_stream.state_codec.codec import plaintext_checksum
 from mamba_stream.workflows import StreamOptions, id_key
-from tests.openai_agents._agents import ASCII, Assistant, Forecast, HeldToGrammar, LongChat
+from tests.openai_agents._agents import ASCII, Assistant, Forecast, HeldToGrammar, LongChat, sky
 from tests.workflows import conftest as workflow_fixtures
 from tests.workflows.conftest import FAST, eventually, make_stack
 from tests.workflows.test_stream_workflow import local
@@ -273,3 +277,54 @@ async def test_a_required_tool_call_and_a_structured_output_are_held_to_their_gr
     assert name == "sky" and isinstance(city, str) and len(city) <= 8 and set(json.loads(args)) == {"place"}
     assert outputs == [f"clear over {city}"]
     assert Forecast.model_validate(plan).model_dump() == plan
+
+
+async def test_a_streamed_response_shows_the_text_as_it_is_sampled_and_ends_on_get_responses_reply(
+        temporal_env, tmp_path):
+    """`stream_response` in a model activity: created, the message's text deltas (never a tool
+    call's text), the items done, completed; its deltas spell the reply `get_response` gives for
+    the same turn (a fixed seed, another activity), and a forced call shows no text at all."""
+    stack = await make_stack(temporal_env, tmp_path)
+    async with stack.exits:
+        client, queue = await _agent_worker(stack, stack.exits)
+        start = conversation_start(stack.client, "alice")
+        agent = await stack.client.start_workflow(Assistant.run, args=[[], None], task_queue=queue, **start)
+        await agent.result()
+        run_id = (await agent.describe()).run_id
+        provider = MambaModelProvider(task_queue=stack.queue, models="tiny-mamba2")
+        model = provider.get_model("tiny-mamba2")
+        tools = [sky]
+
+        async def both(settings: ModelSettings, activity: str) -> tuple[list, Any]:
+            env = ActivityEnvironment(client=client)
+            kw = dict(system_instructions="Answer.", input="hello there", model_settings=settings, tools=tools,
+                      output_schema=None, handoffs=[], tracing=ModelTracing.DISABLED, previous_response_id=None,
+                      conversation_id=None, prompt=None)
+            async def streamed() -> list:
+                return [e async for e in model.stream_response(**kw)]
+
+            async def whole() -> Any:
+                return await model.get_response(**kw)
+            env.info = dataclasses.replace(env.info, workflow_id=start["id"], workflow_run_id=run_id,
+                                           activity_id=f"{activity}-s")
+            events = await env.run(streamed)
+            env.info = dataclasses.replace(env.info, workflow_id=start["id"], workflow_run_id=run_id,
+                                           activity_id=f"{activity}-g")
+            return events, await env.run(whole)
+
+        extra = {"seed": 5, "top_k": 20, "logit_bias": ASCII}
+        events, plain = await both(ModelSettings(max_tokens=40, extra_args=extra), "free")
+        kinds = [e.type for e in events]
+        assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        [message] = [i for i in plain.output if i.type == "message"]
+        assert text == message.content[0].text and "<tool_call>" not in text
+        assert events[-1].response.output[0].content[0].text == text
+        assert events[-1].response.id.startswith(HANDLE_PREFIX + ".")
+
+        events, plain = await both(ModelSettings(max_tokens=96, tool_choice="required", extra_args=extra), "call")
+        assert not any(e.type == "response.output_text.delta" and e.delta for e in events)
+        calls = [i for i in events[-1].response.output if i.type == "function_call"]
+        assert [c.name for c in calls] == ["sky"] and [(c.name, c.arguments) for c in calls] == [
+            (c.name, c.arguments) for c in plain.output if c.type == "function_call"]
