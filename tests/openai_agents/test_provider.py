@@ -328,3 +328,16 @@ async def test_a_streamed_response_shows_the_text_as_it_is_sampled_and_ends_on_g
         calls = [i for i in events[-1].response.output if i.type == "function_call"]
         assert [c.name for c in calls] == ["sky"] and [(c.name, c.arguments) for c in calls] == [
             (c.name, c.arguments) for c in plain.output if c.type == "function_call"]
+
+
+async def test_a_replys_text_is_shown_up_to_a_call_or_its_end_and_a_possible_start_of_one_is_held():
+    from mamba_stream.openai_agents._provider import _Shown
+
+    live = _Shown("\n")
+    assert [live.feed(p) for p in ("Hel", "lo <to", "ol_call>{\"name\": 1}", " more")] == ["Hel", "lo ", "", ""]
+    assert live.shown == "Hello "
+    live = _Shown("<|end|>")
+    assert [live.feed(p) for p in ("a<", "b", "<|e", "nd|>x")] == ["a", "<b", "", ""]
+    assert live.shown == "a<b"
+    live = _Shown("\n")
+    assert [live.feed(p) for p in ("one", " two\nthree")] == ["one", " two"] and live.shown == "one two"
