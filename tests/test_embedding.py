@@ -229,6 +229,12 @@ async def test_the_readmes_agents_run_their_turns_on_one_stream(temporal_env, tm
         f"TaskQueue = '{queue}' AND WorkflowType = '{STREAM_WORKFLOW_TYPE}'")]
     agents = [wf.id async for wf in client.list_workflows(f"TaskQueue = '{queue}' AND WorkflowType = 'Assistant'")]
     assert len(streams) == 1 and len(agents) == 1
+    # `mamba-stream list` shows the conversation among the queue's streams, as any other
+    listed = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "mamba_stream.cli", "list", "--task-queue",
+                                                      queue, "--json"], env=env, capture_output=True, text=True,
+                                     timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    assert streams[0] in [row["stream_id"] for row in json.loads(listed.stdout)]
     # the worker is gone: its chunks are read from the stream's history
     names = [e.workflow_execution_update_accepted_event_attributes.accepted_request.input.name
              async for e in client.get_workflow_handle(streams[0]).fetch_history_events()
