@@ -99,7 +99,8 @@ EXPECTED = {
     "mamba_stream.cli": ["main"],
     "mamba_stream.conversations": [
         "CONVERSATION_CHECKPOINTS", "HANDLE_PREFIX", "PRINCIPAL_MEMO", "Conversations", "ParsedReply", "Rendered",
-        "ResponseHandle", "Turn", "chat_messages", "conversation_start", "first_turn", "next_turn", "open_handle",
+        "ResponseHandle", "Turn", "activity_failures", "chat_messages", "conversation_start", "first_turn",
+        "next_turn", "open_handle",
         "parse_reply", "reply_end", "reply_grammar", "seal_handle", "tool_schema",
     ],
     "mamba_stream.openai_agents": ["DEFAULT_MAX_TOKENS", "EXTRA_ARGS", "MambaAgentModel", "MambaModelProvider",

@@ -167,6 +167,7 @@ class GrammarGuide:
         self.vocab = vocab
         self.matcher = compile_grammar(grammar, vocab)
         self._allowed: torch.Tensor | None = None  # (n_model,) bool, for the tokens taken so far
+        self._complete: bool | None = None  # `complete` for the tokens taken so far
         self._ended = False
 
     def _fail(self, why: str) -> InvalidRequest:
@@ -196,14 +197,18 @@ class GrammarGuide:
         error, e.g. past llguidance's limits)."""
         if self._ended:
             return True
+        if self._complete is None:  # asked twice a token: by the generate's end, then by the sampler
+            self._complete = self._completes()
+        return self._complete
+
+    def _completes(self) -> bool:
         if self.matcher.is_error():
             raise self._fail("failed")
         if self.matcher.is_stopped():
             return True
-        allowed = self.allowed().clone()
-        if self.vocab.eos:
-            allowed[list(self.vocab.eos)] = False
-        if bool(allowed.any()):
+        allowed = self.allowed()
+        eos = sorted(set(self.vocab.eos))
+        if int(allowed.sum()) > (int(allowed[eos].sum()) if eos else 0):  # a token that is not an end
             return False
         if self.matcher.is_accepting():
             return True
@@ -211,7 +216,7 @@ class GrammarGuide:
 
     def take(self, tok: int) -> None:
         """Advance past sampled token `tok` (one `allowed` gave)."""
-        self._allowed = None
+        self._allowed, self._complete = None, None
         if tok in self.vocab.eos:
             self._ended = True  # the generate ends at it ("eos"); the matcher need not see it
             return

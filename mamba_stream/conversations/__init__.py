@@ -17,9 +17,9 @@ from mamba_stream.conversations._render import (
     reply_grammar,
     tool_schema,
 )
-from mamba_stream.conversations._turns import CONVERSATION_CHECKPOINTS, Conversations, Turn
+from mamba_stream.conversations._turns import CONVERSATION_CHECKPOINTS, Conversations, Turn, activity_failures
 from mamba_stream.workflows import PRINCIPAL_MEMO, conversation_start
 
 __all__ = ["CONVERSATION_CHECKPOINTS", "HANDLE_PREFIX", "PRINCIPAL_MEMO", "Conversations", "ParsedReply", "Rendered",
-           "ResponseHandle", "Turn", "chat_messages", "conversation_start", "first_turn", "next_turn", "open_handle",
-           "parse_reply", "reply_end", "reply_grammar", "seal_handle", "tool_schema"]
+           "ResponseHandle", "Turn", "activity_failures", "chat_messages", "conversation_start", "first_turn",
+           "next_turn", "open_handle", "parse_reply", "reply_end", "reply_grammar", "seal_handle", "tool_schema"]

@@ -25,13 +25,14 @@ A turn runs inside the framework's model activity, on a worker, as a client of t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import hmac
 import json
 import logging
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,7 @@ from mamba_stream.conversations._render import (
     reply_end,
     reply_grammar,
 )
-from mamba_stream.failures import InvalidRequest
+from mamba_stream.failures import Failure, InvalidRequest, application_error
 from mamba_stream.scan import ChatTemplate
 from mamba_stream.state_codec import SEALER_KEY, ChunkSequenceMismatch, PrincipalMismatch, SealerMismatch, stream_tag
 from mamba_stream.workflows import (
@@ -63,13 +64,29 @@ from mamba_stream.workflows import (
     id_key,
 )
 
-__all__ = ["CONVERSATION_CHECKPOINTS", "Conversations", "Turn"]
+__all__ = ["CONVERSATION_CHECKPOINTS", "Conversations", "Turn", "activity_failures"]
 
 log = logging.getLogger(__name__)
 
 #: conversations' streams keep this many chunks to fork from (two a turn): an older handle forks
 #: from up to eight turns back
 CONVERSATION_CHECKPOINTS = 16
+
+
+@contextlib.contextmanager
+def activity_failures() -> Iterator[None]:
+    """Where a turn runs in a framework's model activity: a typed failure of ours leaves as the
+    activity's permanent `ApplicationError` (not retried), a stream's refusal as it was typed;
+    anything else as it is (retried)."""
+    try:
+        yield
+    except Failure as exc:
+        raise application_error(exc) from None
+    except WorkflowUpdateFailedError as exc:
+        cause = exc.cause
+        if isinstance(cause, ApplicationError):
+            raise ApplicationError(cause.message, type=cause.type, non_retryable=cause.non_retryable) from None
+        raise
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,11 +38,9 @@ from openai.types.responses import (
     ResponseTextDeltaEvent,
 )
 from temporalio import activity
-from temporalio.client import WorkflowUpdateFailedError
-from temporalio.exceptions import ApplicationError
 
-from mamba_stream.conversations import Conversations, Turn, reply_end, tool_schema
-from mamba_stream.failures import Failure, InvalidRequest, application_error
+from mamba_stream.conversations import Conversations, Turn, activity_failures, reply_end, tool_schema
+from mamba_stream.failures import InvalidRequest, application_error
 from mamba_stream.workflows import DEFAULT_TASK_QUEUE, StreamOptions
 
 __all__ = ["DEFAULT_MAX_TOKENS", "MambaAgentModel", "MambaModelProvider"]
@@ -181,7 +179,7 @@ class MambaAgentModel(Model):
                     handoffs: list[Handoff], previous_response_id: str | None, conversation_id: str | None,
                     prompt: Any, caller: tuple[str, str, str],
                     shown: Callable[[str], Awaitable[None]] | None = None) -> tuple[Turn, bool]:
-        try:
+        with activity_failures():
             output = None
             if output_schema is not None and not output_schema.is_plain_text():
                 output = output_schema.json_schema()  # the reply's text held to it (or a tool called)
@@ -201,20 +199,14 @@ class MambaAgentModel(Model):
                 tools=schemas, items=input, previous=previous_response_id,
                 max_tokens=max_tokens, settings=settings, call=must, output=output, shown=shown)
             return turn, calls
-        except Failure as exc:  # typed, permanent: the activity is not retried
-            raise application_error(exc) from None
-        except WorkflowUpdateFailedError as exc:  # the stream's refusal, as it was typed
-            cause = exc.cause
-            if isinstance(cause, ApplicationError):
-                raise ApplicationError(cause.message, type=cause.type, non_retryable=cause.non_retryable) from None
-            raise
 
     async def get_response(self, system_instructions: str | None, input: str | list[TResponseInputItem],
                            model_settings: ModelSettings, tools: list[Tool],
                            output_schema: AgentOutputSchemaBase | None, handoffs: list[Handoff],
                            tracing: ModelTracing, *, previous_response_id: str | None,
                            conversation_id: str | None, prompt: Any) -> ModelResponse:
-        caller = _caller()
+        with activity_failures():
+            caller = _caller()
         turn, calls = await self._turn(system_instructions, input, model_settings, tools, output_schema, handoffs,
                                        previous_response_id, conversation_id, prompt, caller)
         n_out = len(turn.result.tokens)
@@ -231,17 +223,16 @@ class MambaAgentModel(Model):
         created; the reply message added and its text deltas as the tokens are sampled (text
         only: a tool call is shown as its item when the turn ends); each output item done (the
         calls added and done); completed, with the response `get_response` returns."""
-        caller = _caller()
+        with activity_failures():
+            caller = _caller()
         message_id = _message_id(caller)
         pieces: asyncio.Queue[str | None] = asyncio.Queue()
 
         async def shown(text: str) -> None:
             pieces.put_nowait(text)
 
-        try:
+        with activity_failures():
             end = reply_end(self.provider.conversations().template(self.model_id))
-        except Failure as exc:
-            raise application_error(exc) from None
         task = asyncio.create_task(self._turn(system_instructions, input, model_settings, tools, output_schema,
                                               handoffs, previous_response_id, conversation_id, prompt, caller,
                                               shown))

@@ -48,7 +48,7 @@ from temporalio import activity
 from temporalio.client import WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError
 
-from mamba_stream.failures import Failure, InvalidRequest, application_error
+from mamba_stream.failures import InvalidRequest
 from mamba_stream.pydantic_ai._messages import (
     PROVIDER_NAME,
     chat_form,
@@ -77,7 +77,7 @@ _SAMPLING = ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequ
 #: settings that change nothing a stream computes: Pydantic AI's own (timeouts, retries, framing,
 #: tool choice, handled with the tools) and a provider's prompt cache (a stream is one)
 _NEUTRAL = ("timeout", "request_timeout", "first_event_timeout", "framing_announcement", "max_retries", "cache",
-            "tool_choice", "parallel_tool_calls")
+            "tool_choice")
 #: settings a stream cannot honour when set to anything but their off value
 _REFUSED = ("thinking", "thinking_summary", "citations", "service_tier", "extra_headers")
 
@@ -268,15 +268,10 @@ class MambaModel(Model):
     async def _respond(self, messages: list[ModelMessage], model_settings: ModelSettings | None,
                        params: ModelRequestParameters) -> tuple[ModelResponse, ModelRequestParameters]:
         model_settings, params = self.prepare_request(model_settings, params)
-        try:
-            turn, response_id = await self._turn(messages, model_settings, params)
-        except Failure as exc:  # typed, permanent: the activity is not retried
-            raise application_error(exc) from None
-        except WorkflowUpdateFailedError as exc:  # the stream's refusal, as it was typed
-            cause = exc.cause
-            if isinstance(cause, ApplicationError):
-                raise ApplicationError(cause.message, type=cause.type, non_retryable=cause.non_retryable) from None
-            raise
+        from mamba_stream.conversations import activity_failures  # the engine's side: where a request runs
+
+        with activity_failures():
+            turn = await self._turn(messages, model_settings, params)
         parts: list[ModelResponsePart] = []
         if turn.reply.text or not turn.reply.tool_calls:
             parts.append(TextPart(content=turn.reply.text))
@@ -286,16 +281,16 @@ class MambaModel(Model):
         # the model's end-of-sequence token ends a reply as a stop text does
         finish = "tool_call" if turn.reply.tool_calls else "length" if turn.result.finish_reason == "length" else "stop"
         return ModelResponse(parts=parts, usage=RequestUsage(input_tokens=turn.fed_tokens, output_tokens=n_out),
-                             model_name=self.model_name, provider_name=PROVIDER_NAME, provider_response_id=response_id,
-                             provider_details={"forked": turn.forked}, finish_reason=finish), params
+                             model_name=self.model_name, provider_name=PROVIDER_NAME,
+                             provider_response_id=turn.response_id, provider_details={"forked": turn.forked},
+                             finish_reason=finish), params
 
     async def _turn(self, messages: Sequence[ModelMessage], model_settings: ModelSettings | None,
-                    params: ModelRequestParameters) -> tuple[Turn, str]:
-        """The turn and its response id (see the module docstring for which messages it feeds)."""
-        from mamba_stream.conversations import ParsedReply, seal_handle
+                    params: ModelRequestParameters) -> Turn:
+        """The turn (see the module docstring for which messages it feeds)."""
+        from mamba_stream.conversations import ParsedReply
         from mamba_stream.scan import ChatTemplateError
-        from mamba_stream.state_codec import stream_tag
-        from mamba_stream.workflows import RewindPastWindow, RewindUnavailable, id_key
+        from mamba_stream.workflows import RewindPastWindow, RewindUnavailable
 
         caller = _caller()
         tools, call, output = _reply(params, model_settings)
@@ -345,15 +340,4 @@ class MambaModel(Model):
             log.info("%s: response %d cannot be continued (%s): a new conversation", caller, split - 1,
                      getattr(cause, "type", None) or type(exc).__name__)
             turn = await run(None, 0)
-        # the handle's digest as a later request computes it (this model's responses as their
-        # turns recorded them): it differs from the turn's where an earlier response of this model
-        # with both text and tool calls was fed again as items (`chat_messages` reads those as two
-        # messages), and is then sealed in its place (deterministically: a retry seals the same id)
-        told = [*chat_form(items, replies, len(messages) - 1), turn.reply.message(turn.call_ids)]
-        digest = conv.digest(wid, system, told)
-        if turn.handle.digest == digest:
-            return turn, turn.response_id
-        tag = stream_tag(wid)
-        assert tag is not None  # the turn refused an id without one
-        handle = turn.handle.model_copy(update={"digest": digest})
-        return turn, seal_handle(id_key(conv.client, wid), tag, handle)
+        return turn

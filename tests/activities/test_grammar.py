@@ -28,7 +28,7 @@ from mamba_stream.scan import load_model
 from mamba_stream.state_codec.codec import Keyring, plaintext_checksum
 from mamba_stream.workflows import PRESENTATION, AdvanceRequest, GenerateRequest, Grammar
 from mamba_stream.workflows.contract import AdvanceChunkRequest, GenerateChunkRequest, OpenStreamRequest
-from tests.activities._env import stream_env
+from tests.activities._env import generate_after, stream_env
 from tests.activities.test_sampling import next_u, ref_adjust, ref_draw
 
 PROMPT = list(b"Trip: ")
@@ -53,29 +53,7 @@ def model():
 
 
 def _generate(requests: list[dict]) -> tuple[list, list[list[str]]]:
-    """Each generate (GenerateRequest's fields) after PROMPT, on a stream of its own, through the
-    activities; the results (or the refusal raised) and each stream's store keys after it."""
-    acts = StreamActivities(models=ModelRegistry({"m": "tiny-mamba2"}, backend="reference"),
-                            store=MemoryStateStore(), keyring=Keyring.generate())
-    out, keys = [], []
-    try:
-        for i, kw in enumerate(requests):
-            sid = f"s{i}"
-            env = stream_env(sid)
-            opened = env.run(acts.open_stream, OpenStreamRequest(stream_id=sid, principal="alice", model_id="m"))
-            fed = env.run(acts.advance_chunk, AdvanceChunkRequest(
-                stream_id=sid, principal="alice", receipt=opened.receipt,
-                request=AdvanceRequest(principal="alice", chunk_seq=1, tokens=PROMPT)))
-            gen = GenerateChunkRequest(stream_id=sid, principal="alice", receipt=fed.result.receipt,
-                                       request=GenerateRequest(principal="alice", chunk_seq=2, **kw))
-            try:
-                out.append(env.run(acts.generate_tokens, gen).result)
-            except ApplicationError as exc:
-                out.append(exc)
-            keys.append(acts.store.list_stream(stream_id=sid))
-        return out, keys
-    finally:
-        acts.close()
+    return generate_after(PROMPT, requests)
 
 
 def _matcher(model, grammar: Grammar) -> llguidance.LLMatcher:

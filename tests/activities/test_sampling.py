@@ -19,7 +19,6 @@ import torch
 from temporalio.api.common.v1 import Payload
 from temporalio.exceptions import ApplicationError
 
-from mamba_stream.activities import MemoryStateStore, ModelRegistry, StreamActivities
 from mamba_stream.activities._sampling import (
     SHAPING_FIELDS,
     ShapedSampler,
@@ -33,13 +32,12 @@ from mamba_stream.activities._sampling import (
 )
 from mamba_stream.scan import NonFiniteOutput, load_model
 from mamba_stream.scan.exact import TWIN_OPS
-from mamba_stream.state_codec.codec import Keyring
 from mamba_stream.state_codec.payload import StreamPayloadConverter
-from mamba_stream.workflows import AdvanceRequest, GenerateRequest, InvalidRequest, ModelInfo
+from mamba_stream.workflows import GenerateRequest, InvalidRequest, ModelInfo
 from mamba_stream.workflows._model_stream import check_logit_bias as check_logit_bias_in_workflow
 from mamba_stream.workflows._model_stream import generate_request
-from mamba_stream.workflows.contract import AdvanceChunkRequest, GenerateChunkRequest, OpenStreamRequest, chunk_digest
-from tests.activities._env import stream_env
+from mamba_stream.workflows.contract import chunk_digest
+from tests.activities._env import generate_after
 
 # --- the reference, by hand ----------------------------------------------------------------------
 
@@ -375,29 +373,11 @@ def model():
     return load_model("tiny-mamba2", backend="reference")
 
 
-def _through_activities(requests: list[dict]) -> tuple[list, StreamActivities, list[str]]:
+def _through_activities(requests: list[dict]) -> tuple[list, list[str]]:
     """Each generate request from the same prompt, on a stream of its own, through the
     activities; the store's keys of the last stream after its generate."""
-    acts = StreamActivities(models=ModelRegistry({"m": "tiny-mamba2"}, backend="reference"),
-                            store=MemoryStateStore(), keyring=Keyring.generate())
-    out = []
-    try:
-        for i, kw in enumerate(requests):
-            sid = f"s{i}"
-            env = stream_env(sid)
-            opened = env.run(acts.open_stream, OpenStreamRequest(stream_id=sid, principal="alice", model_id="m"))
-            fed = env.run(acts.advance_chunk, AdvanceChunkRequest(
-                stream_id=sid, principal="alice", receipt=opened.receipt,
-                request=AdvanceRequest(principal="alice", chunk_seq=1, tokens=PROMPT)))
-            gen = GenerateChunkRequest(stream_id=sid, principal="alice", receipt=fed.result.receipt,
-                                       request=GenerateRequest(principal="alice", chunk_seq=2, **kw))
-            try:
-                out.append(env.run(acts.generate_tokens, gen).result)
-            except ApplicationError as exc:
-                out.append(exc)
-        return out, acts, acts.store.list_stream(stream_id=f"s{len(requests) - 1}")
-    finally:
-        acts.close()
+    out, keys = generate_after(PROMPT, requests)
+    return out, keys[-1]
 
 
 def _reference_tokens(model, kw: dict) -> list[int]:
@@ -434,7 +414,7 @@ def test_a_generate_with_the_settings_samples_the_reference_tokens_seeded(model)
               "repetition_penalty": 50.0}
     asks = [{**SETTINGS, "max_tokens": 24, "seed": 7}, {**SETTINGS, "max_tokens": 24, "seed": 7},
             {**SETTINGS, "max_tokens": 24, "seed": 8}, {**greedy, "max_tokens": 6, "seed": 1}]
-    (a, b, c, g), _, _ = _through_activities(asks)
+    (a, b, c, g), _ = _through_activities(asks)
     assert a.tokens == _reference_tokens(model, asks[0])
     assert (b.tokens, b.receipt.checksum, b.output_digest) == (a.tokens, a.receipt.checksum, a.output_digest)
     assert c.tokens != a.tokens and c.tokens == _reference_tokens(model, asks[2])
@@ -446,7 +426,7 @@ def test_a_generate_with_the_settings_samples_the_reference_tokens_seeded(model)
 
 def test_a_bias_outside_the_vocabulary_is_refused_by_the_activity_before_any_work():
     ok = {"max_tokens": 4, "seed": 1}
-    outs, _, keys = _through_activities([ok, {**ok, "logit_bias": {1000: 1.0}}])
+    outs, keys = _through_activities([ok, {**ok, "logit_bias": {1000: 1.0}}])
     refused = outs[1]
     assert isinstance(refused, ApplicationError) and refused.type == "InvalidRequest"
     assert refused.details[0]["field"] == "logit_bias" and refused.non_retryable

@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,7 +24,7 @@ from mamba_stream.state_codec.codec import plaintext_checksum
 from mamba_stream.workflows import StreamOptions, id_key
 from tests.openai_agents._agents import ASCII, Assistant, Forecast, HeldToGrammar, LongChat, sky
 from tests.workflows import conftest as workflow_fixtures
-from tests.workflows.conftest import FAST, eventually, make_stack
+from tests.workflows.conftest import FAST, doomed_worker, make_stack, sigkilled
 from tests.workflows.test_stream_workflow import local
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -228,40 +225,24 @@ async def test_a_stream_worker_sigkilled_mid_turn_changes_no_bit_of_the_conversa
     calls are answered from the stream's records, and the conversation ends on the replies and
     the checksum of an uninterrupted run of the same agent (a fixed seed)."""
     stack = await make_stack(temporal_env, tmp_path, start_worker=False)
-    async with stack.exits:
-        keyfile, ready = tmp_path / "keyring.json", tmp_path / "ready"
-        stack.keyring.save(keyfile)
-        root = Path(__file__).resolve().parents[2]
-        proc = subprocess.Popen([sys.executable, "-m", "tests.workflows._crash_worker", stack.address, stack.queue,
-                                 stack.store_url, str(keyfile), "recorded", "5", str(ready), "local"], cwd=root)
-        try:
-            async def up() -> bool:
-                return ready.exists()
-            await eventually(up, timeout=90)
-            opts = StreamOptions(**{**FAST.model_dump(include=set(FAST.model_fields_set)), "checkpoints_kept": 16})
-            _, queue = await _agent_worker(stack, stack.exits, options=opts)
-            start = conversation_start(stack.client, "alice")
-            run = await stack.client.start_workflow(Assistant.run, args=[QUESTIONS, None, 11], task_queue=queue,
-                                                    **start)
-
-            async def died() -> bool:
-                return proc.poll() is not None
-            await eventually(died, timeout=120)
-            assert proc.returncode == -9
-            await stack.worker()  # the rescuer: workflows and activities, as every worker is
-            out = await run.result()
-            clean = await stack.client.execute_workflow(Assistant.run, args=[QUESTIONS, None, 11], task_queue=queue,
-                                                        **conversation_start(stack.client, "alice"))
-            assert out[0::2] == clean[0::2]  # the same replies
-            tag, key = start["id"].split(".")[1], id_key(stack.client, start["id"])
-            crashed, uninterrupted = open_handle(key, tag, out[-1]), open_handle(key, tag, clean[-1])
-            assert crashed.seq == uninterrupted.seq == 10 and not crashed.forked
-            a = await stack.streams.receipt(crashed.stream_id)
-            b = await stack.streams.receipt(uninterrupted.stream_id)
-            assert (a.position, a.checksum) == (b.position, b.checksum)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+    async with stack.exits, doomed_worker(stack, tmp_path, "recorded", "5", "local") as proc:
+        opts = StreamOptions(**{**FAST.model_dump(include=set(FAST.model_fields_set)), "checkpoints_kept": 16})
+        _, queue = await _agent_worker(stack, stack.exits, options=opts)
+        start = conversation_start(stack.client, "alice")
+        run = await stack.client.start_workflow(Assistant.run, args=[QUESTIONS, None, 11], task_queue=queue,
+                                                **start)
+        await sigkilled(proc)
+        await stack.worker()  # the rescuer: workflows and activities, as every worker is
+        out = await run.result()
+        clean = await stack.client.execute_workflow(Assistant.run, args=[QUESTIONS, None, 11], task_queue=queue,
+                                                    **conversation_start(stack.client, "alice"))
+        assert out[0::2] == clean[0::2]  # the same replies
+        tag, key = start["id"].split(".")[1], id_key(stack.client, start["id"])
+        crashed, uninterrupted = open_handle(key, tag, out[-1]), open_handle(key, tag, clean[-1])
+        assert crashed.seq == uninterrupted.seq == 10 and not crashed.forked
+        a = await stack.streams.receipt(crashed.stream_id)
+        b = await stack.streams.receipt(uninterrupted.stream_id)
+        assert (a.position, a.checksum) == (b.position, b.checksum)
 
 
 async def test_a_required_tool_call_and_a_structured_output_are_held_to_their_grammars(temporal_env, tmp_path):

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -57,7 +54,7 @@ from mamba_stream.workflows import id_key
 from tests.openai_agents.test_provider import _cause_types
 from tests.pydantic_ai._agents import CALL, CALL_ARGS, CALL_TEXT, INSTRUCTIONS, MODEL, Forecast, Plans, WeatherChat
 from tests.workflows import conftest as workflow_fixtures
-from tests.workflows.conftest import Stack, eventually, make_stack
+from tests.workflows.conftest import Stack, doomed_worker, eventually, make_stack, sigkilled
 from tests.workflows.test_stream_workflow import local
 
 temporal_env = workflow_fixtures.temporal_env
@@ -351,11 +348,11 @@ async def test_a_request_goes_on_from_the_latest_response_its_history_still_matc
         fake = _Conversations(handles, past=past)
         model = MambaModel("tiny-mamba2")
         monkeypatch.setattr(model, "conversations", lambda fake=fake: fake)
-        turn, response_id = await env.run(model._turn, messages, None, ModelRequestParameters())
+        turn = await env.run(model._turn, messages, None, ModelRequestParameters())
         assert [t["previous"] for t in fake.turns] == previous
         if fed is not None:
             assert [t["items"] for t in fake.turns] == fed
-        assert fake.turns[-1]["system"] == system and response_id == turn.response_id
+        assert fake.turns[-1]["system"] == system
         # the response's digest is the whole conversation's: the next request goes on from it
         assert turn.handle.digest == fake.digest(None, system, [
             *chat_form([message_items(m) for m in messages], {}, len(messages) - 1), answered("ok")])
@@ -479,37 +476,21 @@ async def test_a_stream_worker_sigkilled_mid_request_changes_no_bit_of_the_conve
     activity's chunk calls are answered from the stream's records, and the conversation ends on
     the messages and the checksum of an uninterrupted run of the same agent (a fixed seed)."""
     stack = await make_stack(temporal_env, tmp_path, start_worker=False)
-    async with stack.exits:
-        keyfile, ready = tmp_path / "keyring.json", tmp_path / "ready"
-        stack.keyring.save(keyfile)
-        root = Path(__file__).resolve().parents[2]
-        proc = subprocess.Popen([sys.executable, "-m", "tests.workflows._crash_worker", stack.address, stack.queue,
-                                 stack.store_url, str(keyfile), "recorded", "5", str(ready), "local"], cwd=root)
-        try:
-            async def up() -> bool:
-                return ready.exists()
-            await eventually(up, timeout=90)
-            _, queue = await _agent_worker(stack, monkeypatch)
-            start = conversation_start(stack.client, "alice")
-            run = await stack.client.start_workflow(WeatherChat.run, args=[QUESTIONS, None, 11], task_queue=queue,
-                                                    **start)
+    async with stack.exits, doomed_worker(stack, tmp_path, "recorded", "5", "local") as proc:
+        _, queue = await _agent_worker(stack, monkeypatch)
+        start = conversation_start(stack.client, "alice")
+        run = await stack.client.start_workflow(WeatherChat.run, args=[QUESTIONS, None, 11], task_queue=queue,
+                                                **start)
+        await sigkilled(proc)
+        await stack.worker()  # the rescuer: workflows and activities, as every worker is
+        crashed = ModelMessagesTypeAdapter.validate_json(await run.result())
+        clean, again = await _converse(stack, queue, QUESTIONS, seed=11)
 
-            async def died() -> bool:
-                return proc.poll() is not None
-            await eventually(died, timeout=120)
-            assert proc.returncode == -9
-            await stack.worker()  # the rescuer: workflows and activities, as every worker is
-            crashed = ModelMessagesTypeAdapter.validate_json(await run.result())
-            clean, again = await _converse(stack, queue, QUESTIONS, seed=11)
-
-            def replies(messages: list[ModelMessage]) -> list[Any]:
-                return [[(type(p).__name__, getattr(p, "content", None), getattr(p, "args", None)) for p in m.parts]
-                        for m in messages if isinstance(m, ModelResponse)]
-            assert replies(crashed) == replies(clean)  # the same replies
-            a, b = _handles(stack, start["id"], crashed)[-1], _handles(stack, again["id"], clean)[-1]
-            assert a.seq == b.seq == 12 and not a.forked
-            ra, rb = await stack.streams.receipt(a.stream_id), await stack.streams.receipt(b.stream_id)
-            assert (ra.position, ra.checksum) == (rb.position, rb.checksum)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
+        def replies(messages: list[ModelMessage]) -> list[Any]:
+            return [[(type(p).__name__, getattr(p, "content", None), getattr(p, "args", None)) for p in m.parts]
+                    for m in messages if isinstance(m, ModelResponse)]
+        assert replies(crashed) == replies(clean)  # the same replies
+        a, b = _handles(stack, start["id"], crashed)[-1], _handles(stack, again["id"], clean)[-1]
+        assert a.seq == b.seq == 12 and not a.forked
+        ra, rb = await stack.streams.receipt(a.stream_id), await stack.streams.receipt(b.stream_id)
+        assert (ra.position, ra.checksum) == (rb.position, rb.checksum)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import subprocess
+import sys
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -211,6 +213,34 @@ async def eventually(fn, *, timeout: float = 20.0, interval: float = 0.05):
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError("condition not reached in time")
         await asyncio.sleep(interval)
+
+
+@asynccontextmanager
+async def doomed_worker(stack: Stack, tmp_path: Path, *how: str) -> AsyncIterator[subprocess.Popen]:
+    """A stream worker of the stack's queue in a process of its own (tests/workflows/_crash_worker.py)
+    that SIGKILLs itself where `how` says (its arguments after the store's: when, at which chunk,
+    then its ready file's and the rest), yielded once it serves; killed at the end if still alive."""
+    keyfile, ready = tmp_path / "keyring.json", tmp_path / "ready"
+    stack.keyring.save(keyfile)
+    proc = subprocess.Popen([sys.executable, "-m", "tests.workflows._crash_worker", stack.address, stack.queue,
+                             stack.store_url, str(keyfile), *how[:2], str(ready), *how[2:]],
+                            cwd=Path(__file__).resolve().parents[2])
+    try:
+        async def up() -> bool:
+            return ready.exists()
+        await eventually(up, timeout=90)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+async def sigkilled(proc: subprocess.Popen) -> None:
+    """Wait for `doomed_worker`'s process to have killed itself (SIGKILL)."""
+    async def died() -> bool:
+        return proc.poll() is not None
+    await eventually(died, timeout=120)
+    assert proc.returncode == -9
 
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")

@@ -19,6 +19,7 @@ from mamba_stream.state_codec.codec import plaintext_checksum
 from mamba_stream.workflows import Grammar, update_id
 from mamba_stream.workflows._client import _shaping
 from mamba_stream.workflows._model_stream import generate_request
+from tests.activities.test_grammar import JSON, SCHEMA
 from tests.workflows._sampling_owner import SamplingInput, SamplingOwner
 from tests.workflows.conftest import Stack, make_stack
 from tests.workflows.test_nothing_stuck import accepted_updates, reason
@@ -28,12 +29,6 @@ from tests.workflows.test_stream_workflow import local
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 PROMPT = list(b"Plan: ")
-SCHEMA = {"type": "object",
-          "properties": {"city": {"type": "string", "maxLength": 12},
-                         "days": {"type": "integer", "minimum": 0, "maximum": 365}},
-          "required": ["city", "days"], "additionalProperties": False,
-          "x-guidance": {"whitespace_flexible": False}}
-JSON = Grammar(kind="json_schema", source=json.dumps(SCHEMA))
 
 
 def scanned(tokens: list[int]) -> str:
