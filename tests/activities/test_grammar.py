@@ -239,3 +239,42 @@ def test_a_request_without_a_grammar_keeps_its_content_digest():
             "41f9651b82130c93773eef699e7a909e632c2f6a3cb6bc7ddcec21ec62f8d4f5"
     with_grammar = GenerateRequest(principal="alice", chunk_seq=2, max_tokens=16, seed=5, grammar=JSON)
     assert "grammar" not in neutral_settings(with_grammar) and Shaping.of(with_grammar) is None
+
+
+def test_a_grammar_failing_mid_generate_leaves_the_stream_where_it_was(monkeypatch):
+    """A matcher that fails after some tokens (a dead end, llguidance's limits): the generate is
+    refused typed, nothing of it is stored, and the stream's next generate samples what a stream
+    that never saw the failed one samples (the half-advanced slot was dropped, not kept)."""
+    from mamba_stream.activities import _grammar
+
+    real, seen = _grammar.GrammarGuide.take, []
+
+    def failing(self, tok: int) -> None:
+        seen.append(tok)
+        if len(seen) == 3:
+            raise self._fail("refused a token")
+        real(self, tok)
+
+    ask = {"max_tokens": MAX_TOKENS, "seed": 4, "temperature": 0.9, "grammar": JSON}
+    acts = StreamActivities(models=ModelRegistry({"m": "tiny-mamba2"}, backend="reference"),
+                            store=MemoryStateStore(), keyring=Keyring.generate())
+    try:
+        env = stream_env("s1")
+        opened = env.run(acts.open_stream, OpenStreamRequest(stream_id="s1", principal="alice", model_id="m"))
+        fed = env.run(acts.advance_chunk, AdvanceChunkRequest(
+            stream_id="s1", principal="alice", receipt=opened.receipt,
+            request=AdvanceRequest(principal="alice", chunk_seq=1, tokens=PROMPT)))
+        keys = acts.store.list_stream(stream_id="s1")
+        gen = GenerateChunkRequest(stream_id="s1", principal="alice", receipt=fed.result.receipt,
+                                   request=GenerateRequest(principal="alice", chunk_seq=2, **ask))
+        with monkeypatch.context() as mp:
+            mp.setattr(_grammar.GrammarGuide, "take", failing)
+            with pytest.raises(ApplicationError) as exc:
+                env.run(acts.generate_tokens, gen)
+        assert exc.value.type == "InvalidRequest" and exc.value.details[0]["field"] == "grammar"
+        assert len(seen) == 3 and acts.store.list_stream(stream_id="s1") == keys
+        again = env.run(acts.generate_tokens, gen).result
+    finally:
+        acts.close()
+    [fresh], _ = _generate([ask])
+    assert (again.tokens, again.receipt.checksum) == (fresh.tokens, fresh.receipt.checksum)

@@ -24,7 +24,7 @@ from mamba_stream.state_codec.codec import plaintext_checksum
 from mamba_stream.workflows import StreamOptions, id_key
 from tests.openai_agents._agents import ASCII, Assistant, Forecast, HeldToGrammar, LongChat, sky
 from tests.workflows import conftest as workflow_fixtures
-from tests.workflows.conftest import FAST, doomed_worker, make_stack, sigkilled
+from tests.workflows.conftest import FAST, doomed_worker, make_stack, replay_agents, sigkilled
 from tests.workflows.test_stream_workflow import local
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -47,6 +47,12 @@ async def _agent_worker(stack, exits, options: StreamOptions | None = None):
     return client, queue
 
 
+async def _replays(client: Client, queue: str) -> int:
+    """Every agent run recorded on `queue` replays (temporalio's Replayer) with the plugins its
+    worker had; how many runs."""
+    return await replay_agents(client, queue, [Assistant, LongChat, HeldToGrammar], list(client.config()["plugins"]))
+
+
 def _expected_text(answers: list[str], replies: list[str]) -> str:
     """The whole conversation as one stream would be fed it: rendered at once, then the last reply."""
     tpl = ChatTemplate.plain()
@@ -62,9 +68,10 @@ def _expected_text(answers: list[str], replies: list[str]) -> str:
 async def test_an_agent_feeds_each_turn_once_and_ends_on_one_streams_checksum(temporal_env, tmp_path):
     stack = await make_stack(temporal_env, tmp_path)
     async with stack.exits:
-        _, queue = await _agent_worker(stack, stack.exits)
+        client, queue = await _agent_worker(stack, stack.exits)
         start = conversation_start(stack.client, "alice")
         out = await stack.client.execute_workflow(Assistant.run, args=[QUESTIONS, None], task_queue=queue, **start)
+        assert await _replays(client, queue) == 1
         answers, ids = out[0::2], out[1::2]
         # the framework's payloads (the conversation) are sealed in history like the streams' own
         raw = await Client.connect(stack.address)
@@ -202,9 +209,10 @@ async def test_a_long_conversation_adds_to_history_what_each_turn_added(temporal
     (the new message and a handle), not the conversation; one stream holds all 200 turns."""
     stack = await make_stack(temporal_env, tmp_path)
     async with stack.exits:
-        _, queue = await _agent_worker(stack, stack.exits)
+        client, queue = await _agent_worker(stack, stack.exits)
         start = conversation_start(stack.client, "alice")
         last = await stack.client.execute_workflow(LongChat.run, args=[200, 100, None, 0], task_queue=queue, **start)
+        assert await _replays(client, queue) == 2  # both runs, continued as new
         sizes = []
         async for wf in stack.client.list_workflows(f"WorkflowId = '{start['id']}'"):
             events = (await stack.client.get_workflow_handle(wf.id, run_id=wf.run_id).fetch_history()).events
@@ -227,7 +235,7 @@ async def test_a_stream_worker_sigkilled_mid_turn_changes_no_bit_of_the_conversa
     stack = await make_stack(temporal_env, tmp_path, start_worker=False)
     async with stack.exits, doomed_worker(stack, tmp_path, "recorded", "5", "local") as proc:
         opts = StreamOptions(**{**FAST.model_dump(include=set(FAST.model_fields_set)), "checkpoints_kept": 16})
-        _, queue = await _agent_worker(stack, stack.exits, options=opts)
+        client, queue = await _agent_worker(stack, stack.exits, options=opts)
         start = conversation_start(stack.client, "alice")
         run = await stack.client.start_workflow(Assistant.run, args=[QUESTIONS, None, 11], task_queue=queue,
                                                 **start)
@@ -240,6 +248,7 @@ async def test_a_stream_worker_sigkilled_mid_turn_changes_no_bit_of_the_conversa
         tag, key = start["id"].split(".")[1], id_key(stack.client, start["id"])
         crashed, uninterrupted = open_handle(key, tag, out[-1]), open_handle(key, tag, clean[-1])
         assert crashed.seq == uninterrupted.seq == 10 and not crashed.forked
+        assert await _replays(client, queue) == 2  # the crashed run and the clean one
         a = await stack.streams.receipt(crashed.stream_id)
         b = await stack.streams.receipt(uninterrupted.stream_id)
         assert (a.position, a.checksum) == (b.position, b.checksum)

@@ -54,7 +54,7 @@ from mamba_stream.workflows import id_key
 from tests.openai_agents.test_provider import _cause_types
 from tests.pydantic_ai._agents import CALL, CALL_ARGS, CALL_TEXT, INSTRUCTIONS, MODEL, Forecast, Plans, WeatherChat
 from tests.workflows import conftest as workflow_fixtures
-from tests.workflows.conftest import Stack, doomed_worker, eventually, make_stack, sigkilled
+from tests.workflows.conftest import Stack, doomed_worker, eventually, make_stack, replay_agents, sigkilled
 from tests.workflows.test_stream_workflow import local
 
 temporal_env = workflow_fixtures.temporal_env
@@ -71,6 +71,12 @@ async def _agent_worker(stack: Stack, monkeypatch: pytest.MonkeyPatch) -> tuple[
     client = await Client.connect(stack.address, plugins=[PydanticAIPlugin(), MambaStreamPlugin(keyring=stack.keyring)])
     await stack.exits.enter_async_context(Worker(client, task_queue=queue, workflows=[WeatherChat, Plans]))
     return client, queue
+
+
+async def _replays(client: Client, queue: str) -> int:
+    """Every agent run recorded on `queue` replays (temporalio's Replayer) with the plugins its
+    worker had; how many runs."""
+    return await replay_agents(client, queue, [WeatherChat, Plans], list(client.config()["plugins"]))
 
 
 async def _converse(stack: Stack, queue: str, questions: list[str], history: list[ModelMessage] | None = None,
@@ -139,6 +145,7 @@ async def test_an_agent_with_a_tool_feeds_each_request_once_and_ends_on_one_stre
     async with stack.exits:
         client, queue = await _agent_worker(stack, monkeypatch)
         messages, start = await _converse(stack, queue, QUESTIONS)
+        assert await _replays(client, queue) == 1
         wid = start["id"]
         responses = [m for m in messages if isinstance(m, ModelResponse)]
         kinds = [[type(p).__name__ for p in r.parts] for r in responses]
@@ -279,9 +286,10 @@ async def test_a_structured_output_is_held_to_its_schema_as_a_tool_call_or_as_th
     and as the reply's text (native output)."""
     stack = await make_stack(temporal_env, tmp_path)
     async with stack.exits:
-        _, queue = await _agent_worker(stack, monkeypatch)
+        client, queue = await _agent_worker(stack, monkeypatch)
         (by_tool, tool_kinds), (as_text, text_kinds) = await stack.client.execute_workflow(
             Plans.run, task_queue=queue, **conversation_start(stack.client, "alice"))
+        assert await _replays(client, queue) == 1
     assert Forecast.model_validate(by_tool).model_dump() == by_tool and tool_kinds == [["tool-call"]]
     assert Forecast.model_validate(as_text).model_dump() == as_text and text_kinds == [["text"]]
 
@@ -477,7 +485,7 @@ async def test_a_stream_worker_sigkilled_mid_request_changes_no_bit_of_the_conve
     the messages and the checksum of an uninterrupted run of the same agent (a fixed seed)."""
     stack = await make_stack(temporal_env, tmp_path, start_worker=False)
     async with stack.exits, doomed_worker(stack, tmp_path, "recorded", "5", "local") as proc:
-        _, queue = await _agent_worker(stack, monkeypatch)
+        client, queue = await _agent_worker(stack, monkeypatch)
         start = conversation_start(stack.client, "alice")
         run = await stack.client.start_workflow(WeatherChat.run, args=[QUESTIONS, None, 11], task_queue=queue,
                                                 **start)
@@ -494,3 +502,4 @@ async def test_a_stream_worker_sigkilled_mid_request_changes_no_bit_of_the_conve
         assert a.seq == b.seq == 12 and not a.forked
         ra, rb = await stack.streams.receipt(a.stream_id), await stack.streams.receipt(b.stream_id)
         assert (ra.position, ra.checksum) == (rb.position, rb.checksum)
+        assert await _replays(client, queue) == 2  # the crashed run and the clean one

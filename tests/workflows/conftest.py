@@ -170,6 +170,20 @@ async def replay(client: Client, queue: str, keyring: Keyring, keep: Path | None
     return len(runs)
 
 
+async def replay_agents(client: Client, queue: str, workflows: list[type], plugins: list) -> int:
+    """Replay every run recorded on `queue` (an agent framework's workflows, with the plugins their
+    worker had: the framework's, then ours) with this checkout's code. Returns how many runs."""
+    runs = [h for h in await histories(client, queue)
+            if any(e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED for e in h.events)]
+    replayer = Replayer(workflows=workflows, plugins=plugins)
+    async with replayer.workflow_replay_iterator(_aiter(runs)) as results:
+        async for result in results:
+            if result.replay_failure is not None:
+                raise AssertionError(f"recorded history of {result.history.workflow_id} does not replay: "
+                                     f"{result.replay_failure!r}")
+    return len(runs)
+
+
 async def _aiter(items):
     for item in items:
         yield item
