@@ -59,7 +59,7 @@ from tests.workflows.test_stream_workflow import local
 
 temporal_env = workflow_fixtures.temporal_env
 
-QUESTIONS = ["hello", "and in Rome?", "thanks"]
+QUESTIONS = ["hello", "and in Rome?", "and Nice?", "tomorrow?", "thanks"]
 MODEL_REQUEST = "agent__weather_chat__model_request"
 
 
@@ -137,7 +137,7 @@ def _expected(messages: list[ModelMessage], tools: list[dict[str, Any]]) -> list
 
 async def test_an_agent_with_a_tool_feeds_each_request_once_and_ends_on_one_streams_checksum(
         temporal_env, tmp_path, monkeypatch):
-    """Three questions, each answered by a tool call, the tool's return, then text: six model
+    """Five questions, each answered by a tool call, the tool's return, then text: ten model
     requests on one stream, each after the first fed exactly the rendering of the messages after
     the response before it; the stream ends on the checksum of one stream fed the whole rendered
     conversation; the first model activity retried answers the same response and moves nothing."""
@@ -499,7 +499,7 @@ async def test_a_stream_worker_sigkilled_mid_request_changes_no_bit_of_the_conve
                     for m in messages if isinstance(m, ModelResponse)]
         assert replies(crashed) == replies(clean)  # the same replies
         a, b = _handles(stack, start["id"], crashed)[-1], _handles(stack, again["id"], clean)[-1]
-        assert a.seq == b.seq == 12 and not a.forked
+        assert a.seq == b.seq == 4 * len(QUESTIONS) and not a.forked
         ra, rb = await stack.streams.receipt(a.stream_id), await stack.streams.receipt(b.stream_id)
         assert (ra.position, ra.checksum) == (rb.position, rb.checksum)
         assert await _replays(client, queue) == 2  # the crashed run and the clean one
