@@ -80,12 +80,14 @@ class HeldToGrammar:
     @workflow.run
     async def run(self) -> list:
         extra = {"top_k": 20, "logit_bias": ASCII}
+        # room for the longest reply the grammars allow (byte tokens): a call of `sky` whose city
+        # is eight `\uXXXX` escapes is 124 bytes, then the end (the seed is the stream's: any run)
         agent = Agent(name="tools", instructions="Use the tool.", model="tiny-mamba2", tools=[sky],
-                      model_settings=ModelSettings(max_tokens=96, tool_choice="required", extra_args=extra))
+                      model_settings=ModelSettings(max_tokens=160, tool_choice="required", extra_args=extra))
         used = await Runner.run(agent, "weather in Paris?", max_turns=3)
         calls = [[i.raw_item.name, i.raw_item.arguments] for i in used.new_items if i.type == "tool_call_item"]
         outputs = [i.output for i in used.new_items if i.type == "tool_call_output_item"]
         planner = Agent(name="planner", instructions="Plan a trip.", model="tiny-mamba2", output_type=Forecast,
-                        model_settings=ModelSettings(max_tokens=96, extra_args=extra))
+                        model_settings=ModelSettings(max_tokens=160, extra_args=extra))
         plan = await Runner.run(planner, "Plan.")
         return [calls, outputs, plan.final_output.model_dump()]
