@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import os
 import resource
 import statistics
@@ -54,6 +55,8 @@ FORMATS = {"130m": ("float32", "bfloat16", "q8"), "1.4b": ("float32", "bfloat16"
 HYBRID_SIZES = ("3b-hybrid", "8b-hybrid", "9b-hybrid")
 #: sizes whose prefill of 128 and 8 decode steps already take minutes a row
 _LARGE = ("7b", "7b-falcon", "8b-hybrid", "9b-hybrid")
+
+log = logging.getLogger("bench_sizes")
 
 
 def _rss_now() -> float:
@@ -137,19 +140,28 @@ def _llama(bench: str, gguf: Path, prefill: int, steps: int, depths: tuple[int, 
     extra = os.environ.get("LLAMA_BENCH_ARGS", "").split()  # e.g. "--repack 0" (docs/llamacpp.md)
 
     def run(*args: str) -> list[dict]:
-        out = subprocess.run([bench, "-m", str(gguf), *args, "-t", threads, "-r", str(reps), "-o", "json", *extra],
-                             capture_output=True, text=True, check=True)
+        cmd = [bench, "-m", str(gguf), *args, "-t", threads, "-r", str(reps), "-o", "json", *extra]
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode < 0 and "--repack" not in extra:
+            # a native build's AMX Q8_0 kernel dies on a VM that does not hand out AMX's tile state
+            # (docs/llamacpp.md): its weights kept in plain buffers instead, on the AVX-512 path
+            log.warning("llama-bench died (signal %d) on %s; again with --repack 0", -out.returncode, gguf.name)
+            extra.extend(["--repack", "0"])
+            return run(*args)
+        if out.returncode != 0:
+            raise RuntimeError(f"llama-bench failed ({out.returncode}) on {gguf}: {out.stderr.strip()[-200:]}")
         return json.loads(out.stdout)
 
     if not depths:
         rows = run("-p", str(prefill), "-n", str(steps))
         pre = next(r["avg_ts"] for r in rows if r.get("n_prompt", 0) > 0)
         dec = next(r["avg_ts"] for r in rows if r.get("n_gen", 0) > 0)
-        return {"prefill_tok_s": pre, "decode_tok_s": dec}
+        return {"prefill_tok_s": pre, "decode_tok_s": dec, "args": " ".join(extra)}
     pre = next(r["avg_ts"] for r in run("-p", str(prefill), "-n", "0") if r.get("n_prompt", 0) > 0)
     rows = run("-p", "0", "-n", str(steps), "-d", ",".join(map(str, depths)))
     decode_at = {r["n_depth"]: r["avg_ts"] for r in rows if r.get("n_gen", 0) > 0}
-    return {"prefill_tok_s": pre, "decode_tok_s": decode_at[depths[0]], "decode_at": decode_at}
+    return {"prefill_tok_s": pre, "decode_tok_s": decode_at[depths[0]], "decode_at": decode_at,
+            "args": " ".join(extra)}
 
 
 def main() -> None:
@@ -218,12 +230,16 @@ def main() -> None:
                     for depth, tps in r.get("decode_at", {}).items():
                         print(f"{'':<15} {'':<9} {'decode at':>8} {depth:>11} {'':>7} {'':>8} {'':>14} {tps:>13.2f}")
                 if llama and rows:
-                    ll = _llama(llama, ckpt / f"model-{fmt}.gguf", prefill, steps, at, reps)
-                    if ll:
+                    gguf = ckpt / f"model-{fmt}.gguf"
+                    ll = _llama(llama, gguf, prefill, steps, at, reps)
+                    if ll is None:
+                        print(f"{'':<15} {'llama.cpp':<9} no {gguf} (docs/llamacpp.md: convert_hf_to_gguf.py)")
+                    else:
                         ratios = "; ".join(f"{b} prefill {x['prefill_tok_s'] / ll['prefill_tok_s']:.2f}x, decode "
                                            f"{x['decode_tok_s'] / ll['decode_tok_s']:.2f}x" for b, x in rows.items())
                         print(f"{'':<15} {'llama.cpp':<9} {'':>8} {'':>11} {'':>7} {'':>8} "
-                              f"{ll['prefill_tok_s']:>14.1f} {ll['decode_tok_s']:>13.2f}   -> ours/llama.cpp: {ratios}")
+                              f"{ll['prefill_tok_s']:>14.1f} {ll['decode_tok_s']:>13.2f}   -> ours/llama.cpp: {ratios}"
+                              + (f" (llama-bench {ll['args']})" if ll["args"] else ""))
                         for depth, tps in ll.get("decode_at", {}).items():
                             mine = "; ".join(f"{b} {x['decode_at'][str(depth)] / tps:.2f}x" for b, x in rows.items())
                             print(f"{'':<15} {'llama.cpp':<9} {'decode at':>8} {depth:>11} {'':>7} {'':>8} {'':>14} "

@@ -659,9 +659,16 @@ def load_model(
     fmt = _weight_format(weights, sd, cfg, dtype, reads_stored)
     # the exact kernels' bits do not depend on where a weight lies; torch's kernels may (a vector
     # loop peels to alignment), so the other backends get fresh, aligned copies as they always did
-    lm = _build(cfg, sd, dtype, device, fmt, mapped=name not in PRESETS and reads_stored)
-    return Model(lm, model_id=model_id, revision=revision, backend=backend, transform=transform,
-                 state_dtype=state_dtype, eos_token_ids=eos, chat_template=chat)
+    mapped = name not in PRESETS and reads_stored
+    lm = _build(cfg, sd, dtype, device, fmt, mapped=mapped)
+    model = Model(lm, model_id=model_id, revision=revision, backend=backend, transform=transform,
+                  state_dtype=state_dtype, eos_token_ids=eos, chat_template=chat)
+    if mapped and fmt == "q8":
+        # the file's q8 matrices, in use as they are: their scales leave memory once repacked
+        # (the kernels read the repacked copy only), after the probe has run
+        stored = {id(w): w for w in sd.values() if isinstance(w, Q8Weight)}
+        log.debug("q8 scales paged out after repacking: %d bytes", sum(w.settle() for w in stored.values()))
+    return model
 
 
 def _chat_template_of(directory: Path) -> ChatTemplate | ChatTemplateError:

@@ -25,6 +25,12 @@ A checkpoint holds such a matrix as two tensors, `<name>_q8` (int8) and `<name>_
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+import mmap
+import sys
+
 import torch
 
 from mamba_stream.scan._fma import fma_product
@@ -66,6 +72,15 @@ class Q8Weight:
             self._d8 = d.reshape(-1, 8, nb).transpose(1, 2).contiguous()
         return self._d8
 
+    def settle(self) -> int:
+        """Make `d8` now and drop `d`'s pages from memory where `d` is a view of a checkpoint file
+        just mapped (`release_pages`): the kernels and embedding lookups read `d8` only, so the
+        file's copy of the scales (1/16 byte a weight, 0.45 GB of a 7B model) leaves the process
+        instead of staying beside its repacked copy. What reads all of `d` later (the twins, a
+        save) reads it again from the file: no value changes. Returns the bytes released."""
+        self.d8  # noqa: B018 (made, from d's pages, before they go)
+        return release_pages(self.d)
+
     @property
     def shape(self) -> torch.Size:
         return torch.Size((self.q.shape[0], self.k))
@@ -87,13 +102,63 @@ class Q8Weight:
 
     def dequantize(self, rows: Tensor | None = None) -> Tensor:
         """float32 q d (exact: a 7-bit integer times an 11-bit significand), of all rows or of `rows`."""
-        q, d = (self.q, self.d) if rows is None else (self.q[rows], self.d[rows])
+        if rows is None:
+            q, d = self.q, self.d
+        else:  # a few rows (an embedding lookup): their scales from d8 once it is made (`settle`)
+            q = self.q[rows]
+            d = self.d[rows] if self._d8 is None else self._d8[torch.div(rows, 8, rounding_mode="floor"), :, rows % 8]
         full = q.to(torch.float32).unflatten(-1, (-1, QB)) * d.to(torch.float32).unsqueeze(-1)
         return full.flatten(-2)[..., : self.k]
 
     def embedding(self, tokens: Tensor) -> Tensor:
         """Rows `tokens` (B, L) as float32 (B, L, K): an embedding lookup."""
         return self.dequantize(tokens)
+
+
+#: madvise's advice to drop pages from the mapping: a private file mapping's page not written since
+#: it was mapped is read again from the file when next touched (anonymous memory would be lost:
+#: `release_pages` advises file pages only)
+_MADV_DONTNEED = 4
+
+
+@functools.cache
+def _madvise() -> object | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+def _in_a_file_mapping(lo: int, hi: int) -> bool:
+    """Whether [lo, hi) lies in one mapping of a file (an inode), by /proc/self/maps."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                parts = line.split()
+                start, end = (int(v, 16) for v in parts[0].split("-"))
+                if start <= lo and hi <= end:
+                    return len(parts) >= 5 and parts[4] != "0"
+    except OSError:
+        pass
+    return False
+
+
+def release_pages(t: Tensor) -> int:
+    """Drop the whole pages inside `t`'s bytes from the process's memory (MADV_DONTNEED), for a view
+    of a file's private mapping whose pages nothing has written since it was mapped (a checkpoint
+    just loaded): touched again, they are read again from the file, so no value changes. Anything
+    else (anonymous memory, a range not in one file mapping, no madvise) is left alone. Returns the
+    bytes released."""
+    fn = _madvise()
+    start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    lo, hi = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
+    if fn is None or hi <= lo or not _in_a_file_mapping(lo, hi):
+        return 0
+    return hi - lo if fn(lo, hi - lo, _MADV_DONTNEED) == 0 else 0  # type: ignore[operator]
 
 
 def _blocks(w: Tensor) -> Tensor:

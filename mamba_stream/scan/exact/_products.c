@@ -528,12 +528,15 @@ DEFINE_Q8_TILE8(_fma, Q8_FUSED8)
 /* linear_q8_f32 (exact-1) and linear_q8_fma_f32 (exact-2): the same blocks, sums and order; only
  * how a block's term joins the sum differs (MADD8 in the tiles, MADD1 for one output) */
 #define DEFINE_Q8_LINEAR(AR, MADD1)                                                                 \
-    static void one_q8##AR(const int8_t *qx, const float *sx, i64 nb, const int8_t *q, const uint16_t *d, i64 n, \
+    /* one output n; its scales read from d8 too (element n % 8 of its tile's run), so that no     \
+     * kernel reads d: a checkpoint's d can leave memory once d8 is made (Q8Weight.settle) */        \
+    static void one_q8##AR(const int8_t *qx, const float *sx, i64 nb, const int8_t *q, const uint16_t *d8, i64 n, \
                            float *out) {                                                            \
         i64 kp = nb * QB;                                                                           \
+        const uint16_t *dn = d8 + (n / 8) * nb * 8 + n % 8;                                         \
         float acc = 0.0f;                                                                           \
         for (i64 b = 0; b < nb; b++) {                                                              \
-            float c = sx[b] * f16_to_float(d[n * nb + b]);                                          \
+            float c = sx[b] * f16_to_float(dn[b * 8]);                                              \
             acc = MADD1((float)dot_q8(qx + b * QB, q + n * kp + b * QB), c, acc);                   \
         }                                                                                           \
         out[n] = acc;                                                                               \
@@ -541,10 +544,11 @@ DEFINE_Q8_TILE8(_fma, Q8_FUSED8)
     /* out (M, N) = the rows qx (M, KP), sx (M, NB) (quantize_rows_q8) against q, d, for outputs  \
      * [n0, n1) (n0 a multiple of 8); in blocks of BLOCK_N outputs whose weights stay in cache     \
      * while every row passes. d8: the same scales, repacked (ceil(N / 8), NB, 8) for the          \
-     * 8-output tiles. */                                                                           \
+     * 8-output tiles, and the only ones read (d is unused, kept in the signature). */             \
     void linear_q8##AR##_f32(const int8_t *qx, const float *sx, i64 M, i64 K, const int8_t *q, const uint16_t *d, \
                              const uint16_t *d8, i64 N, const float *bias, float *out, i64 n0, i64 n1) { \
         i64 nb = (K + QB - 1) / QB, kp = nb * QB;                                                   \
+        (void)d;                                                                                    \
         for (i64 b0 = n0; b0 < n1; b0 += BLOCK_N) {                                                 \
             i64 b1 = b0 + BLOCK_N < n1 ? b0 + BLOCK_N : n1;                                         \
             for (i64 m = 0; m < M; m++) {                                                           \
@@ -553,7 +557,7 @@ DEFINE_Q8_TILE8(_fma, Q8_FUSED8)
                 float *orow = out + m * N;                                                          \
                 i64 n = b0;                                                                         \
                 Q8_TILES(AR)                                                                        \
-                for (; n < b1; n++) one_q8##AR(xr, sr, nb, q, d, n, orow);                          \
+                for (; n < b1; n++) one_q8##AR(xr, sr, nb, q, d8, n, orow);                         \
                 if (bias)                                                                           \
                     for (i64 j = b0; j < b1; j++) orow[j] = orow[j] + bias[j];                      \
             }                                                                                       \
