@@ -102,6 +102,12 @@ class Backend:
         """One layer over a chunk: u (B, L, D) -> (B, L, D), its new states, the path taken."""
         return mixer.forward(u, states, self.primitives(u.shape[1]))
 
+    def decode(self, lm: Any, hidden: Tensor, layer_states: list[States]) -> tuple[Tensor, list[States], str] | None:
+        """A whole model's step over one token, hidden (B, 1, D) -> logits (B, 1, V), its new
+        states and path, where the backend has it in one call with the loop's bits; None (the
+        default): `scan._forward.forward` runs its loop."""
+        return None
+
     def running(self) -> AbstractContextManager[None]:
         """Held by the calling thread around a forward pass and its checks (none by default)."""
         return contextlib.nullcontext()

@@ -89,6 +89,10 @@ def forward(lm: MambaLM, hidden: Tensor, layer_states: LayerStates, backend: Bac
     """
     if isinstance(backend, str):
         backend = backend_named(backend, lm, hidden.dtype)
+    if hidden.shape[1] == 1 and round_state is None:
+        whole = backend.decode(lm, hidden, layer_states)  # the loop below in one call, its bits
+        if whole is not None:
+            return whole
     cfg = lm.cfg
     prims = backend.primitives(hidden.shape[1])
     rm = cfg.residual_multiplier  # None: no multiply at all (every plain Mamba model)

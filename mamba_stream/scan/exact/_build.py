@@ -167,6 +167,8 @@ def _declare(lib: Any) -> None:
         getattr(lib, f"{kind}_step_work").argtypes = [_P, _I]
         getattr(lib, f"{kind}_step_work").restype = _I
         getattr(lib, f"{kind}_step_f32").argtypes = [_P, _P, _I, _P, _P, _P, _P, _P, _P]
+    lib.model_step_work.argtypes, lib.model_step_work.restype = [_P, _I], _I
+    lib.model_step_f32.argtypes = [_P, _P, _I, _P, _P, _P, _P, _P, _P]
     threaded = []
     for suf in _SUFFIX.values():
         for name in ("conv", "unary"):
@@ -174,7 +176,7 @@ def _declare(lib: Any) -> None:
             fn.argtypes = [*_SIGNATURES[name], ctypes.c_int]
             threaded.append(fn)
     for fn in (lib.quantize_rows_q8, lib.linear_threads, lib.linear_q8_threads,
-               lib.mamba1_step_f32, lib.mamba2_step_f32, *threaded):
+               lib.mamba1_step_f32, lib.mamba2_step_f32, lib.model_step_f32, *threaded):
         fn.restype = None
 
 
@@ -207,6 +209,9 @@ class _Library:
         #: mixer -> (its tensors, their versions, its C description): beside the module, not on it,
         #: so that a copy of the module (deepcopy, pickle) never carries pointers into the original
         self._layers: weakref.WeakKeyDictionary[torch.nn.Module, tuple[list[Any], list[int | None], Any]] = (
+            weakref.WeakKeyDictionary())
+        #: model -> the same, for its whole decode step (`_step.step_model`)
+        self._models: weakref.WeakKeyDictionary[torch.nn.Module, tuple[list[Any], list[int | None], Any]] = (
             weakref.WeakKeyDictionary())
 
     @staticmethod

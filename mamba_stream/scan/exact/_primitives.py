@@ -119,6 +119,10 @@ class _KernelBackend(FixedBackend):
         super().__init__(prims, "exact-fma" if fused else "exact")
         self._ops, self._in_place = _kernel_ops(fused), in_place
 
+    def decode(self, lm: Any, hidden: Tensor, layer_states: list[States]) -> tuple[Tensor, list[States], str] | None:
+        done = self._ops.step_model(lm, hidden, layer_states, self._in_place)
+        return None if done is None else (*done, self._prims.name)
+
     def mix(self, mixer: Any, u: Tensor, states: States, round_state: RoundState = None
             ) -> tuple[Tensor, States, str]:
         if u.shape[1] == 1 and isinstance(mixer, (Mamba1Mixer, Mamba2Mixer)):

@@ -181,3 +181,66 @@ void mamba2_step_f32(const struct mamba2_layer *L, const float *u, i64 B, const 
     gated_norm_f32(y, z, L->norm_w, yn, B, e, e / g, L->norm_eps, (int)L->norm_before_gate);
     exact_product(&L->out_proj, yn, B, out, qx, sx, L->threaded_work, L->threads);
 }
+
+/* --- a whole model's decode step in one call ------------------------------------------------- */
+/* `scan._forward.forward` for one token of B streams of a plain Mamba-1 or Mamba-2 model (every
+ * layer a one-call mixer behind an RMSNorm without bias, no multipliers), as the loop computes
+ * it: residual = hidden (first layer) or hidden + residual, the norm, the mixer's step (above);
+ * after the last layer residual = hidden + residual, norm_f, the head's product. The same
+ * operations on the same values in the same order, so the loop's bits (tests/scan/exact/test_step.py;
+ * the probe's token-by-token check runs it). One call a token instead of a Python loop over the
+ * layers: 2-4 ms of a 130M step were Python's. */
+
+struct model_step {
+    i64 n_layer, kind; /* kind 1: Mamba-1 layers, 2: Mamba-2 */
+    i64 d, vocab;
+    const void *const *layers;  /* n_layer struct mamba1_layer or mamba2_layer */
+    const float *const *norm_w; /* n_layer (D,): each block's RMSNorm weight */
+    const float *normf_w;       /* (D,) */
+    double eps;
+    struct exact_weight head; /* (V, D) */
+    i64 threaded_work, threads;
+};
+
+static i64 layer_work(const struct model_step *M, i64 i, i64 B) {
+    return M->kind == 1 ? mamba1_step_work((const struct mamba1_layer *)M->layers[i], B)
+                        : mamba2_step_work((const struct mamba2_layer *)M->layers[i], B);
+}
+
+i64 model_step_work(const struct model_step *M, i64 B) {
+    i64 most = 0;
+    for (i64 i = 0; i < M->n_layer; i++) {
+        i64 w = layer_work(M, i, B);
+        most = w > most ? w : most;
+    }
+    i64 nb = (M->d + QB - 1) / QB;
+    /* hidden, residual, normed; the head's quantized row and scales */
+    return most + B * (3 * M->d + nb * QB / 4 + nb + 16);
+}
+
+/* u (B, D) the embeddings -> logits (B, V); conv_in[i] / conv_out[i], h_in[i] / h_out[i]: layer i's
+ * states before and after (pairs may be one buffer, as for the layers' steps) */
+void model_step_f32(const struct model_step *M, const float *u, i64 B, float *const *conv_in, float *const *conv_out,
+                    float *const *h_in, float *const *h_out, float *logits, float *work) {
+    i64 d = M->d, n = B * d, nb = (d + QB - 1) / QB;
+    float *hidden = work, *residual = hidden + n, *normed = residual + n, *sx = normed + n;
+    int8_t *qx = (int8_t *)(sx + B * nb);
+    float *lw = (float *)(qx + B * nb * QB) + 16;
+    memcpy(hidden, u, n * sizeof(float));
+    for (i64 i = 0; i < M->n_layer; i++) {
+        if (i == 0)
+            memcpy(residual, hidden, n * sizeof(float));
+        else
+            for (i64 j = 0; j < n; j++) residual[j] = hidden[j] + residual[j];
+        rms_norm_f32(residual, M->norm_w[i], normed, B, d, M->eps);
+        if (M->kind == 1)
+            mamba1_step_f32((const struct mamba1_layer *)M->layers[i], normed, B, conv_in[i], conv_out[i], h_in[i],
+                            h_out[i], hidden, lw);
+        else
+            mamba2_step_f32((const struct mamba2_layer *)M->layers[i], normed, B, conv_in[i], conv_out[i], h_in[i],
+                            h_out[i], hidden, lw);
+    }
+    for (i64 j = 0; j < n; j++) residual[j] = hidden[j] + residual[j];
+    rms_norm_f32(residual, M->normf_w, normed, B, d, M->eps);
+    exact_product(&M->head, normed, B, logits, qx, sx, M->threaded_work, M->threads);
+}

@@ -1,4 +1,6 @@
-"""A Mamba-1 or Mamba-2 layer's decode step (one token) in one kernel call.
+"""A Mamba-1 or Mamba-2 layer's decode step (one token) in one kernel call, and a whole plain
+Mamba-1 or Mamba-2 model's (`step_model`: every layer's, with the norms, the residual sums and the
+head, as `scan._forward.forward`'s loop computes them; its twin is that loop).
 
 `mamba1_step_f32` / `mamba2_step_f32` of `_step.c` run the mixer's forward for one token of B
 streams with the kernels above, in the order the primitives compute it: the same operations on
@@ -21,6 +23,7 @@ where the others know tensors only.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 from typing import Any
@@ -61,6 +64,13 @@ class _Mamba2Layer(ctypes.Structure):
                 ("dt_bias", _P), ("a", _P), ("dskip", _P), ("norm_w", _P), ("norm_eps", _D), ("e", _I), ("h", _I),
                 ("p", _I), ("g", _I), ("n", _I), ("w", _I), ("d_per_channel", _I), ("norm_before_gate", _I),
                 ("threaded_work", _I), ("threads", _I)]
+
+
+class _ModelStep(ctypes.Structure):
+    """`struct model_step` of _step.c: a plain Mamba-1 or Mamba-2 model's decode step."""
+
+    _fields_ = [("n_layer", _I), ("kind", _I), ("d", _I), ("vocab", _I), ("layers", _P), ("norm_w", _P),
+                ("normf_w", _P), ("eps", _D), ("head", _ExactWeight), ("threaded_work", _I), ("threads", _I)]
 
 
 _WEIGHT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -104,8 +114,8 @@ class _Step(_Library):
     """The kernel call `step`: a float32 Mamba-1 or Mamba-2 mixer's decode step in one call (A from
     `exp`, another part of `_kernels._Kernels`)."""
 
-    def _weight(self, lin: torch.nn.Module, keep: list[Tensor]) -> _ExactWeight | None:
-        w, bias = lin.weight, lin.bias
+    def _weight(self, lin: Any, keep: list[Tensor]) -> _ExactWeight | None:
+        w, bias = lin.weight, getattr(lin, "bias", None)
         if bias is not None and bias.dtype != torch.float32:
             return None
         if isinstance(w, Q8Weight):
@@ -221,3 +231,100 @@ class _Step(_Library):
             states[1].copy_(new_ssm)
             new_conv, new_ssm = states
         return out, (new_conv, new_ssm)
+
+    # --- a whole model's decode step ------------------------------------------------------------
+
+    @staticmethod
+    def _model_tensors(lm: Any) -> list[Any] | None:
+        """What a plain Mamba-1 or Mamba-2 model's decode step reads: every block's norm weight
+        and its mixer's tensors (`_step_tensors`), norm_f's weight and the head's; None for any
+        other model (a hybrid, multipliers, a LayerNorm or a norm bias, a block with an ffn)."""
+        cfg = lm.cfg
+        if (not cfg.rms_norm or cfg.architecture not in ("mamba1", "mamba2") or cfg.embedding_multiplier is not None
+                or cfg.residual_multiplier is not None or cfg.logits_scaling is not None
+                or cfg.logits_multiplier is not None):
+            return None
+        mixer_type = Mamba1Mixer if cfg.architecture == "mamba1" else Mamba2Mixer
+        bb = lm.backbone
+        out: list[Any] = []
+        for blk in bb.layers:
+            norm = blk.norm
+            if (blk.kind != cfg.architecture or blk.mlp_norm is not None or type(blk.mixer) is not mixer_type
+                    or _field(norm, "bias") is not None):
+                return None
+            out.append(_field(norm, "weight"))
+            out += _Step._step_tensors(blk.mixer)
+        if bb.norm_f.bias is not None:
+            return None
+        out += [bb.norm_f.weight, lm.lm_head.weight]
+        return out
+
+    def _model(self, lm: Any) -> tuple[_ModelStep, list[Any], list[_Mamba1Layer | _Mamba2Layer]] | None:
+        """The C description of a model for its one-call decode step (None where it does not
+        apply), kept beside the model (not on it: a copy of the module must not carry pointers
+        into the original) while none of the tensors it reads changes; a model that cannot be
+        weakly referenced (the probe's view of one) is described afresh each time."""
+        tensors = self._model_tensors(lm)
+        if tensors is None:
+            return None
+        versions = [_version(t) for t in tensors]
+        try:
+            hit = self._models.get(lm)
+        except TypeError:
+            hit = None
+        if (hit is not None and None not in versions and hit[1] == versions
+                and all(a is b for a, b in zip(hit[0], tensors, strict=True))):
+            return hit[2]
+        built = None
+        layers = [self._layer(blk.mixer) for blk in lm.backbone.layers]
+        keep: list[Any] = []
+        head = self._weight(lm.lm_head, keep)
+        norms = [blk.norm.weight for blk in lm.backbone.layers] + [lm.backbone.norm_f.weight]
+        if (head is not None and layers and all(x is not None for x in layers)
+                and all(w.dtype == torch.float32 and w.is_contiguous() for w in norms)):
+            structs = [x[1] for x in layers]  # type: ignore[index]
+            kind = 1 if layers[0][0] == "mamba1" else 2  # type: ignore[index]
+            ptrs = (ctypes.c_void_p * len(structs))(*[ctypes.addressof(x) for x in structs])
+            nws = (ctypes.c_void_p * (len(norms) - 1))(*[w.data_ptr() for w in norms[:-1]])
+            cfg = lm.cfg
+            desc = _ModelStep(len(structs), kind, cfg.d_model, head.n, ctypes.addressof(ptrs), ctypes.addressof(nws),
+                              norms[-1].data_ptr(), cfg.norm_eps, head, 0, 1)
+            # the pointer arrays and every tensor they point into live as long as the entry
+            built = (desc, [ptrs, nws, *keep, *norms, *(x[2] for x in layers)], structs)  # type: ignore[index]
+        with contextlib.suppress(TypeError):  # the probe's view: not kept
+            self._models[lm] = (tensors, versions, built)
+        return built
+
+    def step_model(self, lm: Any, hidden: Tensor, layer_states: list[States], in_place: bool
+                   ) -> tuple[Tensor, list[States]] | None:
+        """`scan._forward.forward` of a plain Mamba-1 or Mamba-2 model over one token of B
+        streams, hidden (B, 1, D) float32 embeddings -> logits (B, 1, V), in one kernel call
+        (`model_step_f32`): the loop's bits. None where it does not apply (then the loop runs).
+        `in_place`: the new states are written over `layer_states`."""
+        if hidden.dtype != torch.float32 or hidden.shape[1] != 1:
+            return None
+        built = self._model(lm)
+        if built is None:
+            return None
+        desc, _, structs = built
+        flat = [t for st in layer_states for t in st]
+        if len(flat) != 2 * len(structs) or not all(t.dtype == torch.float32 and t.is_contiguous() for t in flat):
+            return None
+        bsz = hidden.shape[0]
+        work_t, threads = _threading._THREADED_WORK, _threading._THREADS
+        for x in structs:
+            x.threaded_work, x.threads = work_t, threads
+        desc.threaded_work, desc.threads = work_t, threads
+        new = flat if in_place else [torch.empty_like(t) for t in flat]
+        n = len(structs)
+        conv_in = (ctypes.c_void_p * n)(*[flat[2 * i].data_ptr() for i in range(n)])
+        h_in = (ctypes.c_void_p * n)(*[flat[2 * i + 1].data_ptr() for i in range(n)])
+        conv_out = conv_in if in_place else (ctypes.c_void_p * n)(*[new[2 * i].data_ptr() for i in range(n)])
+        h_out = h_in if in_place else (ctypes.c_void_p * n)(*[new[2 * i + 1].data_ptr() for i in range(n)])
+        ref = ctypes.addressof(desc)
+        work = torch.empty(self.lib.model_step_work(ref, bsz), dtype=torch.float32)
+        logits = torch.empty((bsz, 1, desc.vocab), dtype=torch.float32)
+        u = hidden.contiguous()
+        self.lib.model_step_f32(ref, u.data_ptr(), bsz, ctypes.addressof(conv_in), ctypes.addressof(conv_out),
+                                ctypes.addressof(h_in), ctypes.addressof(h_out), logits.data_ptr(), work.data_ptr())
+        return logits, [(new[2 * i], new[2 * i + 1]) for i in range(n)]

@@ -10,9 +10,10 @@ import pytest
 from mamba_stream.scan.exact import TWIN_OPS, TWIN_OPS_FMA
 from mamba_stream.scan.exact._kernels import _Kernels
 
-#: the kernel calls without a twin of their own: the one-call decode step, whose twin is the
-#: primitives' path through the mixer (tests/scan/exact/test_step.py)
-NO_TWIN = {"step"}
+#: the kernel calls without a twin of their own: the one-call decode steps, a layer's (whose twin
+#: is the primitives' path through the mixer) and a model's (whose twin is the forward pass's loop
+#: over the layers; tests/scan/exact/test_step.py holds both)
+NO_TWIN = {"step", "step_model"}
 
 
 def _calls() -> dict[str, tuple[type, object]]:

@@ -1,5 +1,6 @@
-"""The one-call decode step (`_step`): a Mamba-1 or Mamba-2 layer's step in one kernel call gives
-the primitives' bits (its twin: the primitives' path), and rereads a mixer that changed."""
+"""The one-call decode steps (`_step`): a Mamba-1 or Mamba-2 layer's step in one kernel call gives
+the primitives' bits (its twin: the primitives' path), a whole model's gives the forward pass's
+loop's, and both reread weights that changed."""
 
 from __future__ import annotations
 
@@ -25,19 +26,26 @@ def _states(lm, batch: int, seed: int) -> list:
             for blk in lm.backbone.layers]
 
 
+@pytest.mark.parametrize("whole", ["model", "layers"])
 @pytest.mark.parametrize("backend", ["exact", "exact-fma"])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("dtype", ["float32", "float32/bfloat16", "float32/float16", "float32/q8"])
 @pytest.mark.parametrize("preset", ["tiny-mamba1", "tiny-mamba2"])
-def test_a_decode_step_in_one_kernel_call_gives_the_primitives_bits(monkeypatch, preset, dtype, threads, backend):
-    """`mamba1_step_f32` / `mamba2_step_f32` (a layer's decode step in one call) against the same
-    step through the kernels' primitives and through the twins: logits and every layer's states,
-    for one stream and for five, out of place and in place, on 1-3 threads, in every weight
-    format. The one call must have run, once per layer and step."""
+def test_a_decode_step_in_one_kernel_call_gives_the_primitives_bits(monkeypatch, preset, dtype, threads, backend,
+                                                                     whole):
+    """`model_step_f32` (a whole model's decode step in one call) and, with it held off,
+    `mamba1_step_f32` / `mamba2_step_f32` (a layer's in one call, the forward pass's loop around
+    them) against the same step through the kernels' primitives and through the twins: logits and
+    every layer's states, for one stream and for five, out of place and in place, on 1-3 threads,
+    in every weight format. The one call must have run: once a step, or once a layer and step."""
     monkeypatch.setattr(_threading, "_THREADED_WORK", 0 if threads > 1 else 1 << 62)
     monkeypatch.setattr(_threading, "_THREADS", threads)
-    lib = _kernel_ops().lib
-    name = "mamba1_step_f32" if preset == "tiny-mamba1" else "mamba2_step_f32"
+    lib = _kernel_ops(backend == "exact-fma").lib
+    if whole == "layers":
+        monkeypatch.setattr(_KernelBackend, "decode", lambda self, lm, hidden, states: None)
+        name = "mamba1_step_f32" if preset == "tiny-mamba1" else "mamba2_step_f32"
+    else:
+        name = "model_step_f32"
     real, calls = getattr(lib, name), []
     monkeypatch.setattr(lib, name, lambda *a: (calls.append(1), real(*a))[1])
     fused = backend == "exact-fma"
@@ -49,7 +57,7 @@ def test_a_decode_step_in_one_kernel_call_gives_the_primitives_bits(monkeypatch,
         with torch.inference_mode():
             calls.clear()
             got, got_states, path = forward(lm, hidden, states, _KernelBackend(fused=fused))
-            assert len(calls) == lm.cfg.n_layer and path == "exact"
+            assert len(calls) == (lm.cfg.n_layer if whole == "layers" else 1) and path == "exact"
             plain, plain_states, _ = forward(lm, hidden, states,
                                              FixedBackend(_primitives._kernel_primitives(fused=fused)))
             twin, twin_states, _ = forward(lm, hidden, states, FixedBackend(twin_primitives(fused)))
@@ -89,10 +97,10 @@ def test_a_copied_model_steps_on_its_own_weights():
 @pytest.mark.parametrize("how", ["written-in-place", "replaced"])
 @pytest.mark.parametrize("preset", ["tiny-mamba1", "tiny-mamba2"])
 def test_the_one_call_step_rereads_a_mixer_whose_weights_changed(preset, how):
-    """The C description of a mixer is kept while its tensors are unchanged: a weight written in
-    place (a fine-tune, a test) or a parameter replaced by another (`module.weight = ...`, which
-    the step finds in the modules' dicts, not through nn.Module's attribute lookup) is seen by
-    the next step, with the primitives' bits."""
+    """The C description of a mixer (and of a model, for its whole step) is kept while its tensors
+    are unchanged: a weight written in place (a fine-tune, a test) or a parameter replaced by
+    another (`module.weight = ...`, which the step finds in the modules' dicts, not through
+    nn.Module's attribute lookup) is seen by the next step, with the primitives' bits."""
     model = load_model(preset, backend="exact")
     lm = model.module
     states = _states(lm, 1, 50)
@@ -104,10 +112,17 @@ def test_the_one_call_step_rereads_a_mixer_whose_weights_changed(preset, how):
         if how == "replaced":
             mixer.out_proj.weight = torch.nn.Parameter(mixer.out_proj.weight.detach() * 0.5)
             mixer.D = torch.nn.Parameter(mixer.D.detach() + 1.0)
+            blk.norm.weight = torch.nn.Parameter(blk.norm.weight.detach() * 1.5)
         else:
             with torch.no_grad():
                 mixer.out_proj.weight.mul_(0.5)
                 mixer.D.add_(1.0)
+                blk.norm.weight.mul_(1.5)
+    if how == "replaced":  # and the model's own: the final norm's (the whole model's step reads it)
+        lm.backbone.norm_f.weight = torch.nn.Parameter(lm.backbone.norm_f.weight.detach() * 0.75)
+    else:
+        with torch.no_grad():
+            lm.backbone.norm_f.weight.mul_(0.75)
     with torch.inference_mode():
         after, _, _ = forward(lm, hidden, states, _KernelBackend())
         want, _, _ = forward(lm, hidden, states, FixedBackend(TWIN_PRIMITIVES))
