@@ -5,7 +5,8 @@ For each shape (`bench/make_checkpoint.py`: random weights, Hugging Face layout)
 the checkpoint is stored in, a fresh process loads it and reports: the time from `load_model` to
 the first token's logits (the first load of the process, then a second one: page cache warm, the
 revision hash cached, as a restarted worker finds it), its peak RSS beside the weight file's size,
-prefill tokens/s (one chunk of --prefill tokens, 128 at 7B), decode tokens/s (median 1-token
+prefill tokens/s (one chunk of --prefill tokens, 128 at 7B; the last token's logits only,
+`advance(logits="last")`, as llama-bench's prompt processing computes), decode tokens/s (median 1-token
 step), the weight bytes a decode step reads over its time (GB/s) and that rate's share of the
 measured read bandwidth (a threaded sum over 1 GiB). A decode step must read every matrix once:
 that share is how close it runs to the memory's limit.
@@ -94,7 +95,7 @@ def child(ckpt: Path, weights: str, prefill: int, steps: int, runs: int, backend
     pre = []
     for _ in range(runs):
         t = time.perf_counter()
-        r = model.advance(s0, ids[:prefill])
+        r = model.advance(s0, ids[:prefill], logits="last")  # the next token's row, as llama-bench computes
         pre.append(time.perf_counter() - t)
     def decode(st, at: int) -> float:  # the median 1-token step from a state at position `at`
         times = []
@@ -109,7 +110,7 @@ def child(ckpt: Path, weights: str, prefill: int, steps: int, runs: int, backend
     for depth in depths:
         while at < depth:
             n = min(prefill, depth - at)
-            st, at = model.advance(st, ids[at:at + n]).state, at + n
+            st, at = model.advance(st, ids[at:at + n], logits="last").state, at + n
         decode_at[depth] = 1 / (step if depth == prefill else decode(st, depth))
     lm = model.module
     seen: set[int] = set()

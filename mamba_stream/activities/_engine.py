@@ -677,7 +677,8 @@ class StreamEngine:
             w = longs[0]
             piece = w.tokens[w.done : w.done + self.prefill_piece]
             try:
-                r = model.advance(slots.view(w.handle), piece)
+                # a work that keeps no rows (a prefix's) needs each piece's last row only
+                r = model.advance(slots.view(w.handle), piece, logits="all" if w.keep_rows else "last")
             except Exception as exc:  # noqa: BLE001
                 self._fail(w, exc)
                 return [x for x in pending if x is not w and x not in singles]

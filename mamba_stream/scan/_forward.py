@@ -72,7 +72,8 @@ def backend_named(name: str, lm: MambaLM | None = None, dtype: torch.dtype | Non
 
 
 def forward(lm: MambaLM, hidden: Tensor, layer_states: LayerStates, backend: Backend | str,
-            round_state: RoundState = None, positions: Tensor | None = None) -> tuple[Tensor, LayerStates, str]:
+            round_state: RoundState = None, positions: Tensor | None = None, *, last_only: bool = False
+            ) -> tuple[Tensor, LayerStates, str]:
     """Logits for `hidden` (B, L, D), continuing `layer_states` (one tuple per layer, leading B).
 
     Args:
@@ -82,10 +83,13 @@ def forward(lm: MambaLM, hidden: Tensor, layer_states: LayerStates, backend: Bac
         positions: (B,) int64, each stream's position before the chunk: required by a model
             with attention layers (their KV rows are written and read by position), ignored by
             the others.
+        last_only: logits of each stream's last token only, (B, 1, V): the bits of the last row
+            of (B, L, V). On the exact backends the head runs on that row alone; on the others
+            it runs on every row and the last is kept.
 
     Returns:
-        logits (B, L, V) in the compute dtype, the new states of every layer, and the path of the
-        last Mamba layer's scan ("attention" for a model with none).
+        logits (B, L, V) (or (B, 1, V)) in the compute dtype, the new states of every layer, and
+        the path of the last Mamba layer's scan ("attention" for a model with none).
     """
     if isinstance(backend, str):
         backend = backend_named(backend, lm, hidden.dtype)
@@ -135,6 +139,10 @@ def forward(lm: MambaLM, hidden: Tensor, layer_states: LayerStates, backend: Bac
         new_states.append(st_new)
     assert residual is not None
     residual = hidden + residual
+    if last_only and backend.name in EXACT_BACKENDS:
+        # the exact products compute each row in one order whatever the others (a norm is per
+        # token): the last row alone is its bits; a BLAS's product may depend on the rows it is given
+        residual = residual[:, -1:]
     nf = lm.backbone.norm_f
     normed = prims.norm(residual, nf.weight, nf.bias, cfg.norm_eps, cfg.rms_norm)
     logits = prims.linear(normed, lm.lm_head.weight)
@@ -142,4 +150,6 @@ def forward(lm: MambaLM, hidden: Tensor, layer_states: LayerStates, backend: Bac
         logits = logits / cfg.logits_scaling
     if cfg.logits_multiplier is not None:  # Falcon-H1's lm_head_multiplier
         logits = logits * cfg.logits_multiplier
+    if last_only and logits.shape[1] > 1:  # another backend's whole head: its last row kept
+        logits = logits[:, -1:]
     return logits, new_states, path

@@ -413,21 +413,28 @@ class Model:
             tensors = {k: v.to(self.device) for k, v in tensors.items()}
         return State(position, tensors, self._fingerprint)
 
-    def advance(self, state: State, tokens: Any) -> StepResult:
+    def advance(self, state: State, tokens: Any, *, logits: str = "all") -> StepResult:
         """Continue `state` with `tokens` (any number, zero included).
 
         Args:
             state: a State of this model's schema; never modified.
             tokens: a sequence of ints or a 1-D integer tensor.
+            logits: "all": a row of logits per token; "last": the last token's row only (what a
+                prompt's prefill needs, the next token's distribution; on the exact backends the
+                head, a product over the whole vocabulary, then runs on one row instead of every
+                token's, as llama.cpp's prefill does). The row is the same bits as the last row of
+                "all"; the state is the same.
 
         Returns:
-            StepResult with float32 logits (len(tokens), V) and the new State.
+            StepResult with float32 logits (len(tokens), V), or (1, V) for "last" (0 rows for
+            no tokens), and the new State.
 
         Raises:
-            InvalidInput subclasses for bad tokens, InvalidState for a foreign state,
-            NonFiniteOutput if the scan overflowed. Nothing is advanced when they are raised.
+            InvalidInput subclasses for bad tokens or a `logits` that is neither, InvalidState for
+            a foreign state, NonFiniteOutput if the scan overflowed. Nothing is advanced when they
+            are raised.
         """
-        return self.advance_batch([state], [tokens])[0]
+        return self.advance_batch([state], [tokens], logits=logits)[0]
 
     def advance_embeddings(self, state: State, embeddings: Tensor) -> StepResult:
         """Continue `state` with input embeddings (L, D) instead of token ids."""
@@ -436,12 +443,16 @@ class Model:
         self._check_room(state, len(emb), 0)
         return self._run([state], [emb], embedded=True)[0]
 
-    def advance_batch(self, states: Sequence[State], tokens: Sequence[Any]) -> list[StepResult]:
-        """Advance several streams at once; each result equals that stream's own `advance`.
+    def advance_batch(self, states: Sequence[State], tokens: Sequence[Any], *, logits: str = "all"
+                      ) -> list[StepResult]:
+        """Advance several streams at once; each result equals that stream's own `advance`
+        (`logits` as there).
 
         Every input is validated before any computation, so one bad stream fails the call and
         advances none.
         """
+        if logits not in ("all", "last"):
+            raise InvalidInput(f"logits must be 'all' or 'last', not {logits!r}")
         if len(states) != len(tokens):
             raise InvalidInput(f"{len(states)} states but {len(tokens)} token sequences")
         for i, s in enumerate(states):
@@ -449,7 +460,7 @@ class Model:
         ids = [self._check_tokens(t) for t in tokens]
         for i, (s, t) in enumerate(zip(states, ids, strict=True)):
             self._check_room(s, len(t), i)
-        return self._run(list(states), ids, embedded=False)
+        return self._run(list(states), ids, embedded=False, last_only=logits == "last")
 
     def _check_room(self, state: State, length: int, index: int) -> None:
         """PositionLimit where `length` more tokens would take the stream past `max_positions`
@@ -600,7 +611,8 @@ class Model:
 
         return exact_backend(self._lm, self.dtype, self.backend)[1]
 
-    def _run(self, states: list[State], inputs: list[Tensor], *, embedded: bool) -> list[StepResult]:
+    def _run(self, states: list[State], inputs: list[Tensor], *, embedded: bool, last_only: bool = False
+             ) -> list[StepResult]:
         results: list[StepResult | None] = [None] * len(states)
         impl, lm = self._impl(), self._lm
         with torch.inference_mode(), impl.running():
@@ -614,7 +626,7 @@ class Model:
                 hidden = x if embedded else embed(lm, x)
                 positions = torch.tensor([s.position for s in group_states], dtype=torch.long, device=self.device)
                 logits, new_states, path = forward(lm, hidden, self._stack(group_states), impl, self._rounding(),
-                                                   positions)
+                                                   positions, last_only=last_only)
                 out = self._finish(group_states, group_inputs, list(logits), new_states, path)
                 for i, r in zip(idx, out, strict=True):
                     results[i] = r

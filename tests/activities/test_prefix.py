@@ -280,7 +280,7 @@ def test_concurrent_opens_of_one_new_prefix_compute_it_once(store):
     acts = acts_for(store, Keyring.generate())
     model = acts.models.get(MODEL)
     calls, real = [], model.advance
-    model.advance = lambda state, toks: calls.append(len(toks)) or real(state, toks)  # type: ignore[method-assign]
+    model.advance = lambda state, toks, **kw: calls.append(len(toks)) or real(state, toks, **kw)  # type: ignore[method-assign]
     p = tokens(900, seed=6)
     out: dict[str, Any] = {}
 
@@ -323,7 +323,7 @@ def test_concurrent_opens_on_two_workers_compute_a_new_prefix_once(store):
     calls: list[int] = []
     for acts in workers:
         model, real = acts.models.get(MODEL), acts.models.get(MODEL).advance
-        model.advance = lambda state, toks, real=real: calls.append(len(toks)) or real(state, toks)  # type: ignore
+        model.advance = lambda state, toks, real=real, **kw: calls.append(len(toks)) or real(state, toks, **kw)  # type: ignore
     p = tokens(700, seed=9)
     out: dict[str, Any] = {}
 
@@ -411,17 +411,17 @@ def test_a_holder_stalled_past_its_lease_has_its_writes_refused_and_the_entry_is
     model_a, real_a = a.models.get(MODEL), a.models.get(MODEL).advance
     model_b, real_b = b.models.get(MODEL), b.models.get(MODEL).advance
 
-    def advance_a(state, toks):
+    def advance_a(state, toks, **kw):
         if not stalled.is_set():  # A's first piece: the whole worker stops here, store calls and all
             paused.running.clear()
             stalled.set()
             assert wake.wait(60)
             paused.running.set()
         calls[0].append(len(toks))
-        return real_a(state, toks)
+        return real_a(state, toks, **kw)
 
     model_a.advance = advance_a  # type: ignore[method-assign]
-    model_b.advance = lambda state, toks: calls[1].append(len(toks)) or real_b(state, toks)  # type: ignore
+    model_b.advance = lambda state, toks, **kw: calls[1].append(len(toks)) or real_b(state, toks, **kw)  # type: ignore
     p = tokens(300, seed=11)
     out: dict[str, Any] = {}
     holder = threading.Thread(target=lambda: out.setdefault("a", open_(a, "a1", p).receipt))

@@ -130,13 +130,18 @@ def assert_exact_chunking(model: Model, toks: list[int]) -> list[tuple[torch.Ten
 
 def assert_batching_keeps_bits(model: Model, toks: list[int]) -> tuple[State, State]:
     """Two streams at positions 5 and 40 advanced together (one forward) keep their own bits: each
-    the logits and state of its own advance. Returns their states after."""
+    the logits and state of its own advance, and with logits="last" its last row. Returns their
+    states after."""
     a = model.advance(model.initial_state(), toks[:5]).state
     b = model.advance(model.initial_state(), toks[:40]).state
     ra, rb = model.advance_batch([a, b], [toks[50:60], toks[60:70]])
     sa, sb = model.advance(a, toks[50:60]), model.advance(b, toks[60:70])
     assert torch.equal(ra.logits, sa.logits) and state_equal(ra.state, sa.state)
     assert torch.equal(rb.logits, sb.logits) and state_equal(rb.state, sb.state)
+    # a prefill's last row only (logits="last"): that row's bits, the same states, batched or not
+    la, lb = model.advance_batch([a, b], [toks[50:60], toks[60:70]], logits="last")
+    assert torch.equal(la.logits, sa.logits[-1:]) and state_equal(la.state, sa.state)
+    assert torch.equal(lb.logits, sb.logits[-1:]) and state_equal(lb.state, sb.state)
     return ra.state, rb.state
 
 

@@ -35,6 +35,26 @@ def test_1_chunked_outputs_equal_full_outputs(preset):
     assert torch.equal(logits, full.logits)
 
 
+@pytest.mark.parametrize("backend", ["reference", "chunked", "exact", "exact-fma"])
+def test_1b_a_prefills_last_row_alone_is_the_last_row_of_all_and_the_state_the_same(preset, backend):
+    """logits="last" runs the head on each stream's last token only: that row's bits, the same
+    state, alone and in a batch of streams of other lengths' groups; 0 tokens give 0 rows; any
+    other value is refused, typed, before anything runs."""
+    model = model_for(preset, backend)
+    toks = tokens(N, 11)
+    full = model.advance(model.initial_state(), toks)
+    last = model.advance(model.initial_state(), toks, logits="last")
+    assert last.logits.shape == (1, model.vocab_size) and torch.equal(last.logits, full.logits[-1:])
+    assert all(torch.equal(last.state.tensors[k], full.state.tensors[k]) for k in full.state.tensors)
+    step = model.advance(full.state, toks[:1], logits="last")
+    assert torch.equal(step.logits, model.advance(full.state, toks[:1]).logits)
+    a, b, e = model.advance_batch([model.initial_state()] * 3, [toks, toks[:7], []], logits="last")
+    assert torch.equal(a.logits, full.logits[-1:]) and e.logits.shape == (0, model.vocab_size)
+    assert torch.equal(b.logits, model.advance(model.initial_state(), toks[:7]).logits[-1:])
+    with pytest.raises(InvalidInput, match="logits"):
+        model.advance(model.initial_state(), toks, logits="first")
+
+
 def test_2_chunked_final_state_equals_full_final_state(preset):
     model = model_for(preset)
     toks = tokens(N, 2)

@@ -185,7 +185,7 @@ async def test_concurrent_opens_of_one_new_prefix_compute_it_once_and_every_stre
         models = [acts.models.get("tiny-mamba2") for acts in workers]
         reals = [m.advance for m in models]
         for m, real in zip(models, reals, strict=True):
-            m.advance = lambda state, t, real=real: pieces.append(len(t)) or real(state, t)  # type: ignore[method-assign]
+            m.advance = lambda state, t, real=real, **kw: pieces.append(len(t)) or real(state, t, **kw)  # type: ignore[method-assign]
         try:
             p = toks(1100, 30)
             sids = await asyncio.gather(*(stack.streams.open("alice", "tiny-mamba2", prefix=p, options=OPTS)

@@ -171,7 +171,7 @@ def _declare(lib: Any) -> None:
     lib.model_step_f32.argtypes = [_P, _P, _I, _P, _P, _P, _P, _P, _P]
     threaded = []
     for suf in _SUFFIX.values():
-        for name in ("conv", "unary"):
+        for name in ("conv", "unary", "rms_norm", "gated_norm"):
             fn = getattr(lib, f"{name}_threads{suf}")
             fn.argtypes = [*_SIGNATURES[name], ctypes.c_int]
             threaded.append(fn)

@@ -47,3 +47,35 @@
 
 DEFINE_NORMS(float, _f32)
 DEFINE_NORMS(double, _f64)
+
+/* --- the norms of a prefill, on the pool ------------------------------------------------------ */
+/* Rows split between threads: each row is normed whole by one thread, as on one, so the same bits
+ * (a 512-token Mamba-2 prefill spent 7% of its time in the gated norm's silu on one core). */
+struct norm_job {
+    const void *x, *z, *w;
+    void *y;
+    i64 d, gs;
+    double eps;
+    int before;
+};
+#define DEFINE_NORM_THREADS(T, SUF)                                                                 \
+    static void rms_part##SUF(const void *p, i64 r0, i64 r1) {                                      \
+        const struct norm_job *j = p;                                                               \
+        rms_norm##SUF((const T *)j->x + r0 * j->d, (const T *)j->w, (T *)j->y + r0 * j->d, r1 - r0, j->d, j->eps); \
+    }                                                                                               \
+    static void gated_part##SUF(const void *p, i64 r0, i64 r1) {                                    \
+        const struct norm_job *j = p;                                                               \
+        gated_norm##SUF((const T *)j->x + r0 * j->d, (const T *)j->z + r0 * j->d, (const T *)j->w,  \
+                        (T *)j->y + r0 * j->d, r1 - r0, j->d, j->gs, j->eps, j->before);            \
+    }                                                                                               \
+    void rms_norm_threads##SUF(const T *x, const T *w, T *y, i64 rows, i64 d, double eps, int threads) { \
+        struct norm_job j = {x, NULL, w, y, d, 0, eps, 0};                                          \
+        pool_run(rms_part##SUF, &j, rows, threads);                                                 \
+    }                                                                                               \
+    void gated_norm_threads##SUF(const T *x, const T *z, const T *w, T *y, i64 rows, i64 d, i64 gs, \
+                                 double eps, int before, int threads) {                             \
+        struct norm_job j = {x, z, w, y, d, gs, eps, before};                                       \
+        pool_run(gated_part##SUF, &j, rows, threads);                                               \
+    }
+DEFINE_NORM_THREADS(float, _f32)
+DEFINE_NORM_THREADS(double, _f64)

@@ -44,3 +44,31 @@ def test_the_gated_norm_gives_its_twins_bits_in_every_group_size(dtype):
                 assert _equal(*_both("gated_norm", x, z, w, 1e-5, gs, before)), (lead, d, gs, before)
     with pytest.raises(ValueError, match="does not divide"):
         _kernel_ops().gated_norm(x, z, w, 1e-5, 7, False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_norms_split_across_threads_give_the_twins_bits(monkeypatch, dtype):
+    """A prefill's norms run on the C pool, each row normed whole by one thread: on 1, 2 and 3
+    threads (more threads than some calls' rows, rows not a multiple of the threads), the RMSNorm
+    and the gated norm (the gate before and after) give the twins' bits, and the pool was used."""
+    from mamba_stream.scan.exact import _threading
+
+    ops = _kernel_ops()
+    monkeypatch.setattr(_threading, "_THREADED_WORK", 0)
+    suffix = "_f32" if dtype == torch.float32 else "_f64"
+    seen: list[int] = []
+    for name in ("rms_norm_threads", "gated_norm_threads"):
+        real = getattr(ops.lib, name + suffix)
+        monkeypatch.setattr(ops.lib, name + suffix, lambda *a, _real=real: (seen.append(a[-1]), _real(*a))[1])
+    g = torch.Generator().manual_seed(16)
+    for rows in (1, 2, 77):
+        x, z = _r(g, rows, 96, dtype=dtype, scale=3.0), _r(g, rows, 96, dtype=dtype, scale=30.0)
+        w = _r(g, 96, dtype=dtype)
+        for threads in (1, 2, 3):
+            monkeypatch.setattr(_threading, "_THREADS", threads)
+            seen.clear()
+            assert _equal(ops.norm(x, w, None, 1e-5, True), TWIN_OPS.norm(x, w, None, 1e-5, True)), (rows, threads)
+            for before in (False, True):
+                assert _equal(ops.gated_norm(x, z, w, 1e-5, 32, before),
+                              TWIN_OPS.gated_norm(x, z, w, 1e-5, 32, before)), (rows, threads, before)
+            assert seen == [threads] * 3
