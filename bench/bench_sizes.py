@@ -42,6 +42,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -65,14 +66,48 @@ def _rss_now() -> float:
     return pages * os.sysconf("SC_PAGE_SIZE") / 1e9
 
 
+def engine_decode(model: Any, state: Any, logits: Any, streams: int, tokens: int) -> float:
+    """Decode tokens/s through the worker's engine (`StreamEngine`) with `streams` streams
+    generating at once (each a thread, as activities are), all from `state`: the engine batches
+    their single-token steps into one step of the model (one read of the weights for all)."""
+    import threading
+
+    import torch
+
+    from mamba_stream.activities import StreamEngine
+    from mamba_stream.activities._engine import SeededSampler
+
+    engine = StreamEngine(model)
+    sids = [f"s{i}" for i in range(streams)]
+    for sid in sids:
+        engine.put(sid, state, epoch=0, state_key="k0", logits=logits)
+
+    def run(sid: str) -> None:
+        engine.generate(sid, SeededSampler(1.0, 0, torch.Generator().manual_seed(0)), tokens, expected_key="k0",
+                        epoch=0, load=lambda: (state, logits))
+
+    threads = [threading.Thread(target=run, args=(sid,)) for sid in sids]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    engine.close()
+    return streams * tokens / wall
+
+
 def child(ckpt: Path, weights: str, prefill: int, steps: int, runs: int, backend: str = "exact",
-          depths: tuple[int, ...] = ()) -> dict:
+          depths: tuple[int, ...] = (), batch: int = 0) -> dict:
     """One process, one model: load, first token, prefill, decode (at each of `depths` after the
     prefill's own length, a deeper context reached `prefill` tokens at a time)."""
     t0 = time.perf_counter()
     import torch
 
+    from mamba_stream.activities import tune_allocator
     from mamba_stream.scan import load_model
+
+    tune_allocator()  # as a worker's engine does: a step's temporaries reused, not faulted in afresh
 
     t_import = time.perf_counter() - t0
     # a model with attention holds max_positions KV rows a stream: as many as the deepest context needs
@@ -112,6 +147,10 @@ def child(ckpt: Path, weights: str, prefill: int, steps: int, runs: int, backend
             n = min(prefill, depth - at)
             st, at = model.advance(st, ids[at:at + n], logits="last").state, at + n
         decode_at[depth] = 1 / (step if depth == prefill else decode(st, depth))
+    batched = {}
+    if batch:  # one stream, then `batch` at once, through the engine (the first call warms it)
+        engine_decode(model, r.state, r.logits[-1], 1, 4)
+        batched = {str(n): engine_decode(model, r.state, r.logits[-1], n, steps) for n in (1, batch)}
     lm = model.module
     seen: set[int] = set()
     read = 0  # bytes a decode step reads: every parameter once (the embedding's one row aside, when untied)
@@ -128,7 +167,7 @@ def child(ckpt: Path, weights: str, prefill: int, steps: int, runs: int, backend
             "path": first.path, "rss_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
             "rss_gb": _rss_now(), "prefill_tok_s": prefill / statistics.median(pre), "decode_tok_s": 1 / step,
             "read_gb": read / 1e9, "weight_gbs": read / step / 1e9, "arithmetic": model.arithmetic().id,
-            "decode_at": decode_at}
+            "decode_at": decode_at, "batched": batched}
 
 
 def _llama(bench: str, gguf: Path, prefill: int, steps: int, depths: tuple[int, ...] = (), reps: int = 3
@@ -181,11 +220,13 @@ def main() -> None:
                     "default both, exact alone (load_model's default) for the hybrids")
     ap.add_argument("--depths", default="", help="hybrids: contexts to decode at (default: the prefill's length)")
     ap.add_argument("--llama-reps", type=int, default=0, help="llama-bench -r (default 3; 1 for the hybrids)")
+    ap.add_argument("--batch", type=int, default=-1,
+                    help="streams decoding at once through the engine, against one (default 32 at 130M; 0: none)")
     args = ap.parse_args()
     depths = tuple(int(d) for d in args.depths.split(",") if d)
     if args.child:
         print(json.dumps(child(Path(args.child[0]), args.child[1], args.prefill, args.steps, args.runs,
-                               args.backends, depths)))
+                               args.backends, depths, max(args.batch, 0))))
         return
 
     from bench.bench_scan import read_bandwidth
@@ -205,6 +246,7 @@ def main() -> None:
         at = (depths or (prefill,)) if hybrid else ()
         backends = args.backends or ("exact" if hybrid else "exact,exact-fma")
         reps = args.llama_reps or (1 if hybrid else 3)
+        batch = args.batch if args.batch >= 0 else (32 if size == "130m" else 0)
         for shape in SIZES[size]:
             if args.shapes and shape not in args.shapes.split(","):
                 continue
@@ -217,7 +259,8 @@ def main() -> None:
                 for backend in backends.split(","):
                     proc = subprocess.run([sys.executable, __file__, "--child", str(ckpt), fmt, "--prefill",
                                            str(prefill), "--steps", str(steps), "--runs", str(args.runs),
-                                           "--backends", backend, "--depths", ",".join(map(str, at))],
+                                           "--backends", backend, "--depths", ",".join(map(str, at)),
+                                           "--batch", str(batch)],
                                           capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
                     if proc.returncode != 0:
                         print(f"{shape:<15} {fmt:<9} {backend} failed: {proc.stderr.strip().splitlines()[-1:]}")
@@ -228,6 +271,11 @@ def main() -> None:
                           f"{r['rss_peak_gb'] / file_gb:>8.2f} {r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.2f} "
                           f"{r['weight_gbs']:>6.1f} {r['weight_gbs'] * 1e9 / bw:>6.0%}  "
                           f"{r['arithmetic']} ({r['path']}, probe {r['probe_s']:.1f} s)")
+                    if r.get("batched"):
+                        one, many = r["batched"]["1"], r["batched"][str(batch)]
+                        print(f"{'':<15} {'':<9} {'engine':>8} {f'{batch} / 1':>11} {'':>7} {'':>8} {'':>14} "
+                              f"{many:>13.2f}   decode tok/s through the engine: {batch} streams {many:.1f}, "
+                              f"1 stream {one:.1f}: {many / one:.1f}x")
                     for depth, tps in r.get("decode_at", {}).items():
                         print(f"{'':<15} {'':<9} {'decode at':>8} {depth:>11} {'':>7} {'':>8} {'':>14} {tps:>13.2f}")
                 if llama and rows:

@@ -149,3 +149,30 @@ def test_conversation_table_on_a_small_run():
     for mode in ("ours", "stateless"):
         cells = [c.strip() for c in rows[mode].split("|")]
         assert cells[-3:-1] == ["4", "2"], rows[mode]  # model calls, tool calls
+
+
+def test_the_size_tables_child_measures_a_small_checkpoint_with_the_engines_batch(tmp_path):
+    """bench_sizes' row on a tiny checkpoint: prefill (the last row's logits), decode, and decode
+    through the engine with 1 and 4 streams at once (every stream's tokens counted)."""
+    from mamba_stream.scan import load_model, save_checkpoint
+
+    mod = load_bench("bench_sizes")
+    save_checkpoint(load_model("tiny-mamba2", backend="exact"), tmp_path)
+    r = mod.child(tmp_path, "float32", prefill=24, steps=4, runs=1, batch=4)
+    assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and r["path"] == "exact"
+    assert set(r["batched"]) == {"1", "4"} and all(v > 0 for v in r["batched"].values())
+
+
+def test_the_size_tables_llama_rows_go_on_without_repacking_after_llama_bench_dies(tmp_path, monkeypatch):
+    """A llama-bench that dies on a signal (a native build's AMX kernel on a VM that does not hand
+    out AMX's state) is run again with --repack 0, and the row says so; a missing GGUF gives None."""
+    mod = load_bench("bench_sizes")
+    fake = tmp_path / "llama-bench"
+    rows = '[{"n_prompt": 8, "n_gen": 0, "avg_ts": 100.0}, {"n_prompt": 0, "n_gen": 4, "avg_ts": 9.0}]'
+    fake.write_text(f'#!/bin/sh\ncase "$*" in *"--repack 0"*) ;; *) kill -ILL $$ ;; esac\necho \'{rows}\'\n')
+    fake.chmod(0o755)
+    gguf = tmp_path / "model-q8.gguf"
+    assert mod._llama(str(fake), gguf, 8, 4) is None
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.delenv("LLAMA_BENCH_ARGS", raising=False)
+    assert mod._llama(str(fake), gguf, 8, 4) == {"prefill_tok_s": 100.0, "decode_tok_s": 9.0, "args": "--repack 0"}

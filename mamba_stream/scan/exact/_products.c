@@ -520,9 +520,77 @@ static inline __m256 q8_fused8(__m256 a, __m256 c, __m256 acc) {
     }
 DEFINE_Q8_TILE8(, Q8_SPLIT8)
 DEFINE_Q8_TILE8(_fma, Q8_FUSED8)
+
+/* The block sums of four rows against the same 8 outputs, each weight vector loaded once for the
+ * four (a prefill's rows): the same integers isum_b (exact in any grouping), the same float steps
+ * per row, so tile8's bits. With VNNI the signed rows are read as unsigned bytes x + 128 (x ^ 0x80:
+ * x is in [-127, 127]) and 128 sum(w), one product shared by the rows, is taken off each block sum:
+ * no per-row sign of every weight vector. */
+#define Q8_ROWS 4
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DEFINE_Q8_TILE48(AR, MADD8)                                                                 \
+    static void tile48_q8##AR(const int8_t *qx, const float *sx, i64 nb, const int8_t *q, const uint16_t *d8, \
+                              i64 n, i64 N, float *out) {                                           \
+        i64 kp = nb * QB;                                                                           \
+        __m256 acc[Q8_ROWS];                                                                        \
+        for (int r = 0; r < Q8_ROWS; r++) acc[r] = _mm256_setzero_ps();                             \
+        const __m256i flip = _mm256_set1_epi8((char)0x80), zero = _mm256_setzero_si256();           \
+        for (i64 b = 0; b < nb; b++) {                                                              \
+            const int8_t *w = q + n * kp + b * QB;                                                  \
+            __m256i wv[8];                                                                          \
+            for (int i = 0; i < 8; i++) wv[i] = _mm256_loadu_si256((const __m256i *)(w + i * kp));  \
+            __m256i corr = sum8_epi32(                                                              \
+                _mm256_dpbusd_epi32(zero, flip, wv[0]), _mm256_dpbusd_epi32(zero, flip, wv[1]),     \
+                _mm256_dpbusd_epi32(zero, flip, wv[2]), _mm256_dpbusd_epi32(zero, flip, wv[3]),     \
+                _mm256_dpbusd_epi32(zero, flip, wv[4]), _mm256_dpbusd_epi32(zero, flip, wv[5]),     \
+                _mm256_dpbusd_epi32(zero, flip, wv[6]), _mm256_dpbusd_epi32(zero, flip, wv[7]));    \
+            __m256 dn = scales8(d8, nb, n, b);                                                      \
+            for (int r = 0; r < Q8_ROWS; r++) {                                                     \
+                __m256i xu = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(qx + r * kp + b * QB)), flip); \
+                __m256i s = sum8_epi32(                                                             \
+                    _mm256_dpbusd_epi32(zero, xu, wv[0]), _mm256_dpbusd_epi32(zero, xu, wv[1]),     \
+                    _mm256_dpbusd_epi32(zero, xu, wv[2]), _mm256_dpbusd_epi32(zero, xu, wv[3]),     \
+                    _mm256_dpbusd_epi32(zero, xu, wv[4]), _mm256_dpbusd_epi32(zero, xu, wv[5]),     \
+                    _mm256_dpbusd_epi32(zero, xu, wv[6]), _mm256_dpbusd_epi32(zero, xu, wv[7]));    \
+                s = _mm256_sub_epi32(s, corr);                                                      \
+                __m256 c = _mm256_mul_ps(_mm256_set1_ps(sx[r * nb + b]), dn);                       \
+                acc[r] = MADD8(_mm256_cvtepi32_ps(s), c, acc[r]);                                   \
+            }                                                                                       \
+        }                                                                                           \
+        for (int r = 0; r < Q8_ROWS; r++) _mm256_storeu_ps(out + r * N + n, acc[r]);                \
+    }
+#else
+#define DEFINE_Q8_TILE48(AR, MADD8)                                                                 \
+    static void tile48_q8##AR(const int8_t *qx, const float *sx, i64 nb, const int8_t *q, const uint16_t *d8, \
+                              i64 n, i64 N, float *out) {                                           \
+        i64 kp = nb * QB;                                                                           \
+        __m256 acc[Q8_ROWS];                                                                        \
+        for (int r = 0; r < Q8_ROWS; r++) acc[r] = _mm256_setzero_ps();                             \
+        for (i64 b = 0; b < nb; b++) {                                                              \
+            const int8_t *w = q + n * kp + b * QB;                                                  \
+            __m256i wv[8];                                                                          \
+            for (int i = 0; i < 8; i++) wv[i] = _mm256_loadu_si256((const __m256i *)(w + i * kp));  \
+            __m256 dn = scales8(d8, nb, n, b);                                                      \
+            for (int r = 0; r < Q8_ROWS; r++) {                                                     \
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(qx + r * kp + b * QB));           \
+                __m256i ax = _mm256_sign_epi8(xv, xv), one = _mm256_set1_epi16(1), p[8];             \
+                for (int i = 0; i < 8; i++)                                                         \
+                    p[i] = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv[i], xv)), one); \
+                __m256i s = sum8_epi32(p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]);             \
+                __m256 c = _mm256_mul_ps(_mm256_set1_ps(sx[r * nb + b]), dn);                       \
+                acc[r] = MADD8(_mm256_cvtepi32_ps(s), c, acc[r]);                                   \
+            }                                                                                       \
+        }                                                                                           \
+        for (int r = 0; r < Q8_ROWS; r++) _mm256_storeu_ps(out + r * N + n, acc[r]);                \
+    }
+#endif
+DEFINE_Q8_TILE48(, Q8_SPLIT8)
+DEFINE_Q8_TILE48(_fma, Q8_FUSED8)
 #define Q8_TILES(AR) for (; n + 8 <= b1; n += 8) tile8_q8##AR(xr, sr, nb, q, d8, n, N, orow);
+#define Q8_TILES4(AR) for (; n + 8 <= b1; n += 8) tile48_q8##AR(xr, sr, nb, q, d8, n, N, orow);
 #else
 #define Q8_TILES(AR)
+#define Q8_TILES4(AR)
 #endif
 
 /* linear_q8_f32 (exact-1) and linear_q8_fma_f32 (exact-2): the same blocks, sums and order; only
@@ -551,7 +619,21 @@ DEFINE_Q8_TILE8(_fma, Q8_FUSED8)
         (void)d;                                                                                    \
         for (i64 b0 = n0; b0 < n1; b0 += BLOCK_N) {                                                 \
             i64 b1 = b0 + BLOCK_N < n1 ? b0 + BLOCK_N : n1;                                         \
-            for (i64 m = 0; m < M; m++) {                                                           \
+            i64 m = 0;                                                                              \
+            for (; m + Q8_ROWS <= M; m += Q8_ROWS) { /* four rows at a time; the tail one by one */ \
+                const int8_t *xr = qx + m * kp;                                                     \
+                const float *sr = sx + m * nb;                                                      \
+                float *orow = out + m * N;                                                          \
+                i64 n = b0;                                                                         \
+                Q8_TILES4(AR)                                                                       \
+                for (; n < b1; n++)                                                                 \
+                    for (int r = 0; r < Q8_ROWS; r++)                                               \
+                        one_q8##AR(xr + r * kp, sr + r * nb, nb, q, d8, n, orow + r * N);           \
+                if (bias)                                                                           \
+                    for (int r = 0; r < Q8_ROWS; r++)                                               \
+                        for (i64 j = b0; j < b1; j++) orow[r * N + j] = orow[r * N + j] + bias[j];  \
+            }                                                                                       \
+            for (; m < M; m++) {                                                                    \
                 const int8_t *xr = qx + m * kp;                                                     \
                 const float *sr = sx + m * nb;                                                      \
                 float *orow = out + m * N;                                                          \
