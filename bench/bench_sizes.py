@@ -147,6 +147,8 @@ def child(ckpt: Path, weights: str, prefill: int, steps: int, runs: int, backend
             n = min(prefill, depth - at)
             st, at = model.advance(st, ids[at:at + n], logits="last").state, at + n
         decode_at[depth] = 1 / (step if depth == prefill else decode(st, depth))
+    # the memory of one stream's work, before the engine's batch (its streams' states) adds its own
+    rss_peak, rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, _rss_now()
     batched = {}
     if batch:  # one stream, then `batch` at once, through the engine (the first call warms it)
         engine_decode(model, r.state, r.logits[-1], 1, 4)
@@ -164,8 +166,8 @@ def child(ckpt: Path, weights: str, prefill: int, steps: int, runs: int, backend
         else:
             read += p.numel() * p.element_size()
     return {"import_s": t_import, "first_token_s": t_first, "again_s": t_again, "probe_s": model.exact_probe.seconds,
-            "path": first.path, "rss_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
-            "rss_gb": _rss_now(), "prefill_tok_s": prefill / statistics.median(pre), "decode_tok_s": 1 / step,
+            "path": first.path, "rss_peak_gb": rss_peak,
+            "rss_gb": rss, "prefill_tok_s": prefill / statistics.median(pre), "decode_tok_s": 1 / step,
             "read_gb": read / 1e9, "weight_gbs": read / step / 1e9, "arithmetic": model.arithmetic().id,
             "decode_at": decode_at, "batched": batched}
 

@@ -5,7 +5,8 @@ A real dev server, one worker with MambaStreamPlugin in this process serving the
 given format on the exact backend; then open, a prefill chunk, a few decode chunks and a generate,
 a checkpoint, a resume from that receipt into a second stream (its next chunk must give the first
 stream's bits: the same checksum after the same tokens), and cancel of both. Prints each step's
-time, the receipts' arithmetic and the process's peak RSS beside the weight file.
+time and the process's RSS after it (and its peak so far), the receipts' arithmetic and the peak RSS
+beside the weight file.
 
     python bench/serve_model.py /tmp/mamba-stream-bench/7b-mamba2-bfloat16 [--weights bfloat16]
 """
@@ -41,7 +42,10 @@ async def serve(ckpt: Path, weights: str | None, prefill: int, decode: int) -> l
     out: list[str] = []
 
     def step(label: str, t0: float, extra: str = "") -> None:
-        line = f"{label:<34} {time.perf_counter() - t0:>8.1f} s  {extra}"
+        # the memory after the step and the peak so far: where a peak above the weights comes from
+        rss = int(Path("/proc/self/statm").read_text().split()[1]) * resource.getpagesize() / 1e9
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+        line = f"{label:<34} {time.perf_counter() - t0:>8.1f} s  RSS {rss:5.2f} GB, peak {peak:5.2f} GB  {extra}"
         out.append(line)
         print(line, flush=True)
 

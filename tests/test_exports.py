@@ -19,7 +19,7 @@ EXPECTED = {
         "Tolerance", "UnsupportedBackend", "VerifyReport",
         "checkpoint_problem", "config_from_json", "continuation", "embed", "forward", "init_model", "init_weights",
         "load_model", "parameter_shapes", "quantize_q8", "save_checkpoint", "standard_partitions", "tolerance",
-        "verify_chunking", "weights_revision", "zero_states",
+        "verify_chunking", "weights_revision", "zero_states", "zeros_on_demand",
     ],
     "mamba_stream.scan.exact": [
         "ARITHMETIC", "ARITHMETIC_FMA", "TWIN_OPS", "TWIN_OPS_FMA", "TWIN_PRIMITIVES", "TWIN_STEP_PRIMITIVES", "Probe",

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mamba_stream.scan import Model, State
+from mamba_stream.scan import Model, State, zeros_on_demand
 
 __all__ = ["SlotHandle", "SlotMeta", "SlotTable", "StaleSlot"]
 
@@ -53,7 +53,9 @@ class SlotTable:
         self.fingerprint = model.schema.fingerprint()
         self.capacity = capacity
         dev, dt = model.device, model.state_dtype
-        self.buffers = {t.name: torch.zeros((capacity, *t.shape), dtype=dt, device=dev) for t in model.schema.tensors}
+        # pages taken as slots are written: the memory of the slots used, not of the capacity (7 slots
+        # of a 7B Mamba-2 are 1.95 GB)
+        self.buffers = {t.name: zeros_on_demand((capacity, *t.shape), dt, dev) for t in model.schema.tensors}
         # an attention layer's k and v: a slot holds max_positions rows, a State its position's
         self._grows = {t.name for t in model.schema.tensors if t.rows == "position"}
         self.logits = torch.zeros((capacity, model.vocab_size), dtype=torch.float32, device=dev)

@@ -49,7 +49,7 @@ from mamba_stream.scan._loading import (
 from mamba_stream.scan._model import BACKENDS, Model
 from mamba_stream.scan._presets import PRESETS, TRAINED_PRESETS
 from mamba_stream.scan._quant import Q8Weight, quantize_q8
-from mamba_stream.scan._state import State, StepResult
+from mamba_stream.scan._state import State, StepResult, zeros_on_demand
 from mamba_stream.scan._tolerance import TOLERANCES, Tolerance, tolerance
 from mamba_stream.scan._transforms import ByteTransform, HFTokenizerTransform, InputTransform
 from mamba_stream.scan._verify import PartitionResult, VerifyReport, standard_partitions, verify_chunking
@@ -106,4 +106,5 @@ __all__ = [
     "verify_chunking",
     "weights_revision",
     "zero_states",
+    "zeros_on_demand",
 ]

@@ -48,7 +48,7 @@ from mamba_stream.scan._errors import (
 )
 from mamba_stream.scan._forward import LayerStates, backend_named, embed, forward
 from mamba_stream.scan._lm import MambaLM
-from mamba_stream.scan._state import State, StepResult
+from mamba_stream.scan._state import State, StepResult, zeros_on_demand
 from mamba_stream.state_codec import (
     Arithmetic,
     Discretization,
@@ -401,8 +401,8 @@ class Model:
 
     def initial_state(self) -> State:
         """The model-defined initial state (all zeros) at position 0."""
-        tensors = {
-            t.name: torch.zeros(t.shape_at(0), dtype=self.state_dtype, device=self.device) for t in self.schema.tensors
+        tensors = {  # zeros that take memory only where a caller writes (a state is written anew, not in place)
+            t.name: zeros_on_demand(t.shape_at(0), self.state_dtype, self.device) for t in self.schema.tensors
         }
         return State(0, tensors, self._fingerprint)
 

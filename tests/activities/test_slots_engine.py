@@ -4,6 +4,8 @@ and prefill splitting change no result."""
 from __future__ import annotations
 
 import copy
+import mmap
+import sys
 import threading
 import time
 
@@ -38,6 +40,35 @@ def test_release_zeroes_and_the_next_occupant_starts_fresh():
     via_slot = model.advance(table.view(h2), toks)
     fresh = model.advance(model.initial_state(), toks)
     assert torch.equal(via_slot.logits, fresh.logits) and via_slot.state.equal(fresh.state)
+
+
+def _present(t: torch.Tensor) -> list[bool]:
+    """Whether each page of `t`'s bytes is in memory (the present bit of /proc/self/pagemap)."""
+    page = mmap.PAGESIZE
+    lo, hi = t.data_ptr() // page, -(-(t.data_ptr() + t.numel() * t.element_size()) // page)
+    with open("/proc/self/pagemap", "rb") as pm:
+        pm.seek(lo * 8)
+        raw = pm.read((hi - lo) * 8)
+    return [bool(int.from_bytes(raw[i:i + 8], "little") >> 63) for i in range(0, len(raw), 8)]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pagemap is Linux's")
+def test_a_tables_memory_is_that_of_the_slots_used_not_of_its_capacity():
+    """The buffers read as zeros and take memory page by page as slots are written: a table of 8
+    slots with one stream in has that slot's pages in memory and none of the 7 others' (a 7B
+    Mamba-2's 7 slots are 1.95 GB), and an empty slot still reads as zeros."""
+    model = model_for(MODEL)
+    table = SlotTable(model, 8)
+    name, buf = max(table.buffers.items(), key=lambda kv: kv[1].numel())
+    per_slot = buf[0].numel() * buf.element_size()
+    assert per_slot >= 3 * mmap.PAGESIZE, (name, per_slot)  # whole pages inside each slot
+    assert not any(_present(buf))
+    used = model.advance(model.initial_state(), tokens(30, 1))
+    h = table.insert("a", used.state, epoch=0, state_key="k-a", logits=used.logits[-1])
+    assert all(_present(buf[h.slot])[1:-1])
+    others = [s for s in range(8) if s != h.slot]
+    assert not any(p for s in others for p in _present(buf[s])[1:-1])
+    assert not bool(buf[others[0]].abs().sum()) and torch.equal(table.view(h).tensors[name], used.state.tensors[name])
 
 
 def test_a_table_admits_only_its_own_schema():
