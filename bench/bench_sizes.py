@@ -236,6 +236,13 @@ def main() -> None:
 
     bw = read_bandwidth()
     llama = os.environ.get("LLAMA_BENCH")
+    from mamba_stream.scan.exact import build_kernels
+
+    flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("flags")), []) if Path("/proc/cpuinfo").exists() else []
+    isa = ", ".join(f for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8") if f in flags)
+    print(f"CPU: {isa or 'unknown'}; our kernels: {build_kernels()[1]}"
+          + (f"; llama-bench: {llama}" if llama else ""))
     which = args.backends or "exact,exact-fma; hybrids exact"
     print(f"exact backends ({which}), {os.cpu_count()} threads; read bandwidth {bw / 1e9:.1f} GB/s "
           f"(a threaded sum of 1 GiB); random-weight checkpoints (bench/make_checkpoint.py); one process per row")

@@ -129,10 +129,10 @@ def test_a_cancelled_chunk_ends_at_its_next_safe_point_commits_nothing_and_the_n
 
         pieces = []
 
-        def slow(state, tokens):  # the engine thread's long piece
+        def slow(state, tokens, **kw):  # the engine thread's long piece
             pieces.append(list(tokens))
             time.sleep(2.5)
-            return real(state, tokens)
+            return real(state, tokens, **kw)
 
         served.advance = slow
         env = stream_env()
