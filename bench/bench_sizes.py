@@ -12,8 +12,9 @@ measured read bandwidth (a threaded sum over 1 GiB). A decode step must read eve
 that share is how close it runs to the memory's limit.
 
 With LLAMA_BENCH=/path/to/llama-bench (docs/llamacpp.md says how to build it from the
-llama-cpp-python sdist) and GGUF files beside the checkpoints (`<ckpt>/model-<format>.gguf`), the
-same rows run on llama.cpp, interleaved with ours (LLAMA_BENCH_ARGS: more arguments for it).
+llama-cpp-python sdist) and GGUF files beside the checkpoints (`<ckpt>/model-<format>.gguf`; with
+LLAMA_CONVERT=/path/to/convert_hf_to_gguf.py of the same tree, made where missing), the same rows
+run on llama.cpp, interleaved with ours (LLAMA_BENCH_ARGS: more arguments for it).
 
     python bench/bench_sizes.py [--sizes 130m,1.4b,7b] [--formats float32,bfloat16] [--dir DIR]
 
@@ -172,6 +173,32 @@ def child(ckpt: Path, weights: str, prefill: int, steps: int, runs: int, backend
             "decode_at": decode_at, "batched": batched}
 
 
+#: llama.cpp's converter's --outtype for each of our formats (q8: Q8_0, from the float32 checkpoint)
+_OUTTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "q8": "q8_0"}
+
+
+def _convert(converter: Path, src: Path, fmt: str, gguf: Path) -> None:
+    """`src` (a checkpoint in Hugging Face layout) -> `gguf` with llama.cpp's own converter (its
+    gguf-py beside it). A Mamba-2 is converted from a copy of the config that pads the vocabulary to
+    a multiple of 8, so that the token list is as long as the embedding (docs/llamacpp.md)."""
+    import shutil
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir=gguf.parent) as tmp:
+        cfg = json.loads((src / "config.json").read_text())
+        if cfg.get("model_type") == "mamba2":
+            cfg["pad_vocab_size_multiple"] = 8
+        (Path(tmp) / "config.json").write_text(json.dumps(cfg))
+        (Path(tmp) / "model.safetensors").symlink_to(src / "model.safetensors")
+        part = gguf.with_suffix(".part")
+        cmd = [sys.executable, str(converter), tmp, "--outtype", _OUTTYPES[fmt], "--outfile", str(part)]
+        proc = subprocess.run(cmd, cwd=converter.parent, capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": str(converter.parent / "gguf-py")})
+        if proc.returncode != 0:
+            raise RuntimeError(f"{converter.name} failed on {src}: {proc.stderr.strip()[-300:]}")
+        shutil.move(str(part), gguf)
+
+
 def _llama(bench: str, gguf: Path, prefill: int, steps: int, depths: tuple[int, ...] = (), reps: int = 3
            ) -> dict | None:
     """llama-bench's prefill and decode tokens/s; with `depths`, prefill from an empty context and
@@ -263,6 +290,11 @@ def main() -> None:
                 if args.formats and fmt not in args.formats.split(","):
                     continue
                 ckpt = make(shape, fmt, args.dir / f"{shape}-{fmt}")
+                converter = os.environ.get("LLAMA_CONVERT")  # llama.cpp's convert_hf_to_gguf.py
+                if llama and converter and not (ckpt / f"model-{fmt}.gguf").exists():
+                    # Q8_0 is quantized by llama.cpp's own rounding from the float32 checkpoint
+                    src = make(shape, "float32", args.dir / f"{shape}-float32") if fmt == "q8" else ckpt
+                    _convert(Path(converter), src, fmt, ckpt / f"model-{fmt}.gguf")
                 file_gb = (ckpt / "model.safetensors").stat().st_size / 1e9
                 rows = {}
                 for backend in backends.split(","):

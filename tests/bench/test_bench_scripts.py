@@ -176,3 +176,32 @@ def test_the_size_tables_llama_rows_go_on_without_repacking_after_llama_bench_di
     gguf.write_bytes(b"GGUF")
     monkeypatch.delenv("LLAMA_BENCH_ARGS", raising=False)
     assert mod._llama(str(fake), gguf, 8, 4) == {"prefill_tok_s": 100.0, "decode_tok_s": 9.0, "args": "--repack 0"}
+
+
+def test_the_size_tables_gguf_files_are_made_by_llama_cpps_converter_where_missing(tmp_path):
+    """`_convert` runs the converter on a copy of the checkpoint's config (a Mamba-2's vocabulary
+    padded to a multiple of 8) beside its weights, in the format's outtype, and leaves the GGUF in
+    place only when the converter succeeded; a failure is one line naming the converter."""
+    import json
+
+    mod = load_bench("bench_sizes")
+    src = tmp_path / "ckpt"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"model_type": "mamba2", "vocab_size": 50277}))
+    (src / "model.safetensors").write_bytes(b"weights")
+    conv = tmp_path / "convert_hf_to_gguf.py"
+    conv.write_text("import json, sys, pathlib\n"
+                    "d, t, out = pathlib.Path(sys.argv[1]), sys.argv[3], sys.argv[5]\n"
+                    "cfg = json.loads((d / 'config.json').read_text())\n"
+                    "if t == 'bad': sys.exit('no such outtype')\n"
+                    "pathlib.Path(out).write_text(json.dumps([t, cfg, (d / 'model.safetensors').read_text()]))\n")
+    gguf = src / "model-q8.gguf"
+    mod._convert(conv, src, "q8", gguf)
+    outtype, cfg, weights = json.loads(gguf.read_text())
+    assert outtype == "q8_0" and cfg["pad_vocab_size_multiple"] == 8 and weights == "weights"
+    assert "pad_vocab_size_multiple" not in json.loads((src / "config.json").read_text())  # a copy was changed
+    mod._OUTTYPES["float16"] = "bad"
+    with pytest.raises(RuntimeError, match=r"convert_hf_to_gguf\.py failed"):
+        mod._convert(conv, src, "float16", src / "model-float16.gguf")
+    assert not (src / "model-float16.gguf").exists() and sorted(p.name for p in src.iterdir()) == [
+        "config.json", "model-q8.gguf", "model.safetensors"]
