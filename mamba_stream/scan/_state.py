@@ -26,7 +26,9 @@ def zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     n = math.prod(shape) * dtype.itemsize
     if device.type != "cpu" or n < _ON_DEMAND_BYTES:
         return torch.zeros(shape, dtype=dtype, device=device)
-    return torch.frombuffer(mmap.mmap(-1, n), dtype=dtype).view(shape)  # the tensor keeps the mapping alive
+    # private: a process forked later gets its own copy on write, never the parent's pages
+    mapping = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mapping, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
 
 
 @dataclass(frozen=True, eq=False)

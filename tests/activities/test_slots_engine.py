@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import mmap
+import os
 import sys
 import threading
 import time
@@ -69,6 +70,13 @@ def test_a_tables_memory_is_that_of_the_slots_used_not_of_its_capacity():
     others = [s for s in range(8) if s != h.slot]
     assert not any(p for s in others for p in _present(buf[s])[1:-1])
     assert not bool(buf[others[0]].abs().sum()) and torch.equal(table.view(h).tensors[name], used.state.tensors[name])
+    # the pages are this process's own: a child forked now writes its copy, never the parent's
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        buf[others[0]].fill_(7.0)
+        os._exit(0 if bool(buf[others[0]].ne(0).all()) else 1)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert not bool(buf[others[0]].abs().sum())
 
 
 def test_a_table_admits_only_its_own_schema():
