@@ -453,9 +453,9 @@ static inline __m256i sum8_epi32(__m256i v0, __m256i v1, __m256i v2, __m256i v3,
     return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
-/* the 32 products of a block in 8 int32 partial sums: exact however they are grouped */
-static inline __m256i dot_q8_avx2(__m256i ax, __m256i x, const int8_t *w) {
-    __m256i wv = _mm256_loadu_si256((const __m256i *)w);
+/* the 32 products of a block (x against the weights wv) in 8 int32 partial sums: exact however
+ * they are grouped; ax = |x| */
+static inline __m256i dot_q8v(__m256i ax, __m256i x, __m256i wv) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
     /* |x| (<= 127) * +-w, four products to an int32 in one instruction */
     return _mm256_dpbusd_epi32(_mm256_setzero_si256(), ax, _mm256_sign_epi8(wv, x));
@@ -463,6 +463,9 @@ static inline __m256i dot_q8_avx2(__m256i ax, __m256i x, const int8_t *w) {
     __m256i p = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv, x)); /* |x| (<= 127) * +-w: no saturation */
     return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
 #endif
+}
+static inline __m256i dot_q8_avx2(__m256i ax, __m256i x, const int8_t *w) {
+    return dot_q8v(ax, x, _mm256_loadu_si256((const __m256i *)w));
 }
 
 /* the scales of outputs n .. n + 7 for block b, from d8: the scales repacked (N / 8, NB, 8) */
@@ -524,42 +527,37 @@ DEFINE_Q8_TILE8(_fma, Q8_FUSED8)
 /* The block sums of four rows against the same 8 outputs, each weight vector loaded once for the
  * four (a prefill's rows): the same integers isum_b (exact in any grouping), the same float steps
  * per row, so tile8's bits. With VNNI the signed rows are read as unsigned bytes x + 128 (x ^ 0x80:
- * x is in [-127, 127]) and 128 sum(w), one product shared by the rows, is taken off each block sum:
- * no per-row sign of every weight vector. */
+ * x is in [-127, 127]) and 128 sum(w), one product shared by the rows (`q8_shared`), is taken off
+ * each block sum: no per-row sign of every weight vector. */
 #define Q8_ROWS 4
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define DEFINE_Q8_TILE48(AR, MADD8)                                                                 \
-    static void tile48_q8##AR(const int8_t *qx, const float *sx, i64 nb, const int8_t *q, const uint16_t *d8, \
-                              i64 n, i64 N, float *out) {                                           \
-        i64 kp = nb * QB;                                                                           \
-        __m256 acc[Q8_ROWS];                                                                        \
-        for (int r = 0; r < Q8_ROWS; r++) acc[r] = _mm256_setzero_ps();                             \
-        const __m256i flip = _mm256_set1_epi8((char)0x80), zero = _mm256_setzero_si256();           \
-        for (i64 b = 0; b < nb; b++) {                                                              \
-            const int8_t *w = q + n * kp + b * QB;                                                  \
-            __m256i wv[8];                                                                          \
-            for (int i = 0; i < 8; i++) wv[i] = _mm256_loadu_si256((const __m256i *)(w + i * kp));  \
-            __m256i corr = sum8_epi32(                                                              \
-                _mm256_dpbusd_epi32(zero, flip, wv[0]), _mm256_dpbusd_epi32(zero, flip, wv[1]),     \
-                _mm256_dpbusd_epi32(zero, flip, wv[2]), _mm256_dpbusd_epi32(zero, flip, wv[3]),     \
-                _mm256_dpbusd_epi32(zero, flip, wv[4]), _mm256_dpbusd_epi32(zero, flip, wv[5]),     \
-                _mm256_dpbusd_epi32(zero, flip, wv[6]), _mm256_dpbusd_epi32(zero, flip, wv[7]));    \
-            __m256 dn = scales8(d8, nb, n, b);                                                      \
-            for (int r = 0; r < Q8_ROWS; r++) {                                                     \
-                __m256i xu = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(qx + r * kp + b * QB)), flip); \
-                __m256i s = sum8_epi32(                                                             \
-                    _mm256_dpbusd_epi32(zero, xu, wv[0]), _mm256_dpbusd_epi32(zero, xu, wv[1]),     \
-                    _mm256_dpbusd_epi32(zero, xu, wv[2]), _mm256_dpbusd_epi32(zero, xu, wv[3]),     \
-                    _mm256_dpbusd_epi32(zero, xu, wv[4]), _mm256_dpbusd_epi32(zero, xu, wv[5]),     \
-                    _mm256_dpbusd_epi32(zero, xu, wv[6]), _mm256_dpbusd_epi32(zero, xu, wv[7]));    \
-                s = _mm256_sub_epi32(s, corr);                                                      \
-                __m256 c = _mm256_mul_ps(_mm256_set1_ps(sx[r * nb + b]), dn);                       \
-                acc[r] = MADD8(_mm256_cvtepi32_ps(s), c, acc[r]);                                   \
-            }                                                                                       \
-        }                                                                                           \
-        for (int r = 0; r < Q8_ROWS; r++) _mm256_storeu_ps(out + r * N + n, acc[r]);                \
-    }
+static inline __m256i q8_shared(const __m256i *wv) { /* 128 sum(w) of each of the 8 weight rows */
+    const __m256i flip = _mm256_set1_epi8((char)0x80), z = _mm256_setzero_si256();
+    return sum8_epi32(_mm256_dpbusd_epi32(z, flip, wv[0]), _mm256_dpbusd_epi32(z, flip, wv[1]),
+                      _mm256_dpbusd_epi32(z, flip, wv[2]), _mm256_dpbusd_epi32(z, flip, wv[3]),
+                      _mm256_dpbusd_epi32(z, flip, wv[4]), _mm256_dpbusd_epi32(z, flip, wv[5]),
+                      _mm256_dpbusd_epi32(z, flip, wv[6]), _mm256_dpbusd_epi32(z, flip, wv[7]));
+}
+static inline __m256i q8_row_sums(__m256i xv, const __m256i *wv, __m256i shared) { /* isum_b of 8 outputs */
+    const __m256i xu = _mm256_xor_si256(xv, _mm256_set1_epi8((char)0x80)), z = _mm256_setzero_si256();
+    __m256i s = sum8_epi32(_mm256_dpbusd_epi32(z, xu, wv[0]), _mm256_dpbusd_epi32(z, xu, wv[1]),
+                           _mm256_dpbusd_epi32(z, xu, wv[2]), _mm256_dpbusd_epi32(z, xu, wv[3]),
+                           _mm256_dpbusd_epi32(z, xu, wv[4]), _mm256_dpbusd_epi32(z, xu, wv[5]),
+                           _mm256_dpbusd_epi32(z, xu, wv[6]), _mm256_dpbusd_epi32(z, xu, wv[7]));
+    return _mm256_sub_epi32(s, shared);
+}
 #else
+static inline __m256i q8_shared(const __m256i *wv) {
+    (void)wv;
+    return _mm256_setzero_si256();
+}
+static inline __m256i q8_row_sums(__m256i xv, const __m256i *wv, __m256i shared) {
+    (void)shared;
+    __m256i ax = _mm256_sign_epi8(xv, xv);
+    return sum8_epi32(dot_q8v(ax, xv, wv[0]), dot_q8v(ax, xv, wv[1]), dot_q8v(ax, xv, wv[2]), dot_q8v(ax, xv, wv[3]),
+                      dot_q8v(ax, xv, wv[4]), dot_q8v(ax, xv, wv[5]), dot_q8v(ax, xv, wv[6]), dot_q8v(ax, xv, wv[7]));
+}
+#endif
 #define DEFINE_Q8_TILE48(AR, MADD8)                                                                 \
     static void tile48_q8##AR(const int8_t *qx, const float *sx, i64 nb, const int8_t *q, const uint16_t *d8, \
                               i64 n, i64 N, float *out) {                                           \
@@ -570,20 +568,17 @@ DEFINE_Q8_TILE8(_fma, Q8_FUSED8)
             const int8_t *w = q + n * kp + b * QB;                                                  \
             __m256i wv[8];                                                                          \
             for (int i = 0; i < 8; i++) wv[i] = _mm256_loadu_si256((const __m256i *)(w + i * kp));  \
+            __m256i shared = q8_shared(wv);                                                         \
             __m256 dn = scales8(d8, nb, n, b);                                                      \
             for (int r = 0; r < Q8_ROWS; r++) {                                                     \
                 __m256i xv = _mm256_loadu_si256((const __m256i *)(qx + r * kp + b * QB));           \
-                __m256i ax = _mm256_sign_epi8(xv, xv), one = _mm256_set1_epi16(1), p[8];             \
-                for (int i = 0; i < 8; i++)                                                         \
-                    p[i] = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv[i], xv)), one); \
-                __m256i s = sum8_epi32(p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]);             \
+                __m256i s = q8_row_sums(xv, wv, shared);                                            \
                 __m256 c = _mm256_mul_ps(_mm256_set1_ps(sx[r * nb + b]), dn);                       \
                 acc[r] = MADD8(_mm256_cvtepi32_ps(s), c, acc[r]);                                   \
             }                                                                                       \
         }                                                                                           \
         for (int r = 0; r < Q8_ROWS; r++) _mm256_storeu_ps(out + r * N + n, acc[r]);                \
     }
-#endif
 DEFINE_Q8_TILE48(, Q8_SPLIT8)
 DEFINE_Q8_TILE48(_fma, Q8_FUSED8)
 #define Q8_TILES(AR) for (; n + 8 <= b1; n += 8) tile8_q8##AR(xr, sr, nb, q, d8, n, N, orow);
