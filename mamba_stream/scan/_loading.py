@@ -667,7 +667,8 @@ def load_model(
         # the file's q8 matrices, in use as they are: their scales leave memory once repacked
         # (the kernels read the repacked copy only), after the probe has run
         stored = {id(w): w for w in sd.values() if isinstance(w, Q8Weight)}
-        log.debug("q8 scales paged out after repacking: %d bytes", sum(w.settle() for w in stored.values()))
+        released = sum(w.settle() for w in stored.values())
+        log.debug("q8 scales paged out after repacking: %d bytes", released)
     return model
 
 

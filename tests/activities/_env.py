@@ -5,6 +5,7 @@ run through the activities after a prompt."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
@@ -21,6 +22,15 @@ def stream_env(stream_id: str = "s1") -> ActivityEnvironment:
     return env
 
 
+def opened_and_fed(acts: StreamActivities, env: ActivityEnvironment, stream_id: str, tokens: list[int]) -> Any:
+    """Open alice's stream `stream_id` on model "m" and feed it `tokens` (chunk 1), through the
+    activities; returns the advance's result (its receipt is where a generate goes on)."""
+    opened = env.run(acts.open_stream, OpenStreamRequest(stream_id=stream_id, principal="alice", model_id="m"))
+    return env.run(acts.advance_chunk, AdvanceChunkRequest(
+        stream_id=stream_id, principal="alice", receipt=opened.receipt,
+        request=AdvanceRequest(principal="alice", chunk_seq=1, tokens=tokens)))
+
+
 def generate_after(prompt: list[int], requests: list[dict]) -> tuple[list, list[list[str]]]:
     """Each generate (GenerateRequest's fields) after `prompt`, on a tiny-mamba2 stream of its own
     (reference backend), through the activities: the results (or the refusal raised) and each
@@ -32,10 +42,7 @@ def generate_after(prompt: list[int], requests: list[dict]) -> tuple[list, list[
         for i, kw in enumerate(requests):
             sid = f"s{i}"
             env = stream_env(sid)
-            opened = env.run(acts.open_stream, OpenStreamRequest(stream_id=sid, principal="alice", model_id="m"))
-            fed = env.run(acts.advance_chunk, AdvanceChunkRequest(
-                stream_id=sid, principal="alice", receipt=opened.receipt,
-                request=AdvanceRequest(principal="alice", chunk_seq=1, tokens=prompt)))
+            fed = opened_and_fed(acts, env, sid, prompt)
             gen = GenerateChunkRequest(stream_id=sid, principal="alice", receipt=fed.result.receipt,
                                        request=GenerateRequest(principal="alice", chunk_seq=2, **kw))
             try:

@@ -26,9 +26,9 @@ from mamba_stream.activities._grammar import grammar_vocab
 from mamba_stream.activities._sampling import SHAPING_FIELDS, Shaping, neutral_settings
 from mamba_stream.scan import load_model
 from mamba_stream.state_codec.codec import Keyring, plaintext_checksum
-from mamba_stream.workflows import PRESENTATION, AdvanceRequest, GenerateRequest, Grammar
-from mamba_stream.workflows.contract import AdvanceChunkRequest, GenerateChunkRequest, OpenStreamRequest
-from tests.activities._env import generate_after, stream_env
+from mamba_stream.workflows import PRESENTATION, GenerateRequest, Grammar
+from mamba_stream.workflows.contract import GenerateChunkRequest
+from tests.activities._env import generate_after, opened_and_fed, stream_env
 from tests.activities.test_sampling import next_u, ref_adjust, ref_draw
 
 PROMPT = list(b"Trip: ")
@@ -211,10 +211,7 @@ def test_a_model_without_byte_strings_is_refused_typed(tmp_path):
                             store=MemoryStateStore(), keyring=Keyring.generate())
     try:
         env = stream_env("s1")
-        opened = env.run(acts.open_stream, OpenStreamRequest(stream_id="s1", principal="alice", model_id="m"))
-        fed = env.run(acts.advance_chunk, AdvanceChunkRequest(
-            stream_id="s1", principal="alice", receipt=opened.receipt,
-            request=AdvanceRequest(principal="alice", chunk_seq=1, tokens=[1, 2, 3])))
+        fed = opened_and_fed(acts, env, "s1", [1, 2, 3])
         with pytest.raises(ApplicationError) as exc:
             env.run(acts.generate_tokens, GenerateChunkRequest(
                 stream_id="s1", principal="alice", receipt=fed.result.receipt,
@@ -260,10 +257,7 @@ def test_a_grammar_failing_mid_generate_leaves_the_stream_where_it_was(monkeypat
                             store=MemoryStateStore(), keyring=Keyring.generate())
     try:
         env = stream_env("s1")
-        opened = env.run(acts.open_stream, OpenStreamRequest(stream_id="s1", principal="alice", model_id="m"))
-        fed = env.run(acts.advance_chunk, AdvanceChunkRequest(
-            stream_id="s1", principal="alice", receipt=opened.receipt,
-            request=AdvanceRequest(principal="alice", chunk_seq=1, tokens=PROMPT)))
+        fed = opened_and_fed(acts, env, "s1", PROMPT)
         keys = acts.store.list_stream(stream_id="s1")
         gen = GenerateChunkRequest(stream_id="s1", principal="alice", receipt=fed.result.receipt,
                                    request=GenerateRequest(principal="alice", chunk_seq=2, **ask))

@@ -20,6 +20,7 @@ from mamba_stream.activities._engine import NeedsLoad, SeededSampler, StreamEngi
 from mamba_stream.activities._engine import _sample_one as _sample  # the per-row path, which batching must match
 from mamba_stream.activities._slots import SlotTable, StaleSlot
 from mamba_stream.scan import InvalidState, NonFiniteOutput, load_model
+from tests._pages import pages_in_memory
 from tests.scan._helpers import model_for, tokens
 
 MODEL = "tiny-mamba2"
@@ -43,16 +44,6 @@ def test_release_zeroes_and_the_next_occupant_starts_fresh():
     assert torch.equal(via_slot.logits, fresh.logits) and via_slot.state.equal(fresh.state)
 
 
-def _present(t: torch.Tensor) -> list[bool]:
-    """Whether each page of `t`'s bytes is in memory (the present bit of /proc/self/pagemap)."""
-    page = mmap.PAGESIZE
-    lo, hi = t.data_ptr() // page, -(-(t.data_ptr() + t.numel() * t.element_size()) // page)
-    with open("/proc/self/pagemap", "rb") as pm:
-        pm.seek(lo * 8)
-        raw = pm.read((hi - lo) * 8)
-    return [bool(int.from_bytes(raw[i:i + 8], "little") >> 63) for i in range(0, len(raw), 8)]
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pagemap is Linux's")
 def test_a_tables_memory_is_that_of_the_slots_used_not_of_its_capacity():
     """The buffers read as zeros and take memory page by page as slots are written: a table of 8
@@ -63,12 +54,12 @@ def test_a_tables_memory_is_that_of_the_slots_used_not_of_its_capacity():
     name, buf = max(table.buffers.items(), key=lambda kv: kv[1].numel())
     per_slot = buf[0].numel() * buf.element_size()
     assert per_slot >= 3 * mmap.PAGESIZE, (name, per_slot)  # whole pages inside each slot
-    assert not any(_present(buf))
+    assert not any(pages_in_memory(buf))
     used = model.advance(model.initial_state(), tokens(30, 1))
     h = table.insert("a", used.state, epoch=0, state_key="k-a", logits=used.logits[-1])
-    assert all(_present(buf[h.slot])[1:-1])
+    assert all(pages_in_memory(buf[h.slot]))
     others = [s for s in range(8) if s != h.slot]
-    assert not any(p for s in others for p in _present(buf[s])[1:-1])
+    assert not any(p for s in others for p in pages_in_memory(buf[s]))
     assert not bool(buf[others[0]].abs().sum()) and torch.equal(table.view(h).tensors[name], used.state.tensors[name])
     # the pages are this process's own: a child forked now writes its copy, never the parent's
     pid = os.fork()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import mmap
 import sys
 
 import pytest
@@ -23,6 +22,7 @@ from mamba_stream.scan import (
     load_model,
     save_checkpoint,
 )
+from tests._pages import pages_in_memory
 from tests.scan._helpers import tokens
 
 
@@ -362,18 +362,6 @@ def test_a_checkpoints_revision_is_remembered_by_its_files_and_recomputed_when_t
     assert load_model(d).revision == again
 
 
-def _resident(t: torch.Tensor) -> list[bool]:
-    """Whether each whole page inside `t`'s bytes is mapped in (the present bit of
-    /proc/self/pagemap, readable by the process itself)."""
-    page = mmap.PAGESIZE
-    lo = -(-t.data_ptr() // page) * page
-    hi = (t.data_ptr() + t.numel() * t.element_size()) // page * page
-    with open("/proc/self/pagemap", "rb") as pm:
-        pm.seek(lo // page * 8)
-        raw = pm.read((hi - lo) // page * 8)
-    return [bool(int.from_bytes(raw[i:i + 8], "little") >> 63) for i in range(0, len(raw), 8)]
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_PAGEOUT and pagemap are Linux's")
 def test_a_q8_checkpoints_scales_leave_memory_once_repacked_and_no_bit_changes(tmp_path, monkeypatch):
     """The kernels read the repacked scales (d8) only, so the file's own scales are paged out after
@@ -389,13 +377,13 @@ def test_a_q8_checkpoints_scales_leave_memory_once_repacked_and_no_bit_changes(t
     assert any(lo <= emb.d.data_ptr() < hi for lo, hi in ranges)  # the file's own scales
     toks = tokens(40, 7)
     a = settled.advance(settled.initial_state(), toks)
-    blocks, scales = _resident(emb.q), _resident(emb.d)
+    blocks, scales = pages_in_memory(emb.q), pages_in_memory(emb.d)
     assert len(scales) >= 8 and not any(scales)  # 15 pages of scales, none mapped in after a chunk
     assert all(blocks)  # the check sees pages that are in: the blocks the head read
     monkeypatch.setattr(Q8Weight, "settle", lambda self: 0)
     kept = load_model(tmp_path, backend="exact")
     b = kept.advance(kept.initial_state(), toks)
-    assert any(_resident(kept.module.backbone.embedding.weight.d))
+    assert any(pages_in_memory(kept.module.backbone.embedding.weight.d))
     assert torch.equal(a.logits, b.logits)
     assert all(torch.equal(a.state.tensors[k], b.state.tensors[k]) for k in a.state.tensors)
-    assert torch.equal(emb.d, file_scales) and any(_resident(emb.d))  # read again: the file's values
+    assert torch.equal(emb.d, file_scales) and any(pages_in_memory(emb.d))  # read again: the file's values

@@ -155,27 +155,30 @@ async def replay(client: Client, queue: str, keyring: Keyring, keep: Path | None
             (keep / f"{h.workflow_id}.{h.events[0].event_time.ToMilliseconds()}.json").write_text(h.to_json())
     replayer = Replayer(workflows=[MambaStreamWorkflow, ChatAgent, *owners], data_converter=data_converter(keyring),
                         workflow_runner=_runner(None))
-    # a run that has decided nothing yet (continued as new as its worker stopped: its history is the
-    # started event alone) has nothing to replay, and the Replayer waits on it forever
-    runs = [h for h in runs if any(e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED for e in h.events)]
+    runs = _decided(runs)
     for h in runs:
         late = late_patches(h)
         if late:
             raise AssertionError(f"{h.workflow_id}: patch markers after the first workflow task: {late}")
-    async with replayer.workflow_replay_iterator(_aiter(runs)) as results:
-        async for result in results:
-            if result.replay_failure is not None:
-                raise AssertionError(f"recorded history of {result.history.workflow_id} does not replay: "
-                                     f"{result.replay_failure!r}")
-    return len(runs)
+    return await _replay_all(replayer, runs)
 
 
 async def replay_agents(client: Client, queue: str, workflows: list[type], plugins: list) -> int:
     """Replay every run recorded on `queue` (an agent framework's workflows, with the plugins their
     worker had: the framework's, then ours) with this checkout's code. Returns how many runs."""
-    runs = [h for h in await histories(client, queue)
-            if any(e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED for e in h.events)]
-    replayer = Replayer(workflows=workflows, plugins=plugins)
+    runs = _decided(await histories(client, queue))
+    return await _replay_all(Replayer(workflows=workflows, plugins=plugins), runs)
+
+
+def _decided(runs: list) -> list:
+    """The runs that decided something: one that has not yet (continued as new as its worker
+    stopped: its history is the started event alone) has nothing to replay, and the Replayer waits
+    on it forever."""
+    return [h for h in runs if any(e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED for e in h.events)]
+
+
+async def _replay_all(replayer: Replayer, runs: list) -> int:
+    """Replay `runs`; raises on the first that does not replay. Returns how many ran."""
     async with replayer.workflow_replay_iterator(_aiter(runs)) as results:
         async for result in results:
             if result.replay_failure is not None:

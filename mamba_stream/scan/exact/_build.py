@@ -205,6 +205,9 @@ class _Library:
         self.convs = {dt: getattr(lib, "conv_threads" + suf) for dt, suf in _SUFFIX.items()}
         #: the elementwise functions, split between threads (same bits as `unary`)
         self.unarys = {dt: getattr(lib, "unary_threads" + suf) for dt, suf in _SUFFIX.items()}
+        #: the norms over rows, split between threads (same bits as `rms_norm`, `gated_norm`)
+        self.rms_norms = {dt: getattr(lib, "rms_norm_threads" + suf) for dt, suf in _SUFFIX.items()}
+        self.gated_norms = {dt: getattr(lib, "gated_norm_threads" + suf) for dt, suf in _SUFFIX.items()}
         self.lib = lib
         #: mixer -> (its tensors, their versions, its C description): beside the module, not on it,
         #: so that a copy of the module (deepcopy, pickle) never carries pointers into the original

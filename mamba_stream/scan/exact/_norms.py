@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from mamba_stream.scan.exact._build import _SUFFIX, _Library
+from mamba_stream.scan.exact._build import _Library
 from mamba_stream.scan.exact._threading import _threads
 from mamba_stream.scan.exact._unary import unary_ref
 
@@ -65,8 +65,7 @@ class _Norm(_Library):
         w = weight.contiguous()
         rows = x.numel() // d if d else 0
         # rows split between threads (the same bits): an RMSNorm is about 4 operations a value
-        getattr(self.lib, "rms_norm_threads" + _SUFFIX[x.dtype])(x.data_ptr(), w.data_ptr(), out.data_ptr(), rows, d,
-                                                                 eps, _threads(x.numel() * 4))
+        self.rms_norms[x.dtype](x.data_ptr(), w.data_ptr(), out.data_ptr(), rows, d, eps, _threads(x.numel() * 4))
         return out
 
 
@@ -87,9 +86,9 @@ class _GatedNorm(_Library):
             raise ValueError(f"group size {group_size} does not divide {d}")
         out = torch.empty_like(x)
         # rows split between threads (the same bits): a silu in double is about 20 operations a value
-        getattr(self.lib, "gated_norm_threads" + _SUFFIX[x.dtype])(
-            x.data_ptr(), z.data_ptr(), weight.contiguous().data_ptr(), out.data_ptr(), x.numel() // d if d else 0, d,
-            group_size, eps, int(norm_before_gate), _threads(x.numel() * 24))
+        self.gated_norms[x.dtype](x.data_ptr(), z.data_ptr(), weight.contiguous().data_ptr(), out.data_ptr(),
+                                  x.numel() // d if d else 0, d, group_size, eps, int(norm_before_gate),
+                                  _threads(x.numel() * 24))
         return out
 
 

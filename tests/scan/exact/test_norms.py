@@ -55,11 +55,10 @@ def test_the_norms_split_across_threads_give_the_twins_bits(monkeypatch, dtype):
 
     ops = _kernel_ops()
     monkeypatch.setattr(_threading, "_THREADED_WORK", 0)
-    suffix = "_f32" if dtype == torch.float32 else "_f64"
     seen: list[int] = []
-    for name in ("rms_norm_threads", "gated_norm_threads"):
-        real = getattr(ops.lib, name + suffix)
-        monkeypatch.setattr(ops.lib, name + suffix, lambda *a, _real=real: (seen.append(a[-1]), _real(*a))[1])
+    for table in (ops.rms_norms, ops.gated_norms):
+        real = table[dtype]
+        monkeypatch.setitem(table, dtype, lambda *a, _real=real: (seen.append(a[-1]), _real(*a))[1])
     g = torch.Generator().manual_seed(16)
     for rows in (1, 2, 77):
         x, z = _r(g, rows, 96, dtype=dtype, scale=3.0), _r(g, rows, 96, dtype=dtype, scale=30.0)
