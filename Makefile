@@ -42,6 +42,7 @@ bench: $(STAMP)
 	$(PY) bench/prefix_states.py
 	$(PY) bench/bench_segments.py
 	$(PY) bench/bench_conversations.py
+	$(PY) bench/bench_fairness.py
 
 eval: $(STAMP)
 	$(VENV)/bin/mamba-stream eval --append docs/results/quality.md

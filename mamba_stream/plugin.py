@@ -86,7 +86,12 @@ log = logging.getLogger(__name__)
 
 #: modules the workflow sandbox imports once, from outside: the request/receipt models
 PASSTHROUGH = ("pydantic", "mamba_stream.failures", "mamba_stream.state_codec", "mamba_stream.workflows._models",
-               "mamba_stream.workflows.contract", "mamba_stream.workflows._failures")
+               "mamba_stream.workflows.contract", "mamba_stream.workflows._failures",
+               # client-side modules the package's __init__ imports, which no workflow runs: without
+               # them, every new stream's workflow re-ran them in its sandbox (about 40 ms of a
+               # worker's CPU per stream opened; most of a flood of opens, bench/bench_fairness.py)
+               "mamba_stream.workflows._client", "mamba_stream.workflows._reader", "mamba_stream.workflows._config",
+               "mamba_stream.workflows._fairness")
 
 
 class _Codecs(PayloadCodec, WithSerializationContext):
@@ -455,6 +460,9 @@ class MambaStreamPlugin(SimplePlugin):
             WorkerUnhealthy: the activities' health tripped; the worker was shut down for it.
         """
         own_queue = getattr(self._activities, "worker_queue", None)
+        share = getattr(self._activities, "share_queue", None)
+        if share is not None:  # the operator's fairness weights, by tag, as the server's overrides of this queue
+            await share(worker.client, worker.task_queue)
         try:
             if not self._own_queue or self._caller_runs_own or worker.task_queue == own_queue:
                 await self._run_watched(worker, next)

@@ -51,6 +51,15 @@ class WorkerConfig(ClientConfig):
     #: a JSON file of the operator's shared prefixes, served to every principal:
     #: {"<model id>": ["<text>" or [token ids], ...]}
     shared_prefixes: str | None = field(default_factory=lambda: os.environ.get("MAMBA_STREAM_SHARED_PREFIXES") or None)
+    #: the worker's own fair sharing between principals, on or off, and their weights (principal=weight,...)
+    fairness: str = field(default_factory=lambda: os.environ.get("MAMBA_STREAM_FAIRNESS", "on"))
+    fairness_weights: str = field(default_factory=lambda: os.environ.get("MAMBA_STREAM_FAIRNESS_WEIGHTS", ""))
+
+    def __post_init__(self) -> None:
+        from mamba_stream.activities import Fairness, Quotas
+
+        Fairness.from_spec(self.fairness, self.fairness_weights)  # a TenancyConfigError (a ValueError) names it
+        Quotas.from_env()
 
     @property
     def store(self) -> str:
@@ -122,9 +131,10 @@ def model_registry(cfg: WorkerConfig) -> ModelRegistry:
 
 
 def build_activities(cfg: WorkerConfig, keyring, worker_queue: str, metrics=None):
-    from mamba_stream.activities import StreamActivities, open_store
+    from mamba_stream.activities import Fairness, Quotas, StreamActivities, open_store
     from mamba_stream.state_codec.signing import PrincipalKeys
 
+    fairness = Fairness.from_spec(cfg.fairness, cfg.fairness_weights)
     models = model_registry(cfg)  # before the store is opened: a bad model changes nothing
     shared = shared_prefixes(cfg)
     keys = PrincipalKeys.from_spec(cfg.principal_keys) if cfg.principal_keys else None
@@ -133,7 +143,7 @@ def build_activities(cfg: WorkerConfig, keyring, worker_queue: str, metrics=None
     return StreamActivities(models=models, store=open_store(cfg.store), keyring=keyring, worker_queue=worker_queue,
                             principal_keys=keys, metrics=metrics, drift_check_every=cfg.drift_check_every,
                             prefix_bytes=cfg.prefix_bytes, prefix_ram_bytes=cfg.prefix_ram_bytes,
-                            shared_prefixes=shared)
+                            shared_prefixes=shared, fairness=fairness, quotas=Quotas.from_env())
 
 
 def shared_prefixes(cfg: WorkerConfig) -> dict[str, list[str | list[int]]] | None:

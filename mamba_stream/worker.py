@@ -55,6 +55,19 @@ Environment (all optional):
                              <MAMBA_STREAM_DEPLOYMENT>:<build id> of a Temporal worker deployment
                              (default deployment name mamba-stream) and streams are pinned to the
                              version they start on (docs/rollout.md). Unset: unversioned.
+    MAMBA_STREAM_FAIRNESS    on (default) or off: the engine shares its rounds between principals
+                             (per-principal fair queueing of chunks and batch rows); off: first come,
+                             first served. Temporal's own dispatch by the principals' fairness keys
+                             is the server's (`matching.enableFairness`, on in every server we start)
+    MAMBA_STREAM_FAIRNESS_WEIGHTS
+                             principal=weight,... (default 1 each): the engine's shares, and set by
+                             the worker on its task queues as the server's fairness-weight overrides
+                             (by principal tag, never the name)
+    MAMBA_STREAM_QUOTA_STREAMS, MAMBA_STREAM_QUOTA_CHUNKS, MAMBA_STREAM_QUOTA_STATE_BYTES
+                             what one principal may hold (defaults 1024 streams in the store, 256
+                             chunks running on a worker, 4 GiB of hot state in a worker's engine);
+                             past one, a typed QuotaExceeded before anything runs (docs/deploying.md,
+                             "Fair tenants")
     MAMBA_STREAM_SWEEP_S, MAMBA_STREAM_ORPHAN_GRACE_S
                              how often this worker sweeps the store for orphaned states (default
                              600 s; 0: never), and how long after its workflow closed a stream's

@@ -18,7 +18,11 @@ def test_the_deployment_raises_the_transfer_queue_rate_as_the_embedded_server_do
     assert {k: [c["value"] for c in v] for k, v in config.items()} == {
         k: [v] for k, v in DEV_SERVER_DYNAMIC_CONFIG.items()}
     assert DEV_SERVER_DYNAMIC_CONFIG["history.transferProcessorMaxPollRPS"] >= 500
-    assert dev_server_args() == ["--dynamic-config-value", "history.transferProcessorMaxPollRPS=1000"]
+    assert DEV_SERVER_DYNAMIC_CONFIG["matching.enableFairness"] is True
+    assert dev_server_args() == ["--dynamic-config-value", "history.transferProcessorMaxPollRPS=1000",
+                                 "--dynamic-config-value", "matching.enableFairness=true",
+                                 "--dynamic-config-value", "matching.numTaskqueueReadPartitions=1",
+                                 "--dynamic-config-value", "matching.numTaskqueueWritePartitions=1"]
 
 
 

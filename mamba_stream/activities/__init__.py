@@ -7,6 +7,7 @@ batching), state stores.
 """
 
 from mamba_stream.activities._alloc import tune_allocator
+from mamba_stream.activities._fairness import Fairness, Quotas, TenancyConfigError, apply_weights
 from mamba_stream.activities._file_store import FileStateStore
 from mamba_stream.activities._health import WorkerHealth
 from mamba_stream.activities._memory_store import MemoryStateStore
@@ -27,6 +28,7 @@ from mamba_stream.activities._store import (
 
 __all__ = [
     "HISTOGRAM_BUCKETS",
+    "Fairness",
     "Fence",
     "FileStateStore",
     "InvalidStoreKey",
@@ -38,6 +40,7 @@ __all__ = [
     "PostgresStateStore",
     "PrefixStore",
     "PrefixSweep",
+    "Quotas",
     "RekeyReport",
     "SegmentSweep",
     "SlotTable",
@@ -52,7 +55,9 @@ __all__ = [
     "StreamEngine",
     "StreamMetrics",
     "SweepReport",
+    "TenancyConfigError",
     "WorkerHealth",
+    "apply_weights",
     "claim_store",
     "open_store",
     "rekey_store",

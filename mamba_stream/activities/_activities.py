@@ -32,7 +32,8 @@ from mamba_stream.activities import _chunk, _open, _recorded
 from mamba_stream.activities._carry import CarrySeals
 from mamba_stream.activities._commit import ChunkCommit
 from mamba_stream.activities._drift import DriftCheck
-from mamba_stream.activities._engine import SeededSampler, StreamEngine, _multinomial_form_holds
+from mamba_stream.activities._engine import SeededSampler, StreamEngine, _multinomial_form_holds, owner_of
+from mamba_stream.activities._fairness import Fairness, InFlight, Quotas, apply_weights
 from mamba_stream.activities._guards import beat, cancel_point, guarded
 from mamba_stream.activities._health import WorkerHealth
 from mamba_stream.activities._metrics import StreamMetrics
@@ -111,7 +112,8 @@ class StreamActivities:
                  max_wait_s: float = 0.002, prefill_piece: int = 256,
                  principal_keys: PrincipalKeys | None = None, metrics: StreamMetrics | None = None,
                  drift_check_every: int = 0, prefix_bytes: int = 1 << 30, prefix_ram_bytes: int = 256 << 20,
-                 shared_prefixes: dict[str, list[str | list[int]]] | None = None) -> None:
+                 shared_prefixes: dict[str, list[str | list[int]]] | None = None,
+                 fairness: Fairness | None = None, quotas: Quotas | None = None) -> None:
         self.models = models
         self.store = store
         self.keyring = keyring
@@ -119,8 +121,14 @@ class StreamActivities:
         self.principal_keys = principal_keys
         self.metrics = metrics or StreamMetrics()
         self.drift = DriftCheck(drift_check_every)
+        self.fairness = fairness or Fairness()
+        #: the operator's weights by principal tag: the engines' and the server's (`apply_weights`)
+        self.fair_weights = self.fairness.tag_weights(keyring)
+        self.quotas = quotas or Quotas()
+        self.in_flight = InFlight(self.quotas.chunks_in_flight)
         self._engine_args = dict(capacity=slots, max_batch=max_batch, max_wait_s=max_wait_s,
-                                 prefill_piece=prefill_piece)
+                                 prefill_piece=prefill_piece, fair=self.fairness.enabled, weights=self.fair_weights,
+                                 state_quota=self.quotas.state_bytes)
         self.engines: dict[str, StreamEngine] = {}
         self._engines_lock = threading.Lock()
         self._counted: set[tuple[str, str, str]] = set()  # (model, revision, backend) counted as loaded
@@ -151,7 +159,7 @@ class StreamActivities:
     def advance_chunk(self, req: AdvanceChunkRequest) -> AdvanceChunkResult:
         """Advance the stream by one chunk, exactly once."""
         t0 = time.perf_counter()
-        with self._guarded(req.stream_id, req.receipt.model_id):
+        with self._guarded(req.stream_id, req.receipt.model_id), self.in_flight.chunk(owner_of(req.stream_id)):
             return _chunk.advance(self, req, t0)
 
     @activity.defn(name=ACTIVITY_GENERATE, no_thread_cancel_exception=True)
@@ -159,7 +167,7 @@ class StreamActivities:
         """Sample tokens with a seeded generator, each advancing the state like input, up to
         `max_tokens`, a stop text or the end of the sequence; exactly once (`_chunk.generate`)."""
         t0 = time.perf_counter()
-        with self._guarded(req.stream_id, req.receipt.model_id):
+        with self._guarded(req.stream_id, req.receipt.model_id), self.in_flight.chunk(owner_of(req.stream_id)):
             return _chunk.generate(self, req, t0)
 
     @activity.defn(name=ACTIVITY_RESET, no_thread_cancel_exception=True)
@@ -237,6 +245,12 @@ class StreamActivities:
             if eng is None:
                 eng = self.engines[model.model_id] = StreamEngine(model, **self._engine_args)
             return eng
+
+    async def share_queue(self, client: Any, task_queue: str) -> bool:
+        """Set the operator's fairness weights (`Fairness.weights`, by principal tag) as the
+        server's overrides of `task_queue` (`apply_weights`; the plugin does it for each queue its
+        worker serves). True when there are none to set."""
+        return await apply_weights(client, task_queue, self.fair_weights)
 
     def use_metrics(self, metrics: StreamMetrics) -> None:
         """Count into `metrics` from now on (a worker's own endpoint): the commits and the prefix

@@ -4,9 +4,19 @@ Activities submit chunks and wait; the engine thread is the only one that touche
 and runs the model. Each round it takes every waiting single-token step (decode, generate) as
 one batched step on the slot buffers in place (`Model.step_rows`, the arithmetic of
 `advance_batch`; up to `max_batch`, after waiting at most `max_wait_s` for company),
-then one piece (`prefill_piece` tokens) of the oldest long chunk. A 4,096-token prefill therefore
-holds waiting decodes up for at most one piece. Splitting a chunk into pieces is invisible by the
-engine's own contract: bit-exact on the reference backend, within the declared bounds elsewhere.
+then one piece (`prefill_piece` tokens, fewer where a piece took longer than `piece_s`) of one long
+chunk. A 4,096-token prefill therefore holds waiting decodes up for at most one piece. Splitting a
+chunk into pieces is invisible by the engine's own contract: bit-exact on the exact and reference
+backends, within the declared bounds elsewhere.
+
+Fair across principals (`fair`, the default): a work's owner is its stream's principal tag, and
+which long chunk gets the round's piece, and which single steps fill a full batch, is decided by
+start-time fair queueing over owners (`_Shares`): each owner's virtual time grows by the tokens it
+was served over its weight, the least goes first, and an owner that comes back from idle starts at
+the least of those waiting (no credit saved up while idle). One principal's hundred chunks
+therefore delay another's by about one piece, not a hundred. Scheduling never changes bits: each
+stream's tokens are advanced in its own order, whatever the order between streams. `fair=False`:
+first come, first served.
 
 Per round, what is not the model's arithmetic is kept per batch rather than per row: the layers
 write the new states straight into the slots (`SlotTable.step`, no copy-back), each stream's
@@ -41,9 +51,11 @@ from mamba_stream.activities._alloc import tune_allocator
 from mamba_stream.activities._slots import SlotTable
 from mamba_stream.failures import Failure
 from mamba_stream.scan import ConfigError, Model, NonFiniteOutput, State
+from mamba_stream.state_codec import stream_tag
+from mamba_stream.workflows import QuotaExceeded
 
 __all__ = ["ChunkOutput", "EngineDead", "EngineStats", "NeedsLoad", "SeededSampler", "StreamBusy", "StreamEngine",
-           "sample_rows"]
+           "owner_of", "sample_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -302,7 +314,68 @@ class _Work:
     max_tokens: int = 0
     abandoned: bool = False  # its caller stopped waiting (a cancelled attempt): dropped at the next round
     keep_rows: bool = True  # False: only the last row is kept (ChunkOutput.logits is empty)
+    owner: str = ""  # whose share it is served from: the stream's principal tag ("" where none)
 
+
+def owner_of(stream_id: str) -> str:
+    """The owner a stream's work is served as: its principal tag ("" for an id without one)."""
+    return stream_tag(stream_id) or ""
+
+
+class _Shares:
+    """Start-time fair queueing over owners. `order` lists works so that each owner's are in
+    arrival order and owners alternate by virtual time (tokens served / weight, the least first;
+    ties: the earlier arrival); `charge` adds what was served. An owner with no work waiting is
+    forgotten, and starts again at the least virtual time of those waiting: nothing is saved up
+    while idle, nothing owed either."""
+
+    def __init__(self, weights: dict[str, float] | None = None) -> None:
+        self.weights = dict(weights or {})
+        self.vt: dict[str, float] = {}
+
+    def weight(self, owner: str) -> float:
+        return self.weights.get(owner, 1.0)
+
+    def settle(self, waiting: list[_Work]) -> None:
+        """Forget the owners with nothing waiting; start new ones at the floor."""
+        owners = {w.owner for w in waiting}
+        self.vt = {o: t for o, t in self.vt.items() if o in owners}
+        floor = min(self.vt.values(), default=0.0)
+        for o in owners:
+            self.vt.setdefault(o, floor)
+
+    def order(self, works: list[_Work], cost: Callable[[_Work], int], limit: int) -> list[_Work]:
+        """Up to `limit` of `works` (in arrival order), in fair order."""
+        queues: dict[str, list[_Work]] = {}
+        for w in works:
+            queues.setdefault(w.owner, []).append(w)
+        if len(queues) <= 1:
+            return works[:limit]
+        vt = {o: self.vt.get(o, 0.0) for o in queues}
+        pos = {id(w): i for i, w in enumerate(works)}
+        first = {o: pos[id(q[0])] for o, q in queues.items()}
+        heads = dict.fromkeys(queues, 0)
+        out: list[_Work] = []
+        while len(out) < limit and heads:
+            o = min(heads, key=lambda k: (vt[k], first[k]))
+            w = queues[o][heads[o]]
+            out.append(w)
+            vt[o] += cost(w) / self.weight(o)
+            heads[o] += 1
+            if heads[o] == len(queues[o]):
+                del heads[o]
+            else:
+                first[o] = pos[id(queues[o][heads[o]])]
+        return out
+
+    def charge(self, owner: str, tokens: int) -> None:
+        self.vt[owner] = self.vt.get(owner, 0.0) + tokens / self.weight(owner)
+
+
+#: how long one prefill piece may hold the engine before pieces are made shorter
+PIECE_S = 0.5
+#: the shortest piece a long prefill is cut into
+MIN_PIECE = 16
 
 #: the most memory one model's slot table takes by default: its capacity is cut to fit (a 7B
 #: Mamba-2's state is 275 MB a stream, so 256 slots would be 70 GB; a full table evicts its least
@@ -316,11 +389,21 @@ class StreamEngine:
     capacity: slots (streams held hot at once), at most as many as `slot_memory` bytes hold.
     max_batch: single-token steps advanced together.
     max_wait_s: how long a lone step waits for company.
-    prefill_piece: tokens of a long chunk advanced per round.
+    prefill_piece: tokens of a long chunk advanced per round, at most.
+    piece_s: a piece that took longer makes the next ones shorter (to about this long, at least
+        `MIN_PIECE` tokens): a large model's prefill holds the other streams up for a bounded time.
+    fair: share the rounds between owners (principal tags) by `weights` (tag -> weight, default
+        1.0); False: first come, first served.
+    state_quota: the most slot bytes (states, logits rows) one owner holds (`Quotas.state_bytes`):
+        a chunk past it evicts the owner's own least recently used idle stream, or is refused
+        `QuotaExceeded` when all of them are running; a state held after a commit is then not
+        kept hot (it is in the store). None: no bound but the table's.
     """
 
     def __init__(self, model: Model, *, capacity: int = 256, max_batch: int = 64, max_wait_s: float = 0.002,
-                 prefill_piece: int = 256, slot_memory: int = SLOT_MEMORY) -> None:
+                 prefill_piece: int = 256, slot_memory: int = SLOT_MEMORY, piece_s: float = PIECE_S,
+                 fair: bool = True, weights: dict[str, float] | None = None,
+                 state_quota: int | None = None) -> None:
         tune_allocator()  # batched steps churn state-sized temporaries; see activities/_alloc.py
         self.model = model
         per_slot = model.schema.state_bytes + model.vocab_size * 4  # a state and its logits row
@@ -330,12 +413,16 @@ class StreamEngine:
                               f"{model.config.max_positions} is {per_slot / 2**30:.2f} GiB, more than the "
                               f"{slot_memory / 2**30:.2f} GiB of slots a model gets; lower the bound "
                               "(MAMBA_STREAM_MAX_POSITIONS)", field="max_positions")
+        self._per_slot, self.state_quota = per_slot, state_quota
         fits = max(1, slot_memory // per_slot)
         if fits < capacity:
             log.info("engine for %s: %d slots of %.1f MB fit %.1f GB (asked for %d)", model.model_id, fits,
                      per_slot / 1e6, slot_memory / 1e9, capacity)
         self.slots = SlotTable(model, min(capacity, fits))
         self.max_batch, self.max_wait_s, self.prefill_piece = max_batch, max_wait_s, prefill_piece
+        self.piece_s, self.fair = piece_s, fair
+        self._piece = prefill_piece  # the current piece length (`_next_piece`)
+        self._shares = _Shares(weights)
         self.stats = EngineStats()
         self._inbox: queue.Queue = queue.Queue()
         self._lock = threading.Lock()  # guards `_committed` and `_busy`, read by other threads
@@ -362,23 +449,26 @@ class StreamEngine:
 
     def advance(self, stream_id: str, tokens: list[int], *, expected_key: str, epoch: int,
                 load: Callable[[], tuple[State, torch.Tensor | None]],
-                on_wait: Callable[[], float | None] | None = None, keep_rows: bool = True) -> ChunkOutput:
+                on_wait: Callable[[], float | None] | None = None, keep_rows: bool = True,
+                owner: str | None = None) -> ChunkOutput:
         """Advance a stream from its committed state `expected_key` by `tokens`; waits.
 
         `load` brings the committed state from the store when no slot holds it; `on_wait` runs
         in the caller's thread while it waits (activities check for cancellation and heartbeat
         there): every `WAIT_SLICE_S`, or when `wake` is set, or after the pause it returned (see
         `_wait`). `keep_rows` False: the output's `logits` is empty, `last_logits` set (the
-        chunk's other rows are never kept).
+        chunk's other rows are never kept). `owner`: whose share the work is served from (default
+        the stream's principal tag, `owner_of`).
         """
+        who = owner_of(stream_id) if owner is None else owner
         return self._submit(lambda pre: _Work(stream_id, list(tokens), expected_key, epoch, pre,
-                                              keep_rows=keep_rows),
+                                              keep_rows=keep_rows, owner=who),
                             stream_id, expected_key, load, on_wait, None)
 
     def generate(self, stream_id: str, sampler: Callable[[torch.Tensor], int | None], max_tokens: int, *,
                  expected_key: str, epoch: int, load: Callable[[], tuple[State, torch.Tensor | None]],
                  on_wait: Callable[[], float | None] | None = None,
-                 wake: threading.Event | None = None) -> ChunkOutput:
+                 wake: threading.Event | None = None, owner: str | None = None) -> ChunkOutput:
         """Sample up to `max_tokens` tokens, each advancing the state; every step is batched with
         the other streams' single-token steps. `sampler(next_logits)` returns a token or None.
 
@@ -393,8 +483,9 @@ class StreamEngine:
         caller's thread: a streaming generate heartbeats its newest tokens there, never from the
         engine thread (a heartbeat waits for the worker's event loop).
         """
+        who = owner_of(stream_id) if owner is None else owner
         return self._submit(lambda pre: _Work(stream_id, [], expected_key, epoch, pre, sampler=sampler,
-                                              max_tokens=max_tokens),
+                                              max_tokens=max_tokens, owner=who),
                             stream_id, expected_key, load, on_wait, wake)
 
     def _submit(self, make: Callable[[object], _Work], stream_id: str, expected_key: str,
@@ -488,7 +579,39 @@ class StreamEngine:
             with self._lock:
                 self._committed[stream_id] = key
 
-    def _insert(self, stream_id: str, state: State, epoch: int, key: str | None, logits) -> object:
+    def _owner_room(self, stream_id: str, strict: bool) -> bool:
+        """Whether the stream's owner may hold one more slot under `state_quota`, after evicting
+        its own least recently used idle streams; False (not strict) or `QuotaExceeded` (strict)
+        when every slot it holds is running."""
+        owner = owner_of(stream_id)
+        if self.state_quota is None or not owner:
+            return True
+        held = [m.stream_id for m in self.slots.meta if m.stream_id]
+        mine = [sid for sid in held if owner_of(sid) == owner]
+        with self._lock:
+            busy = set(self._busy)
+        others = set(held) - set(mine)
+        while (len(mine) + 1) * self._per_slot > self.state_quota:
+            victim = self.slots.lru(exclude=busy | others)
+            if victim is None:
+                if not strict:
+                    return False
+                raise QuotaExceeded(
+                    f"the principal's {len(mine)} running streams hold {len(mine) * self._per_slot} bytes of state "
+                    f"on this worker; one more is past its quota state_bytes {self.state_quota} "
+                    "(MAMBA_STREAM_QUOTA_STATE_BYTES)",
+                    quota="state_bytes", limit=self.state_quota, used=len(mine) * self._per_slot)
+            self._release(victim)
+            self.stats.evictions += 1
+            mine.remove(victim)
+        return True
+
+    def _insert(self, stream_id: str, state: State, epoch: int, key: str | None, logits, *,
+                strict: bool = False) -> object:
+        """Hold `state` in the stream's slot. `strict`: a chunk about to run (past the owner's
+        quota: `QuotaExceeded`); else a committed state kept hot, which is dropped instead (None)."""
+        if self.slots.handle(stream_id) is None and not self._owner_room(stream_id, strict):
+            return None
         if self.slots.handle(stream_id) is None and not self.slots.free:
             with self._lock:
                 busy = set(self._busy)
@@ -522,7 +645,7 @@ class StreamEngine:
                 if w.load is None:
                     raise NeedsLoad(w.stream_id)
                 state, logits = w.load
-                self._insert(w.stream_id, state, w.epoch, w.expected_key, logits)
+                self._insert(w.stream_id, state, w.epoch, w.expected_key, logits, strict=True)
                 self.stats.loads += 1
             h = self.slots.handle(w.stream_id)
             assert h is not None
@@ -631,7 +754,11 @@ class StreamEngine:
         for w in [w for w in pending if not w.tokens]:  # empty chunks: the state as it is
             self._finish(w, slots.view(w.handle).clone(), None)
         pending = [w for w in pending if w.tokens]
-        singles = [w for w in pending if len(w.tokens) - w.done == 1][: self.max_batch]
+        if self.fair:
+            self._shares.settle(pending)
+        singles = [w for w in pending if len(w.tokens) - w.done == 1]
+        singles = (self._shares.order(singles, lambda w: 1, self.max_batch) if self.fair
+                   else singles[: self.max_batch])
         if singles:
             try:
                 t0 = time.perf_counter()
@@ -643,6 +770,9 @@ class StreamEngine:
                 return [w for w in pending if w not in singles]
             self.stats.steps += 1
             self.stats.stepped_streams += len(singles)
+            if self.fair:
+                for w in singles:
+                    self._shares.charge(w.owner, 1)
             self.stats.max_batch = max(self.stats.max_batch, len(singles))
             batched: list[tuple[int, _Work]] = []  # rows whose SeededSampler draws with the batch
             for i, w in enumerate(singles):
@@ -674,15 +804,19 @@ class StreamEngine:
                 self._sample_batch(logits, batched)
         longs = [w for w in pending if len(w.tokens) - w.done > 1]
         if longs:
-            w = longs[0]
-            piece = w.tokens[w.done : w.done + self.prefill_piece]
+            w = self._shares.order(longs, lambda w: len(w.tokens) - w.done, 1)[0] if self.fair else longs[0]
+            piece = w.tokens[w.done : w.done + self._piece]
             try:
+                t0 = time.perf_counter()
                 # a work that keeps no rows (a prefix's) needs each piece's last row only
                 r = model.advance(slots.view(w.handle), piece, logits="all" if w.keep_rows else "last")
+                self._next_piece(len(piece), time.perf_counter() - t0)
             except Exception as exc:  # noqa: BLE001
                 self._fail(w, exc)
                 return [x for x in pending if x is not w and x not in singles]
             self.stats.pieces += 1
+            if self.fair:
+                self._shares.charge(w.owner, len(piece))
             slots.write(w.handle, r.state, r.logits[-1], state_key=None)
             assert w.rows is not None
             w.rows.extend(r.logits)
@@ -691,6 +825,14 @@ class StreamEngine:
             if w.done == len(w.tokens):
                 self._finish(w, r.state, r.logits[-1])
         return [w for w in pending if w.done < len(w.tokens) and not w.future.done()]
+
+    def _next_piece(self, tokens: int, seconds: float) -> None:
+        """The next piece's length: `prefill_piece`, or shorter where a piece of this model took
+        longer than `piece_s` (to about `piece_s`, at least `MIN_PIECE`); back up as pieces speed up."""
+        if tokens < MIN_PIECE or seconds <= 0:
+            return
+        fits = int(tokens * self.piece_s / seconds)
+        self._piece = max(MIN_PIECE, min(self.prefill_piece, fits))
 
     def _sample_batch(self, logits: torch.Tensor, batched: list[tuple[int, _Work]]) -> None:
         """The next token of every row in `batched` ((row of `logits`, work)), sampled at once."""

@@ -39,7 +39,7 @@ from mamba_stream.activities._live import LiveTokens
 from mamba_stream.activities._metrics import StreamMetrics
 from mamba_stream.failures import Failure
 from mamba_stream.state_codec import RequestRejected, StateRejected, StreamMismatch
-from mamba_stream.workflows import InternalError, WorkerUnhealthy, application_error
+from mamba_stream.workflows import InternalError, QuotaExceeded, WorkerUnhealthy, application_error
 
 __all__ = ["BEAT_S", "UNTYPED_ATTEMPTS", "WORKER_FAULT_ATTEMPTS", "beat", "cancel_point", "guarded", "live_wait",
            "typed_errors"]
@@ -103,6 +103,8 @@ def typed_errors(metrics: StreamMetrics | None = None, model_id: str = "",
         raise
     except Exception as exc:  # every exception leaves typed, or is retried a bounded number of times
         if isinstance(exc, Failure):  # a reason of its own: application_error types it
+            if metrics is not None and isinstance(exc, QuotaExceeded):
+                metrics.quota_refusals.add(1, {"quota": str(exc.extra.get("quota"))})
             if metrics is not None and isinstance(exc, StateRejected):
                 if isinstance(exc, RequestRejected):
                     metrics.requests_rejected.add(1, {"reason": exc.reason})

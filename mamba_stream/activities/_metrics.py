@@ -128,6 +128,9 @@ class StreamMetrics:
         self.prefix_leases_lost = m.create_counter(
             "mamba_stream_prefix_leases_lost", "prefix fills whose lease was taken over while they computed (the "
             "worker stalled past the stale time): their writes refused by the lease's fence, nothing stored by them")
+        self.quota_refusals = m.create_counter(
+            "mamba_stream_quota_refusals", "requests refused at a principal's quota (QuotaExceeded), by quota "
+            "(streams, chunks_in_flight, state_bytes, prefix_bytes: a prefix state larger than the bound, not stored)")
         self._committed_at: OrderedDict[str, float] = OrderedDict()
         self._migration_count = 0
         self._count_lock = threading.Lock()

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mamba_stream.activities._engine import owner_of
 from mamba_stream.activities._guards import beat, cancel_point
 from mamba_stream.activities._prefix import PREFIX_STREAM_PREFIX, Compute, is_prefix_stream
 from mamba_stream.activities._segments import is_segment_stream
@@ -32,6 +33,7 @@ from mamba_stream.workflows import (
     ModelInfo,
     OpenStreamRequest,
     OpenStreamResult,
+    QuotaExceeded,
     ResetStreamRequest,
     StateResult,
 )
@@ -57,6 +59,8 @@ def open_stream(acts: StreamActivities, req: OpenStreamRequest) -> OpenStreamRes
         # would be under that principal's key
         raise PrincipalMismatch(f"stream {req.stream_id} is tagged for another principal than "
                                 f"{req.principal!r}", field="principal", expected=tag, actual=req.principal)
+    if tag is not None:
+        _check_streams(acts, tag, req.stream_id)
     model = acts._model(req.model_id)
     info = model_info(model)
     if req.input_transform not in (None, info.input_transform):
@@ -68,7 +72,8 @@ def open_stream(acts: StreamActivities, req: OpenStreamRequest) -> OpenStreamRes
         raise InvalidRequest("a stream opens from a prefix or from a checkpoint, not both", field="prefix")
     last, origin, what = None, None, "initial"
     if prefix:
-        opened = acts.prefixes.state_for(model, req.principal, prefix, _prefill(acts, model), on_wait=beat)
+        compute = _prefill(acts, model, owner_of(req.stream_id))
+        opened = acts.prefixes.state_for(model, req.principal, prefix, compute, on_wait=beat)
         state, last, origin = opened.state, opened.logits, opened.origin
         what = f"prefix|{origin.digest}"
     elif req.resume is not None:
@@ -153,18 +158,30 @@ def _prefix_tokens(model: Model, req: OpenStreamRequest) -> list[int]:
     return tokens
 
 
-def _prefill(acts: StreamActivities, model: Model) -> Compute:
+def _check_streams(acts: StreamActivities, tag: str, stream_id: str) -> None:
+    """The principal's `streams` quota (`Quotas`): the streams of its tag holding state in the
+    store, this one aside (an open tried again finds its own objects), below the limit."""
+    limit = acts.quotas.streams
+    used = len([sid for sid in acts.store.streams_of(tag) if sid != stream_id])
+    if used >= limit:
+        raise QuotaExceeded(f"the principal holds {used} streams in the store, its quota streams is {limit} "
+                            "(MAMBA_STREAM_QUOTA_STREAMS); cancel one to open another",
+                            quota="streams", limit=limit, used=used)
+
+
+def _prefill(acts: StreamActivities, model: Model, owner: str) -> Compute:
     """A prefix's computation, by the model's engine like any chunk (in `prefill_piece` pieces
     between the other streams' decode rounds, this thread heartbeating while it waits: a long
     prefix on a loaded worker never outlasts the heartbeat timeout), in a slot of its own that
-    is freed after; only the last row of logits is kept."""
+    is freed after; only the last row of logits is kept. Served from `owner`'s share (the
+    opening stream's principal)."""
     def compute(state: State, tokens: list[int]) -> tuple[State, torch.Tensor | None, str]:
         engine = acts.engine(model)
         slot = f"{PREFIX_STREAM_PREFIX}compute.{uuid.uuid4().hex}"
         cancel_point()
         try:
             out = engine.advance(slot, tokens, expected_key=f"{slot}/start", epoch=0,
-                                 load=lambda: (state, None), on_wait=beat, keep_rows=False)
+                                 load=lambda: (state, None), on_wait=beat, keep_rows=False, owner=owner)
         finally:
             engine.release(slot)
         return out.state, out.last_logits, out.path

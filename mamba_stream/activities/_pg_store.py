@@ -280,6 +280,12 @@ class PostgresStateStore(StateStore):
             rows = conn.execute(f"SELECT DISTINCT stream_id FROM {self.table} ORDER BY stream_id").fetchall()
         return [r[0] for r in rows]
 
+    def streams_of(self, tag: str) -> list[str]:
+        with self._conn() as conn:
+            rows = conn.execute(f"SELECT DISTINCT stream_id FROM {self.table} WHERE stream_id LIKE %s "
+                                "ORDER BY stream_id", (f"ms.{tag}.%",)).fetchall()
+        return [r[0] for r in rows]
+
     def usage(self) -> StoreUsage:
         with self._conn() as conn:
             objects, size, streams = conn.execute(

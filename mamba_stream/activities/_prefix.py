@@ -573,7 +573,9 @@ class PrefixStore:
         then keep the scope within its bound. None if nothing was stored: the entry would not fit
         its scope, or the lease was lost (taken over by another worker, which stores it)."""
         if model.schema.state_bytes + 4 * model.vocab_size > self.max_bytes:
-            return None  # one entry would not fit its scope's bound
+            # one entry would not fit its scope's bound: the principal's prefix_bytes quota
+            self.metrics.quota_refusals.add(1, {"quota": "prefix_bytes"})
+            return None
         key = scope.key(eid)
         segments, written, kv_bytes = None, None, 0
         if self.segments.segmented(model):  # a hybrid's KV segments first, shared with its streams

@@ -207,6 +207,12 @@ class StateStore(ABC):
         """Ids of the streams that hold objects, sorted (for the orphan sweep)."""
         raise NotImplementedError(f"{type(self).__name__} cannot list its streams")
 
+    def streams_of(self, tag: str) -> list[str]:
+        """The streams holding objects whose ids name principal tag `tag` (`ms.<tag>.<hex>`):
+        what the `streams` quota counts."""
+        head = f"ms.{tag}."
+        return [sid for sid in self.stream_ids() if sid.startswith(head)]
+
     @abstractmethod
     def usage(self) -> StoreUsage:
         """Objects, bytes and streams held."""

@@ -20,6 +20,7 @@ from mamba_stream.workflows._failures import (
     InvalidRequest,
     LocalTooSlow,
     OpenFailed,
+    QuotaExceeded,
     ReservedStreamId,
     ResultExpired,
     RewindPastWindow,
@@ -36,6 +37,7 @@ from mamba_stream.workflows._failures import (
     catalogue,
     invalid_request,
 )
+from mamba_stream.workflows._fairness import stream_priority
 from mamba_stream.workflows._model_stream import ModelStream, StreamOwner, check_prefix, check_sender
 from mamba_stream.workflows._models import (
     PRINCIPAL_MEMO,
@@ -134,6 +136,7 @@ __all__ = [
     "ModelStream",
     "OpenFailed",
     "OpenStreamInput",
+    "QuotaExceeded",
     "ReleaseRequest",
     "ReleaseResult",
     "ReservedStreamId",
@@ -170,6 +173,7 @@ __all__ = [
     "invalid_request",
     "new_stream_id",
     "parse_update_id",
+    "stream_priority",
     "update_id",
 ]
 #: the workflow<->activity contract: activity names, their request and result models

@@ -43,6 +43,7 @@ from mamba_stream.workflows._failures import (
     StreamMoving,
     StreamOpening,
 )
+from mamba_stream.workflows._fairness import stream_priority
 from mamba_stream.workflows._model_stream import check_prefix, generate_request
 from mamba_stream.workflows._models import (
     PRINCIPAL_MEMO,
@@ -185,7 +186,8 @@ def conversation_start(client: Client, principal: str) -> dict[str, Any]:
     if tag is None:
         raise InvalidRequest(f"this client holds no keyring for principal {principal!r} (connect it with "
                              f"MambaStreamPlugin and the principal's or the workers' keyring)", field="principal")
-    return {"id": new_stream_id(tag), "memo": {PRINCIPAL_MEMO: principal}}
+    sid = new_stream_id(tag)
+    return {"id": sid, "memo": {PRINCIPAL_MEMO: principal}, "priority": stream_priority(sid)}
 
 
 class StreamClient:
@@ -313,7 +315,7 @@ class StreamClient:
                 return await self.client.start_workflow(
                     MambaStreamWorkflow.run, inp,
                     id=sid, task_queue=self.task_queue, id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
-                    task_timeout=timedelta(seconds=inp.options.task_timeout_s),
+                    task_timeout=timedelta(seconds=inp.options.task_timeout_s), priority=stream_priority(sid),
                 )
             except WorkflowAlreadyStartedError:
                 if not sent:

@@ -148,6 +148,15 @@ class WorkerUnhealthy(StreamFailure):
     retryable = True
 
 
+class QuotaExceeded(StreamFailure):
+    """The principal is at one of the workers' quotas (`activities.Quotas`), refused before
+    anything ran: nothing advanced, stored or lost. Details: `quota` (`streams`: streams holding
+    state in the store; `chunks_in_flight`: the principal's chunks running on this worker;
+    `state_bytes`: hot states (and KV) the principal's running chunks hold in this worker's engine),
+    its `limit` and the current `used`. Not retried: the same request goes through once the
+    principal holds less (a stream disposed, a chunk finished)."""
+
+
 class ActivityFailed(StreamFailure):
     """An activity failed without a reason of its own (a timeout, a worker lost for good)."""
 

@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 
 from pydantic import ValidationError
 from temporalio import workflow
-from temporalio.common import RawValue, RetryPolicy
+from temporalio.common import Priority, RawValue, RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError, CancelledError, FailureError
 from temporalio.exceptions import TimeoutError as ActivityTimeout
 
@@ -71,6 +71,7 @@ with workflow.unsafe.imports_passed_through():
         application_error,
         invalid_request,
     )
+    from mamba_stream.workflows._fairness import stream_priority
     from mamba_stream.workflows._models import (
         STREAM_MEMO,
         TIMEOUT_FLOORS,
@@ -518,6 +519,11 @@ class ModelStream:
         return tag if tag is not None else MASTER
 
     @property
+    def priority(self) -> Priority:
+        """The priority of this stream's activities: its principal's fairness key (`stream_priority`)."""
+        return stream_priority(self.stream_id)
+
+    @property
     def open_now(self) -> bool:
         """The stream has a receipt it may trust: opened, or carried over and verified."""
         return self.receipt is not None and self.verified
@@ -565,7 +571,7 @@ class ModelStream:
             if self.opts.local_chunks:
                 return await workflow.execute_local_activity(
                     name, req, result_type=result_type, start_to_close_timeout=timeout, retry_policy=_retry(0))
-            return await workflow.execute_activity(name, req, result_type=result_type,
+            return await workflow.execute_activity(name, req, result_type=result_type, priority=self.priority,
                                                    start_to_close_timeout=timeout, retry_policy=_retry(0))
         except FailureError as err:
             cause = err.cause if isinstance(err, ActivityError) else err
@@ -629,7 +635,7 @@ class ModelStream:
             if affine and o.affinity and self.worker_queue:
                 try:
                     return await _converted(result_type, self._mine, workflow.execute_activity(
-                        name, arg, task_queue=self.worker_queue,
+                        name, arg, task_queue=self.worker_queue, priority=self.priority,
                         schedule_to_start_timeout=timedelta(seconds=o.schedule_to_start_s),
                         retry_policy=RetryPolicy(maximum_attempts=1), **common))
                 except ActivityError as err:
@@ -644,7 +650,7 @@ class ModelStream:
                     self.worker_queue = None
                     self.stats = self.stats.model_copy(update={"migrations": self.stats.migrations + 1})
             return await _converted(result_type, self._mine, workflow.execute_activity(
-                name, arg, retry_policy=_retry(o.retry_max_attempts), **common))
+                name, arg, retry_policy=_retry(o.retry_max_attempts), priority=self.priority, **common))
         except ActivityError as err:
             raise self._failed(err.cause) or err from err
 
@@ -899,7 +905,7 @@ class ModelStream:
         o, req = self.opts, DisposeStreamRequest(stream_id=self.stream_id)
         common: dict[str, Any] = dict(start_to_close_timeout=timedelta(seconds=o.activity_timeout_s),
                                       heartbeat_timeout=timedelta(seconds=o.heartbeat_timeout_s),
-                                      result_type=RawValue)
+                                      result_type=RawValue, priority=self.priority)
         if o.affinity and self.worker_queue:
             try:
                 await _converted(DisposeStreamResult, self._mine, workflow.execute_activity(

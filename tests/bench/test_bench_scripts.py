@@ -205,3 +205,22 @@ def test_the_size_tables_gguf_files_are_made_by_llama_cpps_converter_where_missi
         mod._convert(conv, src, "float16", src / "model-float16.gguf")
     assert not (src / "model-float16.gguf").exists() and sorted(p.name for p in src.iterdir()) == [
         "config.json", "model-q8.gguf", "model.safetensors"]
+
+
+def test_the_fair_tenants_table_on_a_small_flood():
+    """bench_fairness on a flood of 4 streams: a worker process and a dev server are started, the
+    quiet tenant's chunks are timed alone and beside the flood, every flood chunk is counted, and a
+    policy the bench does not know is refused in one line."""
+    mod = load_bench("bench_fairness")
+    for bad in (["--policies", "fast"], ["--streams", "0"]):
+        with pytest.raises(SystemExit):
+            mod.parse_args(bad)
+    text = mod.run(mod.parse_args(["--streams", "4", "--chunks", "1", "--tenants", "1", "--policies", "full",
+                                   "--alone-s", "1.5"]))
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines() if line.startswith("| 1 |")]
+    assert len(rows) == 1 and rows[0][1] == "full"
+    alone = [float(x) for x in rows[0][2].split(" / ")]
+    flood = [float(x) for x in rows[0][3].split(" / ")]
+    assert 0 < alone[0] <= alone[1] and 0 < flood[0] <= flood[1]
+    assert float(rows[0][8].split()[0]) > 0 and rows[0][8].endswith("(1.00x)")  # the flood's chunks/s
+    assert float(rows[0][10]) > 0  # the worker's peak RSS was read
