@@ -83,11 +83,17 @@ async def test_an_agent_feeds_each_turn_once_and_ends_on_one_streams_checksum(te
                 assert text.encode() not in blob, text
         assert all(i.startswith(HANDLE_PREFIX + ".") for i in ids) and len(set(ids)) == 5
         tag = start["id"].split(".")[1]
+        # the conversation's tasks carry its principal's fairness key (issue 50): the agent's
+        # workflow, started with `conversation_start`, and so the model turns it schedules
+        desc = await stack.client.get_workflow_handle(start["id"]).describe()
+        assert desc.raw_description.workflow_execution_info.priority.fairness_key == tag
         key = id_key(stack.client, start["id"])
         handles = [open_handle(key, tag, i) for i in ids]
         assert len({h.stream_id for h in handles}) == 1 and not any(h.forked for h in handles)
         assert [h.seq for h in handles] == [2, 4, 6, 8, 10]
         sid = handles[0].stream_id
+        desc = await stack.client.get_workflow_handle(sid).describe()  # the turns' stream: the same key
+        assert desc.raw_description.workflow_execution_info.priority.fairness_key == tag
         # the state: exactly one stream fed the whole rendered conversation
         text = _expected_text(answers, [h.reply for h in handles])
         model = local("tiny-mamba2")
