@@ -346,6 +346,8 @@ class _Shares:
 
     def order(self, works: list[_Work], cost: Callable[[_Work], int], limit: int) -> list[_Work]:
         """Up to `limit` of `works` (in arrival order), in fair order."""
+        if len(works) <= limit:  # every one is served: the order between them changes nothing
+            return works
         queues: dict[str, list[_Work]] = {}
         for w in works:
             queues.setdefault(w.owner, []).append(w)
@@ -806,14 +808,14 @@ class StreamEngine:
         if longs:
             w = self._shares.order(longs, lambda w: len(w.tokens) - w.done, 1)[0] if self.fair else longs[0]
             piece = w.tokens[w.done : w.done + self._piece]
+            t0 = time.perf_counter()
             try:
-                t0 = time.perf_counter()
                 # a work that keeps no rows (a prefix's) needs each piece's last row only
                 r = model.advance(slots.view(w.handle), piece, logits="all" if w.keep_rows else "last")
-                self._next_piece(len(piece), time.perf_counter() - t0)
             except Exception as exc:  # noqa: BLE001
                 self._fail(w, exc)
                 return [x for x in pending if x is not w and x not in singles]
+            self._next_piece(len(piece), time.perf_counter() - t0)
             self.stats.pieces += 1
             if self.fair:
                 self._shares.charge(w.owner, len(piece))
@@ -831,8 +833,8 @@ class StreamEngine:
         longer than `piece_s` (to about `piece_s`, at least `MIN_PIECE`); back up as pieces speed up."""
         if tokens < MIN_PIECE or seconds <= 0:
             return
-        fits = int(tokens * self.piece_s / seconds)
-        self._piece = max(MIN_PIECE, min(self.prefill_piece, fits))
+        fits = tokens * self.piece_s / seconds  # inf where piece_s is: never shortened
+        self._piece = max(MIN_PIECE, int(min(self.prefill_piece, fits)))
 
     def _sample_batch(self, logits: torch.Tensor, batched: list[tuple[int, _Work]]) -> None:
         """The next token of every row in `batched` ((row of `logits`, work)), sampled at once."""

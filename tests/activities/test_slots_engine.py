@@ -192,7 +192,8 @@ def test_engine_batches_concurrent_decode_steps_and_equals_solo_runs():
 
 def test_a_long_prefill_does_not_starve_decode_and_is_split_invisibly():
     model = model_for(MODEL)
-    engine = _engine(prefill_piece=128, max_wait_s=0.0)
+    # pieces of exactly `prefill_piece` tokens, however slow a loaded box makes one (`piece_s`)
+    engine = _engine(prefill_piece=128, max_wait_s=0.0, piece_s=float("inf"))
     try:
         engine.put("long", model.initial_state(), epoch=0, state_key="l0")
         engine.put("fast", model.initial_state(), epoch=0, state_key="f0")
