@@ -292,8 +292,8 @@ def run(args: argparse.Namespace) -> str:
             f"own): {args.streams} streams opened at once, {args.chunks} chunks of {FLOOD_BYTES} bytes each. "
             "Latency: a quiet chunk's update, sent to answered, at its client: alone, during the whole flood, while "
             "the flood's streams were opening, and after (their chunks). Where: the quiet stream's workflow tasks "
-            "during the flood, median ms from scheduled to started (the server's queue) and started to completed "
-            "(the worker).", "",
+            "during the flood, ms from scheduled to started (the server's queue and the worker's polling) and "
+            "started to completed (the worker), median and p95.", "",
             "| tenants | policy | alone p50 / p95 ms | flood p50 / p95 ms | x alone p50 / p95 | opening p50 / p95 ms "
             "| feeding p50 / p95 ms | task queued / ran ms | flood chunks/s | flood s | worker peak RSS MB |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
