@@ -53,7 +53,8 @@ def temporal_binary() -> str:
 #: turn (`workflows.stream_priority`; docs/deploying.md, "Fair tenants"). The server keeps that
 #: order per partition of a queue, and a task lands on a random one: with the default 4, a quiet
 #: principal's chunk still waited behind the whole backlog of a flood (measured: last of 7, as
-#: with no fairness; first-or-second with one partition), so our queues get one partition each.
+#: with no fairness; third with one, after the running chunk and one more), so our queues get
+#: one partition each.
 DEV_SERVER_DYNAMIC_CONFIG: dict[str, int | bool] = {"history.transferProcessorMaxPollRPS": 1000,
                                                     "matching.enableFairness": True,
                                                     "matching.numTaskqueueReadPartitions": 1,

@@ -88,7 +88,7 @@ async def _order(stack: Stack) -> tuple[list[str], str, list[str]]:
 
 async def test_a_quiet_principals_chunk_is_dispatched_before_the_floods_backlog_drains(temporal_env, tmp_path):
     """The dev server runs with `matching.enableFairness`: of alice's five waiting chunks and
-    bob's one, bob's is dispatched first or second, not sixth."""
+    bob's one, bob's is dispatched first or second of them (third of all 7), not last."""
     stack = await make_stack(temporal_env, tmp_path, start_worker=False)
     async with stack.exits:
         admitted, bob, alice = await _order(stack)
