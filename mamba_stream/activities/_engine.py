@@ -314,7 +314,11 @@ class _Work:
     max_tokens: int = 0
     abandoned: bool = False  # its caller stopped waiting (a cancelled attempt): dropped at the next round
     keep_rows: bool = True  # False: only the last row is kept (ChunkOutput.logits is empty)
-    owner: str = ""  # whose share it is served from: the stream's principal tag ("" where none)
+    owner: str | None = None  # whose share it is served from; None: the stream's (`owner_of`)
+
+    def __post_init__(self) -> None:
+        if self.owner is None:
+            self.owner = owner_of(self.stream_id)
 
 
 def owner_of(stream_id: str) -> str:
@@ -462,9 +466,8 @@ class StreamEngine:
         chunk's other rows are never kept). `owner`: whose share the work is served from (default
         the stream's principal tag, `owner_of`).
         """
-        who = owner_of(stream_id) if owner is None else owner
         return self._submit(lambda pre: _Work(stream_id, list(tokens), expected_key, epoch, pre,
-                                              keep_rows=keep_rows, owner=who),
+                                              keep_rows=keep_rows, owner=owner),
                             stream_id, expected_key, load, on_wait, None)
 
     def generate(self, stream_id: str, sampler: Callable[[torch.Tensor], int | None], max_tokens: int, *,
@@ -485,9 +488,8 @@ class StreamEngine:
         caller's thread: a streaming generate heartbeats its newest tokens there, never from the
         engine thread (a heartbeat waits for the worker's event loop).
         """
-        who = owner_of(stream_id) if owner is None else owner
         return self._submit(lambda pre: _Work(stream_id, [], expected_key, epoch, pre, sampler=sampler,
-                                              max_tokens=max_tokens, owner=who),
+                                              max_tokens=max_tokens, owner=owner),
                             stream_id, expected_key, load, on_wait, wake)
 
     def _submit(self, make: Callable[[object], _Work], stream_id: str, expected_key: str,
@@ -590,11 +592,9 @@ class StreamEngine:
             return True
         held = [m.stream_id for m in self.slots.meta if m.stream_id]
         mine = [sid for sid in held if owner_of(sid) == owner]
-        with self._lock:
-            busy = set(self._busy)
         others = set(held) - set(mine)
         while (len(mine) + 1) * self._per_slot > self.state_quota:
-            victim = self.slots.lru(exclude=busy | others)
+            victim = self._evict(others)
             if victim is None:
                 if not strict:
                     return False
@@ -603,25 +603,29 @@ class StreamEngine:
                     f"on this worker; one more is past its quota state_bytes {self.state_quota} "
                     "(MAMBA_STREAM_QUOTA_STATE_BYTES)",
                     quota="state_bytes", limit=self.state_quota, used=len(mine) * self._per_slot)
-            self._release(victim)
-            self.stats.evictions += 1
             mine.remove(victim)
         return True
+
+    def _evict(self, spare: set[str] = frozenset()) -> str | None:
+        """Release the least recently used idle stream not in `spare` (its checkpoint is in the
+        store); the one released, or None when every candidate is running."""
+        with self._lock:
+            busy = set(self._busy)
+        victim = self.slots.lru(exclude=busy | spare)
+        if victim is not None:
+            self._release(victim)
+            self.stats.evictions += 1
+        return victim
 
     def _insert(self, stream_id: str, state: State, epoch: int, key: str | None, logits, *,
                 strict: bool = False) -> object:
         """Hold `state` in the stream's slot. `strict`: a chunk about to run (past the owner's
         quota: `QuotaExceeded`); else a committed state kept hot, which is dropped instead (None)."""
-        if self.slots.handle(stream_id) is None and not self._owner_room(stream_id, strict):
-            return None
-        if self.slots.handle(stream_id) is None and not self.slots.free:
-            with self._lock:
-                busy = set(self._busy)
-            victim = self.slots.lru(exclude=busy)
-            if victim is None:
+        if self.slots.handle(stream_id) is None:
+            if not self._owner_room(stream_id, strict):
+                return None
+            if not self.slots.free and self._evict() is None:
                 raise MemoryError("every slot is busy")
-            self._release(victim)
-            self.stats.evictions += 1
         h = self.slots.insert(stream_id, state, epoch=epoch, state_key=key, logits=logits)
         with self._lock:
             if key is None:

@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from mamba_stream.failures import Failure
+from mamba_stream.workflows import QuotaExceeded
 
 __all__ = ["Fairness", "InFlight", "Quotas", "TenancyConfigError", "apply_weights"]
 
@@ -98,8 +99,6 @@ class InFlight:
     @contextmanager
     def chunk(self, owner: str) -> Iterator[None]:
         """Hold one of `owner`'s chunk places while the block runs; `QuotaExceeded` at the limit."""
-        from mamba_stream.workflows import QuotaExceeded
-
         with self._lock:
             used = self._running.get(owner, 0)
             if used >= self.limit:

@@ -311,8 +311,15 @@ class FileStateStore(StateStore):
         return sorted(k for k in os.listdir(d) if self._object(k).exists())
 
     def stream_ids(self) -> list[str]:
+        return self._streams("")
+
+    def streams_of(self, tag: str) -> list[str]:
+        return self._streams(f"ms.{tag}.")  # names first: only this principal's directories are opened
+
+    def _streams(self, head: str) -> list[str]:
         d = self.root / "streams"
-        return sorted(e.name for e in os.scandir(d) if e.is_dir() and any(os.scandir(e.path)))
+        return sorted(e.name for e in os.scandir(d)
+                      if e.name.startswith(head) and e.is_dir() and any(os.scandir(e.path)))
 
     def delete_stream(self, *, stream_id: str) -> int:
         check_name("stream id", stream_id)

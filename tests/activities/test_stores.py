@@ -563,3 +563,15 @@ def test_a_new_postgres_table_has_an_owner_column_and_no_digest():
     finally:
         store.drop()
         store.close()
+
+
+def test_streams_of_counts_a_principals_streams_holding_objects(store):
+    """What the `streams` quota counts: the streams whose ids name the tag and hold objects."""
+    a, b = "a" * 32, "b" * 32
+    ids = [f"ms.{a}.{'1' * 32}", f"ms.{a}.{'2' * 32}", f"ms.{b}.{'3' * 32}", f"pfx.{a}"]
+    for sid in ids:
+        assert store.put_if_absent(key=f"{sid}.k1", data=b"x", stream_id=sid, owner=a)
+    assert store.streams_of(a) == ids[:2] and store.streams_of(b) == ids[2:3]
+    assert store.streams_of("c" * 32) == []
+    store.delete_stream(stream_id=ids[0])
+    assert store.streams_of(a) == ids[1:2]  # a disposed stream no longer counts
