@@ -40,6 +40,7 @@ __all__ = [
     "InvalidRequest",
     "LocalTooSlow",
     "OpenFailed",
+    "PriorityMismatch",
     "ReservedStreamId",
     "ResultExpired",
     "RewindPastWindow",
@@ -101,6 +102,15 @@ class ReservedStreamId(StreamFailure):
     entries (`activities.PREFIX_STREAM_PREFIX`), `seg.` an owner's KV segments
     (`activities.SEGMENT_STREAM_PREFIX`), and no workflow's stream runs there, whoever
     sealed its start. The run fails at its first workflow task, before any activity."""
+
+
+class PriorityMismatch(StreamFailure):
+    """A stream started with another Temporal priority than its principal's tag as fairness key
+    (`workflows.stream_priority`): another principal's key, a weight of the client's own (weights
+    are the operator's, set on the queues) or a priority level. A client holding one principal's
+    keys would have its workflow tasks take another's turns, or everyone's. The run fails at its
+    first workflow task, before any activity. A start with no priority at all is taken (it shares
+    the default key)."""
 
 
 class UnknownRequest(StreamFailure):

@@ -61,6 +61,7 @@ with workflow.unsafe.imports_passed_through():
         EmptyContext,
         InvalidRequest,
         LocalTooSlow,
+        PriorityMismatch,
         ReservedStreamId,
         RewindPastWindow,
         RewindUnavailable,
@@ -155,6 +156,9 @@ START_MARKERS: dict[str, tuple[str, ...]] = {PATCH_AT_START: (PATCH_SEALED, PATC
 #: as they ran. Asked of a reserved id's run only, first thing in it (so in its first workflow task):
 #: not one of `START_MARKERS`, whose markers every run records.
 PATCH_RESERVED_IDS = "reserved-ids-refused"
+#: histories recorded before a start of another priority than its principal's fairness key was
+#: refused (`check_stream_id`) replay as they ran. Asked only of such a start, first thing in its run.
+PATCH_PRIORITY = "priority-refused"
 #: the workers' own stream ids: the prefix store's entries (`activities.PREFIX_STREAM_PREFIX`, which
 #: the sandbox may not import) and each owner's KV segments (`activities.SEGMENT_STREAM_PREFIX`). No
 #: workflow's stream runs under one.
@@ -188,13 +192,29 @@ def check_stream_id() -> None:
     """Refuse, typed `ReservedStreamId`, a stream under an id of the workers' own namespace
     (`RESERVED_ID_PREFIXES`): the workflow's id is its stream's, and a stream there would write, and
     dispose of, the prefix store's entries or an owner's KV segments. Whoever sealed the start: the
-    id alone decides. Call it first thing in the run, before any activity (the stream workflow's
-    start, `ModelStream.open`)."""
+    id alone decides. Refuse, typed `PriorityMismatch`, a start whose priority is other than the
+    id's principal tag as fairness key (`stream_priority`) or none at all (`Priority.default`); an id
+    that names no principal (the operator's) may carry any. Call it first thing in the run, before
+    any activity (the stream workflow's start, `ModelStream.open`)."""
     wid = workflow.info().workflow_id
     if wid.startswith(RESERVED_ID_PREFIXES) and workflow.patched(PATCH_RESERVED_IDS):
         raise application_error(ReservedStreamId(
             f"stream id {wid!r} is in the workers' own namespace ({' and '.join(RESERVED_ID_PREFIXES)}: the prefix "
             f"store's entries, the KV segments): no stream runs there", field="stream_id", actual=wid))
+    # The start's priority is the client's to set, so a client holding alice's keys could start
+    # her stream under bob's fairness key (taking bob's turns), with a weight of its own choosing
+    # or at a higher priority level than everyone's. Its activities carry the id's key whatever
+    # the start said (`ModelStream.priority`); its workflow tasks carry the start's, so such a
+    # start is refused here, in its first task. Weights are the operator's, set on the queues.
+    given, tag = workflow.info().priority, stream_tag(wid)
+    if (tag is not None and given not in (Priority.default, stream_priority(wid))
+            and workflow.patched(PATCH_PRIORITY)):
+        raise application_error(PriorityMismatch(
+            f"stream {wid!r} was started with priority key {given.priority_key!r}, fairness key "
+            f"{given.fairness_key!r} and weight {given.fairness_weight!r}: a stream's priority is its principal's "
+            f"fairness key alone ({tag!r}; `workflows.stream_priority`), or none",
+            field="priority", expected=[None, tag, None],
+            actual=[given.priority_key, given.fairness_key, given.fairness_weight]))
 
 
 def check_advance(req: AdvanceRequest, opts: StreamOptions, info: ModelInfo | None) -> None:

@@ -293,8 +293,9 @@ def test_a_reader_of_the_stores_files_learns_no_row_and_no_name_and_cannot_name_
         if spec.rows == "position":
             rows = state.tensors[spec.name].contiguous().view(torch.uint8).numpy().tobytes()
             assert all(rows[i : i + 64] not in raw for i in range(0, len(rows) - 64, 64))
-    for word in (b"alice", b"bob"):
-        assert word not in raw and not any(word.decode() in n for n in names)
+    # The whole names: a 3-byte word turns up in this much random ciphertext about once in 100 runs.
+    for word in (b"alice-the-principal", b"bob-the-principal"):
+        assert word not in raw and not any(word.decode()[:3] in n for n in names)
     segs = split_state(model.schema, state.tensors, 50)[1]
     from mamba_stream.state_codec.codec import segment_key
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -20,6 +21,7 @@ import pytest
 import pytest_asyncio
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowFailureError
+from temporalio.common import Priority
 from temporalio.exceptions import ApplicationError
 from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 from temporalio.worker import Worker
@@ -29,7 +31,7 @@ from mamba_stream.activities._prefix import PREFIX_STREAM_PREFIX
 from mamba_stream.activities._segments import SEGMENT_STREAM_PREFIX
 from mamba_stream.plugin import MambaStreamPlugin
 from mamba_stream.state_codec.codec import Keyring
-from mamba_stream.workflows import ChatInput, OpenStreamInput, catalogue, new_stream_id
+from mamba_stream.workflows import ChatInput, OpenStreamInput, StreamClient, catalogue, new_stream_id, stream_priority
 from mamba_stream.workflows._model_stream import RESERVED_ID_PREFIXES
 from tests.workflows.conftest import Stack, make_stack
 from tests.workflows.test_metrics import Meter, free_port
@@ -60,10 +62,11 @@ class World:
         return await Client.connect(self.stack.address, plugins=plugins)
 
     async def refused(self, client: Client, wid: str, arg: object, reason: str, *,
-                      workflow: str = "MambaStream") -> None:
-        """Start `workflow` as `wid` with `arg` from `client`: the run ends Failed, promptly, typed
-        `reason` and non-retryable, at its first workflow task, having scheduled nothing."""
-        await client.start_workflow(workflow, arg, id=wid, task_queue=self.stack.queue)
+                      workflow: str = "MambaStream", priority: Priority = Priority.default) -> ApplicationError:
+        """Start `workflow` as `wid` with `arg` (and `priority`) from `client`: the run ends Failed,
+        promptly, typed `reason` and non-retryable, at its first workflow task, having scheduled
+        nothing. Returns the failure, as the workers' keys read it."""
+        await client.start_workflow(workflow, arg, id=wid, task_queue=self.stack.queue, priority=priority)
         handle = self.stack.client.get_workflow_handle(wid)  # the workers' keys read the failure's details
         with pytest.raises(WorkflowFailureError) as err:
             await asyncio.wait_for(handle.result(), PROMPTLY_S)
@@ -82,6 +85,7 @@ class World:
         assert kinds.count(EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED) == 1
         assert kinds[-1] == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_FAILED
         self.wrote_nothing()
+        return cause
 
     def wrote_nothing(self) -> None:
         assert sorted(self.stack.acts.store.stream_ids()) == self.store_before
@@ -188,3 +192,44 @@ async def test_a_stream_still_opens_and_serves_beside_the_refusals(world: World)
     assert out.position == 3
     await streams.cancel(sid)
     assert world.meter.delta("mamba_stream_refused_requests") == 1
+
+
+@pytest.mark.parametrize("how", ["another principal's key", "a weight of its own", "a priority level"])
+async def test_a_start_of_another_priority_than_its_principals_key_fails_typed_at_once_and_is_counted(
+        world: World, how: str):
+    """Issue 50: a stream's workflow tasks are dispatched by its start's priority, which the client
+    sets. Alice's client, with her keys, starting her own stream under bob's fairness key would
+    take bob's turns on the task queues; with a weight or a priority level of its own, everyone's.
+    Refused at the first workflow task, typed, with nothing written; the details say what was
+    given and what a stream's priority is."""
+    ring = world.stack.keyring
+    alice = await world.client(ring.for_principal("alice"))
+    wid = new_stream_id(ring.principal_tag("alice"))
+    own = stream_priority(wid)
+    assert own.fairness_key == ring.principal_tag("alice")
+    priority = {"another principal's key": Priority(fairness_key=ring.principal_tag("bob")),
+                "a weight of its own": dataclasses.replace(own, fairness_weight=50.0),
+                "a priority level": dataclasses.replace(own, priority_key=1)}[how]
+    cause = await world.refused(alice, wid, OpenStreamInput(**START), "PriorityMismatch", priority=priority)
+    details = cause.details[0]
+    assert details["field"] == "priority" and details["expected"] == [None, own.fairness_key, None]
+    assert details["actual"] == [priority.priority_key, priority.fairness_key, priority.fairness_weight]
+    await world.counted("PriorityMismatch")
+
+
+@pytest.mark.parametrize("priority", ["the stream's own", "none"])
+async def test_a_start_with_its_principals_key_or_none_opens(world: World, priority: str):
+    """The control of the test above: the same start from alice's client, under her own key (as
+    `StreamClient.open` sends it) or with no priority at all, opens and serves."""
+    ring = world.stack.keyring
+    alice = await world.client(ring.for_principal("alice"))
+    wid = new_stream_id(ring.principal_tag("alice"))
+    given = stream_priority(wid) if priority == "the stream's own" else Priority.default
+    await alice.start_workflow("MambaStream", OpenStreamInput(**START), id=wid, task_queue=world.stack.queue,
+                               priority=given)
+    streams = StreamClient(alice, task_queue=world.stack.queue)
+    assert (await streams.advance(wid, "alice", tokens=[1, 2, 3])).position == 3
+    assert (await alice.get_workflow_handle(wid).describe()).raw_description.workflow_execution_info.priority \
+        .fairness_key == (given.fairness_key or "")
+    await streams.cancel(wid)
+    assert world.meter.delta("mamba_stream_refused_requests") == 0

@@ -12,6 +12,7 @@ from temporalio.client import WorkflowUpdateFailedError
 
 from mamba_stream.activities import StreamActivities
 from mamba_stream.scan import load_model, tolerance
+from mamba_stream.state_codec import stream_tag
 from mamba_stream.state_codec.codec import plaintext_checksum, unseal
 from mamba_stream.workflows import StreamOptions
 from mamba_stream.workflows._models import AdvanceRequest
@@ -195,7 +196,10 @@ async def test_duplicate_after_continue_as_new_is_still_deduplicated(can_env, tm
         results = [await stack.streams.advance(sid, "alice", tokens=[i, i + 1]) for i in range(1, 13)]
         stats = await eventually(lambda: _continued(stack, sid))
         assert stats.continued_as_new >= 1
-        assert (await stack.streams.handle(sid).describe()).run_id != first_run
+        desc = await stack.streams.handle(sid).describe()
+        assert desc.run_id != first_run
+        # the next run keeps its principal's fairness key (issue 50): the server carries it over
+        assert desc.raw_description.workflow_execution_info.priority.fairness_key == stream_tag(sid)
         again = await stack.streams.advance(sid, "alice", tokens=[2, 3], chunk_seq=2)
         assert again.duplicate and again.model_copy(update={"duplicate": False}) == results[1]
         assert stack.acts.runs[2] == 1
