@@ -298,10 +298,13 @@ def _refusals_in_one_line() -> None:
 
 #: tasks one worker takes at once: regular activities (each queue), and on the queue that runs
 #: workflows, local activities and workflow tasks. Each activity holds a thread while its chunk
-#: waits on the engine.
+#: waits on the engine. Workflow tasks are few: a task the worker has taken is past the server's
+#: ordering (by priority level, and on the shared queues by fairness key) and runs in the order it
+#: came; with 32 at once, a quiet principal's chunk waited behind a flood's 32 in the worker
+#: (350 ms at the median, 2 cores, docs/results/fairness-cpu-2026-12-07.md), with 8, 100 ms.
 ACTIVITY_SLOTS = 16
 LOCAL_SLOTS = 16
-WORKFLOW_TASK_SLOTS = 32
+WORKFLOW_TASK_SLOTS = 8
 
 
 def worker_slots(*, workflows: bool, activities: int = ACTIVITY_SLOTS, locals_: int = LOCAL_SLOTS,

@@ -54,11 +54,13 @@ class WorkerConfig(ClientConfig):
     #: the worker's own fair sharing between principals, on or off, and their weights (principal=weight,...)
     fairness: str = field(default_factory=lambda: os.environ.get("MAMBA_STREAM_FAIRNESS", "on"))
     fairness_weights: str = field(default_factory=lambda: os.environ.get("MAMBA_STREAM_FAIRNESS_WEIGHTS", ""))
+    fairness_burst: str = field(default_factory=lambda: os.environ.get("MAMBA_STREAM_FAIRNESS_BURST", ""))
 
     def __post_init__(self) -> None:
         from mamba_stream.activities import Fairness, Quotas
 
-        Fairness.from_spec(self.fairness, self.fairness_weights)  # a TenancyConfigError (a ValueError) names it
+        # a TenancyConfigError (a ValueError) names the variable
+        Fairness.from_spec(self.fairness, self.fairness_weights, self.fairness_burst)
         Quotas.from_env()
 
     @property
@@ -134,7 +136,7 @@ def build_activities(cfg: WorkerConfig, keyring, worker_queue: str, metrics=None
     from mamba_stream.activities import Fairness, Quotas, StreamActivities, open_store
     from mamba_stream.state_codec.signing import PrincipalKeys
 
-    fairness = Fairness.from_spec(cfg.fairness, cfg.fairness_weights)
+    fairness = Fairness.from_spec(cfg.fairness, cfg.fairness_weights, cfg.fairness_burst)
     models = model_registry(cfg)  # before the store is opened: a bad model changes nothing
     shared = shared_prefixes(cfg)
     keys = PrincipalKeys.from_spec(cfg.principal_keys) if cfg.principal_keys else None

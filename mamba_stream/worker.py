@@ -63,6 +63,12 @@ Environment (all optional):
                              principal=weight,... (default 1 each): the engine's shares, and set by
                              the worker on its task queues as the server's fairness-weight overrides
                              (by principal tag, never the name)
+    MAMBA_STREAM_FAIRNESS_BURST
+                             streams one principal may open on this worker within 10 s at the
+                             default priority level (default 16; 0: never); the next ones are moved
+                             to the bulk level, where their workflow tasks yield to everyone's on
+                             the worker's own (sticky) queue, which Temporal dispatches by level and
+                             arrival, not by fairness key
     MAMBA_STREAM_QUOTA_STREAMS, MAMBA_STREAM_QUOTA_CHUNKS, MAMBA_STREAM_QUOTA_STATE_BYTES
                              what one principal may hold (defaults 1024 streams in the store, 256
                              chunks running on a worker, 4 GiB of hot state in a worker's engine);

@@ -7,7 +7,15 @@ batching), state stores.
 """
 
 from mamba_stream.activities._alloc import tune_allocator
-from mamba_stream.activities._fairness import Fairness, Quotas, TenancyConfigError, apply_weights
+from mamba_stream.activities._fairness import (
+    BURST_WINDOW_S,
+    Bursts,
+    Fairness,
+    Quotas,
+    TenancyConfigError,
+    apply_weights,
+    demote,
+)
 from mamba_stream.activities._file_store import FileStateStore
 from mamba_stream.activities._health import WorkerHealth
 from mamba_stream.activities._memory_store import MemoryStateStore
@@ -27,7 +35,9 @@ from mamba_stream.activities._store import (
 )
 
 __all__ = [
+    "BURST_WINDOW_S",
     "HISTOGRAM_BUCKETS",
+    "Bursts",
     "Fairness",
     "Fence",
     "FileStateStore",
@@ -59,6 +69,7 @@ __all__ = [
     "WorkerHealth",
     "apply_weights",
     "claim_store",
+    "demote",
     "open_store",
     "rekey_store",
     "sweep_orphans",

@@ -18,6 +18,7 @@ worker's health and metrics.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -33,7 +34,7 @@ from mamba_stream.activities._carry import CarrySeals
 from mamba_stream.activities._commit import ChunkCommit
 from mamba_stream.activities._drift import DriftCheck
 from mamba_stream.activities._engine import SeededSampler, StreamEngine, _multinomial_form_holds, owner_of
-from mamba_stream.activities._fairness import Fairness, InFlight, Quotas, apply_weights
+from mamba_stream.activities._fairness import Bursts, Fairness, InFlight, Quotas, apply_weights, demote
 from mamba_stream.activities._guards import beat, cancel_point, guarded
 from mamba_stream.activities._health import WorkerHealth
 from mamba_stream.activities._metrics import StreamMetrics
@@ -41,7 +42,7 @@ from mamba_stream.activities._prefix import PrefixStore
 from mamba_stream.activities._registry import ModelRegistry
 from mamba_stream.activities._store import StateStore, StoreError, check_name
 from mamba_stream.scan import CheckpointError, Model, ScanError, State
-from mamba_stream.state_codec import BadSignature, Receipt, validate_resume
+from mamba_stream.state_codec import BadSignature, Receipt, stream_tag, validate_resume
 from mamba_stream.state_codec.codec import Keyring
 from mamba_stream.state_codec.signing import PrincipalKeys
 from mamba_stream.workflows import (
@@ -126,6 +127,8 @@ class StreamActivities:
         self.fair_weights = self.fairness.tag_weights(keyring)
         self.quotas = quotas or Quotas()
         self.in_flight = InFlight(self.quotas.chunks_in_flight)
+        self.bursts = Bursts(self.fairness.burst if self.fairness.enabled else 0)
+        self._temporal: tuple[Any, asyncio.AbstractEventLoop] | None = None  # the worker's client, its loop
         self._engine_args = dict(capacity=slots, max_batch=max_batch, max_wait_s=max_wait_s,
                                  prefill_piece=prefill_piece, fair=self.fairness.enabled, weights=self.fair_weights,
                                  state_quota=self.quotas.state_bytes)
@@ -249,8 +252,26 @@ class StreamActivities:
     async def share_queue(self, client: Any, task_queue: str) -> bool:
         """Set the operator's fairness weights (`Fairness.weights`, by principal tag) as the
         server's overrides of `task_queue` (`apply_weights`; the plugin does it for each queue its
-        worker serves). True when there are none to set."""
+        worker serves), and keep `client` for moving bursts of streams (`opened`). True when there
+        are no weights to set."""
+        self._temporal = (client, asyncio.get_running_loop())
         return await apply_weights(client, task_queue, self.fair_weights)
+
+    def opened(self, stream_id: str) -> None:
+        """A stream of `stream_id`'s principal opened on this worker: past the principal's burst
+        (`Fairness.burst` within `BURST_WINDOW_S`) it is moved to the bulk priority level
+        (`demote`, on the worker's loop, not waited for; counted in `mamba_stream_bulk_streams`).
+        A worker that has no client (its activities not run by the plugin) moves nothing."""
+        tag = stream_tag(stream_id)
+        if tag is None or not self.bursts.opened(tag) or self._temporal is None:
+            return
+        client, loop = self._temporal
+
+        def moved(done: Any) -> None:
+            if not done.cancelled() and done.exception() is None and done.result():
+                self.metrics.bulk_streams.add(1)
+
+        asyncio.run_coroutine_threadsafe(demote(client, stream_id, tag), loop).add_done_callback(moved)
 
     def use_metrics(self, metrics: StreamMetrics) -> None:
         """Count into `metrics` from now on (a worker's own endpoint): the commits and the prefix

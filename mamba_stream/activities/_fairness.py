@@ -16,6 +16,15 @@ Three places decide who goes next, and each is told the same thing:
                                     `matching.enableFairness`)
     MAMBA_STREAM_FAIRNESS_WEIGHTS   principal=weight,... (default 1 each): a principal of weight 2
                                     gets twice the share of one of weight 1 while both wait
+    MAMBA_STREAM_FAIRNESS_BURST     streams one principal may open on one worker within
+                                    BURST_WINDOW_S before the next are moved to the bulk priority
+                                    level (default 16; 0: never)
+
+A worker's own (sticky) task queue, where a stream's workflow tasks go once a worker holds it,
+is dispatched by Temporal by priority level and then in arrival order, not by fairness key: there
+a flood of one principal's streams would come before another's chunk. So a principal's burst of
+new streams is moved to a lower level (`workflows.BULK_PRIORITY_LEVEL`, `demote`): their tasks
+yield to everyone's at the default level, and take the worker whole when nobody else waits.
 """
 
 from __future__ import annotations
@@ -24,14 +33,20 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Iterator, Mapping
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from mamba_stream.failures import Failure
-from mamba_stream.workflows import QuotaExceeded
+from mamba_stream.workflows import BULK_PRIORITY_LEVEL, QuotaExceeded
 
-__all__ = ["Fairness", "InFlight", "Quotas", "TenancyConfigError", "apply_weights"]
+__all__ = ["BURST_WINDOW_S", "Bursts", "Fairness", "InFlight", "Quotas", "TenancyConfigError", "apply_weights",
+           "demote"]
+
+#: the window over which a principal's new streams count as one burst (`Fairness.burst`)
+BURST_WINDOW_S = 10.0
 
 log = logging.getLogger(__name__)
 
@@ -131,15 +146,20 @@ def _parse_weight(var: str, item: str) -> tuple[str, float]:
 
 @dataclass(frozen=True)
 class Fairness:
-    """enabled: the worker's engine shares its rounds between principals (False: first come, first
-    served). weights: principal name -> weight (default 1.0)."""
+    """enabled: the worker's engine shares its rounds between principals, and moves a principal's
+    burst of new streams to the bulk level (False: first come, first served, no level moved).
+    weights: principal name -> weight (default 1.0). burst: streams one principal may open on one
+    worker within `BURST_WINDOW_S` at the default level; the next ones go to the bulk level
+    (0: never)."""
 
     enabled: bool = True
     weights: Mapping[str, float] = field(default_factory=dict)
+    burst: int = 16
 
     @classmethod
-    def from_spec(cls, enabled: str = "on", weights: str = "") -> Fairness:
-        """Parse MAMBA_STREAM_FAIRNESS (on/off) and MAMBA_STREAM_FAIRNESS_WEIGHTS (alice=2,bob=1).
+    def from_spec(cls, enabled: str = "on", weights: str = "", burst: str = "") -> Fairness:
+        """Parse MAMBA_STREAM_FAIRNESS (on/off), MAMBA_STREAM_FAIRNESS_WEIGHTS (alice=2,bob=1) and
+        MAMBA_STREAM_FAIRNESS_BURST (a whole number; empty: the default).
 
         Raises:
             TenancyConfigError: either does not parse (one line, naming the variable).
@@ -149,7 +169,11 @@ class Fairness:
             raise TenancyConfigError(f"MAMBA_STREAM_FAIRNESS: expected on or off, got {enabled!r}")
         parsed = dict(_parse_weight("MAMBA_STREAM_FAIRNESS_WEIGHTS", item)
                       for item in weights.split(",") if item.strip())
-        return cls(enabled=flag in ("on", "1", "true", "yes", ""), weights=parsed)
+        raw = burst.strip().replace("_", "")
+        if raw and not raw.isdigit():
+            raise TenancyConfigError(f"MAMBA_STREAM_FAIRNESS_BURST: expected a whole number (0 or more), got {burst!r}")
+        return cls(enabled=flag in ("on", "1", "true", "yes", ""), weights=parsed,
+                   burst=int(raw) if raw else cls.burst)
 
     def tag_weights(self, keyring) -> dict[str, float]:
         """The weights by principal tag (`Keyring.principal_tag`): what the engine and the server
@@ -178,3 +202,59 @@ async def apply_weights(client, task_queue: str, weights: Mapping[str, float]) -
             return False
     log.info("fairness weights of %d principals set on task queue %s", len(weights), task_queue)
     return True
+
+
+class Bursts:
+    """The streams each principal (by tag) opened on this worker within the last `window` seconds:
+    past `limit` of them, the next ones are a burst's (`opened` says so)."""
+
+    def __init__(self, limit: int, window: float = BURST_WINDOW_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.limit, self.window, self.clock = limit, window, clock
+        self._lock = threading.Lock()
+        self._opened: dict[str, deque[float]] = {}
+
+    def opened(self, owner: str) -> bool:
+        """Count a stream `owner` opened now; True when it is past the limit (bulk)."""
+        if self.limit <= 0:
+            return False
+        now = self.clock()
+        with self._lock:
+            times = self._opened.setdefault(owner, deque())
+            while times and now - times[0] > self.window:
+                times.popleft()
+            times.append(now)
+            for other in [o for o, t in self._opened.items() if now - t[-1] > self.window]:
+                del self._opened[other]  # idle principals are forgotten
+            return len(times) > self.limit
+
+
+async def demote(client, stream_id: str, fairness_key: str) -> bool:
+    """Move the running stream `stream_id` to `workflows.BULK_PRIORITY_LEVEL`, keeping its
+    fairness key (Temporal's UpdateWorkflowExecutionOptions: its next workflow tasks, and its
+    continue-as-new runs, carry it). False (logged) where the server refuses."""
+    from google.protobuf.field_mask_pb2 import FieldMask
+    from temporalio.api.common.v1 import Priority, WorkflowExecution
+    from temporalio.api.workflow.v1 import WorkflowExecutionOptions
+    from temporalio.api.workflowservice.v1 import UpdateWorkflowExecutionOptionsRequest
+    from temporalio.service import RPCError
+
+    try:
+        await client.workflow_service.update_workflow_execution_options(UpdateWorkflowExecutionOptionsRequest(
+            namespace=client.namespace, identity=client.identity,
+            workflow_execution=WorkflowExecution(workflow_id=stream_id),
+            workflow_execution_options=WorkflowExecutionOptions(
+                priority=Priority(priority_key=BULK_PRIORITY_LEVEL, fairness_key=fairness_key)),
+            update_mask=FieldMask(paths=["priority"])))
+    except RPCError as exc:
+        global _refused_once
+        level = logging.DEBUG if _refused_once else logging.WARNING  # a server that refuses one refuses all
+        _refused_once = True
+        log.log(level, "stream %s was not moved to the bulk priority level (%s): it stays at the default",
+                stream_id, exc.message)
+        return False
+    return True
+
+
+_refused_once = False
+

@@ -131,6 +131,9 @@ class StreamMetrics:
         self.quota_refusals = m.create_counter(
             "mamba_stream_quota_refusals", "requests refused at a principal's quota (QuotaExceeded), by quota "
             "(streams, chunks_in_flight, state_bytes, prefix_bytes: a prefix state larger than the bound, not stored)")
+        self.bulk_streams = m.create_counter(
+            "mamba_stream_bulk_streams", "streams moved to the bulk priority level: a principal's burst of new "
+            "streams on this worker (MAMBA_STREAM_FAIRNESS_BURST), whose workflow tasks yield to everyone's")
         self._committed_at: OrderedDict[str, float] = OrderedDict()
         self._migration_count = 0
         self._count_lock = threading.Lock()

@@ -91,6 +91,7 @@ def open_stream(acts: StreamActivities, req: OpenStreamRequest) -> OpenStreamRes
     # its receipt recorded beside it, as a chunk's is: what a rewind to it goes back to
     acts.commits.write_record(receipt, {"kind": "open", "receipt": receipt.model_dump(mode="json")}, last)
     acts._gauge()
+    acts.opened(req.stream_id)
     return OpenStreamResult(receipt=receipt, info=info, worker_queue=acts.worker_queue)
 
 

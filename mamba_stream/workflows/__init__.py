@@ -38,7 +38,7 @@ from mamba_stream.workflows._failures import (
     catalogue,
     invalid_request,
 )
-from mamba_stream.workflows._fairness import stream_priority
+from mamba_stream.workflows._fairness import BULK_PRIORITY_LEVEL, DEFAULT_PRIORITY_LEVEL, stream_priority
 from mamba_stream.workflows._model_stream import ModelStream, StreamOwner, check_prefix, check_sender
 from mamba_stream.workflows._models import (
     PRINCIPAL_MEMO,
@@ -108,6 +108,8 @@ from mamba_stream.workflows.contract import (
 )
 
 __all__ = [
+    "BULK_PRIORITY_LEVEL",
+    "DEFAULT_PRIORITY_LEVEL",
     "DEFAULT_TASK_QUEUE",
     "NOT_THE_CHUNKS_FAULT",
     "PROGRESS_INTERVAL_S",

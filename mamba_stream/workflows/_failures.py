@@ -105,12 +105,13 @@ class ReservedStreamId(StreamFailure):
 
 
 class PriorityMismatch(StreamFailure):
-    """A stream started with another Temporal priority than its principal's tag as fairness key
-    (`workflows.stream_priority`): another principal's key, a weight of the client's own (weights
-    are the operator's, set on the queues) or a priority level. A client holding one principal's
-    keys would have its workflow tasks take another's turns, or everyone's. The run fails at its
-    first workflow task, before any activity. A start with no priority at all is taken (it shares
-    the default key)."""
+    """A stream started with a Temporal priority other than its principal's
+    (`workflows.stream_priority`): another principal's fairness key, a weight of the client's own
+    (weights are the operator's, set on the queues) or a level above the default. A client holding
+    one principal's keys would have its workflow tasks take another's turns, or everyone's. The run
+    fails at its first workflow task, before any activity. A start with no priority at all is taken
+    (it shares the default key), and so is a level below the default. Details: `expected`, `actual`
+    as [level, fairness key, weight]."""
 
 
 class UnknownRequest(StreamFailure):

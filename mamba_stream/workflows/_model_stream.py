@@ -72,7 +72,7 @@ with workflow.unsafe.imports_passed_through():
         application_error,
         invalid_request,
     )
-    from mamba_stream.workflows._fairness import stream_priority
+    from mamba_stream.workflows._fairness import DEFAULT_PRIORITY_LEVEL, stream_priority
     from mamba_stream.workflows._models import (
         STREAM_MEMO,
         TIMEOUT_FLOORS,
@@ -192,10 +192,11 @@ def check_stream_id() -> None:
     """Refuse, typed `ReservedStreamId`, a stream under an id of the workers' own namespace
     (`RESERVED_ID_PREFIXES`): the workflow's id is its stream's, and a stream there would write, and
     dispose of, the prefix store's entries or an owner's KV segments. Whoever sealed the start: the
-    id alone decides. Refuse, typed `PriorityMismatch`, a start whose priority is other than the
-    id's principal tag as fairness key (`stream_priority`) or none at all (`Priority.default`); an id
-    that names no principal (the operator's) may carry any. Call it first thing in the run, before
-    any activity (the stream workflow's start, `ModelStream.open`)."""
+    id alone decides. Refuse, typed `PriorityMismatch`, a start whose priority names another
+    fairness key than the id's principal tag (`stream_priority`), a weight, or a level above the
+    default; none at all is taken, and an id that names no principal (the operator's) may carry any.
+    Call it first thing in the run, before any activity (the stream workflow's start,
+    `ModelStream.open`)."""
     wid = workflow.info().workflow_id
     if wid.startswith(RESERVED_ID_PREFIXES) and workflow.patched(PATCH_RESERVED_IDS):
         raise application_error(ReservedStreamId(
@@ -203,17 +204,20 @@ def check_stream_id() -> None:
             f"store's entries, the KV segments): no stream runs there", field="stream_id", actual=wid))
     # The start's priority is the client's to set, so a client holding alice's keys could start
     # her stream under bob's fairness key (taking bob's turns), with a weight of its own choosing
-    # or at a higher priority level than everyone's. Its activities carry the id's key whatever
-    # the start said (`ModelStream.priority`); its workflow tasks carry the start's, so such a
-    # start is refused here, in its first task. Weights are the operator's, set on the queues.
+    # or at a priority level above everyone's. Its activities carry the id's key whatever the
+    # start said (`ModelStream.priority`); its workflow tasks carry the start's, so such a start
+    # is refused here, in its first task. Weights are the operator's, set on the queues; a level
+    # below the default is taken (a worker moves a burst of streams there; continue-as-new keeps it).
     given, tag = workflow.info().priority, stream_tag(wid)
-    if (tag is not None and given not in (Priority.default, stream_priority(wid))
-            and workflow.patched(PATCH_PRIORITY)):
+    taken = (given.fairness_key in (None, tag) and given.fairness_weight is None
+             and (given.priority_key is None or given.priority_key >= DEFAULT_PRIORITY_LEVEL))
+    if tag is not None and not taken and workflow.patched(PATCH_PRIORITY):
         raise application_error(PriorityMismatch(
-            f"stream {wid!r} was started with priority key {given.priority_key!r}, fairness key "
-            f"{given.fairness_key!r} and weight {given.fairness_weight!r}: a stream's priority is its principal's "
-            f"fairness key alone ({tag!r}; `workflows.stream_priority`), or none",
-            field="priority", expected=[None, tag, None],
+            f"stream {wid!r} was started with priority level {given.priority_key!r}, fairness key "
+            f"{given.fairness_key!r} and weight {given.fairness_weight!r}: a stream's fairness key is its "
+            f"principal's ({tag!r}; `workflows.stream_priority`), its weight the operator's, its level "
+            f"{DEFAULT_PRIORITY_LEVEL} or below", field="priority",
+            expected=[DEFAULT_PRIORITY_LEVEL, tag, None],
             actual=[given.priority_key, given.fairness_key, given.fairness_weight]))
 
 

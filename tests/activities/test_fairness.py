@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from mamba_stream.activities import Fairness, Quotas, TenancyConfigError
+from mamba_stream.activities import Bursts, Fairness, Quotas, TenancyConfigError
 from mamba_stream.activities._engine import StreamEngine, _Shares, _Work, owner_of
 from mamba_stream.activities._fairness import InFlight
 from mamba_stream.workflows import QuotaExceeded
@@ -217,6 +217,22 @@ def test_chunks_in_flight_are_bounded_per_principal():
     assert gate.used(ALICE) == 0 and gate.used(BOB) == 0  # released on the way out, errors included
 
 
+def test_a_burst_is_the_streams_past_the_limit_within_the_window_per_principal():
+    now = [100.0]
+    bursts = Bursts(2, window=10.0, clock=lambda: now[0])
+    assert [bursts.opened(ALICE) for _ in range(4)] == [False, False, True, True]
+    assert bursts.opened(BOB) is False  # another principal's count is its own
+    now[0] += 5.0
+    assert bursts.opened(ALICE) is True  # the four before are still within the window
+    now[0] += 5.5
+    assert bursts.opened(ALICE) is False  # the first four left it: two in it now (at 105 and 110.5)
+    assert bursts.opened(ALICE) is True
+    now[0] += 60.0
+    assert bursts.opened(ALICE) is False and BOB not in bursts._opened  # idle principals forgotten
+    never = Bursts(0, clock=lambda: now[0])
+    assert not any(never.opened(ALICE) for _ in range(100))
+
+
 @pytest.mark.parametrize(("var", "value"), [("MAMBA_STREAM_QUOTA_STREAMS", "ten"),
                                             ("MAMBA_STREAM_QUOTA_CHUNKS", "-1"),
                                             ("MAMBA_STREAM_QUOTA_STATE_BYTES", "1.5")])
@@ -238,6 +254,10 @@ def test_quotas_and_fairness_from_the_environment(monkeypatch):
             Fairness.from_spec("on", bad)
     with pytest.raises(TenancyConfigError, match=r"^MAMBA_STREAM_FAIRNESS: "):
         Fairness.from_spec("sometimes")
+    assert Fairness.from_spec("on", "", " 4 ").burst == 4 and Fairness.from_spec().burst == Fairness().burst == 16
+    for bad in ("many", "-1", "2.5"):
+        with pytest.raises(TenancyConfigError, match=r"^MAMBA_STREAM_FAIRNESS_BURST: "):
+            Fairness.from_spec("on", "", bad)
 
 
 def test_the_worker_refuses_to_start_on_a_bad_tenancy_setting(monkeypatch):
@@ -247,3 +267,40 @@ def test_the_worker_refuses_to_start_on_a_bad_tenancy_setting(monkeypatch):
     monkeypatch.setenv("MAMBA_STREAM_FAIRNESS_WEIGHTS", "alice=lots")
     with pytest.raises(ValueError, match=r"^MAMBA_STREAM_FAIRNESS_WEIGHTS: "):
         WorkerConfig()
+
+
+def test_a_server_that_refuses_to_move_a_stream_leaves_it_where_it_is(caplog):
+    """`demote` on a server that refuses (a cluster whose authorizer denies the worker
+    UpdateWorkflowExecutionOptions): False, logged, nothing raised: the stream serves on at the
+    default level. What it asks for when the server takes it: the bulk level, the key kept."""
+    import asyncio
+
+    from temporalio.service import RPCError, RPCStatusCode
+
+    from mamba_stream.activities import demote
+    from mamba_stream.workflows import BULK_PRIORITY_LEVEL
+
+    sent = []
+
+    class Service:
+        def __init__(self, refuse: bool) -> None:
+            self.refuse = refuse
+
+        async def update_workflow_execution_options(self, req):
+            sent.append(req)
+            if self.refuse:
+                raise RPCError("permission denied", RPCStatusCode.PERMISSION_DENIED, b"")
+
+    class Client:
+        namespace, identity = "default", "w"
+
+        def __init__(self, refuse: bool) -> None:
+            self.workflow_service = Service(refuse)
+
+    assert asyncio.run(demote(Client(True), "ms.t.1", "t")) is False
+    assert "not moved to the bulk priority level" in caplog.text
+    assert asyncio.run(demote(Client(False), "ms.t.2", "t")) is True
+    req = sent[-1]
+    assert req.workflow_execution.workflow_id == "ms.t.2" and list(req.update_mask.paths) == ["priority"]
+    p = req.workflow_execution_options.priority
+    assert (p.priority_key, p.fairness_key, p.fairness_weight) == (BULK_PRIORITY_LEVEL, "t", 0.0)

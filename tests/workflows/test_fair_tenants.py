@@ -19,7 +19,7 @@ from temporalio.worker import Worker
 from mamba_stream.activities import Quotas, StreamActivities
 from mamba_stream.plugin import data_converter
 from mamba_stream.state_codec import stream_tag
-from mamba_stream.workflows import stream_priority
+from mamba_stream.workflows import BULK_PRIORITY_LEVEL, stream_priority
 from tests.workflows.conftest import FAST, Stack, eventually, make_stack
 from tests.workflows.test_metrics import free_port, scrape, total
 
@@ -238,3 +238,65 @@ async def _with_overrides(pending):
     """The queue's config once it has fairness-weight overrides (None before)."""
     cfg = await pending
     return cfg if cfg.fairness_weight_overrides else None
+
+
+async def _priority(stack: Stack, sid: str):
+    return (await stack.streams.handle(sid).describe()).raw_description.workflow_execution_info.priority
+
+
+async def _at_bulk(stack: Stack, sid: str):
+    p = await _priority(stack, sid)
+    return p if p.priority_key == BULK_PRIORITY_LEVEL else None
+
+
+async def test_a_principals_burst_of_new_streams_goes_to_the_bulk_level_and_serves_on(temporal_env, tmp_path):
+    """MAMBA_STREAM_FAIRNESS_BURST (here `Fairness(burst=2)`): of alice's four streams opened at
+    once, the two past her burst are moved to the bulk priority level, their fairness key kept; her
+    first two and bob's stay at the default level. Why: Temporal dispatches a worker's own (sticky)
+    queue by level and arrival, not by key, so only a lower level lets a quiet principal's workflow
+    task pass a flood's there. A moved stream serves on, exactly as before (the options' change is
+    an event of its history, which is replayed at exit), and each move is counted."""
+    from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
+
+    from mamba_stream.activities import HISTOGRAM_BUCKETS, Fairness, StreamMetrics
+
+    port = free_port()
+    runtime = Runtime(telemetry=TelemetryConfig(metrics=PrometheusConfig(
+        bind_address=f"127.0.0.1:{port}", histogram_bucket_overrides=HISTOGRAM_BUCKETS)))
+    stack = await make_stack(temporal_env, tmp_path, start_worker=False)
+    async with stack.exits:
+        acts = stack.new_activities(fairness=Fairness(burst=2), metrics=StreamMetrics(runtime.metric_meter))
+        await stack.worker(acts)
+        alice = [await stack.streams.open("alice", "tiny-mamba2", options=FAST) for _ in range(4)]
+        bob = await stack.streams.open("bob", "tiny-mamba2", options=FAST)
+        for sid in alice[2:]:
+            moved = await eventually(lambda sid=sid: _at_bulk(stack, sid))
+            assert moved.fairness_key == stream_tag(sid) and not moved.fairness_weight
+        for sid in [*alice[:2], bob]:
+            kept = await _priority(stack, sid)
+            assert (kept.priority_key, kept.fairness_key) == (0, stream_tag(sid)), sid
+
+        async def counted() -> bool:
+            return total(scrape(port), "mamba_stream_bulk_streams") == 2
+
+        await eventually(counted)
+        # the moved streams serve on, bit for bit what the others give
+        outs = [await stack.streams.advance(sid, "alice", tokens=[1, 2, 3]) for sid in alice]
+        assert [o.position for o in outs] == [3] * 4
+        assert len({o.receipt.checksum for o in outs}) == 1
+        events = [e async for e in stack.streams.handle(alice[3]).fetch_history_events()]
+        assert EventType.EVENT_TYPE_WORKFLOW_EXECUTION_OPTIONS_UPDATED in [e.event_type for e in events]
+
+
+async def test_with_the_workers_fairness_off_no_stream_is_moved(temporal_env, tmp_path):
+    """The control: MAMBA_STREAM_FAIRNESS=off (here `Fairness(enabled=False, burst=2)`) moves none
+    of the same four streams."""
+    from mamba_stream.activities import Fairness
+
+    stack = await make_stack(temporal_env, tmp_path, start_worker=False)
+    async with stack.exits:
+        acts = stack.new_activities(fairness=Fairness(enabled=False, burst=2))
+        await stack.worker(acts)
+        alice = [await stack.streams.open("alice", "tiny-mamba2", options=FAST) for _ in range(4)]
+        assert (await stack.streams.advance(alice[3], "alice", tokens=[1])).position == 1
+        assert [(await _priority(stack, sid)).priority_key for sid in alice] == [0] * 4

@@ -31,7 +31,16 @@ from mamba_stream.activities._prefix import PREFIX_STREAM_PREFIX
 from mamba_stream.activities._segments import SEGMENT_STREAM_PREFIX
 from mamba_stream.plugin import MambaStreamPlugin
 from mamba_stream.state_codec.codec import Keyring
-from mamba_stream.workflows import ChatInput, OpenStreamInput, StreamClient, catalogue, new_stream_id, stream_priority
+from mamba_stream.workflows import (
+    BULK_PRIORITY_LEVEL,
+    DEFAULT_PRIORITY_LEVEL,
+    ChatInput,
+    OpenStreamInput,
+    StreamClient,
+    catalogue,
+    new_stream_id,
+    stream_priority,
+)
 from mamba_stream.workflows._model_stream import RESERVED_ID_PREFIXES
 from tests.workflows.conftest import Stack, make_stack
 from tests.workflows.test_metrics import Meter, free_port
@@ -194,14 +203,14 @@ async def test_a_stream_still_opens_and_serves_beside_the_refusals(world: World)
     assert world.meter.delta("mamba_stream_refused_requests") == 1
 
 
-@pytest.mark.parametrize("how", ["another principal's key", "a weight of its own", "a priority level"])
+@pytest.mark.parametrize("how", ["another principal's key", "a weight of its own", "a level above the default"])
 async def test_a_start_of_another_priority_than_its_principals_key_fails_typed_at_once_and_is_counted(
         world: World, how: str):
     """Issue 50: a stream's workflow tasks are dispatched by its start's priority, which the client
     sets. Alice's client, with her keys, starting her own stream under bob's fairness key would
     take bob's turns on the task queues; with a weight or a priority level of its own, everyone's.
     Refused at the first workflow task, typed, with nothing written; the details say what was
-    given and what a stream's priority is."""
+    given and what a stream's priority is ([level, fairness key, weight])."""
     ring = world.stack.keyring
     alice = await world.client(ring.for_principal("alice"))
     wid = new_stream_id(ring.principal_tag("alice"))
@@ -209,22 +218,24 @@ async def test_a_start_of_another_priority_than_its_principals_key_fails_typed_a
     assert own.fairness_key == ring.principal_tag("alice")
     priority = {"another principal's key": Priority(fairness_key=ring.principal_tag("bob")),
                 "a weight of its own": dataclasses.replace(own, fairness_weight=50.0),
-                "a priority level": dataclasses.replace(own, priority_key=1)}[how]
+                "a level above the default": dataclasses.replace(own, priority_key=DEFAULT_PRIORITY_LEVEL - 1)}[how]
     cause = await world.refused(alice, wid, OpenStreamInput(**START), "PriorityMismatch", priority=priority)
     details = cause.details[0]
-    assert details["field"] == "priority" and details["expected"] == [None, own.fairness_key, None]
+    assert details["field"] == "priority" and details["expected"] == [DEFAULT_PRIORITY_LEVEL, own.fairness_key, None]
     assert details["actual"] == [priority.priority_key, priority.fairness_key, priority.fairness_weight]
     await world.counted("PriorityMismatch")
 
 
-@pytest.mark.parametrize("priority", ["the stream's own", "none"])
+@pytest.mark.parametrize("priority", ["the stream's own", "none", "the bulk level"])
 async def test_a_start_with_its_principals_key_or_none_opens(world: World, priority: str):
     """The control of the test above: the same start from alice's client, under her own key (as
-    `StreamClient.open` sends it) or with no priority at all, opens and serves."""
+    `StreamClient.open` sends it), with no priority at all, or at the bulk level below the default
+    (where a worker moves a burst of streams, and continue-as-new keeps them), opens and serves."""
     ring = world.stack.keyring
     alice = await world.client(ring.for_principal("alice"))
     wid = new_stream_id(ring.principal_tag("alice"))
-    given = stream_priority(wid) if priority == "the stream's own" else Priority.default
+    given = {"the stream's own": stream_priority(wid), "none": Priority.default,
+             "the bulk level": dataclasses.replace(stream_priority(wid), priority_key=BULK_PRIORITY_LEVEL)}[priority]
     await alice.start_workflow("MambaStream", OpenStreamInput(**START), id=wid, task_queue=world.stack.queue,
                                priority=given)
     streams = StreamClient(alice, task_queue=world.stack.queue)
