@@ -213,6 +213,7 @@ class Bursts:
         self.limit, self.window, self.clock = limit, window, clock
         self._lock = threading.Lock()
         self._opened: dict[str, deque[float]] = {}
+        self._swept = clock()
 
     def opened(self, owner: str) -> bool:
         """Count a stream `owner` opened now; True when it is past the limit (bulk)."""
@@ -224,8 +225,10 @@ class Bursts:
             while times and now - times[0] > self.window:
                 times.popleft()
             times.append(now)
-            for other in [o for o, t in self._opened.items() if now - t[-1] > self.window]:
-                del self._opened[other]  # idle principals are forgotten
+            if now - self._swept > self.window:  # idle principals are forgotten, once a window
+                self._swept = now
+                for other in [o for o, t in self._opened.items() if now - t[-1] > self.window]:
+                    del self._opened[other]
             return len(times) > self.limit
 
 
