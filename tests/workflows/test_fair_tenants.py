@@ -16,7 +16,7 @@ from temporalio.client import Client, WorkflowFailureError, WorkflowUpdateFailed
 from temporalio.exceptions import ApplicationError
 from temporalio.worker import Worker
 
-from mamba_stream.activities import Quotas, StreamActivities
+from mamba_stream.activities import HISTOGRAM_BUCKETS, Quotas, StreamActivities, StreamMetrics
 from mamba_stream.plugin import data_converter
 from mamba_stream.state_codec import stream_tag
 from mamba_stream.workflows import BULK_PRIORITY_LEVEL, stream_priority
@@ -125,17 +125,25 @@ def _reason(err: BaseException) -> tuple[str, dict]:
     return cause.type, details
 
 
-async def test_a_principal_past_its_streams_quota_is_refused_typed_and_others_are_not(temporal_env, tmp_path: Path):
-    from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
+_RUNTIMES: list = []  # a runtime's endpoint lives as long as the runtime
 
-    from mamba_stream.activities import HISTOGRAM_BUCKETS, StreamMetrics
+
+def _metered() -> tuple[int, StreamMetrics]:
+    """Metrics on a Prometheus endpoint of their own: its port, and the activities' meter on it."""
+    from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 
     port = free_port()
     runtime = Runtime(telemetry=TelemetryConfig(metrics=PrometheusConfig(
         bind_address=f"127.0.0.1:{port}", histogram_bucket_overrides=HISTOGRAM_BUCKETS)))
+    _RUNTIMES.append(runtime)
+    return port, StreamMetrics(runtime.metric_meter)
+
+
+async def test_a_principal_past_its_streams_quota_is_refused_typed_and_others_are_not(temporal_env, tmp_path: Path):
+    port, metrics = _metered()
     stack = await make_stack(temporal_env, tmp_path, start_worker=False)
     async with stack.exits:
-        acts = stack.new_activities(quotas=Quotas(streams=2), metrics=StreamMetrics(runtime.metric_meter))
+        acts = stack.new_activities(quotas=Quotas(streams=2), metrics=metrics)
         await stack.worker(acts)
         first = [await stack.streams.open("alice", "tiny-mamba2", options=FAST) for _ in range(2)]
         await stack.streams.advance(first[0], "alice", tokens=[1, 2])
@@ -256,16 +264,12 @@ async def test_a_principals_burst_of_new_streams_goes_to_the_bulk_level_and_serv
     queue by level and arrival, not by key, so only a lower level lets a quiet principal's workflow
     task pass a flood's there. A moved stream serves on, exactly as before (the options' change is
     an event of its history, which is replayed at exit), and each move is counted."""
-    from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
+    from mamba_stream.activities import Fairness
 
-    from mamba_stream.activities import HISTOGRAM_BUCKETS, Fairness, StreamMetrics
-
-    port = free_port()
-    runtime = Runtime(telemetry=TelemetryConfig(metrics=PrometheusConfig(
-        bind_address=f"127.0.0.1:{port}", histogram_bucket_overrides=HISTOGRAM_BUCKETS)))
+    port, metrics = _metered()
     stack = await make_stack(temporal_env, tmp_path, start_worker=False)
     async with stack.exits:
-        acts = stack.new_activities(fairness=Fairness(burst=2), metrics=StreamMetrics(runtime.metric_meter))
+        acts = stack.new_activities(fairness=Fairness(burst=2), metrics=metrics)
         await stack.worker(acts)
         alice = [await stack.streams.open("alice", "tiny-mamba2", options=FAST) for _ in range(4)]
         bob = await stack.streams.open("bob", "tiny-mamba2", options=FAST)
