@@ -271,7 +271,12 @@ class StreamActivities:
             if not done.cancelled() and done.exception() is None and done.result():
                 self.metrics.bulk_streams.add(1)
 
-        asyncio.run_coroutine_threadsafe(demote(client, stream_id, tag), loop).add_done_callback(moved)
+        coro = demote(client, stream_id, tag)
+        try:
+            asyncio.run_coroutine_threadsafe(coro, loop).add_done_callback(moved)
+        except RuntimeError:  # the worker's loop is closed (it is shutting down): the open stands
+            coro.close()
+            log.debug("stream %s opened as its worker stops: not moved to the bulk level", stream_id)
 
     def use_metrics(self, metrics: StreamMetrics) -> None:
         """Count into `metrics` from now on (a worker's own endpoint): the commits and the prefix

@@ -260,4 +260,3 @@ async def demote(client, stream_id: str, fairness_key: str) -> bool:
 
 
 _refused_once = False
-
