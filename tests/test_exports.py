@@ -39,7 +39,7 @@ EXPECTED = {
         "UnsupportedEnvelopeVersion",
         "arithmetic_moved", "continue_arithmetic", "format_state_key", "parse_state_key", "prefix_digest", "record_key",
         "schema_diff",
-        "sealer_of", "stream_tag",
+        "sealer_of", "stream_id_head", "stream_tag",
         "validate_resume",
     ],
     "mamba_stream.state_codec.keyring": ["KEYRING_FILE", "Keyring", "KeyringError", "KeyringNotFound", "default_home",

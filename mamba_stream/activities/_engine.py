@@ -473,7 +473,7 @@ class StreamEngine:
     def generate(self, stream_id: str, sampler: Callable[[torch.Tensor], int | None], max_tokens: int, *,
                  expected_key: str, epoch: int, load: Callable[[], tuple[State, torch.Tensor | None]],
                  on_wait: Callable[[], float | None] | None = None,
-                 wake: threading.Event | None = None, owner: str | None = None) -> ChunkOutput:
+                 wake: threading.Event | None = None) -> ChunkOutput:
         """Sample up to `max_tokens` tokens, each advancing the state; every step is batched with
         the other streams' single-token steps. `sampler(next_logits)` returns a token or None.
 
@@ -489,7 +489,7 @@ class StreamEngine:
         engine thread (a heartbeat waits for the worker's event loop).
         """
         return self._submit(lambda pre: _Work(stream_id, [], expected_key, epoch, pre, sampler=sampler,
-                                              max_tokens=max_tokens, owner=owner),
+                                              max_tokens=max_tokens),
                             stream_id, expected_key, load, on_wait, wake)
 
     def _submit(self, make: Callable[[object], _Work], stream_id: str, expected_key: str,

@@ -54,6 +54,7 @@ from mamba_stream.activities._store import (
     StoreUsage,
     check_name,
 )
+from mamba_stream.state_codec import stream_id_head
 
 __all__ = ["FileStateStore"]
 
@@ -314,7 +315,7 @@ class FileStateStore(StateStore):
         return self._streams("")
 
     def streams_of(self, tag: str) -> list[str]:
-        return self._streams(f"ms.{tag}.")  # names first: only this principal's directories are opened
+        return self._streams(stream_id_head(tag))  # names first: only this principal's directories are opened
 
     def _streams(self, head: str) -> list[str]:
         d = self.root / "streams"

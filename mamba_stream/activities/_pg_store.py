@@ -45,6 +45,7 @@ from mamba_stream.activities._store import (
     StoreUsage,
     check_name,
 )
+from mamba_stream.state_codec import stream_id_head, stream_tag
 
 __all__ = ["PostgresStateStore"]
 
@@ -281,10 +282,15 @@ class PostgresStateStore(StateStore):
         return [r[0] for r in rows]
 
     def streams_of(self, tag: str) -> list[str]:
+        # Asked at every open (the streams quota): a range on the indexed column, which a LIKE
+        # pattern is not under a database's default (non-C) collation: it read the whole table.
+        # The ids go on from the head with 32 hex digits, which every collation puts between "0"
+        # and "g"; `stream_tag` keeps exactly this principal's of what the range gives.
+        head = stream_id_head(tag)
         with self._conn() as conn:
-            rows = conn.execute(f"SELECT DISTINCT stream_id FROM {self.table} WHERE stream_id LIKE %s "
-                                "ORDER BY stream_id", (f"ms.{tag}.%",)).fetchall()
-        return [r[0] for r in rows]
+            rows = conn.execute(f"SELECT DISTINCT stream_id FROM {self.table} WHERE stream_id >= %s "
+                                "AND stream_id < %s ORDER BY stream_id", (head + "0", head + "g")).fetchall()
+        return [r[0] for r in rows if stream_tag(r[0]) == tag]
 
     def usage(self) -> StoreUsage:
         with self._conn() as conn:

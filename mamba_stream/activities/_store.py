@@ -33,6 +33,7 @@ from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
 
 from mamba_stream.failures import Failure
+from mamba_stream.state_codec import stream_id_head
 
 __all__ = [
     "Fence",
@@ -210,7 +211,7 @@ class StateStore(ABC):
     def streams_of(self, tag: str) -> list[str]:
         """The streams holding objects whose ids name principal tag `tag` (`ms.<tag>.<hex>`):
         what the `streams` quota counts."""
-        head = f"ms.{tag}."
+        head = stream_id_head(tag)
         return [sid for sid in self.stream_ids() if sid.startswith(head)]
 
     @abstractmethod

@@ -51,7 +51,14 @@ from mamba_stream.conversations._render import (
 )
 from mamba_stream.failures import Failure, InvalidRequest, application_error
 from mamba_stream.scan import ChatTemplate
-from mamba_stream.state_codec import SEALER_KEY, ChunkSequenceMismatch, PrincipalMismatch, SealerMismatch, stream_tag
+from mamba_stream.state_codec import (
+    SEALER_KEY,
+    ChunkSequenceMismatch,
+    PrincipalMismatch,
+    SealerMismatch,
+    stream_id_head,
+    stream_tag,
+)
 from mamba_stream.workflows import (
     DEFAULT_TASK_QUEUE,
     PRINCIPAL_MEMO,
@@ -236,7 +243,7 @@ class Conversations:
         ident = "|".join(caller)
         if previous is None:
             rendered = first_turn(template, system, tools, messages)
-            sid = f"ms.{tag}.{_keyed(key, 'conversation|' + ident)}"
+            sid = stream_id_head(tag) + _keyed(key, 'conversation|' + ident)
             await self._open(sid, principal, model_id, rendered.prefix)
             at, text, forked = 0, rendered.text, False
         else:
@@ -318,7 +325,7 @@ class Conversations:
         except WorkflowUpdateFailedError as err:
             if not _failed_because(err, ConflictingChunk.reason, ChunkSequenceMismatch.reason):
                 raise
-        fid = f"ms.{tag}.{_keyed(key, 'fork|' + ident)}"
+        fid = stream_id_head(tag) + _keyed(key, 'fork|' + ident)
         try:
             await self.streams.fork(sid, at, principal=principal, options=self.options, new_stream_id=fid)
         except WorkflowAlreadyStartedError:

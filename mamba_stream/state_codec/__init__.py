@@ -54,6 +54,7 @@ from mamba_stream.state_codec._sealing import (
     parse_state_key,
     record_key,
     sealer_of,
+    stream_id_head,
     stream_tag,
 )
 
@@ -105,6 +106,7 @@ __all__ = [
     "record_key",
     "schema_diff",
     "sealer_of",
+    "stream_id_head",
     "stream_tag",
     "validate_resume",
 ]

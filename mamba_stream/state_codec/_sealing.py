@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["CLEAR", "FAILURE_SEALER_ATTR", "MASTER", "SEALED_ATTR", "SEALER_KEY", "TAG", "StateKey",
-           "format_state_key", "parse_state_key", "record_key", "sealer_of", "stream_tag"]
+           "format_state_key", "parse_state_key", "record_key", "sealer_of", "stream_id_head", "stream_tag"]
 
 #: the metadata key the workers' codec writes on each payload it decodes
 SEALER_KEY = "mamba-stream-sealer"
@@ -44,6 +44,11 @@ TAG = re.compile(r"^[0-9a-f]{32}$")
 
 
 @functools.lru_cache(maxsize=4096)  # the codec asks for every payload of a stream, with the same id
+def stream_id_head(tag: str) -> str:
+    """What every stream id of principal tag `tag` begins with: `ms.<tag>.` (then 32 hex digits)."""
+    return f"ms.{tag}."
+
+
 def stream_tag(workflow_id: str) -> str | None:
     """The principal tag a stream id names (`ms.<tag>.<32 hex>`, `workflows.new_stream_id`), or None
     (an id of another form: its payloads are under the master key)."""

@@ -32,7 +32,7 @@ from temporalio.converter import WorkflowSerializationContext
 from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.service import RPCError, RPCStatusCode
 
-from mamba_stream.state_codec import ChunkSequenceMismatch, EpochMismatch, Receipt, stream_tag
+from mamba_stream.state_codec import ChunkSequenceMismatch, EpochMismatch, Receipt, stream_id_head, stream_tag
 from mamba_stream.workflows._config import DEFAULT_TASK_QUEUE
 from mamba_stream.workflows._failures import (
     ConflictingChunk,
@@ -131,7 +131,7 @@ def new_stream_id(tag: str | None = None) -> str:
     principal whose history key encrypts the stream's payloads without saying who it is
     (`state_codec.keyring`, `state_codec.payload.stream_principal`), or `ms-<32 hex>` (the master
     key's) without one."""
-    return f"ms.{tag}.{uuid.uuid4().hex}" if tag else "ms-" + uuid.uuid4().hex
+    return stream_id_head(tag) + uuid.uuid4().hex if tag else "ms-" + uuid.uuid4().hex
 
 
 def _keyring(client: Client) -> Any:
