@@ -58,13 +58,15 @@ EXPECTED = {
         "split_state", "unseal",
     ],
     "mamba_stream.activities": [
-        "BURST_WINDOW_S", "HISTOGRAM_BUCKETS", "Bursts", "Fairness", "Fence", "FileStateStore", "InvalidStoreKey",
+        "BURST_WINDOW_S", "HISTOGRAM_BUCKETS", "RELEASE_BYTES", "Bursts", "Fairness", "Fence", "FileStateStore",
+        "InvalidStoreKey",
         "KVSegments", "LeaseLost",
         "LegacyObject", "MemoryStateStore", "ModelRegistry", "PostgresStateStore", "PrefixStore",
         "PrefixSweep", "Quotas", "RekeyReport", "SegmentSweep", "SlotTable", "StateStore",
         "StoreCorrupt", "StoreError", "StoreOwnedElsewhere", "StoreOwner", "StoreUnavailable", "StoreUsage",
         "StreamActivities", "StreamEngine", "StreamMetrics", "SweepReport", "TenancyConfigError", "WorkerHealth",
-        "apply_weights", "claim_store", "demote", "open_store", "rekey_store", "sweep_orphans", "tune_allocator",
+        "apply_weights", "claim_store", "demote", "open_store", "rekey_store", "release_freed", "sweep_orphans",
+        "tune_allocator",
     ],
     "mamba_stream.workflows": [
         "BULK_PRIORITY_LEVEL", "DEFAULT_PRIORITY_LEVEL", "DEFAULT_TASK_QUEUE", "NOT_THE_CHUNKS_FAULT",

@@ -6,7 +6,7 @@ batching), state stores.
     store.put_if_absent(key=receipt.state_key, data=blob, stream_id=..., owner=keyring.principal_tag(...))
 """
 
-from mamba_stream.activities._alloc import tune_allocator
+from mamba_stream.activities._alloc import RELEASE_BYTES, release_freed, tune_allocator
 from mamba_stream.activities._fairness import (
     BURST_WINDOW_S,
     Bursts,
@@ -37,6 +37,7 @@ from mamba_stream.activities._store import (
 __all__ = [
     "BURST_WINDOW_S",
     "HISTOGRAM_BUCKETS",
+    "RELEASE_BYTES",
     "Bursts",
     "Fairness",
     "Fence",
@@ -72,6 +73,7 @@ __all__ = [
     "demote",
     "open_store",
     "rekey_store",
+    "release_freed",
     "sweep_orphans",
     "tune_allocator",
 ]

@@ -22,14 +22,15 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from temporalio import activity
 
 from mamba_stream.activities import _chunk, _open, _recorded
+from mamba_stream.activities._alloc import release_freed
 from mamba_stream.activities._carry import CarrySeals
 from mamba_stream.activities._commit import ChunkCommit
 from mamba_stream.activities._drift import DriftCheck
@@ -342,9 +343,18 @@ class StreamActivities:
         """A commit edge (`activities._commit`'s docstring; "admitted" is passed in `_chunk`).
         Does nothing; tests kill a worker here."""
 
-    def _guarded(self, stream_id: str, model_id: str = "") -> AbstractContextManager[None]:
-        """An activity's body, under this worker's health and metrics (`_guards.guarded`)."""
-        return guarded(self.health, self.metrics, stream_id, model_id)
+    @contextmanager
+    def _guarded(self, stream_id: str, model_id: str = "") -> Iterator[None]:
+        """An activity's body, under this worker's health and metrics (`_guards.guarded`); after
+        it, with the body's frames gone, a big model's freed state copies go back to the system
+        (`release_freed`)."""
+        try:
+            with guarded(self.health, self.metrics, stream_id, model_id):
+                yield
+        finally:
+            model = self.models.loaded(model_id) if model_id else None
+            if model is not None:
+                release_freed(model.schema.state_bytes)
 
     def _verify(self, kind: str, stream_id: str, principal: str, request: Any) -> None:
         """The request's signature, before anything else (no-op when no principal keys are configured)."""

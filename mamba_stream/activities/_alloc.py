@@ -9,6 +9,12 @@ machine (bench/bench_serving.py's model, 32 streams): 20 ms per batched step wit
 inference guides recommend a caching allocator for the same reason; this keeps glibc and fixes
 its thresholds instead, so freed blocks are reused from the heap.
 
+The same retention keeps a big model's freed state copies: a 7B Mamba-2 state is 279 MB in 4 MB
+tensors, under the mmap threshold, so each chunk's copy for its commit stayed in the heap after it
+was sealed (0.28-0.30 GB of a worker's RSS, measured with bench/serve_model.py). `release_freed`
+gives such pages back after the work that freed them, for states of RELEASE_BYTES and more only:
+a small model's decode temporaries stay where the tuning keeps them.
+
 Set MAMBA_STREAM_MALLOC_TUNE=0 to leave the allocator alone (for example under jemalloc).
 """
 
@@ -20,7 +26,7 @@ import logging
 import os
 import threading
 
-__all__ = ["tune_allocator"]
+__all__ = ["RELEASE_BYTES", "release_freed", "tune_allocator"]
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +35,12 @@ _M_MMAP_THRESHOLD = -3
 # glibc refuses an mmap threshold above HEAP_MAX_SIZE / 2 (32 MiB on 64-bit).
 MMAP_THRESHOLD = 32 * 1024 * 1024
 TRIM_THRESHOLD = 256 * 1024 * 1024
+#: a state this size or larger has its freed copies given back after a commit (`release_freed`)
+RELEASE_BYTES = 64 * 1024 * 1024
 
 _lock = threading.Lock()
 _applied: dict[str, int] | None = None
+_trim = None  # glibc's malloc_trim, once found; False where there is none
 
 
 def tune_allocator() -> dict[str, int]:
@@ -63,3 +72,26 @@ def tune_allocator() -> dict[str, int]:
                 log.warning("mallopt refused %s=%d", label, value)
         log.info("allocator thresholds set: %s", _applied)
         return dict(_applied)
+
+
+def release_freed(nbytes: int) -> bool:
+    """Give the heap's free pages back to the system after work that freed about `nbytes` (a
+    state's copy, sealed and dropped), when that is RELEASE_BYTES or more; True if it did.
+
+    glibc's malloc_trim(0) (every arena; free pages inside the heap too, by madvise): a few
+    milliseconds against the seconds a chunk of a model this big takes. Nothing happens off glibc
+    or with MAMBA_STREAM_MALLOC_TUNE=0.
+    """
+    global _trim
+    if nbytes < RELEASE_BYTES or os.environ.get("MAMBA_STREAM_MALLOC_TUNE", "1") == "0":
+        return False
+    if _trim is None:
+        try:
+            _trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+            _trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _trim = False
+    if _trim is False:
+        return False
+    _trim(0)
+    return True

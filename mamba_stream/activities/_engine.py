@@ -498,6 +498,7 @@ class StreamEngine:
         pre = None if self.holds(stream_id, expected_key) else load()
         for _ in range(3):
             work = make(pre)
+            pre = None  # the work holds it until its admission puts it in the slot, then nobody
             self._inbox.put(work)
             try:
                 return self._wait(work, on_wait, wake)
@@ -651,7 +652,11 @@ class StreamEngine:
                 if w.load is None:
                     raise NeedsLoad(w.stream_id)
                 state, logits = w.load
+                # the slot holds a copy: the loaded state (a whole state's size) is let go now,
+                # not when the chunk ends
+                w.load = None
                 self._insert(w.stream_id, state, w.epoch, w.expected_key, logits, strict=True)
+                del state, logits
                 self.stats.loads += 1
             h = self.slots.handle(w.stream_id)
             assert h is not None
@@ -711,17 +716,16 @@ class StreamEngine:
             drained = 0
             while item is not None:
                 if isinstance(item, tuple):  # a control call
-                    fn, fut = item
-                    try:
-                        fut.set_result(fn())
-                    except Exception as exc:  # noqa: BLE001
-                        fut.set_exception(exc)
+                    self._control(*item)
                 elif isinstance(item, _Work):
                     self._seen[item.stream_id] = time.perf_counter()
                     if self._admit(item):
                         pending.append(item)
                 else:  # None: stop
                     return
+                # not held while this thread waits for the next: a call's closure may hold a whole
+                # state (a put's), which would stay in memory as long as the engine is idle
+                item = None
                 singles = sum(1 for w in pending if len(w.tokens) - w.done == 1)
                 wait = deadline - time.perf_counter()
                 # a lone stream does not wait for company that is not coming: it would wait out
@@ -742,6 +746,14 @@ class StreamEngine:
                 t0 = time.perf_counter()
                 pending = self._round(pending)
                 self._round_s += 0.2 * (time.perf_counter() - t0 - self._round_s)
+
+    @staticmethod
+    def _control(fn: Callable[[], object], fut: Future) -> None:
+        """Run a control call for its caller (`_call`); nothing of it stays referenced here."""
+        try:
+            fut.set_result(fn())
+        except Exception as exc:  # noqa: BLE001
+            fut.set_exception(exc)
 
     def _company(self, pending: list[_Work]) -> bool:
         """Whether another stream, not waiting yet, sent work within the last COMPANY_WINDOW_S."""

@@ -76,6 +76,10 @@ class ModelRegistry:
     def ids(self) -> list[str]:
         return sorted(self._sources)
 
+    def loaded(self, model_id: str) -> Model | None:
+        """The model if it is loaded already, else None (never loads)."""
+        return self._models.get(model_id)
+
     def get(self, model_id: str, *, on_wait: Callable[[], None] | None = None) -> Model:
         """The model, loaded now if it was not. `on_wait` runs every 0.2 s spent waiting for
         another thread's load; what it raises ends the wait (never a load)."""
