@@ -215,12 +215,19 @@ def test_the_fair_tenants_table_on_a_small_flood():
     for bad in (["--policies", "fast"], ["--streams", "0"]):
         with pytest.raises(SystemExit):
             mod.parse_args(bad)
-    text = mod.run(mod.parse_args(["--streams", "4", "--chunks", "1", "--tenants", "1", "--policies", "full",
-                                   "--alone-s", "1.5"]))
+    text = mod.run(mod.parse_args(["--streams", "4", "--chunks", "1", "--tenants", "1", "--policies",
+                                   "full,embedded-temporal,embedded", "--alone-s", "1.5"]))
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines() if line.startswith("| 1 |")]
-    assert len(rows) == 1 and rows[0][1] == "full"
-    alone = [float(x) for x in rows[0][2].split(" / ")]
-    flood = [float(x) for x in rows[0][3].split(" / ")]
-    assert 0 < alone[0] <= alone[1] and 0 < flood[0] <= flood[1]
-    assert float(rows[0][8].split()[0]) > 0 and rows[0][8].endswith("(1.00x)")  # the flood's chunks/s
-    assert float(rows[0][10]) > 0  # the worker's peak RSS was read
+    assert [r[1] for r in rows] == ["full", "embedded-temporal", "embedded"]
+    for row in rows:
+        alone = [float(x) for x in row[2].split(" / ")]
+        flood = [float(x) for x in row[3].split(" / ")]
+        assert 0 < alone[0] <= alone[1] and 0 < flood[0] <= flood[1]
+        assert float(row[10]) > 0  # the worker's peak RSS was read
+    rate = {r[1]: float(r[8].split()[0]) for r in rows}  # the flood's chunks/s
+    assert all(v > 0 for v in rate.values())
+    # each against the first policy of its own stack: the embedded stack against its unfair run
+    assert rows[0][8].endswith("(1.00x)") and rows[1][8].endswith("(1.00x)")
+    ratio, want = float(rows[2][8].split("(")[1].rstrip("x)")), rate["embedded"] / rate["embedded-temporal"]
+    # the rates are printed to 0.1 and the ratio to 0.01: what that rounding allows, no more
+    assert abs(ratio - want) <= want * (0.05 / rate["embedded"] + 0.05 / rate["embedded-temporal"]) + 0.005
