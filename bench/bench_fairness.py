@@ -157,6 +157,9 @@ async def _scenario(policy: str, tenants: int, n_streams: int, n_chunks: int, al
                     client = await Client.connect(address, plugins=[MambaStreamPlugin(keyring=ring)])
                 except RuntimeError:
                     await asyncio.sleep(0.5)
+            if client is None:
+                raise RuntimeError(f"cannot connect to the Temporal server at {address}: "
+                                   f"{(Path(tmp) / 'worker.log').read_text()[-2000:]}")
             streams = StreamClient(client, queue)
             quiet = QUIET[: tenants - 1] if tenants > 1 else QUIET[:1]
             sids = {p: await streams.open(p, "tiny-mamba2", worker_timeout_s=120) for p in quiet}
