@@ -69,8 +69,9 @@ def dev_server_args(config: dict[str, int | bool] | None = None) -> list[str]:
     return args
 
 
-#: how long a dev server for tests and benchmarks may take to come up: the SDK's default (5 s) is
-#: missed on a loaded 2-core box (two test processes, each starting its servers and workers)
+#: how long a dev server for tests and benchmarks, and the embedded one, may take to come up: the
+#: SDK's default (5 s) is missed on a loaded 2-core box (two test processes, each starting its
+#: servers and workers), and so, once, was 30 s for the embedded server (SQLite on disk)
 DEV_SERVER_STARTUP_S = 60.0
 
 
@@ -186,7 +187,7 @@ class EmbeddedTemporal:
     def pidfile(self) -> Path:
         return self.home / "temporal.pid"
 
-    def start(self, timeout: float = 30.0) -> EmbeddedTemporal:
+    def start(self, timeout: float = DEV_SERVER_STARTUP_S) -> EmbeddedTemporal:
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("start the embedded Temporal server from the main thread: it is stopped when the "
                                "thread that started it exits")
@@ -216,9 +217,11 @@ class EmbeddedTemporal:
         deadline = time.time() + timeout
         # the port opens before the frontend serves ("Frontend is not healthy yet"): wait for both
         while not (_port_open("127.0.0.1", self.port) and self._serving()):
-            if self.proc.poll() is not None or time.time() > deadline:
+            status = self.proc.poll()
+            if status is not None or time.time() > deadline:
                 self.stop()
-                raise RuntimeError(f"the embedded Temporal server did not start; see {self.home / 'temporal.log'}")
+                why = f"exited with status {status}" if status is not None else f"did not serve within {timeout:g} s"
+                raise RuntimeError(f"the embedded Temporal server {why}; see {self.home / 'temporal.log'}")
             time.sleep(0.05)
         log.info("embedded Temporal server on %s, UI http://127.0.0.1:%d", self.address, self.ui_port)
         return self

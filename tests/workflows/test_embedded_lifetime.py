@@ -272,3 +272,15 @@ def test_a_health_check_in_flight_dies_with_its_worker(tmp_path):
             for pid, start in checks.items():
                 if _running(pid) and _proc_start(pid) == start:
                     os.kill(pid, signal.SIGKILL)
+
+
+def test_a_server_that_exits_at_start_is_said_so_with_its_status(tmp_path):
+    """A server that exits at once (here: an option its CLI refuses) is reported at once, with its
+    exit status and where its log is; one still coming up past the deadline is told apart."""
+    server = EmbeddedTemporal(tmp_path / "home", port=_free_port(), ui_port=_free_port(),
+                              extra_args=("--no-such-option",))
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"exited with status [1-9]\d*; see .*temporal\.log") as err:
+        server.start()
+    assert time.monotonic() - t0 < 30 and "did not serve" not in str(err.value)
+    assert (tmp_path / "home" / "temporal.log").exists()
