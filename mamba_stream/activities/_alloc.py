@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import threading
@@ -40,7 +41,19 @@ RELEASE_BYTES = 64 * 1024 * 1024
 
 _lock = threading.Lock()
 _applied: dict[str, int] | None = None
-_trim = None  # glibc's malloc_trim, once found; False where there is none
+
+
+def _switched_off() -> bool:
+    return os.environ.get("MAMBA_STREAM_MALLOC_TUNE", "1") == "0"
+
+
+@functools.lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL | None:
+    """The C library (glibc where `mallopt` and `malloc_trim` are), or None where it cannot be loaded."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
 
 
 def tune_allocator() -> dict[str, int]:
@@ -54,14 +67,11 @@ def tune_allocator() -> dict[str, int]:
         if _applied is not None:
             return dict(_applied)
         _applied = {}
-        if os.environ.get("MAMBA_STREAM_MALLOC_TUNE", "1") == "0":
+        if _switched_off():
             log.info("allocator tuning disabled by MAMBA_STREAM_MALLOC_TUNE=0")
             return {}
-        name = ctypes.util.find_library("c")
-        try:
-            libc = ctypes.CDLL(name or "libc.so.6")
-            mallopt = libc.mallopt
-        except (OSError, AttributeError):
+        mallopt = getattr(_libc(), "mallopt", None)
+        if mallopt is None:
             log.info("no glibc mallopt here; allocator left as it is")
             return {}
         for label, param, value in (("mmap_threshold", _M_MMAP_THRESHOLD, MMAP_THRESHOLD),
@@ -82,16 +92,10 @@ def release_freed(nbytes: int) -> bool:
     milliseconds against the seconds a chunk of a model this big takes. Nothing happens off glibc
     or with MAMBA_STREAM_MALLOC_TUNE=0.
     """
-    global _trim
-    if nbytes < RELEASE_BYTES or os.environ.get("MAMBA_STREAM_MALLOC_TUNE", "1") == "0":
+    if nbytes < RELEASE_BYTES or _switched_off():
         return False
-    if _trim is None:
-        try:
-            _trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-            _trim.argtypes = [ctypes.c_size_t]
-        except (OSError, AttributeError):
-            _trim = False
-    if _trim is False:
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is None:
         return False
-    _trim(0)
+    trim(ctypes.c_size_t(0))
     return True

@@ -656,7 +656,6 @@ class StreamEngine:
                 # not when the chunk ends
                 w.load = None
                 self._insert(w.stream_id, state, w.epoch, w.expected_key, logits, strict=True)
-                del state, logits
                 self.stats.loads += 1
             h = self.slots.handle(w.stream_id)
             assert h is not None

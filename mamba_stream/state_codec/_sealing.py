@@ -43,12 +43,12 @@ FAILURE_SEALER_ATTR = "mamba_stream_sealer"
 TAG = re.compile(r"^[0-9a-f]{32}$")
 
 
-@functools.lru_cache(maxsize=4096)  # the codec asks for every payload of a stream, with the same id
 def stream_id_head(tag: str) -> str:
     """What every stream id of principal tag `tag` begins with: `ms.<tag>.` (then 32 hex digits)."""
     return f"ms.{tag}."
 
 
+@functools.lru_cache(maxsize=4096)  # the codec asks for every payload of a stream, with the same id
 def stream_tag(workflow_id: str) -> str | None:
     """The principal tag a stream id names (`ms.<tag>.<32 hex>`, `workflows.new_stream_id`), or None
     (an id of another form: its payloads are under the master key)."""

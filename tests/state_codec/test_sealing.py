@@ -43,3 +43,20 @@ def test_keys_written_with_an_empty_digest_still_parse():
     assert parse_state_key("s1.e3.c0.") == StateKey("s1", 3, 0)
     assert parse_state_key("s1.e3.c0..out", records=True) == StateKey("s1", 3, 0)
     assert parse_state_key("s1.e3.c0.x") is None and parse_state_key("s1.e3.c0") is None
+
+
+def test_a_stream_ids_tag_is_parsed_once_and_its_head_is_what_ids_begin_with():
+    """`stream_tag` runs for every payload the codec sees, with the same id: memoized (a mend put
+    the cache on its neighbour once). `stream_id_head` is what `new_stream_id` and the stores'
+    `streams_of` begin with, and `stream_tag` reads it back."""
+    import uuid
+
+    from mamba_stream.state_codec import stream_id_head, stream_tag
+    from mamba_stream.workflows import new_stream_id
+
+    tag = uuid.uuid4().hex
+    sid = new_stream_id(tag)
+    assert sid.startswith(stream_id_head(tag)) and stream_tag(sid) == tag
+    before = stream_tag.cache_info().hits
+    assert stream_tag(sid) == tag and stream_tag.cache_info().hits == before + 1
+    assert stream_tag(stream_id_head(tag) + "x" * 31) is None and stream_tag("ms-" + uuid.uuid4().hex) is None
